@@ -1,0 +1,126 @@
+"""Controllers behind the Observation -> Decision interface, and ``build_controller`` to make
+one from a command-line spec such as ``flow:budget=2,dist=poisson``."""
+
+from __future__ import annotations
+
+import inspect
+
+from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection
+from ctrl.class_budgets import ClassBudgetsController
+from ctrl.flow import FlowController
+from ctrl.greedy import GreedyController
+from ctrl.no_evict import NoEvictController
+from ctrl.sglang import SGLangController
+from ctrl.theory import lifetime_kv_workload
+from ctrl.watermark import WatermarkController
+
+CONTROLLERS: dict[str, type[Controller]] = {
+    c.name: c for c in (GreedyController, NoEvictController, SGLangController, WatermarkController,
+                        ClassBudgetsController, FlowController)
+}
+
+# Options filled from the profile when the user does not set them.
+_PROFILE_DEFAULTS = {
+    "max_num_seqs": lambda p: p.max_num_seqs,
+    "max_num_batched_tokens": lambda p: p.max_num_batched_tokens,
+    "tpot_slo_s": lambda p: p.tpot_slo_s,
+}
+
+__all__ = ["CONTROLLERS", "Controller", "ControllerSpecError", "Decision", "Observation", "Rejection",
+           "UNLIMITED", "build_controller", "controller_options", "parse_spec"]
+
+
+class ControllerSpecError(ValueError):
+    """A controller spec that names an unknown controller or option, or a bad value."""
+
+
+def controller_options(cls: type[Controller]) -> dict[str, inspect.Parameter]:
+    """The options a controller accepts: its own and the overload options of every controller."""
+    params = {}
+    for klass in (cls, Controller):
+        for name, p in inspect.signature(klass.__init__).parameters.items():
+            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                params.setdefault(name, p)
+    return params
+
+
+def _convert(name: str, text: str, param: inspect.Parameter):
+    ann = str(param.annotation)
+    try:
+        if ann.startswith("list"):
+            return [float(x) for x in text.split("/") if x]
+        if "bool" in ann:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if "int" in ann and "float" not in ann:
+            return int(float(text)) if float(text).is_integer() else int(text)
+        if "float" in ann:
+            return float(text)
+        return text
+    except ValueError:
+        kind = "a list like 0.5/1.5" if ann.startswith("list") else ann.split("|")[0].strip()
+        raise ControllerSpecError(f"option {name}={text!r} is not valid: expected {kind}") from None
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split ``name:key=value,key=value`` into the name and the raw options."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ControllerSpecError(f"controller option {item!r} needs the form key=value")
+        options[key.strip()] = value.strip()
+    return name.strip(), options
+
+
+def build_controller(spec: str, profile=None, workload=None) -> Controller:
+    """Make a controller from a spec, with defaults from the profile.
+
+    :param spec: ``name`` or ``name:key=value,...``; names are the keys of ``CONTROLLERS``.
+    :param profile: fills ``max_num_seqs``, ``max_num_batched_tokens`` and ``tpot_slo_s``.
+    :param workload: the arrivals, used by ``class-budgets`` to derive budgets when none are given.
+    """
+    name, raw = parse_spec(spec)
+    cls = CONTROLLERS.get(name)
+    if cls is None:
+        raise ControllerSpecError(
+            f"unknown controller {name!r}; choose one of {', '.join(sorted(CONTROLLERS))}")
+    params = controller_options(cls)
+    kwargs = {}
+    for key, text in raw.items():
+        if key not in params:
+            raise ControllerSpecError(
+                f"controller {name!r} has no option {key!r}; it accepts {', '.join(sorted(params))}")
+        kwargs[key] = _convert(key, text, params[key])
+    if profile is not None:
+        for key, get in _PROFILE_DEFAULTS.items():
+            if key in params and key not in kwargs:
+                kwargs[key] = get(profile)
+    try:
+        if cls is ClassBudgetsController and "budgets" not in kwargs:
+            return _class_budgets_from_workload(profile, workload, kwargs)
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ControllerSpecError(f"controller {name!r}: {exc}") from None
+
+
+def _class_budgets_from_workload(profile, workload, kwargs) -> Controller:
+    if profile is None or not workload:
+        raise ValueError("needs budgets=b0/b1/... or a workload to derive them from")
+    by_class: dict[int, list] = {}
+    for a in workload:
+        by_class.setdefault(a.class_id, []).append(a)
+    span = max(workload[-1].arrival_time_s - workload[0].arrival_time_s, 1e-9)
+    step_s = profile.base_s  # one step per slot in the paper's model; only the ratios matter
+    ids = range(max(by_class) + 1)
+    rates = [len(by_class.get(k, ())) / span * step_s for k in ids]
+    works = [float(lifetime_kv_workload([a.prompt_tokens for a in by_class[k]],
+                                        [a.output_tokens for a in by_class[k]]).mean())
+             if k in by_class else 0.0 for k in ids]
+    biggest = [max((a.prompt_tokens + a.output_tokens for a in by_class.get(k, ())), default=0) for k in ids]
+    return ClassBudgetsController.from_classes(rates, works, biggest, profile.kv_capacity_tokens, **kwargs)

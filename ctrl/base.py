@@ -1,0 +1,158 @@
+"""The controller interface: an Observation in, a Decision out.
+
+Controllers never touch engine internals; the same object runs in the simulator, the
+Gymnasium env, the real engine and the server.
+"""
+
+from __future__ import annotations
+
+import math
+
+UNLIMITED = 1 << 60
+
+
+class Observation:
+    """Plain numbers describing the engine at the start of a step.
+
+    The engine owns one instance and updates it in place every step: controllers read it,
+    they must not keep references to it across steps if they need history.
+    """
+
+    __slots__ = (
+        "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
+        "num_waiting", "num_running", "waiting_prompt_tokens", "head_prompt_tokens",
+        "arrival_rate_rps", "completion_rate_rps", "last_step_time_s", "last_step_tokens",
+        "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
+        "rejections_total", "completed_total", "mean_prompt_tokens", "mean_output_tokens",
+        "lifetime_kv_workload", "mean_step_time_s",
+    )
+
+    def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
+        self.now_s = 0.0
+        self.step_index = 0
+        self.kv_used_tokens = 0
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.block_size = block_size
+        self.num_waiting = 0
+        self.num_running = 0
+        self.waiting_prompt_tokens = 0
+        self.head_prompt_tokens = 0
+        self.arrival_rate_rps = 0.0
+        self.completion_rate_rps = 0.0
+        self.last_step_time_s = 0.0
+        self.last_step_tokens = 0
+        self.ttft_recent_s = 0.0
+        self.tpot_recent_s = 0.0
+        self.evictions_total = 0
+        self.evicted_last_step = 0
+        self.rejections_total = 0
+        self.completed_total = 0
+        self.mean_prompt_tokens = 0.0
+        self.mean_output_tokens = 0.0
+        self.lifetime_kv_workload = 0.0
+        self.mean_step_time_s = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Decision:
+    """What the engine may do this step.
+
+    :param activation_budget: at most this many waiting requests become running.
+    :param token_budget: at most this many new tokens (decodes plus prefill chunks) in the step.
+    :param running_cap: at most this many running requests after activation.
+    :param kv_reserve_ratio: None: activate while the pool holds the prompt. A ratio r: activate
+        only while every running request's KV plus r x its remaining max_tokens, and the same
+        for the candidate, fits in the pool (r = 1 never evicts).
+    :param class_budgets: per-class activation allowances for this step (class id -> count);
+        when set, it replaces ``activation_budget``.
+    """
+
+    __slots__ = ("activation_budget", "token_budget", "running_cap", "kv_reserve_ratio",
+                 "class_budgets")
+
+    def __init__(
+        self,
+        activation_budget: int = UNLIMITED,
+        token_budget: int = UNLIMITED,
+        running_cap: int = UNLIMITED,
+        kv_reserve_ratio: float | None = None,
+        class_budgets: dict[int, int] | None = None,
+    ) -> None:
+        self.activation_budget = activation_budget
+        self.token_budget = token_budget
+        self.running_cap = running_cap
+        self.kv_reserve_ratio = kv_reserve_ratio
+        self.class_budgets = class_budgets
+
+    def __repr__(self) -> str:
+        return (f"Decision(activation_budget={self.activation_budget}, token_budget={self.token_budget}, "
+                f"running_cap={self.running_cap}, kv_reserve_ratio={self.kv_reserve_ratio}, "
+                f"class_budgets={self.class_budgets})")
+
+
+class Rejection:
+    """A refused arrival: the server answers 429 with ``Retry-After``."""
+
+    __slots__ = ("reason", "retry_after_s")
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    def __repr__(self) -> str:
+        return f"Rejection({self.reason!r}, retry_after_s={self.retry_after_s:.3g})"
+
+
+def retry_after_s(obs: Observation, backlog: float | None = None) -> float:
+    """Seconds until the current backlog drains at the observed completion rate.
+
+    :param backlog: requests ahead of a new one; defaults to the waiting queue plus one.
+    """
+    if backlog is None:
+        backlog = obs.num_waiting + 1
+    rate = obs.completion_rate_rps
+    if rate <= 0.0:
+        # Nothing has completed recently: fall back to one mean request lifetime.
+        lifetime = obs.mean_output_tokens * obs.mean_step_time_s
+        return max(1.0, lifetime) if math.isfinite(lifetime) else 1.0
+    return max(0.1, backlog / rate)
+
+
+class Controller:
+    """Base class: accepts every arrival (unless the queue limit is hit) and lets everything run.
+
+    Every controller takes two overload options:
+
+    :param max_waiting: reject arrivals while this many requests wait (None: no limit).
+    :param queue_timeout_s: a request that waited this long without starting expires
+        (None: never).
+    """
+
+    name = "base"
+
+    def __init__(self, max_waiting: int | None = None, queue_timeout_s: float | None = None) -> None:
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        if queue_timeout_s is not None and queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be > 0, got {queue_timeout_s}")
+        self.max_waiting = max_waiting
+        self.queue_timeout_s = queue_timeout_s
+
+    def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
+        """Decide on an arrival: None accepts it, a Rejection refuses it."""
+        if self.max_waiting is not None and obs.num_waiting >= self.max_waiting:
+            return Rejection(f"queue is full ({obs.num_waiting} waiting)", retry_after_s(obs))
+        return None
+
+    def decide(self, obs: Observation) -> Decision:
+        """The Decision for the next step."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget per-run state (called when an engine starts a new run)."""

@@ -1,0 +1,24 @@
+"""vLLM v1's default scheduler: activate FIFO while the pool has blocks for the prompt, up to
+``max_num_seqs`` running and a ``max_num_batched_tokens`` step budget; on overflow the newest
+request is preempted and recomputed (the engine's LIFO eviction)."""
+
+from __future__ import annotations
+
+from ctrl.base import UNLIMITED, Controller, Decision, Observation
+
+
+class GreedyController(Controller):
+    """:param max_num_seqs: most running requests (vLLM default 256).
+    :param max_num_batched_tokens: most new tokens per step (vLLM v1 default 8192 with chunked prefill).
+    """
+
+    name = "greedy"
+
+    def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, **overload) -> None:
+        super().__init__(**overload)
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self._decision = Decision(UNLIMITED, max_num_batched_tokens, max_num_seqs)
+
+    def decide(self, obs: Observation) -> Decision:
+        return self._decision

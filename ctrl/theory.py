@@ -1,0 +1,68 @@
+"""Flow-control theory of Dong & Cao (arXiv 2604.11001) and the fluid throughput bound.
+
+Time is counted in steps (slots); a request with prompt l holds l + j KV entries after its
+j-th output token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def lifetime_kv_workload(prompt_tokens, output_tokens):
+    """w = l*o + (o + o^2)/2: the KV token-steps a request occupies over its life."""
+    l = np.asarray(prompt_tokens, dtype=float)
+    o = np.asarray(output_tokens, dtype=float)
+    w = l * o + (o + o * o) / 2
+    return float(w) if w.ndim == 0 else w
+
+
+def necessary_rate_bound(lifetime_kv: float, kv_capacity_tokens: int) -> float:
+    """The largest arrival rate (requests per step) any stable scheduler can sustain for one
+    class: lambda * w <= M."""
+    return kv_capacity_tokens / lifetime_kv
+
+
+def class_budgets_feasible(budgets, lifetime_kv, kv_capacity_tokens: int) -> bool:
+    """Algorithm 1's memory condition: sum_k b_k * w_k <= M."""
+    return float(np.dot(budgets, lifetime_kv)) <= kv_capacity_tokens
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a workload asks of one replica, and what the replica can give."""
+
+    mean_tokens_per_request: float   # S = E[P] + E[D]
+    lifetime_kv_workload: float      # W = E[P*D] + E[D(D+1)]/2
+    kv_capacity_tokens: int          # M
+    memory_bound_rps: float          # M / (W * step time at full memory): the necessary condition in seconds
+    lambda_max_rps: float            # fluid bound 1 / (a W / M + c W + b S)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+def capacity(prompt_tokens, output_tokens, profile) -> Capacity:
+    """The fluid throughput bound for a workload on a profile.
+
+    With step time t = a + b*T + c*K (T new tokens, K KV tokens read), N requests need
+    N*S tokens of compute, and occupy N*W token-steps of KV; at most M are held per step, so
+    at least N*W/M steps, each costing a, with the attention reading N*W tokens in total:
+    time >= N*(a*W/M + c*W + b*S), hence lambda_max = 1 / (a*W/M + c*W + b*S).
+    """
+    p = np.asarray(prompt_tokens, dtype=float)
+    d = np.asarray(output_tokens, dtype=float)
+    s = float(p.mean() + d.mean())
+    w = float(np.mean(p * d) + np.mean(d * (d + 1)) / 2)
+    m = profile.kv_capacity_tokens
+    a, b, c = profile.base_s, profile.per_token_s, profile.per_kv_token_s
+    full_step_s = a + c * m
+    return Capacity(
+        mean_tokens_per_request=s,
+        lifetime_kv_workload=w,
+        kv_capacity_tokens=m,
+        memory_bound_rps=m / (w * full_step_s),
+        lambda_max_rps=1.0 / (a * w / m + c * w + b * s),
+    )

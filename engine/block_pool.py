@@ -1,0 +1,71 @@
+"""The KV block pool: the single KV accounting of the engine.
+
+Capacity is ``kv_capacity_tokens`` split into fixed-size blocks. A request holds a list of
+block ids (its block table); the real executor stores its keys and values at those block ids.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.request import Request
+
+
+class BlockPool:
+    """Fixed-size KV blocks handed out to requests and taken back on any exit.
+
+    :param kv_capacity_tokens: total KV capacity M in tokens (rounded down to whole blocks).
+    :param block_size: tokens per block.
+    """
+
+    def __init__(self, kv_capacity_tokens: int, block_size: int = 16) -> None:
+        if block_size < 1:
+            raise ValueError(f"block size must be a positive number of tokens, got {block_size}")
+        if kv_capacity_tokens < block_size:
+            raise ValueError(
+                f"KV capacity of {kv_capacity_tokens} tokens is smaller than one block of {block_size}")
+        self.block_size = block_size
+        self.num_blocks = kv_capacity_tokens // block_size
+        self.capacity_tokens = self.num_blocks * block_size
+        self._free: deque[int] = deque(range(self.num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def used_tokens(self) -> int:
+        """KV usage in tokens, counted in whole blocks (what the cache really holds back)."""
+        return (self.num_blocks - len(self._free)) * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """Blocks ``request`` must still get so that it can hold ``num_tokens`` tokens."""
+        need = -(-num_tokens // self.block_size) - len(request.block_ids)
+        return need if need > 0 else 0
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Give ``request`` enough blocks to hold ``num_tokens``; False (and nothing taken) if short."""
+        need = -(-num_tokens // self.block_size) - len(request.block_ids)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        pop = self._free.popleft
+        request.block_ids.extend(pop() for _ in range(need))
+        return True
+
+    def free(self, request: Request) -> None:
+        """Return all of ``request``'s blocks to the pool."""
+        if request.block_ids:
+            self._free.extend(request.block_ids)
+            request.block_ids = []

@@ -1,0 +1,428 @@
+"""EngineCore: one continuous-batching loop shared by the simulator twin and the real engine.
+
+A step: ask the controller for a Decision, activate up to that many waiting requests, make
+room by evicting the most recently activated requests (LIFO) while the pool cannot hold the
+step's tokens, build the batch (every decode, then prefill chunks within the token budget),
+run the executor, commit tokens and finish requests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Callable
+
+from ctrl.base import Controller, Decision, Observation, Rejection
+from engine.block_pool import BlockPool
+from engine.executor import Batch, Executor
+from engine.metrics import EngineMetrics
+from engine.request import Request, RequestState
+
+_FINISHED = RequestState.FINISHED
+_RUNNING = RequestState.RUNNING
+
+
+class RateEstimator:
+    """Events per second, exponentially weighted over ``window_s``."""
+
+    __slots__ = ("window_s", "_value", "_last_s")
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._value = 0.0
+        self._last_s = 0.0
+
+    def add(self, now_s: float, count: int = 1) -> None:
+        self._value = self.rate(now_s) + count / self.window_s
+        self._last_s = now_s
+
+    def rate(self, now_s: float) -> float:
+        dt = now_s - self._last_s
+        return self._value * math.exp(-dt / self.window_s) if dt > 0 else self._value
+
+
+class EngineCore:
+    """The scheduling loop around a block pool, a controller and an executor.
+
+    :param controller: decides activations, batch size and admission.
+    :param executor: runs each step's batch (simulated or real).
+    :param clock: ``VirtualClock`` for simulation, ``WallClock`` for the real engine.
+    :param kv_capacity_tokens: KV capacity M in tokens.
+    :param block_size: tokens per KV block.
+    :param rate_window_s: time constant of the arrival and completion rate estimates.
+    :param on_token: called as ``on_token(request, token_id)`` for every committed output token
+        (token_id is None in simulation); the server streams from it.
+    :param on_finish: called once with each request that reaches a terminal state.
+    """
+
+    def __init__(
+        self,
+        controller: Controller,
+        executor: Executor,
+        clock,
+        kv_capacity_tokens: int,
+        block_size: int = 16,
+        rate_window_s: float = 10.0,
+        on_token: Callable[[Request, int | None], None] | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+        record_steps: bool = True,
+    ) -> None:
+        self.controller = controller
+        self.executor = executor
+        self.clock = clock
+        self.pool = BlockPool(kv_capacity_tokens, block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.metrics = EngineMetrics(record_steps=record_steps)
+        self.obs = Observation(self.pool.capacity_tokens, block_size)
+        self.on_token = on_token
+        self.on_finish = on_finish
+        self._arrivals = RateEstimator(rate_window_s)
+        self._completions = RateEstimator(rate_window_s)
+        self._ewma_alpha = 0.05
+        self._waiting_prompt_tokens = 0
+        self._activation_seq = 0
+        self._cancel: list[Request] = []
+        self._evicted_last_step = 0
+        self.step_index = 0
+
+    # ------------------------------------------------------------------ arrivals
+    def add_request(self, request: Request) -> Rejection | None:
+        """Queue an arrival, unless it can never fit or the controller refuses it."""
+        now = self.clock.now()
+        self._arrivals.add(now)
+        self.metrics.on_arrival(request)
+        cap = self.pool.capacity_tokens
+        if request.prompt_len < 1 or request.max_tokens < 1:
+            return self._reject(request, "a request needs at least one prompt token and max_tokens >= 1", 0.0)
+        if request.prompt_len + request.max_tokens > cap:
+            return self._reject(
+                request,
+                f"prompt ({request.prompt_len} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
+                f"KV capacity of {cap} tokens", 0.0)
+        obs = self._observe(now)
+        rejection = self.controller.admit(obs, request.prompt_len, request.max_tokens)
+        if rejection is not None:
+            return self._reject(request, rejection.reason, rejection.retry_after_s)
+        self.waiting.append(request)
+        self._waiting_prompt_tokens += request.prompt_len
+        return None
+
+    def cancel(self, request: Request) -> None:
+        """Cancel a waiting or running request; its blocks are freed at the start of the next step."""
+        if not request.state.is_terminal and not request.cancel_requested:
+            request.cancel_requested = True
+            self._cancel.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._cancel)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[Request]:
+        """Run one engine step; returns the requests that reached a terminal state in it."""
+        ended: list[Request] = []
+        now = self.clock.now()
+        if self._cancel:
+            self._apply_cancellations(ended)
+        timeout = self.controller.queue_timeout_s
+        if timeout is not None and self.waiting:
+            self._expire(now - timeout, ended)
+
+        decision = self.controller.decide(self._observe(now))
+        if self.waiting:
+            self._activate(decision)
+        self._evicted_last_step = 0
+        self._make_room()
+        batch = self._build_batch(decision.token_budget)
+
+        start = now
+        if batch.requests:
+            try:
+                result = self.executor.execute(batch)
+            except Exception as exc:  # the step's requests fail; the engine keeps serving
+                self._fail_batch(batch, f"step failed: {type(exc).__name__}: {exc}", ended)
+                self.clock.advance(0.0)
+                self._finish_step(start, batch, ended)
+                return ended
+        else:
+            result = self.executor.execute(batch)
+        if result.duration_s is not None:
+            self.clock.advance(result.duration_s)
+        self._commit(batch, result, ended)
+        self._finish_step(start, batch, ended)
+        return ended
+
+    def _finish_step(self, start: float, batch: Batch, ended: list[Request]) -> None:
+        end = self.clock.now()
+        duration = end - start
+        obs = self.obs
+        obs.last_step_time_s = duration
+        obs.last_step_tokens = batch.num_tokens
+        if batch.num_tokens:
+            obs.mean_step_time_s += self._ewma_alpha * (duration - obs.mean_step_time_s)
+        self.metrics.on_step(end, duration, self.pool.used_tokens, len(self.waiting),
+                             len(self.running), batch.num_tokens)
+        if ended and self.on_finish is not None:
+            for r in ended:
+                self.on_finish(r)
+        self.step_index += 1
+
+    def _observe(self, now: float) -> Observation:
+        obs = self.obs
+        obs.now_s = now
+        obs.step_index = self.step_index
+        obs.kv_used_tokens = self.pool.used_tokens
+        obs.num_waiting = len(self.waiting)
+        obs.num_running = len(self.running)
+        obs.waiting_prompt_tokens = self._waiting_prompt_tokens
+        obs.head_prompt_tokens = self.waiting[0].prompt_len if self.waiting else 0
+        obs.arrival_rate_rps = self._arrivals.rate(now)
+        obs.completion_rate_rps = self._completions.rate(now)
+        obs.evicted_last_step = self._evicted_last_step
+        return obs
+
+    def _activate(self, decision: Decision) -> None:
+        running, waiting, pool = self.running, self.waiting, self.pool
+        room = decision.running_cap - len(running)
+        if decision.class_budgets is not None:
+            self._activate_by_class(decision.class_budgets, room)
+            return
+        budget = min(decision.activation_budget, room)
+        if budget <= 0:
+            return
+        ratio = decision.kv_reserve_ratio
+        reserved = self._reserved_tokens(ratio) if ratio is not None else 0
+        while budget > 0 and waiting:
+            r = waiting[0]
+            if ratio is not None:
+                need = self._reservation(r, ratio)
+                if reserved + need > pool.capacity_tokens:
+                    break
+            if not pool.grow(r, r.prompt_len):
+                break
+            waiting.popleft()
+            self._start(r)
+            budget -= 1
+            if ratio is not None:
+                reserved += need
+
+    def _activate_by_class(self, class_budgets: dict[int, int], room: int) -> None:
+        left = {k: v for k, v in class_budgets.items() if v > 0}
+        if not left or room <= 0:
+            return
+        kept: deque[Request] = deque()
+        waiting = self.waiting
+        while waiting and left and room > 0:
+            r = waiting.popleft()
+            allowance = left.get(r.class_id, 0)
+            if allowance > 0 and self.pool.grow(r, r.prompt_len):
+                self._start(r)
+                room -= 1
+                if allowance == 1:
+                    del left[r.class_id]
+                else:
+                    left[r.class_id] = allowance - 1
+            else:
+                kept.append(r)
+        kept.extend(waiting)
+        self.waiting = kept
+
+    def _reservation(self, r: Request, ratio: float) -> int:
+        future = math.ceil(ratio * (r.max_tokens - r.num_output_tokens))
+        return self.pool.blocks_for(r.prompt_len + r.num_output_tokens + future) * self.pool.block_size
+
+    def _reserved_tokens(self, ratio: float) -> int:
+        return sum(self._reservation(r, ratio) for r in self.running)
+
+    def _start(self, r: Request) -> None:
+        r.state = _RUNNING
+        r.ever_activated = True
+        r.activation_seq = self._activation_seq
+        self._activation_seq += 1
+        self._waiting_prompt_tokens -= r.prompt_len
+        self.running.append(r)
+
+    def _make_room(self) -> None:
+        """Evict the most recently activated requests while the step's decodes do not fit."""
+        bs_tokens = self.pool.block_size
+        need = 0
+        for r in self.running:
+            if r.num_computed_tokens >= r.prompt_len and r.num_tokens > len(r.block_ids) * bs_tokens:
+                need += 1
+        while need > self.pool.num_free_blocks:
+            victim = self.running.pop()
+            if victim.num_computed_tokens >= victim.prompt_len and victim.num_tokens > len(victim.block_ids) * bs_tokens:
+                need -= 1
+            self._evict(victim)
+        if need:
+            for r in self.running:
+                if r.num_computed_tokens >= r.prompt_len:
+                    self.pool.grow(r, r.num_tokens)
+
+    def _evict(self, r: Request) -> None:
+        """Send a running request back to the front of the queue; its progress is discarded."""
+        wasted = r.num_computed_tokens
+        r.wasted_tokens += wasted
+        r.num_evictions += 1
+        self.pool.free(r)
+        self.executor.release(r)
+        r.num_computed_tokens = 0
+        r.num_output_tokens = 0
+        r.output_token_ids = []
+        r.state = RequestState.WAITING
+        self.waiting.appendleft(r)
+        self._waiting_prompt_tokens += r.prompt_len
+        self._evicted_last_step += 1
+        self.obs.evictions_total += 1
+        self.metrics.on_eviction(wasted)
+
+    def _build_batch(self, token_budget: int) -> Batch:
+        batch = Batch()
+        reqs, counts = batch.requests, batch.num_new_tokens
+        kv_read = 0
+        prefilling = []
+        for r in self.running:
+            if r.num_computed_tokens >= r.prompt_len:
+                reqs.append(r)
+                kv_read += r.num_computed_tokens + 1
+            else:
+                prefilling.append(r)
+        n_decodes = len(reqs)
+        counts.extend([1] * n_decodes)
+        left = token_budget - n_decodes
+        for r in prefilling:
+            if left <= 0:
+                break
+            chunk = r.prompt_len - r.num_computed_tokens
+            if chunk > left:
+                chunk = left
+            reqs.append(r)
+            counts.append(chunk)
+            kv_read += r.num_computed_tokens + chunk
+            left -= chunk
+        batch.num_decodes = n_decodes
+        batch.num_tokens = n_decodes + sum(counts[n_decodes:])
+        batch.kv_tokens_read = kv_read
+        return batch
+
+    def _commit(self, batch: Batch, result, ended: list[Request]) -> None:
+        now = self.clock.now()
+        token_ids = result.token_ids
+        on_token = self.on_token
+        any_done = False
+        for i, r in enumerate(batch.requests):
+            if r.state is not _RUNNING:
+                continue
+            r.num_computed_tokens += batch.num_new_tokens[i]
+            if r.num_computed_tokens < r.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            r.num_output_tokens += 1
+            tok = None
+            if token_ids is not None:
+                tok = token_ids[i]
+                r.output_token_ids.append(tok)
+            if r.first_token_time_s is None:
+                r.first_token_time_s = now
+            if on_token is not None:
+                on_token(r, tok)
+            out = r.num_output_tokens
+            if out >= r.max_tokens:
+                self._end(r, _FINISHED, "length", now, ended)
+                any_done = True
+            elif r.target_output_len is not None and out >= r.target_output_len:
+                self._end(r, _FINISHED, "stop", now, ended)
+                any_done = True
+        for r in result.stopped:
+            if r.state is _RUNNING:
+                self._end(r, _FINISHED, "stop", now, ended)
+                any_done = True
+        for r, reason in result.failed:
+            if r.state is _RUNNING:
+                self._end(r, RequestState.FAILED, reason, now, ended)
+                any_done = True
+        if any_done:
+            self.running = [r for r in self.running if r.state is _RUNNING]
+
+    def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:
+        was_running = r.state is _RUNNING
+        r.state = state
+        r.finish_reason = reason
+        r.finish_time_s = now
+        if was_running or r.block_ids:
+            self.pool.free(r)
+            self.executor.release(r)
+        ended.append(r)
+        if state is _FINISHED:
+            self._record_completion(r, now)
+        else:
+            self.metrics.on_terminal(r)
+
+    def _record_completion(self, r: Request, now: float) -> None:
+        self._completions.add(now)
+        obs, a = self.obs, self._ewma_alpha
+        obs.completed_total += 1
+        o, p = r.num_output_tokens, r.prompt_len
+        if obs.completed_total == 1:
+            obs.mean_prompt_tokens, obs.mean_output_tokens = float(p), float(o)
+            obs.lifetime_kv_workload = p * o + (o + o * o) / 2
+        else:
+            obs.mean_prompt_tokens += a * (p - obs.mean_prompt_tokens)
+            obs.mean_output_tokens += a * (o - obs.mean_output_tokens)
+            obs.lifetime_kv_workload += a * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
+        ttft = r.first_token_time_s - r.arrival_time_s
+        obs.ttft_recent_s += a * (ttft - obs.ttft_recent_s)
+        if o > 1:
+            tpot = (now - r.first_token_time_s) / (o - 1)
+            obs.tpot_recent_s += a * (tpot - obs.tpot_recent_s)
+        self.metrics.on_terminal(r)
+
+    def _reject(self, r: Request, reason: str, retry_after_s: float) -> Rejection:
+        r.state = RequestState.REJECTED
+        r.finish_reason = reason
+        r.retry_after_s = retry_after_s
+        r.finish_time_s = self.clock.now()
+        self.obs.rejections_total += 1
+        self.metrics.on_terminal(r)
+        if self.on_finish is not None:
+            self.on_finish(r)
+        return Rejection(reason, retry_after_s)
+
+    def _apply_cancellations(self, ended: list[Request]) -> None:
+        now = self.clock.now()
+        cancelled = {id(r) for r in self._cancel if not r.state.is_terminal}
+        if not cancelled:
+            self._cancel.clear()
+            return
+        for r in self._cancel:
+            if r.state is RequestState.WAITING:
+                self._waiting_prompt_tokens -= r.prompt_len
+            if not r.state.is_terminal:
+                self._end(r, RequestState.CANCELLED, "cancelled", now, ended)
+        self._cancel.clear()
+        self.waiting = deque(r for r in self.waiting if id(r) not in cancelled)
+        self.running = [r for r in self.running if id(r) not in cancelled]
+
+    def _expire(self, cutoff_s: float, ended: list[Request]) -> None:
+        """Expire requests that waited past the queue timeout without ever starting."""
+        waiting = self.waiting
+        resumed = []
+        now = self.clock.now()
+        while waiting:
+            r = waiting[0]
+            if r.ever_activated:  # evicted requests already started serving: they do not expire
+                resumed.append(waiting.popleft())
+            elif r.arrival_time_s < cutoff_s:
+                waiting.popleft()
+                self._waiting_prompt_tokens -= r.prompt_len
+                self._end(r, RequestState.EXPIRED, "queue timeout", now, ended)
+            else:
+                break
+        waiting.extendleft(reversed(resumed))
+
+    def _fail_batch(self, batch: Batch, reason: str, ended: list[Request]) -> None:
+        now = self.clock.now()
+        for r in batch.requests:
+            if r.state is _RUNNING:
+                self._end(r, RequestState.FAILED, reason, now, ended)
+        self.running = [r for r in self.running if r.state is _RUNNING]

@@ -1,0 +1,66 @@
+"""The executor interface: the only thing the simulator twin and the real engine do not share."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.request import Request
+
+
+class Batch:
+    """The work of one step: each scheduled request with its number of new tokens.
+
+    A request samples an output token in this step when its new tokens reach the end of its
+    sequence (the last prefill chunk, or a decode).
+
+    :param requests: scheduled requests, decodes first, then prefill chunks.
+    :param num_new_tokens: new tokens per request, parallel to ``requests``.
+    :param num_tokens: total new tokens in the step.
+    :param kv_tokens_read: context tokens the step's attention reads (cached plus new).
+    """
+
+    __slots__ = ("requests", "num_new_tokens", "num_tokens", "kv_tokens_read", "num_decodes")
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.num_new_tokens: list[int] = []
+        self.num_tokens = 0
+        self.kv_tokens_read = 0
+        self.num_decodes = 0
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class StepResult:
+    """What the executor produced for a batch.
+
+    :param duration_s: the step's duration; None means "measured by the wall clock".
+    :param token_ids: for each request in the batch, the sampled token id, or None when it
+        sampled nothing (a non-final prefill chunk). None overall in simulation, where tokens
+        carry no identity.
+    :param stopped: requests that hit EOS or a stop condition with this step's token.
+    :param failed: requests the executor could not serve, with the reason.
+    """
+
+    __slots__ = ("duration_s", "token_ids", "stopped", "failed")
+
+    def __init__(
+        self,
+        duration_s: float | None,
+        token_ids: list[int | None] | None = None,
+        stopped: list[Request] | None = None,
+        failed: list[tuple[Request, str]] | None = None,
+    ) -> None:
+        self.duration_s = duration_s
+        self.token_ids = token_ids
+        self.stopped = stopped or ()
+        self.failed = failed or ()
+
+
+class Executor(Protocol):
+    """Runs a step's batch. The engine calls ``release`` whenever a request leaves the running set."""
+
+    def execute(self, batch: Batch) -> StepResult: ...
+
+    def release(self, request: Request) -> None: ...

@@ -1,0 +1,121 @@
+"""Run metrics: per-request latencies, per-step KV usage, and the summary every command prints."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+from engine.request import Request, RequestState
+
+
+class EngineMetrics:
+    """Collects what happened in a run; ``summary`` turns it into plain numbers."""
+
+    def __init__(self, record_steps: bool = True) -> None:
+        self.record_steps = record_steps
+        self.arrived = 0
+        self.first_arrival_s: float | None = None
+        self.terminal: list[Request] = []
+        self.evictions = 0
+        self.wasted_tokens = 0
+        self.steps = 0
+        self.busy_time_s = 0.0
+        self.kv_time_product = 0.0
+        self.kv_sq_time_product = 0.0
+        self.waiting_time_product = 0.0
+        self.kv_peak_tokens = 0
+        self.last_time_s = 0.0
+        self.step_time_s = array("d")
+        self.step_duration_s = array("d")
+        self.step_kv_tokens = array("q")
+        self.step_waiting = array("q")
+        self.step_running = array("q")
+        self.step_tokens = array("q")
+
+    def on_arrival(self, r: Request) -> None:
+        self.arrived += 1
+        if self.first_arrival_s is None:
+            self.first_arrival_s = r.arrival_time_s
+
+    def on_eviction(self, wasted_tokens: int) -> None:
+        self.evictions += 1
+        self.wasted_tokens += wasted_tokens
+
+    def on_terminal(self, r: Request) -> None:
+        self.terminal.append(r)
+
+    def on_step(self, end_s: float, duration_s: float, kv_tokens: int, waiting: int, running: int,
+                tokens: int) -> None:
+        self.steps += 1
+        self.busy_time_s += duration_s
+        self.kv_time_product += kv_tokens * duration_s
+        self.kv_sq_time_product += kv_tokens * kv_tokens * duration_s
+        self.waiting_time_product += waiting * duration_s
+        if kv_tokens > self.kv_peak_tokens:
+            self.kv_peak_tokens = kv_tokens
+        self.last_time_s = end_s
+        if self.record_steps:
+            self.step_time_s.append(end_s)
+            self.step_duration_s.append(duration_s)
+            self.step_kv_tokens.append(kv_tokens)
+            self.step_waiting.append(waiting)
+            self.step_running.append(running)
+            self.step_tokens.append(tokens)
+
+    def summary(self, kv_capacity_tokens: int, ttft_slo_s: float, tpot_slo_s: float,
+                final_waiting: int = 0) -> dict[str, float]:
+        """The run's figures. Goodput (DistServe): finished requests per second that met both
+        the TTFT and the TPOT SLO; rejected, expired, cancelled and failed requests count as missed.
+        """
+        finished = [r for r in self.terminal if r.state is RequestState.FINISHED]
+        counts = {s: 0 for s in RequestState}
+        for r in self.terminal:
+            counts[r.state] += 1
+        ttft = np.array([r.first_token_time_s - r.arrival_time_s for r in finished], dtype=float)
+        e2e = np.array([r.finish_time_s - r.arrival_time_s for r in finished], dtype=float)
+        outs = np.array([r.num_output_tokens for r in finished], dtype=float)
+        decode_s = np.array([r.finish_time_s - r.first_token_time_s for r in finished], dtype=float)
+        multi = outs > 1
+        tpot = decode_s[multi] / (outs[multi] - 1) if finished else np.array([])
+        tpot_all = np.zeros(len(finished))
+        if finished:
+            tpot_all[multi] = tpot
+        good = int(np.sum((ttft <= ttft_slo_s) & (tpot_all <= tpot_slo_s))) if finished else 0
+        start = self.first_arrival_s or 0.0
+        span = max(self.last_time_s - start, 1e-12)
+        busy = self.busy_time_s if self.busy_time_s > 0 else 1e-12
+        kv_mean = self.kv_time_product / busy
+        kv_var = max(self.kv_sq_time_product / busy - kv_mean * kv_mean, 0.0)
+
+        def pct(x: np.ndarray, q: float) -> float:
+            return float(np.percentile(x, q)) if x.size else float("nan")
+
+        return {
+            "requests": self.arrived,
+            "completed": len(finished),
+            "rejected": counts[RequestState.REJECTED],
+            "expired": counts[RequestState.EXPIRED],
+            "cancelled": counts[RequestState.CANCELLED],
+            "failed": counts[RequestState.FAILED],
+            "evictions": self.evictions,
+            "wasted_tokens": self.wasted_tokens,
+            "throughput_rps": len(finished) / span,
+            "output_tps": float(outs.sum()) / span,
+            "goodput_rps": good / span,
+            "slo_attainment": good / self.arrived if self.arrived else float("nan"),
+            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50),
+            "tpot_p99_s": pct(tpot, 99),
+            "e2e_p50_s": pct(e2e, 50),
+            "e2e_p99_s": pct(e2e, 99),
+            "kv_usage_mean": kv_mean / kv_capacity_tokens,
+            "kv_usage_std": kv_var ** 0.5 / kv_capacity_tokens,
+            "kv_peak_tokens": self.kv_peak_tokens,
+            "kv_capacity_tokens": kv_capacity_tokens,
+            "mean_waiting": self.waiting_time_product / busy,
+            "final_waiting": final_waiting,
+            "steps": self.steps,
+            "sim_time_s": span,
+        }

@@ -1,0 +1,318 @@
+"""A hardware profile: the step-time model, the KV capacity and the serving defaults of one replica.
+
+The simulator's step duration is linear in the work of the step::
+
+    t = base_s + per_token_s * T + per_kv_token_s * K
+
+where T is the number of new tokens the step processes (prefill chunk tokens plus one per
+decoding request) and K the number of KV tokens its attention reads (the sum over the batch of
+each request's context length, cached tokens plus the new ones). A step with no tokens takes
+``idle_s``, the simulator's tick while nothing can run.
+
+Profiles live in JSON or YAML files; the shipped ones are in ``engine/profiles/``. The file
+format and the derivation of the shipped numbers are in docs/PROFILES.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROFILES_DIR = Path(__file__).with_name("profiles")
+PROFILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` and ``1.0e5`` as floats, as YAML 1.2 does.
+
+    Coefficients are naturally written that way, and YAML 1.1 would read them as strings.
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+class ProfileError(ValueError):
+    """A profile file or name that cannot be used; the message is one sentence naming it."""
+
+
+class _Invalid(Exception):
+    """A value problem, phrased without saying where the value came from."""
+
+
+# How each dataclass field is spelled in a profile file, and what it must be.
+_FILE_KEY = {
+    "base_s": "step_time.base_s",
+    "per_token_s": "step_time.per_token_s",
+    "per_kv_token_s": "step_time.per_kv_token_s",
+    "idle_s": "step_time.idle_s",
+    "kv_capacity_tokens": "kv_capacity_tokens",
+    "block_size": "block_size",
+    "ttft_slo_s": "slo.ttft_s",
+    "tpot_slo_s": "slo.tpot_s",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_num_seqs": "max_num_seqs",
+}
+_NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s")
+_POSITIVE = ("ttft_slo_s", "tpot_slo_s")
+_POSITIVE_INT = ("kv_capacity_tokens", "block_size", "max_num_batched_tokens", "max_num_seqs")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Step-time coefficients, KV capacity, SLOs and batch limits of one engine replica.
+
+    :param name: short identifier, e.g. ``a100-llama2-7b``.
+    :param description: one line saying what hardware and model this stands for.
+    :param base_s: fixed cost of every non-empty step in seconds (overhead plus streaming the weights).
+    :param per_token_s: seconds per new token processed in the step (prefill or decode).
+    :param per_kv_token_s: seconds per KV token read by the step's attention.
+    :param kv_capacity_tokens: KV cache capacity M in tokens.
+    :param block_size: tokens per KV block.
+    :param ttft_slo_s: time-to-first-token service level objective in seconds.
+    :param tpot_slo_s: time-per-output-token service level objective in seconds.
+    :param idle_s: duration of a step with no tokens; None means ``base_s``.
+    :param max_num_batched_tokens: default token budget of one step on this hardware.
+    :param max_num_seqs: default cap on running requests.
+    :param source: how the numbers were obtained (roofline, fitted, paper).
+    :param extra: anything else worth keeping with the numbers (roofline inputs, fit report).
+    """
+
+    name: str
+    description: str
+    base_s: float
+    per_token_s: float
+    per_kv_token_s: float
+    kv_capacity_tokens: int
+    block_size: int = 16
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    idle_s: float | None = None
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            values = _checked({f: getattr(self, f) for f in _FILE_KEY}, key_of=lambda f: f)
+            _check_text(self.name, self.description, self.source, self.extra, key_of=lambda f: f)
+        except _Invalid as e:
+            raise ProfileError(f"profile {self.name!r}: {e}.") from None
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def step_time_s(self, num_tokens: int, kv_tokens_read: int) -> float:
+        """Duration of one engine step in seconds.
+
+        :param num_tokens: new tokens processed in the step (T); 0 for an idle tick.
+        :param kv_tokens_read: KV tokens read by the step's attention (K).
+        :return: ``base_s + per_token_s * T + per_kv_token_s * K``, or the idle tick when T is 0.
+        """
+        if num_tokens < 0 or kv_tokens_read < 0:
+            raise ValueError(
+                f"step token counts must be non-negative, got {num_tokens} tokens and "
+                f"{kv_tokens_read} KV tokens read")
+        if num_tokens == 0:
+            return self.base_s if self.idle_s is None else self.idle_s
+        return self.base_s + self.per_token_s * num_tokens + self.per_kv_token_s * kv_tokens_read
+
+    def to_dict(self) -> dict:
+        """The profile in file format (the structure :func:`load_profile` reads)."""
+        step_time = {"base_s": self.base_s, "per_token_s": self.per_token_s,
+                     "per_kv_token_s": self.per_kv_token_s}
+        if self.idle_s is not None:
+            step_time["idle_s"] = self.idle_s
+        return {
+            "name": self.name,
+            "description": self.description,
+            "source": self.source,
+            "step_time": step_time,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "block_size": self.block_size,
+            "slo": {"ttft_s": self.ttft_slo_s, "tpot_s": self.tpot_slo_s},
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "extra": copy.deepcopy(self.extra),
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON (indent 2) to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles shipped in ``engine/profiles/``, sorted."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """Load a shipped profile by name or a profile file by path.
+
+    :param name_or_path: a shipped name (see :func:`shipped_profiles`) or a path to a
+        ``.json``, ``.yaml`` or ``.yml`` file.
+    :raises ProfileError: the name is unknown or the file is missing or invalid.
+    """
+    text = str(name_or_path)
+    looks_like_path = (isinstance(name_or_path, Path) or "/" in text or "\\" in text
+                       or text.lower().endswith(PROFILE_SUFFIXES))
+    if not looks_like_path:
+        shipped = shipped_profiles()
+        if text not in shipped:
+            raise ProfileError(
+                f"unknown profile {text!r}: expected one of {', '.join(shipped)} "
+                f"or a path to a .json, .yaml or .yml file.")
+        return _load_file(PROFILES_DIR / f"{text}.json")
+    return _load_file(Path(name_or_path))
+
+
+def _load_file(path: Path) -> Profile:
+    where = f"profile file {str(path)!r}"
+    if path.suffix.lower() not in PROFILE_SUFFIXES:
+        raise ProfileError(f"{where}: expected a .json, .yaml or .yml file.")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ProfileError(f"{where} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{where} cannot be read ({type(e).__name__}).") from None
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(
+                f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).") from None
+    else:
+        try:
+            data = yaml.load(text, Loader=_YamlLoader)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or "syntax error"
+            raise ProfileError(f"{where} is not valid YAML ({problem}{at}).") from None
+    try:
+        return Profile(**_fields_from_file(data))
+    except _Invalid as e:
+        raise ProfileError(f"{where}: {e}.") from None
+
+
+def _fields_from_file(data: Any) -> dict:
+    """Dataclass keyword arguments from a parsed profile file; raises _Invalid."""
+    if not isinstance(data, dict):
+        raise _Invalid(f"expected a mapping of profile keys at the top level, got {_show(data)}")
+    _no_unknown_keys(data, {"name", "description", "source", "step_time", "kv_capacity_tokens",
+                            "block_size", "slo", "max_num_batched_tokens", "max_num_seqs", "extra"})
+    for key in ("name", "step_time", "kv_capacity_tokens"):
+        if key not in data:
+            raise _Invalid(f"missing required key {key!r}")
+    step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s"})
+    for key in ("base_s", "per_token_s", "per_kv_token_s"):
+        if key not in step_time:
+            raise _Invalid(f"missing required key 'step_time.{key}'")
+    slo = _section(data, "slo", {"ttft_s", "tpot_s"}) if "slo" in data else {}
+
+    fields = {
+        "name": data["name"],
+        "description": data.get("description", ""),
+        "source": data.get("source", ""),
+        "extra": data.get("extra", {}),
+        "base_s": step_time["base_s"],
+        "per_token_s": step_time["per_token_s"],
+        "per_kv_token_s": step_time["per_kv_token_s"],
+        "idle_s": step_time.get("idle_s"),
+        "kv_capacity_tokens": data["kv_capacity_tokens"],
+    }
+    for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        if key in data:
+            fields[key] = data[key]
+    if "ttft_s" in slo:
+        fields["ttft_slo_s"] = slo["ttft_s"]
+    if "tpot_s" in slo:
+        fields["tpot_slo_s"] = slo["tpot_s"]
+
+    # Check with the file's spelling of the keys, so the message points into the file.
+    defaults = {f: Profile.__dataclass_fields__[f].default for f in _FILE_KEY}
+    _checked({**defaults, **{f: v for f, v in fields.items() if f in _FILE_KEY}},
+             key_of=_FILE_KEY.__getitem__)
+    _check_text(fields["name"], fields["description"], fields["source"], fields["extra"],
+                key_of=lambda f: f)
+    return fields
+
+
+def _section(data: dict, key: str, allowed: set[str]) -> dict:
+    section = data[key]
+    if not isinstance(section, dict):
+        raise _Invalid(f"{key!r} must be a mapping, got {_show(section)}")
+    _no_unknown_keys(section, allowed, prefix=f"{key}.")
+    return section
+
+
+def _no_unknown_keys(mapping: dict, allowed: set[str], prefix: str = "") -> None:
+    for key in mapping:
+        if key not in allowed:
+            raise _Invalid(f"unknown key {prefix + str(key)!r} (expected one of "
+                           f"{', '.join(prefix + k for k in sorted(allowed))})")
+
+
+def _checked(values: dict, key_of) -> dict:
+    """Numeric fields validated and normalised (floats as float, counts as int); raises _Invalid."""
+    out = {}
+    for f in _NON_NEGATIVE + _POSITIVE + ("idle_s",):
+        v = values[f]
+        if f == "idle_s" and v is None:
+            out[f] = None
+            continue
+        if not _is_number(v) or not math.isfinite(v):
+            raise _Invalid(f"{key_of(f)} must be a finite number, got {_show(v)}")
+        if f in _NON_NEGATIVE and v < 0:
+            raise _Invalid(f"{key_of(f)} must be a non-negative number of seconds, got {_show(v)}")
+        if f not in _NON_NEGATIVE and v <= 0:
+            raise _Invalid(f"{key_of(f)} must be a positive number of seconds, got {_show(v)}")
+        out[f] = float(v)
+    for f in _POSITIVE_INT:
+        v = values[f]
+        if not _is_number(v) or not math.isfinite(v) or v != int(v) or v < 1:
+            raise _Invalid(f"{key_of(f)} must be a positive whole number, got {_show(v)}")
+        out[f] = int(v)
+    if out["kv_capacity_tokens"] < out["block_size"]:
+        raise _Invalid(f"{key_of('kv_capacity_tokens')} ({out['kv_capacity_tokens']}) must be at "
+                       f"least one block of {key_of('block_size')} ({out['block_size']}) tokens")
+    # A step that does work, and an idle tick, must move the clock or the simulator stalls.
+    if out["base_s"] == out["per_token_s"] == out["per_kv_token_s"] == 0:
+        raise _Invalid(f"{key_of('base_s')}, {key_of('per_token_s')} and {key_of('per_kv_token_s')} "
+                       f"are all 0, so a step would take no time; expected at least one positive")
+    if out["base_s"] == 0 and out["idle_s"] is None:
+        raise _Invalid(f"{key_of('idle_s')} must be given and positive when {key_of('base_s')} "
+                       f"is 0, since an idle step would otherwise take no time")
+    return out
+
+
+def _check_text(name: Any, description: Any, source: Any, extra: Any, key_of) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise _Invalid(f"{key_of('name')} must be a non-empty string, got {_show(name)}")
+    for key, value in (("description", description), ("source", source)):
+        if not isinstance(value, str):
+            raise _Invalid(f"{key_of(key)} must be a string, got {_show(value)}")
+    if not isinstance(extra, dict):
+        raise _Invalid(f"{key_of('extra')} must be a mapping, got {_show(extra)}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, (dict, list)):
+        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
+    return repr(value)

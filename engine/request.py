@@ -1,0 +1,96 @@
+"""A request and its lifecycle: waiting -> running -> exactly one terminal state."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (RequestState.WAITING, RequestState.RUNNING)
+
+
+class Request:
+    """One generation request as the engine sees it.
+
+    ``num_computed_tokens`` counts the tokens whose KV entries are in the cache; the
+    sequence is the prompt followed by the output tokens generated so far. A request
+    whose prompt is fully computed decodes one token per step.
+
+    :param request_id: unique id.
+    :param arrival_time_s: when the request arrived, on the engine's clock.
+    :param prompt_len: prompt length in tokens.
+    :param max_tokens: the most output tokens it may generate.
+    :param target_output_len: in simulation, the output length the trace says it produced
+        (the request ends there as if it had hit EOS); None for real requests.
+    :param prompt_token_ids: the prompt's token ids (real engine only).
+    :param sampling: sampling parameters for the real executor (opaque to the core).
+    :param class_id: workload class, used by per-class controllers.
+    """
+
+    __slots__ = (
+        "request_id", "arrival_time_s", "prompt_len", "max_tokens", "target_output_len",
+        "prompt_token_ids", "sampling", "class_id",
+        "state", "num_computed_tokens", "num_output_tokens", "output_token_ids", "block_ids",
+        "activation_seq", "ever_activated", "first_token_time_s", "finish_time_s",
+        "finish_reason", "retry_after_s", "num_evictions", "wasted_tokens", "cancel_requested",
+        "user_data",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        arrival_time_s: float,
+        prompt_len: int,
+        max_tokens: int,
+        target_output_len: int | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling: Any = None,
+        class_id: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.arrival_time_s = arrival_time_s
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.target_output_len = target_output_len
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.class_id = class_id
+        self.state = RequestState.WAITING
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0
+        self.output_token_ids: list[int] = []
+        self.block_ids: list[int] = []
+        self.activation_seq = -1
+        self.ever_activated = False
+        self.first_token_time_s: float | None = None
+        self.finish_time_s: float | None = None
+        self.finish_reason: str | None = None
+        self.retry_after_s: float | None = None
+        self.num_evictions = 0
+        self.wasted_tokens = 0
+        self.cancel_requested = False
+        self.user_data: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far: the sequence the cache must eventually hold."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.prompt_len
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.state.value}, prompt={self.prompt_len}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,329 @@
+"""Profiles: loading, the step-time model, the roofline presets and bad input."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine import roofline
+from engine.profile import PROFILES_DIR, Profile, ProfileError, load_profile, shipped_profiles
+
+SHIPPED = ["a100-llama2-7b", "h200-llama3-8b", "slot"]
+
+
+def minimal_profile_dict(**overrides) -> dict:
+    data = {
+        "name": "toy",
+        "step_time": {"base_s": 0.01, "per_token_s": 1e-4, "per_kv_token_s": 1e-6},
+        "kv_capacity_tokens": 4096,
+    }
+    data.update(overrides)
+    return data
+
+
+def write_json(tmp_path: Path, data, name: str = "prof.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+# --- shipped profiles -------------------------------------------------------------------------
+
+def test_shipped_profile_names():
+    assert shipped_profiles() == SHIPPED
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_load_shipped_profile_by_name_and_path(name):
+    profile = load_profile(name)
+    assert isinstance(profile, Profile)
+    assert profile.name == name
+    assert profile.description and profile.source
+    assert load_profile(PROFILES_DIR / f"{name}.json") == profile
+    assert load_profile(str(PROFILES_DIR / f"{name}.json")) == profile
+
+
+def test_slot_profile_is_the_papers_discrete_model():
+    slot = load_profile("slot")
+    assert slot.block_size == 1
+    assert slot.kv_capacity_tokens == 10000
+    # Every step is one slot whatever it does; an idle tick is one slot too.
+    assert slot.step_time_s(1, 1) == 1.0
+    assert slot.step_time_s(50_000, 10_000) == 1.0
+    assert slot.step_time_s(0, 0) == 1.0
+    # A whole prompt is prefilled in one step.
+    assert slot.max_num_batched_tokens >= 100_000
+    assert slot.ttft_slo_s == 50.0 and slot.tpot_slo_s == 1.5
+
+
+def test_presets_are_plausible_for_their_hardware():
+    a100, h200 = load_profile("a100-llama2-7b"), load_profile("h200-llama3-8b")
+    # One decode token for one short request: about weights / bandwidth plus overhead.
+    assert 0.008 < a100.step_time_s(1, 100) < 0.015
+    assert 0.004 < h200.step_time_s(1, 100) < 0.010
+    # GQA (8 KV heads instead of 32) and more memory: far more KV tokens on H200.
+    assert h200.kv_capacity_tokens > 5 * a100.kv_capacity_tokens
+    assert a100.kv_capacity_tokens % a100.block_size == 0
+    assert h200.kv_capacity_tokens % h200.block_size == 0
+
+
+# --- the step-time model ----------------------------------------------------------------------
+
+def test_step_time_is_linear_in_tokens_and_kv_reads():
+    p = Profile(name="toy", description="", base_s=0.01, per_token_s=1e-4, per_kv_token_s=1e-6,
+                kv_capacity_tokens=4096)
+    assert p.step_time_s(1, 0) == pytest.approx(0.0101)
+    assert p.step_time_s(100, 10_000) == pytest.approx(0.01 + 0.01 + 0.01)
+    assert p.step_time_s(2048, 0) == pytest.approx(0.01 + 0.2048)
+    # An empty step is the idle tick, base_s unless given.
+    assert p.step_time_s(0, 0) == 0.01
+    assert replace(p, idle_s=0.005).step_time_s(0, 0) == 0.005
+
+
+def test_step_time_rejects_negative_counts():
+    p = load_profile("a100-llama2-7b")
+    with pytest.raises(ValueError):
+        p.step_time_s(-1, 0)
+
+
+def test_preset_step_times_for_known_inputs():
+    a100 = load_profile("a100-llama2-7b")
+    base, per_tok, per_kv = a100.base_s, a100.per_token_s, a100.per_kv_token_s
+    assert a100.step_time_s(256, 100_000) == pytest.approx(base + 256 * per_tok + 100_000 * per_kv)
+    assert a100.step_time_s(256, 100_000) == pytest.approx(0.06083, rel=1e-3)
+    h200 = load_profile("h200-llama3-8b")
+    assert h200.step_time_s(256, 100_000) == pytest.approx(0.01652, rel=1e-3)
+
+
+# --- the roofline -----------------------------------------------------------------------------
+
+def test_parameter_counts_match_the_published_checkpoints():
+    assert roofline.LLAMA2_7B.num_params == 6_738_415_616
+    assert roofline.LLAMA3_8B.num_params == 8_030_261_248
+
+
+def test_kv_bytes_per_token():
+    assert roofline.LLAMA2_7B.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2  # 512 KiB, MHA
+    assert roofline.LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB, GQA
+
+
+def test_step_time_coefficients_follow_the_formulas():
+    model, gpu, assume = roofline.LLAMA2_7B, roofline.A100_SXM_80GB, roofline.ServingAssumptions()
+    base_s, per_token_s, per_kv_token_s = roofline.step_time_coefficients(model, gpu, assume)
+    bandwidth = 2.039e12 * assume.bandwidth_efficiency
+    assert base_s == pytest.approx(assume.step_overhead_s + 6_738_415_616 * 2 / bandwidth)
+    assert per_token_s == pytest.approx(2 * 6_738_415_616 / (312e12 * assume.mfu))
+    assert per_kv_token_s == pytest.approx(524_288 / bandwidth)
+
+
+def test_kv_capacity_follows_the_formula():
+    model, gpu, assume = roofline.LLAMA3_8B, roofline.H200_SXM, roofline.ServingAssumptions()
+    free = 141e9 * 0.9 - 8_030_261_248 * 2 - 2 * 2**30
+    expected = int(free // 131_072) // 16 * 16
+    assert roofline.kv_capacity_tokens(model, gpu, assume, block_size=16) == expected
+
+
+def test_kv_capacity_rejects_a_model_that_does_not_fit():
+    tiny_gpu = replace(roofline.A100_SXM_80GB, memory_bytes=16e9)
+    with pytest.raises(ValueError):
+        roofline.kv_capacity_tokens(roofline.LLAMA2_7B, tiny_gpu, roofline.ServingAssumptions())
+
+
+def test_roofline_reproduces_the_shipped_preset_files():
+    presets = roofline.preset_profiles()
+    assert [p.name for p in presets] == ["a100-llama2-7b", "h200-llama3-8b"]
+    for profile in presets:
+        shipped = json.loads((PROFILES_DIR / f"{profile.name}.json").read_text())
+        assert profile.to_dict() == shipped, "regenerate with: python -m engine.roofline --write"
+        assert load_profile(profile.name) == profile
+
+
+def test_roofline_write_regenerates_identical_files(tmp_path, capsys):
+    roofline.main(["--write", "--out-dir", str(tmp_path)])
+    for name in ("a100-llama2-7b", "h200-llama3-8b"):
+        assert (tmp_path / f"{name}.json").read_text() == (PROFILES_DIR / f"{name}.json").read_text()
+    assert "| a100-llama2-7b |" in capsys.readouterr().out
+
+
+# --- files: formats, round trip ---------------------------------------------------------------
+
+def test_yaml_and_json_load_the_same_profile(tmp_path):
+    data = minimal_profile_dict(description="a toy", slo={"ttft_s": 1.0, "tpot_s": 0.05},
+                                extra={"fit": {"r2": 0.99}})
+    json_path = write_json(tmp_path, data)
+    yaml_path = tmp_path / "prof.yaml"
+    yaml_path.write_text(yaml.safe_dump(data))
+    yml_path = tmp_path / "prof.yml"
+    yml_path.write_text(yaml.safe_dump(data))
+    from_json = load_profile(json_path)
+    assert load_profile(yaml_path) == from_json
+    assert load_profile(yml_path) == from_json
+    assert from_json.ttft_slo_s == 1.0 and from_json.tpot_slo_s == 0.05
+    assert from_json.extra == {"fit": {"r2": 0.99}}
+
+
+def test_optional_keys_take_the_dataclass_defaults(tmp_path):
+    profile = load_profile(write_json(tmp_path, minimal_profile_dict()))
+    assert profile.block_size == 16
+    assert profile.idle_s is None
+    assert profile.max_num_batched_tokens == 8192 and profile.max_num_seqs == 256
+    assert profile.description == "" and profile.source == "" and profile.extra == {}
+
+
+@pytest.mark.parametrize("idle_s", [None, 0.25])
+def test_save_load_round_trip(tmp_path, idle_s):
+    original = Profile(
+        name="fitted-toy", description="fitted on a toy run", base_s=0.012, per_token_s=3e-5,
+        per_kv_token_s=2e-7, kv_capacity_tokens=50_000, block_size=32, ttft_slo_s=1.5,
+        tpot_slo_s=0.08, idle_s=idle_s, max_num_batched_tokens=4096, max_num_seqs=128,
+        source="fitted", extra={"fit": {"r2": 0.97, "residuals_s": [0.001, -0.002]}})
+    path = tmp_path / "fitted.json"
+    original.save(path)
+    assert json.loads(path.read_text())["name"] == "fitted-toy"
+    assert load_profile(path) == original
+
+
+def test_integral_numbers_are_normalised(tmp_path):
+    data = minimal_profile_dict(kv_capacity_tokens=4096.0)
+    data["step_time"]["base_s"] = 1
+    profile = load_profile(write_json(tmp_path, data))
+    assert profile.kv_capacity_tokens == 4096 and isinstance(profile.kv_capacity_tokens, int)
+    assert isinstance(profile.base_s, float)
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+def drop_step_time_key(data):
+    del data["step_time"]["per_token_s"]
+
+
+def negative_coefficient(data):
+    data["step_time"]["per_kv_token_s"] = -1e-7
+
+
+def unknown_top_level_key(data):
+    data["kv_capacity_token"] = data.pop("kv_capacity_tokens")
+
+
+def unknown_step_time_key(data):
+    data["step_time"]["per_tokens_s"] = 1e-4
+
+
+def not_a_number(data):
+    data["step_time"]["base_s"] = "fast"
+
+
+def boolean_is_not_a_number(data):
+    data["block_size"] = True
+
+
+def capacity_below_one_block(data):
+    data["kv_capacity_tokens"] = 8
+
+
+def fractional_capacity(data):
+    data["kv_capacity_tokens"] = 100.5
+
+
+def zero_slo(data):
+    data["slo"] = {"ttft_s": 0}
+
+
+def step_takes_no_time(data):
+    data["step_time"] = {"base_s": 0, "per_token_s": 0, "per_kv_token_s": 0, "idle_s": 1.0}
+
+
+def idle_tick_takes_no_time(data):
+    data["step_time"] = {"base_s": 0, "per_token_s": 1e-4, "per_kv_token_s": 0}
+
+
+def missing_name(data):
+    del data["name"]
+
+
+def section_not_a_mapping(data):
+    data["step_time"] = [0.01, 1e-4, 1e-6]
+
+
+@pytest.mark.parametrize("spoil, expected", [
+    (drop_step_time_key, "step_time.per_token_s"),
+    (negative_coefficient, "step_time.per_kv_token_s"),
+    (unknown_top_level_key, "kv_capacity_token'"),
+    (unknown_step_time_key, "step_time.per_tokens_s"),
+    (not_a_number, "step_time.base_s"),
+    (boolean_is_not_a_number, "block_size"),
+    (capacity_below_one_block, "kv_capacity_tokens"),
+    (fractional_capacity, "kv_capacity_tokens"),
+    (zero_slo, "slo.ttft_s"),
+    (step_takes_no_time, "step_time.per_token_s"),
+    (idle_tick_takes_no_time, "step_time.idle_s"),
+    (missing_name, "'name'"),
+    (section_not_a_mapping, "'step_time'"),
+])
+def test_bad_profile_file_gives_one_sentence_naming_file_and_key(tmp_path, spoil, expected):
+    data = minimal_profile_dict()
+    spoil(data)
+    path = write_json(tmp_path, data, name="bad-profile.json")
+    with pytest.raises(ProfileError) as info:
+        load_profile(path)
+    message = str(info.value)
+    assert "bad-profile.json" in message
+    assert expected in message
+    assert "\n" not in message and message.endswith(".")
+
+
+def test_unknown_name_lists_the_shipped_profiles():
+    with pytest.raises(ProfileError) as info:
+        load_profile("a100-llama-7b")
+    message = str(info.value)
+    assert "'a100-llama-7b'" in message
+    for name in SHIPPED:
+        assert name in message
+
+
+@pytest.mark.parametrize("file_name, text, expected", [
+    ("broken.json", '{"name": "toy", "step_time": {', "not valid JSON"),
+    ("broken.yaml", "name: toy\nstep_time: {base_s: 0.01\n", "not valid YAML"),
+    ("broken.yml", "name: [toy\n", "not valid YAML"),
+    ("list.yaml", "- 1\n- 2\n", "mapping"),
+    ("empty.yaml", "", "mapping"),
+    ("nan.json", '{"name": "toy", "step_time": {"base_s": NaN, "per_token_s": 0, '
+                 '"per_kv_token_s": 0}, "kv_capacity_tokens": 100}', "step_time.base_s"),
+])
+def test_unparseable_file_gives_profile_error_with_file_name(tmp_path, file_name, text, expected):
+    path = tmp_path / file_name
+    path.write_text(text)
+    with pytest.raises(ProfileError) as info:
+        load_profile(path)
+    assert file_name in str(info.value)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file_and_wrong_suffix(tmp_path):
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_profile(tmp_path / "nowhere.json")
+    toml = tmp_path / "prof.toml"
+    toml.write_text("name = 'toy'\n")
+    with pytest.raises(ProfileError, match=r"prof\.toml.*\.json, \.yaml or \.yml"):
+        load_profile(toml)
+
+
+def test_invalid_direct_construction_names_the_profile():
+    with pytest.raises(ProfileError, match="'toy'.*per_token_s"):
+        Profile(name="toy", description="", base_s=0.01, per_token_s=-1.0, per_kv_token_s=0.0,
+                kv_capacity_tokens=1000)
+    assert issubclass(ProfileError, ValueError)
+
+
+def test_yaml_reads_scientific_notation_without_a_dot_as_numbers(tmp_path):
+    path = tmp_path / "sci.yaml"
+    path.write_text("name: sci\nstep_time: {base_s: 1e-2, per_token_s: 7.2e-5, per_kv_token_s: 3E-7}\n"
+                    "kv_capacity_tokens: 1.0e5\n")
+    profile = load_profile(path)
+    assert (profile.base_s, profile.per_token_s, profile.per_kv_token_s) == (1e-2, 7.2e-5, 3e-7)
+    assert profile.kv_capacity_tokens == 100_000

@@ -2,8 +2,8 @@
 b_k per class per step, FIFO within a class, no memory check of its own.
 
 Memory stays within M when sum_k b_k * w_k <= M; each queue is stable when b_k > lambda_k.
-Fractional budgets are paid out by a credit that is used or lost each step, so over any n
-steps a class activates at most b_k * n + 1 requests (never a burst of saved-up credit).
+Fractional budgets are paid out by a credit that keeps only the fraction below one activation,
+so over any n steps a class activates at most b_k * n + 1 requests (never a saved-up burst).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class ClassBudgetsController(Controller):
     def decide(self, obs: Observation) -> Decision:
         allowances = {}
         for k, b in enumerate(self.budgets):
-            c = min(self.credit[k] + b, max(1.0, b))
+            c = self.credit[k] + b
             n = int(c)
             self.credit[k] = c - n
             if n:

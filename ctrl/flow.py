@@ -27,7 +27,7 @@ from ctrl.base import UNLIMITED, Controller, Decision, Observation
 
 class FlowController(Controller):
     """:param budget: mean activations per step (fixed mode).
-    :param dist: how B_t is drawn around the mean: ``fixed`` (credit, used or lost each step),
+    :param dist: how B_t is drawn around the mean: ``fixed`` (fractions carry over as credit),
         ``poisson`` or ``bernoulli`` (floor plus a coin for the fraction).
     :param adaptive: set the mean from online estimates instead of ``budget``.
     :param target_usage: rho, the KV fraction the adaptive budget aims at.
@@ -43,7 +43,7 @@ class FlowController(Controller):
     DISTS = ("fixed", "poisson", "bernoulli")
 
     def __init__(self, budget: float = 1.0, dist: str = "fixed", adaptive: bool = False,
-                 target_usage: float = 0.9, headroom: float = 0.2, drain_steps: float = 50.0,
+                 target_usage: float = 1.0, headroom: float = 0.2, drain_steps: float = 20.0,
                  prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  max_num_seqs: int = UNLIMITED, seed: int = 0, **overload) -> None:
         super().__init__(**overload)
@@ -88,7 +88,7 @@ class FlowController(Controller):
         mean = self.adaptive_budget(obs) if self.adaptive else self.budget
         self.mean_budget = mean
         if self.dist == "fixed":
-            c = min(self.credit + mean, max(1.0, mean))
+            c = self.credit + mean
             n = int(c)
             self.credit = c - n
         elif self.dist == "poisson":

@@ -14,7 +14,7 @@ class WatermarkController(Controller):
     """:param watermark: KV usage fraction above which arrivals are rejected (0.9).
     :param queue_limit: waiting requests at which arrivals are rejected (100).
     :param tpot_slo_s: step-time target for the AIMD token budget.
-    :param min_token_budget: floor of the budget.
+    :param min_token_budget: floor of the budget (default: 256, or the ceiling if lower).
     :param max_num_batched_tokens: ceiling of the budget, also its start.
     :param additive_tokens: budget increase per step within the SLO.
     :param backoff: multiplicative decrease when a step exceeded the SLO.
@@ -24,7 +24,7 @@ class WatermarkController(Controller):
     name = "watermark"
 
     def __init__(self, watermark: float = 0.9, queue_limit: int = 100, tpot_slo_s: float = 0.1,
-                 min_token_budget: int = 256, max_num_batched_tokens: int = 8192,
+                 min_token_budget: int | None = None, max_num_batched_tokens: int = 8192,
                  additive_tokens: int = 64, backoff: float = 0.5, max_num_seqs: int = 256,
                  **overload) -> None:
         super().__init__(**overload)
@@ -32,6 +32,8 @@ class WatermarkController(Controller):
             raise ValueError(f"watermark must be in (0, 1], got {watermark}")
         if queue_limit < 0 or not 0 < backoff < 1 or tpot_slo_s <= 0:
             raise ValueError("need queue_limit >= 0, 0 < backoff < 1 and tpot_slo_s > 0")
+        if min_token_budget is None:
+            min_token_budget = min(256, max_num_batched_tokens)
         if not 1 <= min_token_budget <= max_num_batched_tokens:
             raise ValueError("need 1 <= min_token_budget <= max_num_batched_tokens")
         self.watermark = watermark

@@ -79,7 +79,8 @@ class EngineCore:
         self.on_finish = on_finish
         self._arrivals = RateEstimator(rate_window_s)
         self._completions = RateEstimator(rate_window_s)
-        self._ewma_alpha = 0.05
+        self._ewma_alpha = 0.05  # latency and step-time estimates
+        self._workload_alpha = 0.01  # request-size estimates: heavy-tailed, so a longer memory
         self._waiting_prompt_tokens = 0
         self._activation_seq = 0
         self._cancel: list[Request] = []
@@ -360,16 +361,16 @@ class EngineCore:
 
     def _record_completion(self, r: Request, now: float) -> None:
         self._completions.add(now)
-        obs, a = self.obs, self._ewma_alpha
+        obs, a, aw = self.obs, self._ewma_alpha, self._workload_alpha
         obs.completed_total += 1
         o, p = r.num_output_tokens, r.prompt_len
         if obs.completed_total == 1:
             obs.mean_prompt_tokens, obs.mean_output_tokens = float(p), float(o)
             obs.lifetime_kv_workload = p * o + (o + o * o) / 2
         else:
-            obs.mean_prompt_tokens += a * (p - obs.mean_prompt_tokens)
-            obs.mean_output_tokens += a * (o - obs.mean_output_tokens)
-            obs.lifetime_kv_workload += a * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
+            obs.mean_prompt_tokens += aw * (p - obs.mean_prompt_tokens)
+            obs.mean_output_tokens += aw * (o - obs.mean_output_tokens)
+            obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
         ttft = r.first_token_time_s - r.arrival_time_s
         obs.ttft_recent_s += a * (ttft - obs.ttft_recent_s)
         if o > 1:

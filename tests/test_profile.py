@@ -50,7 +50,7 @@ def test_load_shipped_profile_by_name_and_path(name):
 def test_slot_profile_is_the_papers_discrete_model():
     slot = load_profile("slot")
     assert slot.block_size == 1
-    assert slot.kv_capacity_tokens == 10000
+    assert slot.kv_capacity_tokens == 2000
     # Every step is one slot whatever it does; an idle tick is one slot too.
     assert slot.step_time_s(1, 1) == 1.0
     assert slot.step_time_s(50_000, 10_000) == 1.0

@@ -1,0 +1,170 @@
+"""The tiny model: a small Llama with seeded random weights and a byte-level tokenizer.
+
+It needs no files and no network, so tests, the profiler and the twin check run anywhere. Its
+outputs are gibberish; its step times grow with batch and context like a real model's, which is
+what the controllers and the twin need. ``load_model`` also opens a local Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+import torch
+
+PAD_TOKEN_ID = 0
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+_BYTE_OFFSET = 3  # byte b is token b + 3
+
+TINY_CONFIG = dict(
+    num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=688, vocab_size=256 + _BYTE_OFFSET, max_position_embeddings=2048,
+    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+    # Wider than the default 0.02 so the random model's next-token distribution is peaked:
+    # greedy comparisons then never hinge on near-equal logits.
+    initializer_range=0.08,
+)
+
+
+class ModelLoadError(ValueError):
+    """A model name or folder that cannot be loaded; the message is one sentence naming it."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0-2 are PAD, BOS and EOS, id ``b + 3`` is byte ``b``.
+
+    transformers' ``ByT5Tokenizer`` is also byte-level and file-free, but it has no BOS token
+    and its ``decode`` silently drops incomplete UTF-8, which streaming cannot use.
+    """
+
+    pad_token_id = PAD_TOKEN_ID
+    bos_token_id = BOS_TOKEN_ID
+    eos_token_id = EOS_TOKEN_ID
+    vocab_size = 256 + _BYTE_OFFSET
+    all_special_ids = (PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``: BOS (when ``add_special_tokens``) then one id per UTF-8 byte."""
+        ids = [b + _BYTE_OFFSET for b in text.encode("utf-8")]
+        return [BOS_TOKEN_ID, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``; invalid or incomplete UTF-8 becomes U+FFFD, special tokens are dropped."""
+        return self.decode_bytes(token_ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, token_ids, skip_special_tokens: bool = True) -> bytes:
+        out = bytearray()
+        names = {PAD_TOKEN_ID: b"<pad>", BOS_TOKEN_ID: b"<s>", EOS_TOKEN_ID: b"</s>"}
+        for t in token_ids:
+            t = int(t)
+            if t >= _BYTE_OFFSET:
+                out.append(t - _BYTE_OFFSET)
+            elif not skip_special_tokens:
+                out += names[t]
+        return bytes(out)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token sequence, safe for multi-byte characters split across tokens.
+
+    Bytes of an incomplete UTF-8 character are held back until the character completes. For
+    tokenizers other than :class:`ByteTokenizer` the whole output is decoded again and a
+    trailing U+FFFD (an incomplete character) is held back.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.num_tokens = 0
+        self._bytes = isinstance(tokenizer, ByteTokenizer)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace") if self._bytes else None
+        self._ids: list[int] = []
+
+    def push(self, token_ids) -> str:
+        """Add tokens; returns the newly completed text (possibly empty)."""
+        self.num_tokens += len(token_ids)
+        if self._bytes:
+            delta = self._decoder.decode(self.tokenizer.decode_bytes(token_ids))
+        else:
+            self._ids.extend(int(t) for t in token_ids)
+            full = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            if full.endswith("\ufffd"):
+                return ""
+            delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
+
+
+def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """The tiny Llama (4 layers, hidden 256, 4 heads, 2 KV heads, about 4.4M parameters) with
+    weights drawn from ``seed``, in eval mode.
+
+    :return: ``(model, tokenizer)``.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY_CONFIG, pad_token_id=PAD_TOKEN_ID, bos_token_id=BOS_TOKEN_ID,
+                         eos_token_id=EOS_TOKEN_ID, attn_implementation="sdpa")
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+                                               pad_token_id=PAD_TOKEN_ID)
+    model.to(device=device, dtype=dtype).eval()
+    return model, ByteTokenizer()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """``None`` -> the device's default; a name such as ``bf16`` -> the torch dtype."""
+    if dtype is None:
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(model: str = "tiny", device=None, dtype=None):
+    """Load ``"tiny"`` or a local Hugging Face model folder.
+
+    :param model: ``"tiny"`` or the path of a folder with ``config.json``, weights and tokenizer files.
+    :param device: torch device; None: CUDA when available, else CPU.
+    :param dtype: torch dtype or its name; None: bf16 on CUDA, fp32 on CPU.
+    :return: ``(model, tokenizer)`` with the model in eval mode on ``device``.
+    :raises ModelLoadError: the folder is missing or does not hold a loadable model.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dtype = resolve_dtype(dtype, device)
+    if model == "tiny":
+        return build_tiny_model(seed=0, dtype=dtype, device=device)
+    path = Path(model)
+    if not path.is_dir():
+        raise ModelLoadError(f"model {model!r} is neither 'tiny' nor an existing model folder.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
+                                                        attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"model folder {str(path)!r} cannot be loaded ({first}).") from None
+    return hf_model.to(device).eval(), tokenizer

@@ -1,0 +1,44 @@
+"""Small engines and workloads for tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.clock import VirtualClock
+from engine.core import EngineCore
+from engine.request import Request
+from engine.sim_executor import SimExecutor
+
+
+@dataclass
+class StepProfile:
+    base_s: float = 1.0
+    per_token_s: float = 0.0
+    per_kv_token_s: float = 0.0
+    idle_s: float | None = None
+    kv_capacity_tokens: int = 256
+    block_size: int = 4
+    ttft_slo_s: float = 20.0
+    tpot_slo_s: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 64
+    name: str = "test"
+
+
+def make_engine(controller, capacity=256, block_size=4, **kwargs) -> EngineCore:
+    profile = StepProfile(kv_capacity_tokens=capacity, block_size=block_size)
+    return EngineCore(controller, SimExecutor(profile), VirtualClock(), capacity, block_size, **kwargs)
+
+
+def req(i, prompt, out, max_tokens=None, arrival=0.0, class_id=0) -> Request:
+    return Request(str(i), arrival, prompt, max_tokens or out, target_output_len=out, class_id=class_id)
+
+
+def run_until_idle(core: EngineCore, max_steps: int = 100_000, check=None) -> None:
+    for _ in range(max_steps):
+        if not core.has_unfinished:
+            return
+        core.step()
+        if check is not None:
+            check(core)
+    raise AssertionError("engine did not drain")

@@ -1,0 +1,78 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from engine.cli import main
+
+SIMULATE_KEYS = {"requests", "completed", "rejected", "expired", "evictions", "wasted_tokens", "throughput_rps",
+                 "output_tps", "goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+                 "e2e_p99_s", "kv_usage_mean", "kv_usage_std", "kv_peak_tokens", "kv_capacity_tokens",
+                 "mean_waiting", "final_waiting", "sim_time_s", "wall_time_s"}
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_simulate_json_has_every_field():
+    res = run("simulate", "--trace", "splitwise_conv", "--first", "300", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert SIMULATE_KEYS <= set(data)
+    assert data["requests"] == 300
+    assert data["completed"] + data["rejected"] + data["expired"] == 300
+    assert 0 <= data["kv_usage_mean"] <= 1 and data["kv_peak_tokens"] <= data["kv_capacity_tokens"]
+
+
+def test_simulate_at_a_load_multiple_and_with_a_workload():
+    res = run("simulate", "--workload", "paper_sec41", "--profile", "slot", "--controller", "class-budgets",
+              "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["evictions"] == 0
+    hi = json.loads(run("simulate", "--trace", "splitwise_code", "--first", "400", "--load", "2.0", "--json").output)
+    lo = json.loads(run("simulate", "--trace", "splitwise_code", "--first", "400", "--load", "0.5", "--json").output)
+    assert hi["sim_time_s"] < lo["sim_time_s"]
+
+
+def test_capacity_json():
+    res = run("capacity", "--trace", "splitwise_conv", "--profile", "a100-llama2-7b", "--json")
+    data = json.loads(res.output)
+    assert data["lambda_max_rps"] > 0 and data["lifetime_kv_workload"] > data["mean_tokens_per_request"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["simulate", "--trace", "missing.csv"], "missing.csv"),
+    (["simulate", "--trace", "splitwise_conv", "--controller", "nope"], "unknown controller 'nope'"),
+    (["simulate", "--trace", "splitwise_conv", "--profile", "nope"], "unknown profile 'nope'"),
+    (["capacity", "--trace", "splitwise_conv", "--workload", "paper_sec41"], "exactly one of"),
+    (["bench", "--loads", "a,b"], "--loads must be"),
+])
+def test_bad_input_gets_one_line_and_exit_2(args, message):
+    res = run(*args)
+    assert res.exit_code == 2
+    assert message in res.output
+    assert "Traceback" not in res.output
+
+
+def test_malformed_trace_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,5\n0.5,ten,5\n")
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "simulate", "--trace", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert f"{bad}:3:" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bench_writes_table_csv_and_plots(tmp_path):
+    res = run("bench", "--trace", "splitwise_code", "--first", "150", "--loads", "1.0,2.0",
+              "--controllers", "greedy;flow:adaptive=true", "--jobs", "1", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert "| splitwise_code | 2 | flow:adaptive=true |" in res.output
+    for name in ("results.csv", "results.md", "kv_usage_splitwise_code.png", "ttft_cdf_splitwise_code.png",
+                 "goodput_splitwise_code.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert len((tmp_path / "results.csv").read_text().splitlines()) == 1 + 4

@@ -1,0 +1,192 @@
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ctrl import build_controller
+from ctrl.base import Controller, Decision
+from ctrl.greedy import GreedyController
+from engine.request import RequestState
+from tests.helpers import StepProfile, make_engine, req, run_until_idle
+
+CONTROLLER_SPECS = ["greedy", "no-evict", "sglang", "watermark:queue_limit=5", "flow:budget=2",
+                    "flow:adaptive=true", "flow:budget=0.5,dist=poisson", "greedy:queue_timeout_s=30",
+                    "greedy:max_waiting=4", "class-budgets:budgets=1/0.5"]
+
+workloads = st.lists(
+    st.tuples(st.integers(0, 40), st.integers(1, 60), st.integers(1, 40), st.integers(0, 8),
+              st.integers(0, 1)),
+    min_size=1, max_size=30)
+
+
+def _check_step(core):
+    assert core.pool.used_tokens <= core.pool.capacity_tokens
+    held = sum(len(r.block_ids) for r in core.running)
+    assert held + core.pool.num_free_blocks == core.pool.num_blocks
+    assert all(not r.block_ids for r in core.waiting)
+
+
+@given(workloads, st.sampled_from(CONTROLLER_SPECS), st.integers(64, 400), st.sampled_from([1, 4, 16]),
+       st.lists(st.integers(0, 29), max_size=4))
+def test_every_request_ends_in_exactly_one_terminal_state(workload, spec, capacity, block_size, cancels):
+    profile = StepProfile(kv_capacity_tokens=capacity, block_size=block_size)
+    core = make_engine(build_controller(spec, profile), capacity, block_size)
+    core.controller.reset()
+    ended = []
+    core.on_finish = ended.append
+    pending = sorted(enumerate(workload), key=lambda x: x[1][0])
+    requests = []
+    step = 0
+    while pending or core.has_unfinished:
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, out, extra, cls) = pending.pop(0)
+            r = req(i, prompt, out, max_tokens=out + extra, arrival=core.clock.now(), class_id=cls)
+            requests.append(r)
+            core.add_request(r)
+            if i in cancels:
+                core.cancel(r)
+        core.step()
+        _check_step(core)
+        step += 1
+        assert step < 50_000
+    counts = Counter(id(r) for r in ended)
+    assert all(c == 1 for c in counts.values()), "a request ended twice"
+    assert set(counts) == {id(r) for r in requests}, "a request never ended"
+    assert all(r.state.is_terminal for r in requests)
+    m = core.metrics
+    assert len(m.terminal) == len(requests) == m.arrived
+    assert core.pool.num_free_blocks == core.pool.num_blocks
+    for r in requests:
+        if r.state is RequestState.FINISHED:
+            assert r.num_output_tokens == min(r.target_output_len, r.max_tokens)
+            assert r.first_token_time_s <= r.finish_time_s
+    summary = m.summary(core.pool.capacity_tokens, 10.0, 1.0)
+    assert (summary["completed"] + summary["rejected"] + summary["expired"] + summary["cancelled"]
+            + summary["failed"]) == summary["requests"]
+    assert summary["wasted_tokens"] == sum(r.wasted_tokens for r in requests)
+    assert summary["evictions"] == sum(r.num_evictions for r in requests)
+
+
+def test_lifo_eviction_takes_the_most_recently_activated():
+    # 3 requests of 8 prompt tokens fill 6 of 8 blocks (block 4); growth forces evictions.
+    core = make_engine(GreedyController(max_num_seqs=10, max_num_batched_tokens=100), capacity=32, block_size=4)
+    rs = [req(i, 8, 20) for i in range(3)]
+    for r in rs:
+        core.add_request(r)
+    evicted = []
+    orig = core._evict
+
+    def spy(r):
+        evicted.append((r.request_id, r.activation_seq, max(q.activation_seq for q in core.running + [r])))
+        orig(r)
+    core._evict = spy
+    run_until_idle(core)
+    assert evicted, "the scenario must force an eviction"
+    for _, seq, newest in evicted:
+        assert seq == newest
+    assert rs[0].num_evictions == 0, "the oldest request is never evicted"
+    assert all(r.state is RequestState.FINISHED for r in rs)
+
+
+def test_evicted_request_restarts_from_scratch_at_the_front():
+    core = make_engine(GreedyController(max_num_batched_tokens=100), capacity=32, block_size=4)
+    a, b, c = req("a", 8, 20), req("b", 8, 20), req("c", 4, 1)
+    for r in (a, b):
+        core.add_request(r)
+    while b.num_evictions == 0:
+        core.step()
+    assert b.state is RequestState.WAITING and b.num_computed_tokens == 0 and b.num_output_tokens == 0
+    core.add_request(c)
+    assert core.waiting[0] is b
+    assert core.metrics.wasted_tokens > 0
+
+
+def test_token_budget_limits_prefill_chunks():
+    class Fixed(Controller):
+        def decide(self, obs):
+            return Decision(token_budget=16)
+
+    core = make_engine(Fixed(), capacity=1024, block_size=4)
+    for i in range(4):
+        core.add_request(req(i, 50, 5))
+    sizes = []
+    orig = core.executor.execute
+
+    def spy(batch):
+        sizes.append(batch.num_tokens)
+        return orig(batch)
+    core.executor.execute = spy
+    run_until_idle(core)
+    assert max(sizes) <= 16
+    assert sum(sizes) == 4 * 50 + 4 * 4  # prompts once, then 4 decodes each (first token comes with prefill)
+
+
+def test_queue_timeout_expires_only_requests_that_never_started():
+    core = make_engine(GreedyController(max_num_seqs=1, queue_timeout_s=5), capacity=256)
+    rs = [req(i, 4, 10) for i in range(3)]
+    for r in rs:
+        core.add_request(r)
+    run_until_idle(core)
+    assert rs[0].state is RequestState.FINISHED
+    assert [r.state for r in rs[1:]] == [RequestState.EXPIRED] * 2
+    assert rs[1].finish_reason == "queue timeout"
+
+
+def test_max_waiting_rejects_with_retry_after():
+    core = make_engine(GreedyController(max_waiting=2), capacity=256)
+    out = [core.add_request(req(i, 4, 4)) for i in range(4)]
+    assert out[:2] == [None, None]
+    assert out[2].retry_after_s > 0 and "queue is full" in out[2].reason
+    assert core.metrics.terminal[0].state is RequestState.REJECTED
+
+
+def test_request_larger_than_the_pool_is_rejected_at_arrival():
+    core = make_engine(GreedyController(), capacity=64)
+    rejection = core.add_request(req(0, 60, 10))
+    assert rejection is not None and "exceeds the KV capacity" in rejection.reason
+
+
+def test_cancel_frees_blocks_at_the_next_step():
+    core = make_engine(GreedyController(), capacity=256)
+    r = req(0, 10, 100)
+    core.add_request(r)
+    core.step()
+    assert r.block_ids
+    core.cancel(r)
+    core.step()
+    assert r.state is RequestState.CANCELLED and not r.block_ids
+    assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+def test_executor_exception_fails_the_step_and_engine_goes_on():
+    core = make_engine(GreedyController(), capacity=256)
+    orig = core.executor.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return orig(batch)
+    core.executor.execute = flaky
+    a = req("a", 4, 5)
+    core.add_request(a)
+    core.step()
+    core.step()
+    assert a.state is RequestState.FAILED and "device lost" in a.finish_reason
+    b = req("b", 4, 3)
+    core.add_request(b)
+    run_until_idle(core)
+    assert b.state is RequestState.FINISHED
+    assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+def test_time_advances_by_the_profile():
+    profile = StepProfile(base_s=0.01, per_token_s=0.001, per_kv_token_s=0.0001)
+    from engine.sim_executor import SimExecutor
+    ex = SimExecutor(profile)
+    from engine.executor import Batch
+    b = Batch()
+    b.requests, b.num_tokens, b.kv_tokens_read = [object()], 10, 100
+    assert ex.execute(b).duration_s == pytest.approx(0.01 + 0.01 + 0.01)

@@ -1,0 +1,52 @@
+"""Simulator speed: the whole splitwise_conv trace at 1x with greedy on the A100 preset.
+
+    python benchmarks/sim_speed.py [--repeats 3] [--controller greedy] [--profile a100-llama2-7b]
+
+Runs pinned to one core where the OS allows it. Prints wall time, simulated requests per wall
+second and the speed-up over real time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from ctrl import build_controller
+from engine.profile import load_profile
+from engine.simulate import simulate
+from engine.workload import read_trace, resolve_trace
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default="splitwise_conv")
+    ap.add_argument("--profile", default="a100-llama2-7b")
+    ap.add_argument("--controller", default="greedy")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    profile = load_profile(args.profile)
+    t0 = time.perf_counter()
+    arrivals = read_trace(resolve_trace(args.trace))
+    read_s = time.perf_counter() - t0
+    walls, summary = [], None
+    for _ in range(args.repeats):
+        controller = build_controller(args.controller, profile)
+        t0 = time.perf_counter()
+        summary = simulate(arrivals, profile, controller, record_steps=True).summary
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
+    print(f"| trace | requests | controller | profile | steps | simulated s | wall s (median of {args.repeats}) "
+          f"| requests / wall s | speed-up over real time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {args.trace} | {summary['requests']:,} | {args.controller} | {profile.name} | {summary['steps']:,} "
+          f"| {summary['sim_time_s']:,.0f} | {wall:.2f} | {summary['requests'] / wall:,.0f} "
+          f"| {summary['sim_time_s'] / wall:,.0f}x |")
+    print(f"\ntrace read: {read_s:.3f} s; all runs: {', '.join(f'{w:.2f}' for w in walls)} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""LLM: offline generation and streaming on the real engine.
+
+The same ``EngineCore`` as the simulator, with a ``TorchExecutor`` and a ``WallClock``::
+
+    llm = LLM("tiny", kv_capacity_tokens=8192)
+    outs = llm.generate(["Hello", "Bonjour"], SamplingParams(temperature=0.8, seed=1), max_tokens=32)
+    for delta in llm.stream("Hello", max_tokens=16):
+        print(delta, end="")
+
+For a server: ``add_request(..., on_delta=callback)`` then call ``step()`` in the serving loop;
+``callback(request, delta_text, finished)`` receives each newly completed piece of text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from engine.clock import WallClock
+from engine.core import EngineCore
+from engine.request import Request, RequestState
+from engine.tiny_model import IncrementalDetokenizer, default_device, load_model, resolve_dtype
+from engine.torch_executor import SamplingParams, TorchExecutor
+
+DeltaCallback = Callable[[Request, str, bool], None]
+
+
+@dataclass
+class RequestOutput:
+    """A request's result.
+
+    :param request_id: the request's id.
+    :param prompt_token_ids: the prompt as token ids.
+    :param token_ids: the generated token ids (a stop or EOS token included).
+    :param text: the generated text, cut before a stop string.
+    :param finish_reason: ``length``, ``stop``, ``cancelled``, or why it was rejected or failed.
+    :param state: the terminal state: finished, rejected, cancelled, expired or failed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    state: str
+
+
+class _Stream:
+    """Text streaming state of one request: what was already sent, and stop strings held back."""
+
+    __slots__ = ("detok", "callback", "sent", "stops")
+
+    def __init__(self, tokenizer, callback: DeltaCallback | None, stops: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.callback = callback
+        self.sent = 0      # characters of text already handed out
+        self.stops = stops
+
+    def visible(self) -> tuple[str, bool]:
+        """Text that may be shown now, and whether a stop string has been reached."""
+        text = self.detok.text
+        cuts = [text.find(s) for s in self.stops if s in text]
+        if cuts:
+            return text[:min(cuts)], True
+        hold = 0  # a suffix that may still grow into a stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[:len(text) - hold], False
+
+
+def _as_profile_defaults(max_num_batched_tokens: int, max_num_seqs: int):
+    return types.SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                 tpot_slo_s=0.1, kv_capacity_tokens=None, base_s=0.0)
+
+
+class LLM:
+    """The real engine behind a small offline API.
+
+    :param model: ``"tiny"`` or a local Hugging Face model folder.
+    :param kv_capacity_tokens: KV capacity M in tokens (the pool's size); None: 32768 on CPU,
+        on CUDA what fits in 80% of the free GPU memory.
+    :param block_size: tokens per KV block.
+    :param controller: a controller spec (``greedy``, ``flow:budget=2``, ...) or a Controller.
+    :param device: torch device; None: CUDA when available, else CPU.
+    :param dtype: torch dtype or name; None: bf16 on CUDA, fp32 on CPU.
+    :param max_num_batched_tokens: token budget of one step (chunked prefill beyond it).
+    :param max_num_seqs: most running requests.
+    :param model_and_tokenizer: an already loaded ``(model, tokenizer)`` to use instead of ``model``.
+    """
+
+    def __init__(self, model: str = "tiny", kv_capacity_tokens: int | None = None, block_size: int = 16,
+                 controller="greedy", device=None, dtype=None, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 256, model_and_tokenizer=None, record_steps: bool = True) -> None:
+        from ctrl import build_controller
+        from engine.block_pool import BlockPool
+
+        if isinstance(controller, str):  # check the cheap inputs before loading anything
+            controller = build_controller(controller, _as_profile_defaults(max_num_batched_tokens, max_num_seqs))
+        device = torch.device(device) if device is not None else default_device()
+        dtype = resolve_dtype(dtype, device)
+        if kv_capacity_tokens is not None:
+            BlockPool(kv_capacity_tokens, block_size)  # raises ValueError on a bad size
+        if model_and_tokenizer is None:
+            hf_model, tokenizer = load_model(model, device, dtype)
+        else:
+            hf_model, tokenizer = model_and_tokenizer
+        self.model, self.tokenizer = hf_model, tokenizer
+        self.executor = TorchExecutor(hf_model, tokenizer, device=device, dtype=dtype)
+        if kv_capacity_tokens is None:
+            kv_capacity_tokens = self._default_capacity(device)
+        self.core = EngineCore(controller, self.executor, WallClock(), kv_capacity_tokens=kv_capacity_tokens,
+                               block_size=block_size, on_token=self._on_token, on_finish=self._on_finish,
+                               record_steps=record_steps)
+        self.executor.attach_pool(self.core.pool)
+        self.max_model_len = self.executor.max_model_len
+        self._streams: dict[Request, _Stream] = {}
+        self._ids = itertools.count()
+
+    def _default_capacity(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 32768
+        cfg = self.model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=self.executor.dtype).element_size()
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int(0.8 * free) // per_token, 1024)
+
+    # ------------------------------------------------------------------ requests
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """Raise ValueError (one sentence) for a request that can never run."""
+        n = len(prompt_token_ids)
+        if n < 1:
+            raise ValueError("the prompt is empty; a request needs at least one prompt token.")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
+        if any(t < 0 or t >= self.executor.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary of {self.executor.vocab_size}.")
+        limit = self.max_model_len
+        if limit is not None and n > limit:
+            raise ValueError(f"the prompt has {n} tokens, more than the model context of {limit} tokens.")
+        if limit is not None and n + max_tokens > limit:
+            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the model context "
+                             f"of {limit} tokens.")
+        cap = self.core.pool.capacity_tokens
+        if n + max_tokens > cap:
+            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the KV capacity "
+                             f"of {cap} tokens.")
+
+    def add_request(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 16,
+                    request_id: str | None = None, on_delta: DeltaCallback | None = None) -> Request:
+        """Queue one request; the engine serves it as ``step()`` is called.
+
+        :param prompt: text or token ids.
+        :param sampling: sampling parameters (default greedy).
+        :param max_tokens: the most tokens to generate.
+        :param on_delta: called as ``on_delta(request, text_delta, finished)`` when new text is
+            complete and once more (possibly with an empty delta) when the request ends.
+        :return: the Request (its ``state`` says whether the controller rejected it).
+        :raises ValueError: the request can never run (too long, empty, bad token ids).
+        """
+        ids = self._tokenize(prompt)
+        self.check_request(ids, max_tokens)
+        sampling = sampling or SamplingParams()
+        rid = request_id if request_id is not None else str(next(self._ids))
+        r = Request(rid, self.core.clock.now(), len(ids), max_tokens, prompt_token_ids=ids, sampling=sampling)
+        self._streams[r] = _Stream(self.tokenizer, on_delta, list(sampling.stop))
+        self.core.add_request(r)  # a rejection ends it at once, through _on_finish
+        return r
+
+    def cancel(self, request: Request) -> None:
+        """Cancel a request; its KV blocks are freed at the next step."""
+        self.core.cancel(request)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of the requests that ended in it."""
+        return [self.output(r) for r in self.core.step()]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished
+
+    def output(self, r: Request) -> RequestOutput:
+        stream = self._streams.get(r)
+        if stream is not None and stream.detok.num_tokens == len(r.output_token_ids):
+            text, _ = stream.visible() if stream.stops else (stream.detok.text, False)
+            if r.state is not RequestState.RUNNING and stream.stops:
+                text = self._final_text(r, stream)
+        else:
+            text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+            for s in (r.sampling.stop if r.sampling is not None else ()):
+                text = text.split(s, 1)[0]
+        return RequestOutput(r.request_id, list(r.prompt_token_ids), list(r.output_token_ids), text,
+                             r.finish_reason, r.state.value)
+
+    @staticmethod
+    def _final_text(r: Request, stream: _Stream) -> str:
+        text, hit = stream.visible()
+        return text if hit else stream.detok.text
+
+    def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 max_tokens: int | Sequence[int] = 16) -> list[RequestOutput]:
+        """Generate for every prompt; returns outputs in prompt order.
+
+        :param prompts: a text, or a list of texts or token-id lists.
+        :param sampling: one SamplingParams for all, or one per prompt (default greedy).
+        :param max_tokens: one limit for all, or one per prompt.
+        :raises ValueError: a prompt can never run; then no request is queued.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+        limits = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n
+        if len(samplings) != n or len(limits) != n:
+            raise ValueError(f"got {n} prompts but {len(samplings)} sampling settings and {len(limits)} max_tokens.")
+        ids = [self._tokenize(p) for p in prompts]
+        for i, (t, m) in enumerate(zip(ids, limits)):
+            try:
+                self.check_request(t, m)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        reqs = [self.add_request(t, s, m) for t, s, m in zip(ids, samplings, limits)]
+        while self.core.has_unfinished and any(not r.state.is_terminal for r in reqs):
+            self.core.step()
+        outs = [self.output(r) for r in reqs]
+        for r in reqs:
+            self._streams.pop(r, None)
+        return outs
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 16) -> Iterator[str]:
+        """Generate for one prompt, yielding text deltas as they complete (runs the engine itself)."""
+        deltas: list[str] = []
+        r = self.add_request(prompt, sampling, max_tokens, on_delta=lambda _r, d, _f: deltas.append(d) if d else None)
+        try:
+            while not r.state.is_terminal and self.core.has_unfinished:
+                self.core.step()
+                yield from deltas
+                deltas.clear()
+            yield from deltas
+        finally:
+            if not r.state.is_terminal:
+                self.core.cancel(r)
+            self._streams.pop(r, None)
+
+    # ------------------------------------------------------------------ engine hooks
+    def _on_token(self, r: Request, token_id: int | None) -> None:
+        stream = self._streams.get(r)
+        if stream is None:
+            return
+        if len(r.output_token_ids) <= stream.detok.num_tokens:
+            return  # recomputed after an eviction: this token was already streamed
+        stream.detok.push([token_id])
+        if stream.callback is None:
+            return
+        text, _ = stream.visible() if stream.stops else (stream.detok.text, False)
+        if len(text) > stream.sent:
+            delta = text[stream.sent:]
+            stream.sent = len(text)
+            stream.callback(r, delta, False)
+
+    def _on_finish(self, r: Request) -> None:
+        stream = self._streams.get(r)
+        if stream is None or stream.callback is None:
+            return
+        text = self._final_text(r, stream) if stream.stops else stream.detok.text
+        delta = text[stream.sent:] if len(text) > stream.sent else ""
+        stream.sent = max(stream.sent, len(text))
+        stream.callback(r, delta, True)
+        if stream.callback is not None and not r.state.is_terminal:
+            return

@@ -18,6 +18,7 @@ from engine.executor import Batch, Executor
 from engine.metrics import EngineMetrics
 from engine.request import Request, RequestState
 
+ASK = object()  # add_request's default: ask the controller
 _FINISHED = RequestState.FINISHED
 _RUNNING = RequestState.RUNNING
 
@@ -88,8 +89,13 @@ class EngineCore:
         self.step_index = 0
 
     # ------------------------------------------------------------------ arrivals
-    def add_request(self, request: Request) -> Rejection | None:
-        """Queue an arrival, unless it can never fit or the controller refuses it."""
+    def add_request(self, request: Request, admission: Rejection | None | object = ASK) -> Rejection | None:
+        """Queue an arrival, unless it can never fit or the controller refuses it.
+
+        :param admission: ``ASK`` (default) asks the controller now. A server that decides at
+            arrival, outside the engine's thread, passes its decision instead: None (admitted)
+            or the Rejection it already answered with, which is recorded here.
+        """
         now = self.clock.now()
         self._arrivals.add(now)
         self.metrics.on_arrival(request)
@@ -101,13 +107,16 @@ class EngineCore:
                 request,
                 f"prompt ({request.prompt_len} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
                 f"KV capacity of {cap} tokens", 0.0)
-        obs = self._observe(now)
-        rejection = self.controller.admit(obs, request.prompt_len, request.max_tokens)
+        rejection = self.admit(request) if admission is ASK else admission
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
         self.waiting.append(request)
         self._waiting_prompt_tokens += request.prompt_len
         return None
+
+    def admit(self, request: Request) -> Rejection | None:
+        """The controller's decision on an arrival, from the latest observation; changes nothing."""
+        return self.controller.admit(self._observe(self.clock.now()), request.prompt_len, request.max_tokens)
 
     def cancel(self, request: Request) -> None:
         """Cancel a waiting or running request; its blocks are freed at the start of the next step."""
@@ -238,7 +247,9 @@ class EngineCore:
 
     def _start(self, r: Request) -> None:
         r.state = _RUNNING
-        r.ever_activated = True
+        if not r.ever_activated:
+            r.ever_activated = True
+            r.start_time_s = self.clock.now()
         r.activation_seq = self._activation_seq
         self._activation_seq += 1
         self._waiting_prompt_tokens -= r.prompt_len

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from engine.clock import WallClock
-from engine.core import EngineCore
+from engine.core import ASK, EngineCore
 from engine.request import Request, RequestState
 from engine.tiny_model import IncrementalDetokenizer, default_device, load_model, resolve_dtype
 from engine.torch_executor import SamplingParams, TorchExecutor
@@ -161,7 +161,8 @@ class LLM:
                              f"of {cap} tokens.")
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 16,
-                    request_id: str | None = None, on_delta: DeltaCallback | None = None) -> Request:
+                    request_id: str | None = None, on_delta: DeltaCallback | None = None,
+                    admission=ASK) -> Request:
         """Queue one request; the engine serves it as ``step()`` is called.
 
         :param prompt: text or token ids.
@@ -169,6 +170,8 @@ class LLM:
         :param max_tokens: the most tokens to generate.
         :param on_delta: called as ``on_delta(request, text_delta, finished)`` when new text is
             complete and once more (possibly with an empty delta) when the request ends.
+        :param admission: the arrival decision if the caller already took it (see
+            ``EngineCore.add_request``); by default the controller is asked now.
         :return: the Request (its ``state`` says whether the controller rejected it).
         :raises ValueError: the request can never run (too long, empty, bad token ids).
         """
@@ -178,7 +181,8 @@ class LLM:
         rid = request_id if request_id is not None else str(next(self._ids))
         r = Request(rid, self.core.clock.now(), len(ids), max_tokens, prompt_token_ids=ids, sampling=sampling)
         self._streams[r] = _Stream(self.tokenizer, on_delta, list(sampling.stop))
-        self.core.add_request(r)  # a rejection ends it at once, through _on_finish
+        if self.core.add_request(r, admission) is not None:  # rejected: it ended at once, through _on_finish
+            self._streams.pop(r, None)
         return r
 
     def cancel(self, request: Request) -> None:
@@ -187,29 +191,27 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests that ended in it."""
-        return [self.output(r) for r in self.core.step()]
+        ended = self.core.step()
+        outs = [self.output(r) for r in ended]
+        for r in ended:
+            self._streams.pop(r, None)
+        return outs
 
     @property
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished
 
     def output(self, r: Request) -> RequestOutput:
+        """The request's output so far (its final output once it has ended)."""
         stream = self._streams.get(r)
         if stream is not None and stream.detok.num_tokens == len(r.output_token_ids):
-            text, _ = stream.visible() if stream.stops else (stream.detok.text, False)
-            if r.state is not RequestState.RUNNING and stream.stops:
-                text = self._final_text(r, stream)
+            text = _shown_text(stream)
         else:
             text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
             for s in (r.sampling.stop if r.sampling is not None else ()):
                 text = text.split(s, 1)[0]
         return RequestOutput(r.request_id, list(r.prompt_token_ids), list(r.output_token_ids), text,
                              r.finish_reason, r.state.value)
-
-    @staticmethod
-    def _final_text(r: Request, stream: _Stream) -> str:
-        text, hit = stream.visible()
-        return text if hit else stream.detok.text
 
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  max_tokens: int | Sequence[int] = 16) -> list[RequestOutput]:
@@ -266,7 +268,7 @@ class LLM:
         stream.detok.push([token_id])
         if stream.callback is None:
             return
-        text, _ = stream.visible() if stream.stops else (stream.detok.text, False)
+        text = stream.visible()[0] if stream.stops else stream.detok.text
         if len(text) > stream.sent:
             delta = text[stream.sent:]
             stream.sent = len(text)
@@ -274,11 +276,20 @@ class LLM:
 
     def _on_finish(self, r: Request) -> None:
         stream = self._streams.get(r)
-        if stream is None or stream.callback is None:
+        if stream is None:
             return
-        text = self._final_text(r, stream) if stream.stops else stream.detok.text
-        delta = text[stream.sent:] if len(text) > stream.sent else ""
+        stream.detok.finish()
+        if stream.callback is None:
+            return
+        text = _shown_text(stream)
+        delta = text[stream.sent:]
         stream.sent = max(stream.sent, len(text))
         stream.callback(r, delta, True)
-        if stream.callback is not None and not r.state.is_terminal:
-            return
+
+
+def _shown_text(stream: _Stream) -> str:
+    """The text to show: cut before a stop string; a held-back partial match is shown at the end."""
+    if not stream.stops:
+        return stream.detok.text
+    text, hit = stream.visible()
+    return text if hit or not stream.detok.finished else stream.detok.text

@@ -42,7 +42,7 @@ class Request:
         "request_id", "arrival_time_s", "prompt_len", "max_tokens", "target_output_len",
         "prompt_token_ids", "sampling", "class_id",
         "state", "num_computed_tokens", "num_output_tokens", "output_token_ids", "block_ids",
-        "activation_seq", "ever_activated", "first_token_time_s", "finish_time_s",
+        "activation_seq", "ever_activated", "start_time_s", "first_token_time_s", "finish_time_s",
         "finish_reason", "retry_after_s", "num_evictions", "wasted_tokens", "cancel_requested",
         "user_data",
     )
@@ -73,6 +73,7 @@ class Request:
         self.block_ids: list[int] = []
         self.activation_seq = -1
         self.ever_activated = False
+        self.start_time_s: float | None = None  # first activation (queue time ends here)
         self.first_token_time_s: float | None = None
         self.finish_time_s: float | None = None
         self.finish_reason: str | None = None

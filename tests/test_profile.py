@@ -34,7 +34,8 @@ def write_json(tmp_path: Path, data, name: str = "prof.json") -> Path:
 # --- shipped profiles -------------------------------------------------------------------------
 
 def test_shipped_profile_names():
-    assert shipped_profiles() == SHIPPED
+    assert set(SHIPPED) <= set(shipped_profiles())
+    assert shipped_profiles() == sorted(shipped_profiles())
 
 
 @pytest.mark.parametrize("name", SHIPPED)

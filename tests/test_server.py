@@ -1,0 +1,287 @@
+"""The streaming server, end to end over loopback, with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.server import ServeConfig, Stream, build_service, create_app
+from engine.tiny_model import load_model
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", "cpu", "float32")
+
+
+class Running:
+    def __init__(self, tiny, **overrides) -> None:
+        self.config = ServeConfig(port=free_port(), kv_capacity_tokens=4096, max_num_batched_tokens=256,
+                                  **overrides)
+        self.service = build_service(self.config, tiny)
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.service, self.config), host="127.0.0.1",
+                                                    port=self.config.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.config.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    @property
+    def pool(self):
+        return self.service.core.pool
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        deadline = time.time() + timeout_s
+        while self.pool.num_free_blocks != self.pool.num_blocks or self.service.core.has_unfinished:
+            assert time.time() < deadline, "KV blocks were not freed"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.service.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Running(tiny, controller="greedy")
+    yield s
+    s.close()
+
+
+def test_completion_and_chat_with_the_openai_client(server):
+    c = server.client
+    out = c.completions.create(model="tiny", prompt="Hello there", max_tokens=7, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 7 and out.usage.prompt_tokens == len("Hello there") + 1
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+
+
+def test_streaming_matches_non_streaming(server):
+    c = server.client
+    kwargs = dict(model="tiny", prompt="Stream me", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kwargs).choices[0].text
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    chat = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          stream=True, temperature=0, extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason == "length"
+
+
+def test_models_health_ready_and_metrics(server):
+    assert server.client.models.list().data[0].id == "tiny"
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ready").status_code == 200
+    server.client.completions.create(model="tiny", prompt="m", max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("tidegate:num_requests_running", "tidegate:kv_cache_usage_perc",
+                 "tidegate:time_to_first_token_seconds", "tidegate:inter_token_latency_seconds",
+                 "tidegate:e2e_request_latency_seconds", "tidegate:request_queue_time_seconds",
+                 "tidegate:generation_tokens", "tidegate:num_preemptions", "tidegate:controller_decision_seconds",
+                 "tidegate:request_rejections", "tidegate:shield_interventions"):
+        assert name in families, name
+    ttft = {s.name: s.value for s in families["tidegate:time_to_first_token_seconds"].samples}
+    assert ttft["tidegate:time_to_first_token_seconds_count"] >= 1
+
+
+LONG = "x" * 3000
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ('{"model": "tiny", "prompt": ', "not valid JSON"),
+    ({"prompt": "hi"}, "model"),
+    ({"model": "tiny"}, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 5000}, "exceeds the model context"),
+    ({"model": "tiny", "prompt": LONG, "max_tokens": 5}, "more than the model context"),
+    ({"model": "nope", "prompt": "hi"}, "not served here"),
+    ({"model": "tiny", "prompt": "hi", "n": 2}, "n"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": "tiny", "prompt": ""}, "prompt"),
+    ({"model": "tiny", "prompt": [1, 2, 99999]}, "outside the vocabulary"),
+])
+def test_bad_input_gets_a_400_with_an_error_body(server, body, fragment):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_chat_bad_input(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert r.status_code == 400
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard"}]})
+    assert r.status_code == 400
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": "tiny", "prompt": "bye", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.pool.num_free_blocks < server.pool.num_blocks
+    server.wait_idle()
+    cancelled = [r for r in server.service.core.metrics.terminal if r.state.value == "cancelled"]
+    assert cancelled and cancelled[-1].num_output_tokens < 1000
+
+
+def test_fault_in_a_step_fails_only_that_steps_requests(server):
+    executor = server.service.llm.executor
+    original = executor.execute
+    fired = threading.Event()
+
+    def flaky(batch):
+        if not fired.is_set() and batch.num_decodes:
+            fired.set()
+            raise RuntimeError("injected fault")
+        return original(batch)
+
+    executor.execute = flaky
+    try:
+        body = {"model": "tiny", "prompt": "fault", "max_tokens": 20, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "injected fault" in json.loads(events[-2])["error"]["message"]
+    finally:
+        executor.execute = original
+    out = server.client.completions.create(model="tiny", prompt="after", max_tokens=4, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4
+    server.wait_idle()
+
+
+def test_slow_reader_stream_is_ended_and_bounded(tiny):
+    s = Running(tiny, controller="greedy", stream_buffer_chunks=4)
+    try:
+        import asyncio
+
+        loop = asyncio.new_event_loop()
+        stream = Stream(loop, limit=4)
+        stream.admitted = True
+        ids = s.service.llm.tokenizer.encode("slow")
+        from engine.torch_executor import SamplingParams
+        s.service.submit(stream, ids, SamplingParams(ignore_eos=True), 200)  # nobody reads this stream
+        deadline = time.time() + 30
+        while stream.request is None or not stream.request.state.is_terminal:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        s.wait_idle()
+        assert stream.overflowed and len(stream.chunks) <= 5
+        assert stream.request.state.value == "cancelled" and stream.request.num_output_tokens < 200
+        loop.close()
+    finally:
+        s.close()
+
+
+def test_429_with_retry_after_when_the_controller_refuses(tiny):
+    s = Running(tiny, controller="watermark:watermark=0.01")
+    try:
+        body = {"model": "tiny", "prompt": "a" * 200, "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            time.sleep(0.2)
+            t = time.perf_counter()
+            refused = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "b", "max_tokens": 3})
+            latency = time.perf_counter() - t
+        assert refused.status_code == 429
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert "watermark" in refused.json()["error"]["message"]
+        assert latency < 1.0
+        with pytest.raises(openai.RateLimitError):
+            with httpx.stream("POST", s.url + "/v1/completions", json=body) as r2:
+                lines2 = r2.iter_lines()
+                next(lines2)
+                s.client.completions.create(model="tiny", prompt="c", max_tokens=2)
+        s.wait_idle()
+        rejected = [r for r in s.service.core.metrics.terminal if r.state.value == "rejected"]
+        assert len(rejected) >= 2  # the engine's accounting saw the early answers too
+    finally:
+        s.close()
+
+
+def test_queue_timeout_ends_a_waiting_request_with_503(tiny):
+    s = Running(tiny, controller="greedy:max_num_seqs=1", queue_timeout_s=0.3)
+    try:
+        body = {"model": "tiny", "prompt": "first", "max_tokens": 600, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()  # keep the iterator: dropping it closes the connection
+            next(lines)
+            waited = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "second", "max_tokens": 3},
+                                timeout=30)
+        assert waited.status_code == 503
+        assert "queue timeout" in waited.json()["error"]["message"]
+        s.wait_idle()
+    finally:
+        s.close()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
+                             "--kv-capacity-tokens", "4096", "--drain-timeout-s", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(url + "/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.1)
+        result = {}
+
+        def long_request():
+            result["r"] = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "drain", "max_tokens": 800, "ignore_eos": True})
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["Retry-After"]
+        t.join(60)
+        assert result["r"].status_code == 200
+        assert result["r"].json()["usage"]["completion_tokens"] == 800
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,4 +1,5 @@
-# `make test`: set up .venv and run the tests.  `make run`: set up .venv and run the main job.
+# `make test`: set up .venv and run the tests.  `make run`: set up .venv and start the server
+# (tiny built-in model; pass SERVE_ARGS='--port 9000 --controller greedy' to change it).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -17,10 +18,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 run: $(STAMP)
-	$(BIN)/tidegate bench --trace splitwise_conv --first 2000 --out bench-out
+	$(BIN)/tidegate serve --model tiny $(SERVE_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/tidegate bench --trace splitwise_conv --trace splitwise_code --out bench-out
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache .hypothesis

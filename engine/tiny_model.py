@@ -83,6 +83,20 @@ class IncrementalDetokenizer:
         self._bytes = isinstance(tokenizer, ByteTokenizer)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace") if self._bytes else None
         self._ids: list[int] = []
+        self.finished = False
+
+    def finish(self) -> str:
+        """The sequence ended: an incomplete trailing character becomes U+FFFD; returns that delta."""
+        if self.finished:
+            return ""
+        self.finished = True
+        if self._bytes:
+            delta = self._decoder.decode(b"", final=True)
+        else:
+            full = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
 
     def push(self, token_ids) -> str:
         """Add tokens; returns the newly completed text (possibly empty)."""
@@ -100,7 +114,7 @@ class IncrementalDetokenizer:
 
 
 def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """The tiny Llama (4 layers, hidden 256, 4 heads, 2 KV heads, about 4.4M parameters) with
+    """The tiny Llama (4 layers, hidden 256, 4 heads, 2 KV heads, about 3M parameters) with
     weights drawn from ``seed``, in eval mode.
 
     :return: ``(model, tokenizer)``.

@@ -7,6 +7,7 @@ keys and values at the blocks the core gave each request, and samples the next t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -14,14 +15,14 @@ import torch
 from engine.executor import Batch, StepResult
 from engine.paged_cache import PagedKVCache, StepLayout, register_attention
 from engine.request import Request
-from engine.tiny_model import IncrementalDetokenizer, default_device, resolve_dtype
+from engine.tiny_model import IncrementalDetokenizer, resolve_dtype
 
 
 @dataclass
 class SamplingParams:
     """How a request picks its tokens (``max_tokens`` lives on the Request).
 
-    :param temperature: 0 is greedy; otherwise logits are divided by it before sampling.
+    :param temperature: 0 (or below 1e-5) is greedy; otherwise logits are divided by it before sampling.
     :param top_p: nucleus sampling: keep the smallest set of tokens with this much probability.
     :param top_k: keep the k most likely tokens; 0 keeps all.
     :param seed: seeds the request's own generator, so its samples reproduce (also after an
@@ -53,7 +54,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below this temperature logits / temperature overflows to inf: the limit is argmax anyway.
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 _GREEDY = SamplingParams()
@@ -161,15 +163,14 @@ class TorchExecutor:
         try:
             with torch.inference_mode():
                 if self.time_forward:
-                    import time
                     t0 = time.perf_counter()
                 logits = self.model(input_ids=ids, position_ids=position_ids.unsqueeze(0), cache=self.cache,
                                     use_cache=False, logits_to_keep=keep, paged_layout=layout).logits[0]
-                tokens = self._sample(logits, [reqs[i] for i in samplers])
                 if self.time_forward:
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
                     self.forward_time_s += time.perf_counter() - t0
+                tokens = self._sample(logits, [reqs[i] for i in samplers])
         finally:
             config._attn_implementation = previous
             self.cache.layout = None

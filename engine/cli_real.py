@@ -1,0 +1,160 @@
+"""Commands of the real engine: ``generate``, ``profile`` and ``twin-check``.
+
+Registered into the ``tidegate`` group by engine/cli.py (``main.add_command(...)``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from ctrl import ControllerSpecError
+    from engine.profile import ProfileError
+    from engine.tiny_model import ModelLoadError
+    from engine.workload import WorkloadError
+    return (ControllerSpecError, ProfileError, WorkloadError, ModelLoadError, ValueError)
+
+
+def friendly(fn):
+    """User-input errors become one ``error: ...`` line on stderr and exit code 2."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _user_errors() as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+def _threads(threads: int | None) -> None:
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+
+
+model_option = click.option("--model", default="tiny", show_default=True,
+                            help="'tiny' (random-weight 3M Llama, no files needed) or a local Hugging Face model folder.")
+device_option = click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available).")
+dtype_option = click.option("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU).")
+threads_option = click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
+
+
+@click.command("generate")
+@model_option
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for several.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed of the sampling (reproducible outputs).")
+@click.option("--stop", multiple=True, help="Stop string; repeat for several.")
+@click.option("--ignore-eos", is_flag=True, help="Generate max-tokens tokens whatever the model says.")
+@click.option("--kv-capacity-tokens", type=click.IntRange(min=1), default=None, help="KV cache size in tokens.")
+@click.option("--stream/--no-stream", default=False, help="Print text as it is generated (one prompt).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
+@device_option
+@dtype_option
+@threads_option
+@friendly
+def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos,
+                     kv_capacity_tokens, stream, as_json, device, dtype, threads):
+    """Generate text for prompts on the real engine."""
+    from engine.llm import LLM
+    from engine.torch_executor import SamplingParams
+
+    _threads(threads)
+    if stream and len(prompts) > 1:
+        raise click.UsageError("--stream takes one --prompt")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
+                              ignore_eos=ignore_eos)
+    llm = LLM(model, kv_capacity_tokens=kv_capacity_tokens, device=device, dtype=dtype)
+    if stream:
+        for delta in llm.stream(prompts[0], sampling, max_tokens):
+            click.echo(delta, nl=False)
+        click.echo()
+        return
+    for out in llm.generate(list(prompts), sampling, max_tokens):
+        if as_json:
+            click.echo(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
+                                   "finish_reason": out.finish_reason}))
+        else:
+            click.echo(out.text)
+
+
+@click.command("profile")
+@model_option
+@device_option
+@dtype_option
+@threads_option
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Profile JSON to write (loadable with --profile FILE).")
+@click.option("--name", default=None, help="Profile name (default: the file's stem).")
+@click.option("--kv-capacity-tokens", type=click.IntRange(min=16), default=None,
+              help="KV capacity written into the profile (default: sized for the model and device).")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs per grid point and pass.")
+@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="Walks over the shuffled grid.")
+@click.option("--quick", is_flag=True, help="A smaller grid (for tests).")
+@friendly
+def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_tokens, repeats, passes, quick):
+    """Time engine steps over a grid of batch shapes and fit the simulator's step-time model."""
+    from engine.profiler import run_profile
+
+    _threads(threads)
+    profile = run_profile(model, device=device, dtype=dtype, name=name or out_path.stem,
+                          kv_capacity_tokens=kv_capacity_tokens, repeats=repeats, passes=passes, quick=quick,
+                          log=lambda s: click.echo(s, err=True))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out_path)
+    fit = profile.extra["fit"]
+    click.echo(f"base_s={profile.base_s:.6g} per_token_s={profile.per_token_s:.6g} "
+               f"per_kv_token_s={profile.per_kv_token_s:.6g}")
+    click.echo(f"R^2={fit['r2']:.4f} held-out MAPE={100 * fit['heldout_mape']:.2f}% "
+               f"({fit['points']} grid points)")
+    click.echo(f"wrote {out_path}")
+
+
+@click.command("twin-check")
+@model_option
+@click.option("--trace", required=True, help="Trace file or shipped name (splitwise_conv, splitwise_code).")
+@click.option("--first", "first_n", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--length-scale", type=float, default=0.1, show_default=True,
+              help="Multiply prompt and output lengths (fit the trace to the tiny model).")
+@click.option("--rate-scale", type=float, default=1.0, show_default=True, help="Replay at this multiple of the trace's speed.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Cap on output lengths (max_tokens of every request).")
+@click.option("--profile", "profile_name", default="tiny-cpu", show_default=True,
+              help="The fitted profile the simulator uses (name or file).")
+@click.option("--controller", "controller_spec", default="greedy", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("twin-out"),
+              show_default=True, help="Folder for the report JSON and the step-time plot.")
+@click.option("--json", "as_json", is_flag=True)
+@device_option
+@dtype_option
+@threads_option
+@friendly
+def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, controller_spec,
+                       seed, out_dir, as_json, device, dtype, threads):
+    """Run one workload through the real engine and the simulator twin and compare them."""
+    from engine.twin import run_twin_check
+
+    _threads(threads)
+    report = run_twin_check(model=model, trace=trace, first_n=first_n, length_scale=length_scale,
+                            rate_scale=rate_scale, max_tokens=max_tokens, profile_name=profile_name,
+                            controller_spec=controller_spec, seed=seed, out_dir=out_dir, device=device,
+                            dtype=dtype, log=lambda s: click.echo(s, err=True))
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(report["table"])
+    click.echo(f"\nwrote {out_dir}/twin_report.json and {out_dir}/twin_step_time.png")
+
+
+COMMANDS = (generate_command, profile_command, twin_check_command)

@@ -1,0 +1,245 @@
+"""The real engine on the tiny model (fp32, CPU): the same EngineCore as the simulator with a
+TorchExecutor. Greedy outputs must match ``model.generate`` run on each request alone, whatever
+the batching, chunking and evictions did."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from ctrl import ControllerSpecError, build_controller
+from engine.clock import WallClock
+from engine.core import EngineCore
+from engine.llm import LLM
+from engine.request import Request, RequestState
+from engine.tiny_model import ByteTokenizer, IncrementalDetokenizer, ModelLoadError, build_tiny_model, load_model
+from engine.torch_executor import SamplingParams, TorchExecutor
+
+torch.set_num_threads(1)  # 2 threads stall badly when the 2 cores are shared
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(seed=0, dtype=torch.float32, device="cpu")
+
+
+def _workload(n: int, seed: int, max_prompt: int = 120, max_out: int = 40):
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n):
+        plen = rng.randint(1, max_prompt)
+        items.append(([1] + [rng.randint(3, 258) for _ in range(plen - 1)], rng.randint(1, max_out)))
+    return items
+
+
+def _reference(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    config = GenerationConfig(do_sample=False, eos_token_id=[], pad_token_id=0, max_new_tokens=max_tokens)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def workload(tiny):
+    model, _ = tiny
+    items = _workload(18, seed=1)
+    return [(p, m, _reference(model, p, m)) for p, m in items]
+
+
+def _engine(tiny, kv_capacity_tokens: int, block_size: int = 16, max_num_batched_tokens: int = 4096):
+    model, tok = tiny
+    executor = TorchExecutor(model, tok)
+    core = EngineCore(build_controller(f"greedy:max_num_batched_tokens={max_num_batched_tokens}"), executor,
+                      WallClock(), kv_capacity_tokens=kv_capacity_tokens, block_size=block_size)
+    executor.attach_pool(core.pool)
+    return core
+
+
+def _run_staggered(core, workload, sampling=None) -> list[Request]:
+    """Requests join every other step, so batches mix prefills, chunks and decodes of all ages."""
+    sampling = sampling or SamplingParams(ignore_eos=True)
+    reqs = [Request(str(i), 0.0, len(p), m, prompt_token_ids=p, sampling=sampling)
+            for i, (p, m, *_) in enumerate(workload)]
+    pending = list(reqs)
+    step = 0
+    while pending or core.has_unfinished:
+        if pending and step % 2 == 0:
+            assert core.add_request(pending.pop(0)) is None
+        core.step()
+        step += 1
+    return reqs
+
+
+def _assert_matches(reqs, workload):
+    for r, (_, _, expected) in zip(reqs, workload):
+        assert r.state is RequestState.FINISHED, r
+        assert r.output_token_ids == expected, f"request {r.request_id} diverged"
+
+
+def test_greedy_matches_generate_with_continuous_batching(tiny, workload):
+    core = _engine(tiny, kv_capacity_tokens=8192)
+    reqs = _run_staggered(core, workload)
+    _assert_matches(reqs, workload)
+    assert core.metrics.evictions == 0
+    assert max(core.metrics.step_running) > 8  # requests really shared steps
+    assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+def test_greedy_matches_generate_under_evictions(tiny, workload):
+    core = _engine(tiny, kv_capacity_tokens=256, block_size=8)
+    reqs = _run_staggered(core, [w for w in workload if len(w[0]) + w[1] <= 256])
+    assert core.metrics.evictions > 0
+    _assert_matches(reqs, [w for w in workload if len(w[0]) + w[1] <= 256])
+    assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny, workload):
+    core = _engine(tiny, kv_capacity_tokens=8192, max_num_batched_tokens=24)
+    reqs = _run_staggered(core, workload)
+    _assert_matches(reqs, workload)
+    assert max(core.metrics.step_tokens) <= 24
+
+
+def test_blocks_free_when_idle_and_after_cancel(tiny):
+    core = _engine(tiny, kv_capacity_tokens=2048)
+    items = _workload(4, seed=5, max_prompt=60)
+    reqs = [Request(str(i), 0.0, len(p), 200, prompt_token_ids=p, sampling=SamplingParams(ignore_eos=True))
+            for i, (p, _) in enumerate(items)]
+    for r in reqs:
+        core.add_request(r)
+    for _ in range(3):
+        core.step()
+    victim = reqs[1]
+    held = len(victim.block_ids)
+    assert held > 0
+    free_before = core.pool.num_free_blocks
+    core.cancel(victim)
+    ended = core.step()
+    assert victim in ended and victim.state is RequestState.CANCELLED
+    assert victim.block_ids == []
+    assert core.pool.num_free_blocks >= free_before + held - (len(reqs) - 1)  # others may grow by a block
+    for r in reqs:
+        if r is not victim:
+            core.cancel(r)
+    core.step()
+    assert not core.has_unfinished
+    assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(kv_capacity_tokens=4096, model_and_tokenizer=tiny, device="cpu")
+
+
+def test_seeded_sampling_reproduces_also_across_evictions(tiny, llm):
+    prompts = ["The tide", "gates open at dawn", "x" * 50]
+    sp = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    first = [o.token_ids for o in llm.generate(prompts, sp, max_tokens=30)]
+    again = [o.token_ids for o in llm.generate(prompts, sp, max_tokens=30)]
+    assert first == again
+    other = llm.generate(prompts[0], SamplingParams(temperature=0.9, seed=99, ignore_eos=True), max_tokens=30)
+    assert other[0].token_ids != first[0]
+    small = LLM(kv_capacity_tokens=96, block_size=8, model_and_tokenizer=tiny, device="cpu")
+    squeezed = [o.token_ids for o in small.generate(prompts, sp, max_tokens=30)]
+    assert small.core.metrics.evictions > 0
+    assert squeezed == first
+
+
+def test_stop_strings_and_stop_tokens(tiny, llm):
+    prompt = "stop here please"
+    greedy = llm.generate(prompt, SamplingParams(ignore_eos=True), max_tokens=40)[0]
+    ids = greedy.token_ids
+    # A printable ASCII byte the greedy output produces after its third token.
+    k = next(i for i in range(3, len(ids)) if 3 + 33 <= ids[i] <= 3 + 126 and ids[i] not in ids[:i])
+    stop = chr(ids[k] - 3)
+    out = llm.generate(prompt, SamplingParams(ignore_eos=True, stop=[stop]), max_tokens=40)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ids[:k + 1]
+    assert out.text == ByteTokenizer().decode(ids[:k])
+    out = llm.generate(prompt, SamplingParams(ignore_eos=True, stop_token_ids=[ids[k]]), max_tokens=40)[0]
+    assert out.finish_reason == "stop" and out.token_ids == ids[:k + 1]
+    deltas = []
+    r = llm.add_request(prompt, SamplingParams(ignore_eos=True, stop=[stop]), max_tokens=40,
+                        on_delta=lambda _r, d, done: deltas.append(d))
+    while not r.state.is_terminal:
+        llm.step()
+    assert "".join(deltas) == ByteTokenizer().decode(ids[:k])
+
+
+def test_streaming_deltas_add_up_under_evictions(tiny):
+    small = LLM(kv_capacity_tokens=128, block_size=8, model_and_tokenizer=tiny, device="cpu")
+    got: dict[str, list[str]] = {}
+    reqs = [small.add_request(p, SamplingParams(ignore_eos=True), max_tokens=40,
+                              on_delta=lambda r, d, done: got.setdefault(r.request_id, []).append(d))
+            for p in ("one", "two two", "three three three")]
+    outs = {}
+    while small.has_unfinished:
+        for o in small.step():
+            outs[o.request_id] = o
+    assert small.core.metrics.evictions > 0
+    for r in reqs:
+        assert "".join(got[r.request_id]) == outs[r.request_id].text
+        assert outs[r.request_id].text == ByteTokenizer().decode(r.output_token_ids)
+
+
+def test_incremental_detokenizer_holds_partial_utf8():
+    tok = ByteTokenizer()
+    text = "héllo € 😀"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push([t]) for t in ids]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_user_errors_are_clear_and_leave_nothing_queued(llm):
+    with pytest.raises(ValueError, match="model context of 2048 tokens"):
+        llm.generate([1] * 3000, max_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1: .*KV capacity of 512 tokens"):
+        small = LLM(kv_capacity_tokens=512, model_and_tokenizer=(llm.model, llm.tokenizer), device="cpu")
+        try:
+            small.generate(["fine", "x" * 500], max_tokens=100)
+        finally:
+            assert not small.core.has_unfinished and small.core.metrics.arrived == 0
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], max_tokens=4)
+    with pytest.raises(ControllerSpecError):
+        LLM(controller="nonsense", model_and_tokenizer=(llm.model, llm.tokenizer))
+    with pytest.raises(ModelLoadError, match="/no/such/model"):
+        load_model("/no/such/model")
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+class _FailOnce:
+    """Stands in for the model: the first forward raises, later ones run the real model."""
+
+    def __init__(self, model) -> None:
+        self.model, self.config, self.failed = model, model.config, False
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, **kwargs):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("boom")
+        return self.model(**kwargs)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny, workload):
+    model, tok = tiny
+    llm = LLM(kv_capacity_tokens=4096, model_and_tokenizer=tiny, device="cpu")
+    llm.executor.model = _FailOnce(model)
+    a = llm.add_request("first", SamplingParams(ignore_eos=True), max_tokens=5)
+    b = llm.add_request("second", SamplingParams(ignore_eos=True), max_tokens=5)
+    ended = llm.step()
+    assert {o.request_id for o in ended} == {a.request_id, b.request_id}
+    assert all(o.state == "failed" and "boom" in o.finish_reason for o in ended)
+    assert llm.core.pool.num_free_blocks == llm.core.pool.num_blocks
+    prompt, max_tokens, expected = workload[0]
+    assert llm.generate([prompt], SamplingParams(ignore_eos=True), max_tokens=max_tokens)[0].token_ids == expected

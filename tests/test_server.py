@@ -285,3 +285,23 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_loadgen_against_the_server(server, tmp_path):
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    out = tmp_path / "run.json"
+    res = CliRunner().invoke(main, ["loadgen", "--url", server.url, "--dataset", "random", "--num-requests", "12",
+                                    "--rate", "40", "--input-len", "20", "--output-len", "6", "--max-concurrency", "8",
+                                    "--goodput", "ttft:5000", "--goodput", "tpot:1000", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["sent"] == 12 and summary["completed"] == 12 and summary["server_errors_5xx"] == 0
+    assert summary["ttft_p50_ms"] > 0 and summary["goodput_rps"] > 0
+    assert all(r["output_tokens"] == 6 for r in json.loads(out.read_text())["requests"])
+    bad = CliRunner().invoke(main, ["loadgen", "--url", server.url, "--dataset", "random", "--num-requests", "1",
+                                    "--goodput", "latency:5"])
+    assert bad.exit_code == 2 and "expected ttft:MS or tpot:MS" in bad.output
+    server.wait_idle()

@@ -86,10 +86,12 @@ def build_controller(spec: str, profile=None, workload=None) -> Controller:
     :param workload: the arrivals, used by ``class-budgets`` to derive budgets when none are given.
     """
     name, raw = parse_spec(spec)
+    if name == "learned":
+        return _learned(raw, profile)
     cls = CONTROLLERS.get(name)
     if cls is None:
         raise ControllerSpecError(
-            f"unknown controller {name!r}; choose one of {', '.join(sorted(CONTROLLERS))}")
+            f"unknown controller {name!r}; choose one of {', '.join(sorted([*CONTROLLERS, 'learned']))}")
     params = controller_options(cls)
     kwargs = {}
     for key, text in raw.items():
@@ -124,3 +126,23 @@ def _class_budgets_from_workload(profile, workload, kwargs) -> Controller:
              if k in by_class else 0.0 for k in ids]
     biggest = [max((a.prompt_tokens + a.output_tokens for a in by_class.get(k, ())), default=0) for k in ids]
     return ClassBudgetsController.from_classes(rates, works, biggest, profile.kv_capacity_tokens, **kwargs)
+
+
+def _learned(raw: dict[str, str], profile) -> Controller:
+    """The shipped (or a given) policy, always inside the shield."""
+    import inspect as _inspect
+
+    from ctrl.learned import make_learned_controller
+
+    params = {k: p for k, p in _inspect.signature(make_learned_controller).parameters.items()
+              if p.kind is not p.VAR_KEYWORD and k != "profile"}
+    kwargs = {}
+    for key, text in raw.items():
+        if key not in params:
+            raise ControllerSpecError(
+                f"controller 'learned' has no option {key!r}; it accepts {', '.join(sorted(params))}")
+        kwargs[key] = _convert(key, text, params[key])
+    try:
+        return make_learned_controller(kwargs.pop("path", None), profile=profile, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ControllerSpecError(f"controller 'learned': {exc}") from None

@@ -306,14 +306,16 @@ def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_r
         Path(out_path).write_text(json.dumps({"summary": summary, "requests": outcomes_json(outcomes)}))
 
 
-def _register_real_engine_commands() -> None:
+def _register_commands() -> None:
     from engine.cli_real import generate_command, profile_command, twin_check_command
+    from training.cli import evaluate_command, export_command, train_command
 
-    for command in (generate_command, profile_command, twin_check_command):
+    for command in (generate_command, profile_command, twin_check_command, train_command, export_command,
+                    evaluate_command):
         main.add_command(command)
 
 
-_register_real_engine_commands()
+_register_commands()
 
 
 if __name__ == "__main__":

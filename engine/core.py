@@ -114,6 +114,10 @@ class EngineCore:
         self._waiting_prompt_tokens += request.prompt_len
         return None
 
+    def observe(self) -> Observation:
+        """The Observation as of now (the same object the controller reads each step)."""
+        return self._observe(self.clock.now())
+
     def admit(self, request: Request) -> Rejection | None:
         """The controller's decision on an arrival, from the latest observation; changes nothing."""
         return self.controller.admit(self._observe(self.clock.now()), request.prompt_len, request.max_tokens)

@@ -8,15 +8,25 @@ values at those blocks and reads them back.
 A step runs the model once on the packed sequence: every scheduled request's new tokens
 concatenated (batch size 1, ``position_ids`` per token). The model calls
 ``cache.update(key_states, value_states, layer_idx, kwargs=...)`` once per layer, as with
-transformers' ``PagedAttentionCache``: the new keys and values are written at ``write_index``
-(their slots in the requests' blocks) and each request's whole context is gathered through
-``read_index``. The registered attention function ``tidegate_paged`` then attends each
-request's queries to its own context only, causally, so the packing needs no padding.
+transformers' ``PagedAttentionCache``; ``update`` writes the new keys and values at
+``write_index`` (their slots in the requests' blocks). The registered attention function
+``tidegate_paged`` then attends each request's queries to its own context only:
+
+- decodes (one query each) are batched: the requests are sorted by block count and split into
+  a few buckets (chosen once per step to trade padding against calls); each bucket gathers its
+  requests' blocks into one padded ``[n, blocks * block_size]`` context (whole blocks, no
+  per-token indexing) and runs one SDPA with a key-padding mask;
+- a prefill chunk that starts its sequence attends causally to its own new keys (no gather);
+  a chunk after cached tokens gathers its blocks and uses a causal mask offset by the cache.
+
+All index tensors and masks are built once per step (``StepLayout``), not per layer, and the
+gathered contexts go into reusable workspace buffers, so the step allocates no large tensors
+per layer (fresh multi-MB allocations cost page faults on every call).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,29 +35,103 @@ ATTENTION_NAME = "tidegate_paged"
 
 
 @dataclass
+class DecodeBucket:
+    """Decodes attended by one padded SDPA call.
+
+    :param rows: packed query rows of the bucket's requests, ``[n]`` (None: rows ``start..start+n``).
+    :param start: first row when ``rows`` is None.
+    :param count: requests in the bucket.
+    :param blocks: block ids ``[n * num_blocks]``, each request's table padded to ``num_blocks``.
+    :param num_blocks: blocks per request in the padded context.
+    :param mask: additive key-padding mask ``[n, 1, 1, num_blocks * block_size]`` (None: no padding).
+    """
+
+    rows: torch.Tensor | None
+    start: int
+    count: int
+    blocks: torch.Tensor
+    num_blocks: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class PrefillChunk:
+    """A prefill chunk: queries ``[query_start, query_end)`` of the packed sequence.
+
+    :param blocks: the request's block ids covering its context (None when the chunk starts the
+        sequence: it attends to its own new keys with a causal mask).
+    :param mask: additive mask ``[n, num_blocks * block_size]``: causal, offset by the cached tokens.
+    """
+
+    query_start: int
+    query_end: int
+    blocks: torch.Tensor | None = None
+    num_blocks: int = 0
+    mask: torch.Tensor | None = None
+
+
+@dataclass
 class StepLayout:
-    """Where each request of a step sits in the packed queries and in the gathered context.
+    """Where each request of a step sits in the packed queries and in the KV blocks.
 
     Requests ``0 .. num_decodes-1`` are decodes (one query each, query row ``i``); the others
-    are prefill chunks.
+    are prefill chunks, after them in the packed sequence.
 
     :param write_index: slot (``block * block_size + offset``) of every new token, ``[T]``.
-    :param read_index: slots of every request's whole context, concatenated, ``[K]``.
     :param num_decodes: how many leading requests are decodes.
-    :param key_start: start of each request's context in the gathered keys.
-    :param key_end: end of each request's context in the gathered keys.
-    :param prefill_queries: ``(query_start, query_end)`` of each prefill chunk.
-    :param prefill_masks: per prefill chunk, the causal mask ``[n, context]`` (None when the
-        chunk starts the sequence, where plain causal attention is right).
+    :param decode_buckets: the batched decode attention calls.
+    :param prefills: one entry per prefill chunk.
+    :param cache: the cache the attention reads (set by ``PagedKVCache.update``).
     """
 
     write_index: torch.Tensor
-    read_index: torch.Tensor
     num_decodes: int
-    key_start: list[int]
-    key_end: list[int]
-    prefill_queries: list[tuple[int, int]]
-    prefill_masks: list[torch.Tensor | None]
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    cache: "PagedKVCache | None" = None
+
+
+# Relative cost of one more attention call against one more padded block per request: a bucket
+# costs about CALL_COST_BLOCKS blocks' worth of gathering and attention (measured on CPU).
+CALL_COST_BLOCKS = 24
+MAX_DECODE_BUCKETS = 4
+
+
+def plan_buckets(num_blocks: list[int], call_cost: float = CALL_COST_BLOCKS,
+                 max_buckets: int = MAX_DECODE_BUCKETS) -> list[list[int]]:
+    """Split requests (by their block counts) into buckets padded to the bucket's longest.
+
+    Minimises ``sum(n_bucket * max_blocks_bucket) + call_cost * buckets`` over contiguous splits
+    of the requests sorted by block count (a small dynamic programme).
+
+    :return: lists of request indices, each sorted by block count.
+    """
+    n = len(num_blocks)
+    order = sorted(range(n), key=num_blocks.__getitem__)
+    if n <= 1 or num_blocks[order[0]] == num_blocks[order[-1]]:
+        return [order]
+    lens = [num_blocks[i] for i in order]
+    inf = float("inf")
+    k_max = min(max_buckets, n)
+    # best[k][j]: cost of the first j requests in k buckets; cut[k][j]: start of the last bucket.
+    best = [[inf] * (n + 1) for _ in range(k_max + 1)]
+    cut = [[0] * (n + 1) for _ in range(k_max + 1)]
+    best[0][0] = 0.0
+    for k in range(1, k_max + 1):
+        prev, cur, cuts = best[k - 1], best[k], cut[k]
+        for j in range(1, n + 1):
+            top = lens[j - 1]
+            for i in range(j):
+                c = prev[i] + (j - i) * top + call_cost
+                if c < cur[j]:
+                    cur[j], cuts[j] = c, i
+    k = min(range(1, k_max + 1), key=lambda kk: best[kk][n])
+    buckets, j = [], n
+    while k:
+        i = cut[k][j]
+        buckets.append(order[i:j])
+        j, k = i, k - 1
+    return buckets[::-1]
 
 
 class PagedKVCache:
@@ -69,11 +153,17 @@ class PagedKVCache:
         self.value_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # Slot-major views: one row per token slot, which is what the indices address.
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # Slot-major views: one row per token slot, which is what write_index addresses.
         flat = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self._keys = self.key_cache.view(flat)
         self._values = self.value_cache.view(flat)
         self.layout: StepLayout | None = None
+        # Reusable buffers for gathered contexts and the attention output (grown on demand).
+        self._ws_k = torch.empty(0, device=device, dtype=dtype)
+        self._ws_v = torch.empty(0, device=device, dtype=dtype)
+        self._ws_out = torch.empty(0, device=device, dtype=dtype)
 
     @classmethod
     def for_model(cls, config, pool, device, dtype) -> "PagedKVCache":
@@ -89,21 +179,46 @@ class PagedKVCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                kwargs: dict | None = None, **_) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's new keys and values and return every request's context.
+        """Store the step's new keys and values in their blocks.
 
         :param key_states: ``[1, num_kv_heads, T, head_dim]``, the step's new keys (after RoPE).
         :param value_states: the same for values.
         :param layer_idx: the layer calling.
-        :return: keys and values ``[1, num_kv_heads, K, head_dim]``: the contexts of the step's
-            requests concatenated in batch order (cached tokens then the new ones).
+        :return: the new keys and values unchanged; the attention reads the contexts from the
+            blocks itself (``StepLayout.cache``), batched as the layout says.
         """
         layout = self.layout
-        keys, values = self._keys[layer_idx], self._values[layer_idx]
-        keys.index_copy_(0, layout.write_index, key_states[0].transpose(0, 1))
-        values.index_copy_(0, layout.write_index, value_states[0].transpose(0, 1))
-        read = layout.read_index
-        return (keys.index_select(0, read).transpose(0, 1).unsqueeze(0),
-                values.index_select(0, read).transpose(0, 1).unsqueeze(0))
+        layout.cache = self
+        self._keys[layer_idx].index_copy_(0, layout.write_index, key_states[0].transpose(0, 1))
+        self._values[layer_idx].index_copy_(0, layout.write_index, value_states[0].transpose(0, 1))
+        return key_states, value_states
+
+    def gather(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``blocks`` of one layer, ``[len(blocks) * block_size, kv_heads, head_dim]``.
+
+        The result lives in a workspace buffer that the next ``gather`` overwrites.
+        """
+        n = blocks.numel()
+        per = self.block_size * self.num_kv_heads * self.head_dim
+        if self._ws_k.numel() < n * per:
+            size = max(n * per, 2 * self._ws_k.numel())
+            self._ws_k = torch.empty(size, device=self.key_cache.device, dtype=self.key_cache.dtype)
+            self._ws_v = torch.empty(size, device=self.key_cache.device, dtype=self.key_cache.dtype)
+        shape = (n, self.block_size, self.num_kv_heads, self.head_dim)
+        k = self._ws_k[:n * per].view(shape)
+        v = self._ws_v[:n * per].view(shape)
+        torch.index_select(self.key_cache[layer_idx], 0, blocks, out=k)
+        torch.index_select(self.value_cache[layer_idx], 0, blocks, out=v)
+        flat = (n * self.block_size, self.num_kv_heads, self.head_dim)
+        return k.view(flat), v.view(flat)
+
+    def output_buffer(self, tokens: int, heads: int, head_dim: int) -> torch.Tensor:
+        """A reusable ``[tokens, heads, head_dim]`` buffer for one layer's attention output."""
+        n = tokens * heads * head_dim
+        if self._ws_out.numel() < n:
+            self._ws_out = torch.empty(max(n, 2 * self._ws_out.numel()), device=self.key_cache.device,
+                                       dtype=self.key_cache.dtype)
+        return self._ws_out[:n].view(tokens, heads, head_dim)
 
     # Parts of transformers' Cache interface the model may ask about.
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -114,11 +229,11 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                             attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
     """Attention of the packed step: each request's queries against its own context only.
 
-    Decodes are one query against their context; prefill chunks use SDPA with a causal mask
-    offset by the tokens already cached. Without a ``paged_layout`` keyword (a plain
-    ``model.generate`` call) this is transformers' SDPA attention.
+    Without a ``paged_layout`` keyword (a plain ``model.generate`` call) this is transformers'
+    SDPA attention.
 
-    :param query: ``[1, heads, T, head_dim]``; ``key``/``value``: ``[1, kv_heads, K, head_dim]``.
+    :param query: ``[1, heads, T, head_dim]``; ``key``/``value``: the step's new keys and values
+        ``[1, kv_heads, T, head_dim]`` (already written to the blocks by ``update``).
     :return: ``([1, T, heads, head_dim], None)``.
     """
     layout: StepLayout | None = kwargs.get("paged_layout")
@@ -126,31 +241,110 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    q, k, v = query[0], key[0], value[0]
-    heads, _, head_dim = q.shape
-    kv_heads = k.shape[0]
-    group = heads // kv_heads
-    parts = []
-    nd = layout.num_decodes
-    if nd:
-        # Query heads h*group .. h*group+group-1 share KV head h (transformers' repeat_kv order).
-        qd = (q[:, :nd].transpose(0, 1) * scaling).reshape(nd, kv_heads, group, head_dim)
-        starts, ends = layout.key_start, layout.key_end
-        outs = []
-        for i in range(nd):
-            ki = k[:, starts[i]:ends[i]]
-            w = torch.softmax(torch.matmul(qd[i], ki.transpose(1, 2)), dim=-1, dtype=torch.float32)
-            outs.append(torch.matmul(w.to(v.dtype), v[:, starts[i]:ends[i]]))
-        parts.append(torch.stack(outs).view(nd, heads, head_dim))
-    for j, (qs, qe) in enumerate(layout.prefill_queries):
-        i = nd + j
-        ks, ke = layout.key_start[i], layout.key_end[i]
-        mask = layout.prefill_masks[j]
-        o = F.scaled_dot_product_attention(q[:, qs:qe], k[:, ks:ke], v[:, ks:ke], attn_mask=mask,
-                                           is_causal=mask is None, scale=scaling, enable_gqa=group > 1)
-        parts.append(o.transpose(0, 1))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    cache = layout.cache
+    layer = module.layer_idx
+    q = query[0]  # [heads, T, head_dim]
+    heads, total, head_dim = q.shape
+    kv_heads = key.shape[1]
+    gqa = heads != kv_heads
+    out = cache.output_buffer(total, heads, head_dim)
+    bs = cache.block_size
+    for b in layout.decode_buckets:
+        n, nb = b.count, b.num_blocks
+        if b.rows is None:
+            qb = q[:, b.start:b.start + n]
+        else:
+            qb = q.index_select(1, b.rows)
+        qb = qb.transpose(0, 1).unsqueeze(2)  # [n, heads, 1, head_dim]
+        k, v = cache.gather(layer, b.blocks)
+        k = k.view(n, nb * bs, kv_heads, head_dim).transpose(1, 2)
+        v = v.view(n, nb * bs, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=b.mask, scale=scaling, enable_gqa=gqa)
+        o = o.view(n, heads, head_dim)
+        if b.rows is None:
+            out[b.start:b.start + n] = o
+        else:
+            out.index_copy_(0, b.rows, o)
+    for p in layout.prefills:
+        qs, qe = p.query_start, p.query_end
+        qp = q[:, qs:qe].unsqueeze(0)
+        if p.blocks is None:
+            o = F.scaled_dot_product_attention(qp, key[:, :, qs:qe], value[:, :, qs:qe], is_causal=True,
+                                               scale=scaling, enable_gqa=gqa)
+        else:
+            k, v = cache.gather(layer, p.blocks)
+            o = F.scaled_dot_product_attention(qp, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=p.mask, scale=scaling, enable_gqa=gqa)
+        out[qs:qe] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def build_layout(block_size: int, num_decodes: int, positions: list[int], counts: list[int],
+                 tables: list[list[int]], device, dtype) -> tuple[StepLayout, torch.Tensor]:
+    """The step's layout and ``position_ids`` from per-request lists, built once per step.
+
+    :param positions: tokens already cached per request (position of its first new token).
+    :param counts: new tokens per request.
+    :param tables: each request's block ids.
+    :return: ``(layout, position_ids [T])``.
+    """
+    bs = block_size
+    write: list[int] = []
+    pos_ids: list[int] = []
+    # Decodes: one token each at position c.
+    dec_blocks: list[int] = []
+    for i in range(num_decodes):
+        c = positions[i]
+        write.append(tables[i][c // bs] * bs + c % bs)
+        pos_ids.append(c)
+        dec_blocks.append(c // bs + 1)
+    buckets: list[DecodeBucket] = []
+    if num_decodes:
+        for members in plan_buckets(dec_blocks):
+            nb = dec_blocks[members[-1]]
+            flat: list[int] = []
+            for i in members:
+                t = tables[i]
+                have = dec_blocks[i]
+                flat.extend(t[:have])
+                if have < nb:
+                    flat.extend([t[0]] * (nb - have))
+            n = len(members)
+            ctx = torch.tensor([positions[i] + 1 for i in members])
+            mask = None
+            if int(ctx.min()) < nb * bs:
+                pad = torch.arange(nb * bs)[None, :] >= ctx[:, None]
+                mask = torch.zeros(n, 1, 1, nb * bs, dtype=dtype).masked_fill_(pad.view(n, 1, 1, -1), float("-inf"))
+                mask = mask.to(device)
+            contiguous = members == list(range(members[0], members[0] + n))
+            rows = None if contiguous else torch.tensor(members, dtype=torch.long, device=device)
+            buckets.append(DecodeBucket(rows, members[0], n, torch.tensor(flat, dtype=torch.long, device=device),
+                                        nb, mask))
+    prefills: list[PrefillChunk] = []
+    row = num_decodes
+    for i in range(num_decodes, len(counts)):
+        c, n = positions[i], counts[i]
+        t = tables[i]
+        end = c + n
+        # Slots of positions c .. end-1, block by block.
+        for blk_i in range(c // bs, (end - 1) // bs + 1):
+            base = t[blk_i] * bs
+            lo = max(c, blk_i * bs) - blk_i * bs
+            hi = min(end, (blk_i + 1) * bs) - blk_i * bs
+            write.extend(range(base + lo, base + hi))
+        pos_ids.extend(range(c, end))
+        chunk = PrefillChunk(row, row + n)
+        if c:
+            nb = -(-end // bs)
+            chunk.blocks = torch.tensor(t[:nb], dtype=torch.long, device=device)
+            chunk.num_blocks = nb
+            # Query j (position c + j) sees keys 0 .. c + j; padding past `end` is hidden too.
+            allowed = torch.arange(nb * bs)[None, :] <= torch.arange(c, end)[:, None]
+            chunk.mask = torch.zeros(n, nb * bs, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(device)
+        prefills.append(chunk)
+        row += n
+    layout = StepLayout(torch.tensor(write, dtype=torch.long, device=device), num_decodes, buckets, prefills)
+    return layout, torch.tensor(pos_ids, dtype=torch.long, device=device)
 
 
 def register_attention() -> str:

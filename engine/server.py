@@ -15,6 +15,7 @@ import logging
 import math
 import queue
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -216,6 +217,9 @@ class EngineService:
     # -- the engine thread
     def _run(self) -> None:
         llm = self.llm
+        # The HTTP loop and this thread share the GIL: switch often so a 429 is never held up
+        # behind a long stretch of engine bookkeeping.
+        sys.setswitchinterval(0.001)
         while not self._stop:
             self._drain_inbox()
             if llm.has_unfinished:
@@ -538,8 +542,11 @@ def create_app(service: EngineService, config: ServeConfig) -> FastAPI:
                     return
                 if delta:
                     yield chunk(delta, None)
-                nxt = await next_chunk(stream, None)
-                delta, finished = nxt
+                delta, finished = await next_chunk(stream, None)
+                # Under load several tokens may be waiting: send them as one event.
+                while not finished and stream.chunks:
+                    more, finished = stream.chunks.popleft()
+                    delta += more
         finally:
             if not finished:  # the client went away mid-stream: free its KV blocks
                 service.cancel(stream)

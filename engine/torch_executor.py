@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.executor import Batch, StepResult
-from engine.paged_cache import PagedKVCache, StepLayout, register_attention
+from engine.paged_cache import PagedKVCache, build_layout, register_attention
 from engine.request import Request
 from engine.tiny_model import IncrementalDetokenizer, resolve_dtype
 
@@ -121,38 +121,37 @@ class TorchExecutor:
         if self.cache is None:
             raise RuntimeError("TorchExecutor.attach_pool(pool) was not called")
         reqs, counts = batch.requests, batch.num_new_tokens
-        bs = self.cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []     # first position of each request's new tokens
-        context: list[int] = []       # context length after the step
-        blocks: list[int] = []        # block tables of the step's requests, concatenated
-        block_offsets: list[int] = []
+        tables: list[list[int]] = []  # block tables of the step's requests
         sample_rows: list[int] = []   # packed row of the last token of each sampling request
         samplers: list[int] = []      # batch index of each sampling request
+        states = self._states
         row = 0
         for i, r in enumerate(reqs):
             n = counts[i]
             c = r.num_computed_tokens
-            if r not in self._states:  # new, or restarted after an eviction released it
+            if r not in states:  # new, or restarted after an eviction released it
                 self._start(r)
             p = r.prompt_len
-            if c + n <= p:
+            if c >= p:  # a decode: the token at position c is an output token
+                if n == 1:
+                    input_ids.append(r.output_token_ids[c - p])
+                else:
+                    input_ids.extend(r.output_token_ids[c - p:c - p + n])
+            elif c + n <= p:
                 input_ids.extend(r.prompt_token_ids[c:c + n])
-            elif c >= p:  # a decode: the token at position c is an output token
-                input_ids.extend(r.output_token_ids[c - p:c - p + n])
             else:
                 input_ids.extend((r.prompt_token_ids + r.output_token_ids)[c:c + n])
             positions.append(c)
-            ctx = c + n
-            context.append(ctx)
-            block_offsets.append(len(blocks))
-            blocks.extend(r.block_ids[:-(-ctx // bs)])
+            tables.append(r.block_ids)
             row += n
-            if ctx >= r.num_tokens:
+            if c + n >= r.num_tokens:
                 sample_rows.append(row - 1)
                 samplers.append(i)
 
-        layout, position_ids = self._layout(batch, positions, context, blocks, block_offsets)
+        layout, position_ids = build_layout(self.cache.block_size, batch.num_decodes, positions, counts, tables,
+                                            self.device, self.dtype)
         self.cache.layout = layout
         dev = self.device
         ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True).unsqueeze(0)
@@ -195,44 +194,6 @@ class TorchExecutor:
     def _start(self, r: Request) -> None:
         sampling = r.sampling if r.sampling is not None else _GREEDY
         self._states[r] = _RequestState(sampling, self.eos_token_id, self.tokenizer, self.device)
-
-    def _layout(self, batch: Batch, positions, context, blocks, block_offsets):
-        """Index tensors of the step, built with a few tensor ops instead of per-token Python."""
-        bs = self.cache.block_size
-        counts = torch.tensor(batch.num_new_tokens, dtype=torch.long)
-        starts = torch.tensor(positions, dtype=torch.long)
-        ctx = torch.tensor(context, dtype=torch.long)
-        blk = torch.tensor(blocks, dtype=torch.long)
-        boff = torch.tensor(block_offsets, dtype=torch.long)
-        total = int(batch.num_tokens)
-        # Position of every new token, and its slot in its request's blocks.
-        q_start = torch.cumsum(counts, 0) - counts
-        req_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=total)
-        pos = torch.arange(total) - q_start[req_of_token] + starts[req_of_token]
-        write = blk[boff[req_of_token] + pos // bs] * bs + pos % bs
-        # Every slot of the step's blocks, minus the unused tail of each request's last block.
-        nblocks = (ctx + bs - 1) // bs
-        req_of_block = torch.repeat_interleave(torch.arange(len(counts)), nblocks, output_size=len(blocks))
-        local = torch.arange(len(blocks)) - boff[req_of_block]
-        slot_pos = local[:, None] * bs + torch.arange(bs)
-        valid = slot_pos < ctx[req_of_block][:, None]
-        read = (blk[:, None] * bs + torch.arange(bs))[valid]
-
-        key_end = torch.cumsum(ctx, 0)
-        key_start = (key_end - ctx).tolist()
-        key_end = key_end.tolist()
-        nd = batch.num_decodes
-        prefill_queries, masks = [], []
-        qs_list = q_start.tolist()
-        for i in range(nd, len(counts)):
-            n, c = batch.num_new_tokens[i], positions[i]
-            prefill_queries.append((qs_list[i], qs_list[i] + n))
-            masks.append(None if c == 0 else
-                         torch.ones(n, c + n, dtype=torch.bool, device=self.device).tril(c))
-        dev = self.device
-        layout = StepLayout(write.to(dev, non_blocking=True), read.to(dev, non_blocking=True), nd,
-                            key_start, key_end, prefill_queries, masks)
-        return layout, pos.to(dev, non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """One token per row of ``logits`` (``[len(reqs), vocab]``)."""

@@ -1,0 +1,282 @@
+"""ServingEnv: the Gymnasium environment around the engine loop.
+
+One ``env.step`` sets the learned controller's two knobs (admission rate and batch size) for
+the next control interval, projects them through the flow-control shield, runs the engine for
+``control_interval`` steps (jumping the clock over idle gaps) and rewards the interval's
+goodput. Observation, action and reward are tabulated in docs/ENV.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from ctrl.learned import OBS_CLIP, OBS_DIM, KnobController, ObservationFeatures, action_to_knobs
+from ctrl.shield import ShieldedController
+from ctrl.theory import capacity
+from engine.profile import load_profile
+from engine.request import Request, RequestState
+from engine.simulate import make_sim_engine
+from engine.workload import Arrival, read_trace, resolve_trace
+
+TRAIN_FRACTION = 0.7
+DEFAULT_REWARD_WEIGHTS = {"goodput": 1.0, "slo_miss": 0.5, "rejection": 0.5, "eviction": 0.1}
+
+
+@dataclass
+class _Segment:
+    """A stretch of a trace as arrays; replayed cyclically from a random start."""
+
+    name: str
+    times_s: np.ndarray
+    prompts: list
+    outputs: list
+    max_tokens: list
+    lambda_max_rps: float
+    mean_rate_rps: float
+    span_s: float
+
+
+def _segment(name: str, arrivals: list[Arrival], profile) -> _Segment:
+    if len(arrivals) < 2:
+        raise ValueError(f"workload {name!r} needs at least two requests, got {len(arrivals)}")
+    times = np.array([a.arrival_time_s for a in arrivals])
+    times -= times[0]
+    span = float(times[-1]) + float(times[-1]) / (len(arrivals) - 1)  # one mean gap before wrapping
+    cap = capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals], profile)
+    return _Segment(name, times, [a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals],
+                    [a.max_tokens for a in arrivals], cap.lambda_max_rps, (len(arrivals) - 1) / float(times[-1]),
+                    span)
+
+
+def split_segments(trace, split: str, profile, max_tokens_cap: int | None = None) -> list[_Segment]:
+    """The workload segments of a split.
+
+    ``train``: the first 70% (by request) of each trace (default splitwise_conv). ``eval``: the last
+    30% of splitwise_conv and all of splitwise_code by default; a trace given explicitly uses its
+    last 30%. A list of ``Arrival``s is used whole in either split.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if trace is None:
+        names = ["splitwise_conv"] if split == "train" else ["splitwise_conv", "splitwise_code"]
+    elif isinstance(trace, (str, Path)):
+        names = [trace]
+    elif trace and isinstance(trace[0], Arrival):
+        return [_segment("workload", list(trace), profile)]
+    else:
+        names = list(trace)
+    segments = []
+    for name in names:
+        arrivals = read_trace(resolve_trace(name), max_tokens_cap=max_tokens_cap)
+        stem = Path(str(name)).stem
+        cut = int(len(arrivals) * TRAIN_FRACTION)
+        if split == "train":
+            part = arrivals[:cut]
+        elif trace is None and stem == "splitwise_code":
+            part = arrivals
+        else:
+            part = arrivals[cut:]
+        segments.append(_segment(f"{stem}[{split}]", part, profile))
+    return segments
+
+
+class ServingEnv(gym.Env):
+    """Learn the admission rate and batch size of one serving replica.
+
+    :param backend: ``sim`` (the simulator twin); ``engine`` (the real engine) is not available yet.
+    :param trace: a shipped trace name or path, a list of them, or a list of ``Arrival``s
+        (None: splitwise_conv for ``train``, splitwise_conv and splitwise_code for ``eval``).
+    :param workload: alias of ``trace`` for a list of ``Arrival``s.
+    :param split: ``train`` (first 70% of each trace) or ``eval`` (the rest; all of splitwise_code).
+    :param load_range: (low, high) offered load as multiples of lambda_max; each episode draws one
+        log-uniformly.
+    :param profile: a profile name, path or ``Profile``.
+    :param control_interval: engine steps per env step.
+    :param episode_steps: env steps per episode (then ``truncated``).
+    :param ttft_slo_s: TTFT SLO (default: the profile's).
+    :param tpot_slo_s: TPOT SLO (default: the profile's).
+    :param reward_weights: weights of ``goodput``, ``slo_miss``, ``rejection``, ``eviction``.
+    :param shield_mode: ``strict`` or ``soft`` (docs/SAFETY.md).
+    :param max_waiting: the shield's queue limit (arrivals beyond it are rejected with 429).
+    :param queue_timeout_s: the shield's queue timeout (default 5 x TTFT SLO).
+    :param max_tokens_cap: every request's max_tokens (default the trace reader's).
+    :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, backend: str = "sim", trace=None, workload=None, split: str = "train",
+                 load_range: tuple[float, float] = (0.5, 2.0), profile="a100-llama2-7b",
+                 control_interval: int = 10, episode_steps: int = 256, ttft_slo_s: float | None = None,
+                 tpot_slo_s: float | None = None, reward_weights: dict | None = None,
+                 shield_mode: str = "soft", max_waiting: int = 512, queue_timeout_s: float | None = None,
+                 max_tokens_cap: int | None = None, seed: int | None = None) -> None:
+        super().__init__()
+        if backend == "engine":
+            raise NotImplementedError("backend='engine' needs engine/torch_executor.py, which is not "
+                                      "available yet; use backend='sim'")
+        if backend != "sim":
+            raise ValueError(f"backend must be 'sim' or 'engine', got {backend!r}")
+        low, high = (float(x) for x in load_range)
+        if not 0 < low <= high:
+            raise ValueError(f"load_range must be (low, high) with 0 < low <= high, got {load_range}")
+        if control_interval < 1 or episode_steps < 1:
+            raise ValueError("control_interval and episode_steps must be >= 1")
+        unknown = set(reward_weights or {}) - set(DEFAULT_REWARD_WEIGHTS)
+        if unknown:
+            raise ValueError(f"unknown reward weights {sorted(unknown)}; expected some of "
+                             f"{', '.join(DEFAULT_REWARD_WEIGHTS)}")
+        self.profile = profile if hasattr(profile, "base_s") else load_profile(profile)
+        self.segments = split_segments(workload if workload is not None else trace, split, self.profile,
+                                       max_tokens_cap)
+        self.split = split
+        self.load_range = (low, high)
+        self.control_interval = int(control_interval)
+        self.episode_steps = int(episode_steps)
+        self.ttft_slo_s = ttft_slo_s or self.profile.ttft_slo_s
+        self.tpot_slo_s = tpot_slo_s or self.profile.tpot_slo_s
+        self.reward_weights = {**DEFAULT_REWARD_WEIGHTS, **(reward_weights or {})}
+        self.shield_mode = shield_mode
+        self.max_waiting = max_waiting
+        self.queue_timeout_s = queue_timeout_s or 5.0 * self.ttft_slo_s
+        self._seed = seed
+
+        self.observation_space = spaces.Box(-OBS_CLIP, OBS_CLIP, shape=(OBS_DIM,), dtype=np.float32)
+        self.action_space = spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32)
+
+        self.knobs = KnobController(self.profile.max_num_batched_tokens, self.profile.max_num_seqs)
+        self.shield = ShieldedController(self.knobs, mode=shield_mode, max_num_seqs=self.profile.max_num_seqs,
+                                         max_num_batched_tokens=self.profile.max_num_batched_tokens,
+                                         max_waiting=max_waiting, queue_timeout_s=self.queue_timeout_s)
+        self.core = None
+        self._episode = 0
+
+    # ------------------------------------------------------------------ episodes
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if seed is None and self._seed is not None and self._episode == 0:
+            seed = self._seed
+        super().reset(seed=seed)
+        rng = self.np_random
+        options = options or {}
+        seg = self.segments[int(rng.integers(len(self.segments)))] if "segment" not in options \
+            else self.segments[options["segment"]]
+        low, high = self.load_range
+        load = float(options.get("load", math.exp(rng.uniform(math.log(low), math.log(high)))))
+        self.segment = seg
+        self.load = load
+        self.lambda_max_rps = seg.lambda_max_rps
+        self._rate_scale = load * seg.lambda_max_rps / seg.mean_rate_rps
+        self._next = int(options.get("start_index", rng.integers(len(seg.times_s))))
+        self._offset_s = -float(seg.times_s[self._next])
+        self._next_time_s = 0.0
+        self._req_id = 0
+
+        self.shield.reset()
+        self.core = make_sim_engine(self.profile, self.shield, record_steps=False)
+        self.features = ObservationFeatures(seg.lambda_max_rps, self.ttft_slo_s, self.tpot_slo_s,
+                                            self.profile.max_num_seqs, self.shield.target_usage,
+                                            self.shield.prior_output_tokens)
+        self._last_action = (0.0, 0.0)
+        self.knobs.set_knobs(*action_to_knobs(0.0, 0.0, self.lambda_max_rps))
+        self._steps = 0
+        self._episode += 1
+        self.totals = {"good": 0, "finished": 0, "missed": 0, "rejected": 0, "evictions": 0}
+        obs = self.features.update(self.core.observe(), self._last_action).copy()
+        return obs, {"load": load, "segment": seg.name, "lambda_max_rps": seg.lambda_max_rps}
+
+    def _pull_arrivals(self, now_s: float) -> int:
+        """Queue every arrival up to ``now_s``; returns how many were rejected."""
+        seg = self.segment
+        times = seg.times_s
+        n = len(times)
+        scale = self._rate_scale
+        rejected = 0
+        add = self.core.add_request
+        while self._next_time_s <= now_s:
+            i = self._next
+            r = Request(str(self._req_id), self._next_time_s, seg.prompts[i], seg.max_tokens[i],
+                        target_output_len=seg.outputs[i])
+            self._req_id += 1
+            if add(r) is not None:
+                rejected += 1
+            i += 1
+            if i == n:  # wrap around: the stream continues from the segment's start
+                i = 0
+                self._offset_s += seg.span_s
+            self._next = i
+            self._next_time_s = (float(times[i]) + self._offset_s) / scale
+        return rejected
+
+    def step(self, action):
+        a0, a1 = float(action[0]), float(action[1])
+        if not (math.isfinite(a0) and math.isfinite(a1)):
+            a0 = a1 = 0.0
+        a0 = -1.0 if a0 < -1.0 else (1.0 if a0 > 1.0 else a0)
+        a1 = -1.0 if a1 < -1.0 else (1.0 if a1 > 1.0 else a1)
+        self.knobs.set_knobs(*action_to_knobs(a0, a1, self.lambda_max_rps))
+        self._last_action = (a0, a1)
+
+        core = self.core
+        clock = core.clock
+        shield = self.shield
+        t0 = clock.now_s
+        evictions0 = core.metrics.evictions
+        interventions0, magnitude0 = shield.interventions, shield.magnitude_total
+        ttft_slo, tpot_slo = self.ttft_slo_s, self.tpot_slo_s
+        good = finished = missed = rejected = 0
+        for _ in range(self.control_interval):
+            rejected += self._pull_arrivals(clock.now_s)
+            if not (core.waiting or core.running):
+                clock.advance_to(self._next_time_s)  # idle: jump to the next arrival
+                rejected += self._pull_arrivals(clock.now_s)
+            for r in core.step():
+                if r.state is RequestState.FINISHED:
+                    finished += 1
+                    out = r.num_output_tokens
+                    ttft = r.first_token_time_s - r.arrival_time_s
+                    tpot = (r.finish_time_s - r.first_token_time_s) / (out - 1) if out > 1 else 0.0
+                    if ttft <= ttft_slo and tpot <= tpot_slo:
+                        good += 1
+                    else:
+                        missed += 1
+                else:
+                    missed += 1  # expired or failed
+        evictions = core.metrics.evictions - evictions0
+        dt = max(clock.now_s - t0, 1e-9)
+        norm = self.lambda_max_rps * dt  # requests the replica could serve in the interval
+        w = self.reward_weights
+        reward = (w["goodput"] * good - w["slo_miss"] * missed - w["rejection"] * rejected
+                  - w["eviction"] * evictions) / norm
+        self._steps += 1
+        t = self.totals
+        t["good"] += good
+        t["finished"] += finished
+        t["missed"] += missed
+        t["rejected"] += rejected
+        t["evictions"] += evictions
+        obs = self.features.update(core.observe(), self._last_action).copy()
+        n_int = shield.interventions - interventions0
+        info = {
+            "goodput_rps": good / dt,
+            "goodput_frac": good / norm,
+            "finished": finished,
+            "slo_missed": missed,
+            "rejections": rejected,
+            "evictions": evictions,
+            "kv_usage": core.pool.used_tokens / core.pool.capacity_tokens,
+            "interval_s": dt,
+            "shield_interventions": n_int,
+            "shield_intervention_rate": n_int / self.control_interval,
+            "shield_magnitude": shield.magnitude_total - magnitude0,
+            "shield_last": shield.last_intervention.fields,
+            "safe_activation_budget": shield.last_intervention.safe_activation_budget,
+            "load": self.load,
+        }
+        truncated = self._steps >= self.episode_steps
+        return obs, float(reward), False, truncated, info

@@ -1,0 +1,83 @@
+"""The Gymnasium environment: both env checkers, determinism, splits and the shield's report."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import env  # noqa: F401  (registers tidegate/Serving-v0)
+from env.serving_env import ServingEnv, split_segments
+from engine.profile import load_profile
+
+SMALL = dict(episode_steps=16, control_interval=5)
+
+
+def test_sb3_check_env():
+    from stable_baselines3.common.env_checker import check_env
+
+    check_env(ServingEnv(**SMALL), warn=True)
+
+
+def test_gymnasium_check_env():
+    from gymnasium.utils.env_checker import check_env
+
+    check_env(gym.make("tidegate/Serving-v0", **SMALL).unwrapped)
+
+
+def test_registered_and_episode_truncates():
+    e = gym.make("tidegate/Serving-v0", **SMALL)
+    obs, info = e.reset(seed=3)
+    assert e.observation_space.contains(obs) and 0.5 <= info["load"] <= 2.0
+    for k in range(SMALL["episode_steps"]):
+        obs, reward, terminated, truncated, info = e.step(e.action_space.sample())
+        assert e.observation_space.contains(obs) and np.isfinite(reward) and not terminated
+        assert 0.0 <= info["shield_intervention_rate"] <= 1.0
+        assert 0.0 <= info["kv_usage"] <= 1.0
+    assert truncated
+
+
+def test_same_seed_same_episode():
+    def run(seed):
+        e = ServingEnv(**SMALL)
+        e.action_space.seed(seed)
+        out = [e.reset(seed=seed)[0]]
+        for _ in range(10):
+            out.append(e.step(e.action_space.sample())[0])
+        return np.array(out)
+
+    assert np.array_equal(run(7), run(7))
+
+
+def test_strict_shield_never_evicts_at_overload():
+    e = ServingEnv(shield_mode="strict", load_range=(3.0, 3.0), episode_steps=60, control_interval=10)
+    e.reset(seed=0)
+    for _ in range(60):
+        _, _, _, _, info = e.step(np.array([1.0, 1.0], dtype=np.float32))
+        assert info["evictions"] == 0
+
+
+def test_adversarial_actions_are_safe():
+    e = ServingEnv(**SMALL)
+    e.reset(seed=1)
+    for a in ([np.nan, np.inf], [-np.inf, 5.0], [1e9, -1e9]):
+        obs, reward, *_ = e.step(np.array(a, dtype=np.float32))
+        assert np.all(np.isfinite(obs)) and np.isfinite(reward)
+
+
+def test_splits_do_not_overlap():
+    p = load_profile("a100-llama2-7b")
+    train = split_segments(None, "train", p)
+    evals = split_segments(None, "eval", p)
+    assert [s.name for s in train] == ["splitwise_conv[train]"]
+    assert [s.name for s in evals] == ["splitwise_conv[eval]", "splitwise_code[eval]"]
+    assert len(train[0].times_s) + len(evals[0].times_s) == 19366
+
+
+def test_bad_kwargs_give_one_sentence():
+    with pytest.raises(NotImplementedError, match="torch_executor"):
+        ServingEnv(backend="engine")
+    with pytest.raises(ValueError, match="load_range"):
+        ServingEnv(load_range=(2.0, 1.0))
+    with pytest.raises(ValueError, match="split"):
+        ServingEnv(split="test")

@@ -1,0 +1,131 @@
+"""Export the deterministic PPO actor to ONNX with VecNormalize's observation normalisation folded in.
+
+    python -m training.export checkpoints/model.zip checkpoints/policy.onnx
+
+The graph computes ``clip(action_net(tanh MLP(clip((obs - mean) / std, -c, c))), -1, 1)``, which is
+what ``model.predict(obs, deterministic=True)`` returns for VecNormalize-d observations. The
+initializers are named ``obs_mean``, ``obs_std``, ``layer{i}.weight``/``.bias`` and
+``action.weight``/``.bias`` so ``ctrl.learned.NumpyPolicy`` can run it without a runtime.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from training.train import _vecnormalize_beside
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported; the message is one sentence naming it."""
+
+
+class _Actor(nn.Module):
+    def __init__(self, mean: np.ndarray, std: np.ndarray, clip_obs: float, hidden: list[nn.Linear],
+                 action: nn.Linear) -> None:
+        super().__init__()
+        self.register_buffer("obs_mean", torch.as_tensor(mean, dtype=torch.float32))
+        self.register_buffer("obs_std", torch.as_tensor(std, dtype=torch.float32))
+        self.clip_obs = float(clip_obs)
+        for i, layer in enumerate(hidden):
+            setattr(self, f"layer{i}", layer)
+        self.n_hidden = len(hidden)
+        self.action = action
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        x = torch.clamp((obs - self.obs_mean) / self.obs_std, -self.clip_obs, self.clip_obs)
+        for i in range(self.n_hidden):
+            x = torch.tanh(getattr(self, f"layer{i}")(x))
+        return torch.clamp(self.action(x), -1.0, 1.0)
+
+
+def build_actor(model, vecnormalize=None) -> _Actor:
+    """The deterministic actor of an SB3 PPO ``model`` as a torch module with normalisation folded in."""
+    policy = model.policy
+    net = policy.mlp_extractor.policy_net
+    hidden = [m for m in net if isinstance(m, nn.Linear)]
+    acts = [m for m in net if not isinstance(m, nn.Linear)]
+    if not all(isinstance(a, nn.Tanh) for a in acts):
+        raise ExportError("only tanh MLP actors (SB3's default) can be exported")
+    dim = policy.observation_space.shape[0]
+    if vecnormalize is not None and vecnormalize.norm_obs:
+        mean = vecnormalize.obs_rms.mean
+        std = np.sqrt(vecnormalize.obs_rms.var + vecnormalize.epsilon)
+        clip_obs = vecnormalize.clip_obs
+    else:
+        mean, std, clip_obs = np.zeros(dim), np.ones(dim), np.inf
+    return _Actor(mean, std, min(clip_obs, 1e30), [_clone(m) for m in hidden], _clone(policy.action_net)).eval()
+
+
+def _clone(m: nn.Linear) -> nn.Linear:
+    c = nn.Linear(m.in_features, m.out_features)
+    with torch.no_grad():
+        c.weight.copy_(m.weight.detach().cpu())
+        c.bias.copy_(m.bias.detach().cpu())
+    return c.eval()
+
+
+def export(checkpoint: str | Path, out: str | Path, vecnormalize: str | Path | None = None) -> Path:
+    """Write the deterministic actor of ``checkpoint`` to ONNX.
+
+    :param checkpoint: an SB3 PPO ``.zip`` (``model.zip`` or a CheckpointCallback file).
+    :param out: the ``.onnx`` file to write.
+    :param vecnormalize: the VecNormalize statistics (default: the file saved beside the model;
+        none found means no normalisation).
+    :return: ``out``.
+    """
+    from stable_baselines3 import PPO
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.exists():
+        raise ExportError(f"{checkpoint}: no such checkpoint")
+    try:
+        model = PPO.load(str(checkpoint), device="cpu")
+    except Exception as exc:
+        raise ExportError(f"{checkpoint}: not a stable-baselines3 PPO checkpoint ({type(exc).__name__})") from None
+    vn_path = Path(vecnormalize) if vecnormalize else _vecnormalize_beside(checkpoint)
+    vn = None
+    if vn_path.exists():
+        with open(vn_path, "rb") as f:
+            vn = pickle.load(f)
+    elif vecnormalize:
+        raise ExportError(f"{vn_path}: no such VecNormalize file")
+    actor = build_actor(model, vn)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dim = model.policy.observation_space.shape[0]
+    with warnings.catch_warnings():
+        # the torch.export-based exporter needs onnxscript; the TorchScript one is exact for an MLP
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(actor, torch.zeros(1, dim), str(out), input_names=["obs"], output_names=["action"],
+                          dynamic_axes={"obs": {0: "batch"}, "action": {0: "batch"}}, opset_version=17,
+                          dynamo=False, do_constant_folding=False)
+    import onnx
+
+    proto = onnx.load(str(out))
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = "clip_obs", repr(actor.clip_obs)
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = "source", str(checkpoint)
+    onnx.save(proto, str(out))
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Export a PPO checkpoint's actor to ONNX.")
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("--vecnormalize", default=None)
+    args = ap.parse_args()
+    print(f"wrote {export(args.checkpoint, args.out, args.vecnormalize)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,6 @@ fluid bound lambda_max of the random workload on the shipped ``tiny-cpu`` profil
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import socket
@@ -27,7 +26,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from ctrl.theory import capacity
-from engine.loadgen import plan_random, run_load, summarize
+from engine.loadgen import plan_random, run, run_load, summarize
 from engine.profile import load_profile
 
 
@@ -74,7 +73,7 @@ def run_one(controller: str, args, rate: float) -> dict:
                 raise RuntimeError(f"server for {controller} did not start")
             time.sleep(0.2)
         # warm up, then measure memory from here
-        asyncio.run(run_load(url, plan_random(20, 50.0, 1.0, args.input_len, args.output_len, 1), progress=False))
+        run(run_load(url, plan_random(20, 50.0, 1.0, args.input_len, args.output_len, 1), progress=False))
         rss_start = rss_mib(proc.pid)
         kv_samples, stop = [], threading.Event()
 
@@ -88,7 +87,7 @@ def run_one(controller: str, args, rate: float) -> dict:
         t = threading.Thread(target=sampler, daemon=True)
         t.start()
         plan = plan_random(10**9, rate, 1.0, args.input_len, args.output_len, args.seed, args.duration)
-        outcomes, wall = asyncio.run(run_load(url, plan, max_concurrency=args.concurrency, progress=False,
+        outcomes, wall = run(run_load(url, plan, max_concurrency=args.concurrency, progress=False,
                                               timeout_s=args.duration + 120))
         stop.set()
         t.join()

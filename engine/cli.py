@@ -273,9 +273,7 @@ def serve(model, served_model_name, controller_spec, host, port, kv_capacity_tok
 def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_requests, max_concurrency,
             input_len, output_len, length_scale, max_tokens_cap, goodput_slos, model, seed, out_path):
     """Streaming load against any OpenAI-compatible server; latency percentiles, goodput, 429s."""
-    import asyncio
-
-    from engine.loadgen import format_summary, outcomes_json, plan_random, plan_trace, run_load, summarize
+    from engine.loadgen import format_summary, outcomes_json, plan_random, plan_trace, run, run_load, summarize
     from engine.workload import read_trace, resolve_trace
 
     if bool(trace) == bool(dataset):
@@ -299,7 +297,7 @@ def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_r
             raise click.UsageError("--dataset random needs --num-requests or --duration")
         plan = plan_random(num_requests or 10**9, rate or float("inf"), burstiness, input_len, output_len, seed,
                            duration_s)
-    outcomes, wall = asyncio.run(run_load(url, plan, model, max_concurrency, progress=sys.stderr.isatty()))
+    outcomes, wall = run(run_load(url, plan, model, max_concurrency, progress=sys.stderr.isatty()))
     summary = summarize(outcomes, wall, slos.get("ttft"), slos.get("tpot"))
     click.echo(format_summary(summary))
     if out_path:

@@ -138,6 +138,15 @@ async def run_load(url: str, plan: list[Planned], model: str | None = None, max_
         return list(outcomes), time.perf_counter() - start
 
 
+def run(coro):
+    """asyncio.run on uvloop where it is installed (the client must not be the bottleneck)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def summarize(outcomes: list[Outcome], wall_s: float, ttft_slo_s: float | None = None,
               tpot_slo_s: float | None = None) -> dict:
     """Figures of a run: counts, throughput, goodput and latency percentiles (ms)."""

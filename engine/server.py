@@ -116,7 +116,7 @@ class Stream:
     """What the engine thread hands one HTTP request: text deltas, then the end."""
 
     __slots__ = ("loop", "event", "chunks", "request", "limit", "overflowed", "arrival_s", "last_token_s",
-                 "admitted")
+                 "admitted", "touched")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: int) -> None:
         self.loop = loop
@@ -128,9 +128,13 @@ class Stream:
         self.arrival_s = time.perf_counter()
         self.last_token_s: float | None = None
         self.admitted = False
+        self.touched = False  # has data the HTTP side has not been woken for yet
 
-    def notify(self) -> None:
-        self.loop.call_soon_threadsafe(self.event.set)
+
+def _set_events(streams: list[Stream]) -> None:
+    for stream in streams:
+        stream.touched = False
+        stream.event.set()
 
 
 class TimedController:
@@ -174,6 +178,7 @@ class EngineService:
         self._seen_interventions = 0
         self.thread = threading.Thread(target=self._run, name="tidegate-engine", daemon=True)
         self.engine_error: str | None = None
+        self._touched: list[Stream] = []
 
     # -- called from the HTTP side
     def start(self) -> None:
@@ -228,11 +233,24 @@ class EngineService:
                 except Exception as exc:  # a bug outside the executor: fail what is in flight, keep serving
                     log.exception("engine step failed")
                     self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+                self._wake_streams()
                 self._update_gauges()
             else:
+                self._wake_streams()
                 self._update_gauges()
                 self.wake.wait(0.05)
                 self.wake.clear()
+
+    def _touch(self, stream: Stream) -> None:
+        if not stream.touched:
+            stream.touched = True
+            self._touched.append(stream)
+
+    def _wake_streams(self) -> None:
+        """One wake-up of the HTTP loop per step for every stream that got data (not one per token)."""
+        if self._touched:
+            touched, self._touched = self._touched, []
+            touched[0].loop.call_soon_threadsafe(_set_events, touched)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -270,19 +288,19 @@ class EngineService:
                     self.llm.cancel(r)
                 return
             stream.chunks.append((delta, finished))
-            stream.notify()
+            self._touch(stream)
 
         try:
             r = self.llm.add_request(ids, sampling, max_tokens, request_id=f"cmpl-{next(self._ids)}",
                                      on_delta=on_delta, admission=None)
         except ValueError as exc:  # checked on arrival already; a race with a resize would land here
             stream.chunks.append((str(exc), True))
-            stream.notify()
+            self._touch(stream)
             return
         stream.request = r
         if r.state.is_terminal:  # ended at once (refused by the engine's own checks)
             stream.chunks.append(("", True))
-            stream.notify()
+            self._touch(stream)
 
     def _on_finished(self, r: Request, stream: Stream, now: float) -> None:
         m = self.metrics

@@ -66,6 +66,17 @@ def _convert(name: str, text: str, param: inspect.Parameter):
         raise ControllerSpecError(f"option {name}={text!r} is not valid: expected {kind}") from None
 
 
+def _options(name: str, raw: dict[str, str], params: dict[str, inspect.Parameter]) -> dict:
+    """Typed keyword arguments from raw ``key=value`` options, refusing unknown keys."""
+    kwargs = {}
+    for key, text in raw.items():
+        if key not in params:
+            raise ControllerSpecError(
+                f"controller {name!r} has no option {key!r}; it accepts {', '.join(sorted(params))}")
+        kwargs[key] = _convert(key, text, params[key])
+    return kwargs
+
+
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """Split ``name:key=value,key=value`` into the name and the raw options."""
     name, _, rest = spec.partition(":")
@@ -93,12 +104,7 @@ def build_controller(spec: str, profile=None, workload=None) -> Controller:
         raise ControllerSpecError(
             f"unknown controller {name!r}; choose one of {', '.join(sorted([*CONTROLLERS, 'learned']))}")
     params = controller_options(cls)
-    kwargs = {}
-    for key, text in raw.items():
-        if key not in params:
-            raise ControllerSpecError(
-                f"controller {name!r} has no option {key!r}; it accepts {', '.join(sorted(params))}")
-        kwargs[key] = _convert(key, text, params[key])
+    kwargs = _options(name, raw, params)
     if profile is not None:
         for key, get in _PROFILE_DEFAULTS.items():
             if key in params and key not in kwargs:
@@ -136,12 +142,7 @@ def _learned(raw: dict[str, str], profile) -> Controller:
 
     params = {k: p for k, p in _inspect.signature(make_learned_controller).parameters.items()
               if p.kind is not p.VAR_KEYWORD and k != "profile"}
-    kwargs = {}
-    for key, text in raw.items():
-        if key not in params:
-            raise ControllerSpecError(
-                f"controller 'learned' has no option {key!r}; it accepts {', '.join(sorted(params))}")
-        kwargs[key] = _convert(key, text, params[key])
+    kwargs = _options("learned", raw, params)
     try:
         return make_learned_controller(kwargs.pop("path", None), profile=profile, **kwargs)
     except (ValueError, TypeError) as exc:

@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
 
 import click
 
-# Errors a user can cause: printed as one line, exit code 2, never a traceback.
-USER_ERRORS: tuple[type[Exception], ...] = ()
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from ctrl import ControllerSpecError
-    from engine.profile import ProfileError
-    from engine.workload import WorkloadError
-    return (ControllerSpecError, ProfileError, WorkloadError)
-
-
-def friendly(fn):
-    """Turn the project's user-input errors into ``error: ...`` and exit 2."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except _user_errors() as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-    return wrapper
+from engine.cli_support import friendly
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -91,7 +70,7 @@ def main() -> None:
               help="NAME[:key=value,...]; names: greedy, no-evict, sglang, watermark, class-budgets, flow.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
-@friendly
+@friendly()
 def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
              profile_name, controller_spec, as_json, progress):
     """Replay a trace or synthetic workload through the simulator twin."""
@@ -144,7 +123,7 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel simulations (default: cores).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True)
-@friendly
+@friendly()
 def bench(traces, controllers, loads, profile_name, first_n, start_s, end_s, length_scale, max_tokens, seed,
           jobs, out_dir):
     """Every controller at several loads on traces: table, CSV and plots."""
@@ -168,7 +147,7 @@ def bench(traces, controllers, loads, profile_name, first_n, start_s, end_s, len
 @workload_options
 @click.option("--profile", "profile_name", default="a100-llama2-7b", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-@friendly
+@friendly()
 def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
              profile_name, as_json):
     """Lifetime KV workload, the necessary rate bound and the fluid bound lambda_max."""
@@ -220,7 +199,7 @@ def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
               help="On SIGTERM, how long in-flight requests may take to finish.")
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="max_tokens of a chat request that sets none.")
-@friendly
+@friendly()
 def serve(model, served_model_name, controller_spec, host, port, kv_capacity_tokens, block_size,
           max_num_batched_tokens, max_num_seqs, device, dtype, max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens):
@@ -269,7 +248,7 @@ def serve(model, served_model_name, controller_spec, host, port, kv_capacity_tok
 @click.option("--model", default=None, help="Model name (default: the server's first).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
-@friendly
+@friendly()
 def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_requests, max_concurrency,
             input_len, output_len, length_scale, max_tokens_cap, goodput_slos, model, seed, out_path):
     """Streaming load against any OpenAI-compatible server; latency percentiles, goodput, 429s."""

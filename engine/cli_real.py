@@ -5,32 +5,13 @@ Registered into the ``tidegate`` group by engine/cli.py (``main.add_command(...)
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
 
 import click
 
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from ctrl import ControllerSpecError
-    from engine.profile import ProfileError
-    from engine.tiny_model import ModelLoadError
-    from engine.workload import WorkloadError
-    return (ControllerSpecError, ProfileError, WorkloadError, ModelLoadError, ValueError)
-
-
-def friendly(fn):
-    """User-input errors become one ``error: ...`` line on stderr and exit code 2."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except _user_errors() as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-    return wrapper
+from engine.cli_support import friendly
 
 
 def _threads(threads: int | None) -> None:
@@ -62,7 +43,7 @@ threads_option = click.option("--threads", type=click.IntRange(min=1), default=N
 @device_option
 @dtype_option
 @threads_option
-@friendly
+@friendly(ValueError)
 def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos,
                      kv_capacity_tokens, stream, as_json, device, dtype, threads):
     """Generate text for prompts on the real engine."""
@@ -101,7 +82,7 @@ def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs per grid point and pass.")
 @click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="Walks over the shuffled grid.")
 @click.option("--quick", is_flag=True, help="A smaller grid (for tests).")
-@friendly
+@friendly(ValueError)
 def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_tokens, repeats, passes, quick):
     """Time engine steps over a grid of batch shapes and fit the simulator's step-time model."""
     from engine.profiler import run_profile
@@ -139,7 +120,7 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 @device_option
 @dtype_option
 @threads_option
-@friendly
+@friendly(ValueError)
 def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, controller_spec,
                        seed, out_dir, as_json, device, dtype, threads):
     """Run one workload through the real engine and the simulator twin and compare them."""

@@ -1,12 +1,16 @@
-"""The learned controller: a PPO policy (exported to ONNX) that sets two knobs, the admission
-rate and the batch size, once per control interval, always inside the flow-control shield.
+"""The learned controller: a PPO policy (exported to ONNX) that sets three knobs, the activation
+rate, the batch size and the admission (429) threshold on the predicted queueing delay, once per
+control interval, always inside the flow-control shield.
 
 The same pieces serve the Gymnasium env (``env/serving_env.py``) and deployment, so the
 policy sees in production exactly the features it saw in training:
 
 - ``ObservationFeatures``: the policy's observation vector, computed from ``Observation`` only;
-- ``action_to_knobs``: an action in ``[-1, 1]^2`` to (activations per second, batch fraction);
-- ``KnobController``: turns the knobs into a Decision every step;
+- ``action_to_knobs``: an action in ``[-1, 1]^3`` to (activations per second, batch fraction,
+  rejection delay threshold in seconds);
+- ``predicted_delay_s``: the queueing delay a new arrival would see, from ``Observation`` only;
+- ``KnobController``: turns the knobs into a Decision every step, and refuses an arrival (429
+  with ``retry_after_s``) when its predicted delay exceeds the threshold;
 - ``LearnedController``: runs the policy every ``control_interval`` steps; whenever it cannot
   answer (file missing or corrupt, an exception, NaN/inf, slower than its time budget) the
   step's Decision comes from ``FlowController(adaptive=True)``, counted and logged once per cause;
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ctrl.base import Controller, Decision, Observation
+from ctrl.base import Controller, Decision, Observation, Rejection, retry_after_s
 from ctrl.flow import FlowController
 from ctrl.shield import ShieldedController
 
@@ -34,21 +38,65 @@ DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "checkpoints" / "polic
 FEATURES = (
     "kv_usage", "kv_usage_trend", "queue_depth", "queued_prompt_tokens", "arrival_rate",
     "completion_rate", "ttft_vs_slo", "tpot_vs_slo", "evictions", "rejections", "safe_rate",
-    "running", "last_admission_action", "last_batch_action",
+    "running", "last_admission_action", "last_batch_action", "last_reject_action", "predicted_delay",
 )
 OBS_DIM = len(FEATURES)
+ACTION_DIM = 3
 OBS_CLIP = 10.0
-#: admission rate = lambda_max * ADMISSION_RANGE ** action[0]
+#: activation rate = lambda_max * ADMISSION_RANGE ** (action[0] + ADMISSION_BIAS): at action 0 it is
+#: 2 x lambda_max (the shield's safe rate binds, as for watermark's unlimited activation)
 ADMISSION_RANGE = 4.0
-#: batch fraction = BATCH_RANGE ** ((action[1] - 1) / 2): from 1/BATCH_RANGE to 1
-BATCH_RANGE = 16.0
+ADMISSION_BIAS = 0.5
+#: batch fraction = BATCH_RANGE ** ((action[1] - 1) / 2): from 1/BATCH_RANGE to 1 (0.5 at action 0)
+BATCH_RANGE = 4.0
+#: rejection threshold d = TTFT SLO * REJECT_RANGE ** (action[2] + REJECT_BIAS) on the predicted delay:
+#: from SLO/8 to 2 x SLO, SLO/2 at action 0
+REJECT_RANGE = 4.0
+REJECT_BIAS = -0.5
+#: the action whose knobs are used before the first policy call and while the policy is unavailable
+DEFAULT_ACTION = (0.0, 0.0, 0.0)
+#: profile assumed when none is given (``LearnedController`` built by the server without one)
+DEFAULT_PROFILE = "tiny-cpu"
 
 
-def action_to_knobs(action0: float, action1: float, lambda_max_rps: float) -> tuple[float, float]:
-    """(admission rate in requests per second, batch fraction in (0, 1]) for an action in [-1, 1]^2."""
-    a0 = min(1.0, max(-1.0, float(action0)))
-    a1 = min(1.0, max(-1.0, float(action1)))
-    return lambda_max_rps * ADMISSION_RANGE ** a0, BATCH_RANGE ** ((a1 - 1.0) / 2.0)
+def _clip1(x) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return 0.0
+    if not math.isfinite(v):
+        return 0.0
+    return -1.0 if v < -1.0 else (1.0 if v > 1.0 else v)
+
+
+def action_to_knobs(action0: float, action1: float, lambda_max_rps: float, action2: float = 0.0,
+                    ttft_slo_s: float = 2.0) -> tuple[float, float, float]:
+    """(activation rate in requests per second, batch fraction in (0, 1], rejection threshold in
+    seconds of predicted queueing delay) for an action in [-1, 1]^3 (NaN/inf count as 0)."""
+    a0, a1, a2 = _clip1(action0), _clip1(action1), _clip1(action2)
+    return (lambda_max_rps * ADMISSION_RANGE ** (a0 + ADMISSION_BIAS), BATCH_RANGE ** ((a1 - 1.0) / 2.0),
+            ttft_slo_s * REJECT_RANGE ** (a2 + REJECT_BIAS))
+
+
+def predicted_delay_s(obs: Observation, prompt_tokens: int = 0, token_budget: float | None = None,
+                      prior_output_tokens: int = 128) -> float:
+    """Seconds a new arrival with ``prompt_tokens`` would wait before its first token, from
+    ``Observation`` only: the larger of the request drain time (waiting requests / completion
+    rate; before any completion, Little's law on the running set) and the prefill drain time
+    (queued plus own prompt tokens / tokens per step x steps per second). 0 with an empty queue."""
+    if obs.num_waiting <= 0:
+        return 0.0
+    step_s = obs.mean_step_time_s or obs.last_step_time_s
+    rate = obs.completion_rate_rps
+    if not rate > 0.0:
+        out = obs.mean_output_tokens or prior_output_tokens
+        rate = max(obs.num_running, 1) / (out * step_s) if step_s > 0 else 0.0
+    queue = obs.num_waiting / rate if rate > 0 else math.inf
+    prefill = 0.0
+    if step_s > 0:
+        tokens = token_budget if token_budget and token_budget > 0 else max(obs.last_step_tokens, 1)
+        prefill = (obs.waiting_prompt_tokens + prompt_tokens) * step_s / tokens
+    return max(queue, prefill)
 
 
 class ObservationFeatures:
@@ -81,7 +129,7 @@ class ObservationFeatures:
         self._rejections = 0
         self.vector[:] = 0.0
 
-    def update(self, obs: Observation, last_action=(0.0, 0.0)) -> np.ndarray:
+    def update(self, obs: Observation, last_action=DEFAULT_ACTION, token_budget: float | None = None) -> np.ndarray:
         """Features of the interval that ends at ``obs``; the returned array is reused."""
         lam = self.lambda_max_rps
         cap = obs.kv_capacity_tokens or 1
@@ -112,6 +160,9 @@ class ObservationFeatures:
         v[11] = obs.num_running / self.max_num_seqs
         v[12] = last_action[0]
         v[13] = last_action[1]
+        v[14] = last_action[2] if len(last_action) > 2 else 0.0
+        delay = predicted_delay_s(obs, 0, token_budget, self.prior_output_tokens)
+        v[15] = math.log1p(delay / self.ttft_slo_s) if math.isfinite(delay) else OBS_CLIP
         np.clip(v, -OBS_CLIP, OBS_CLIP, out=v)
         np.nan_to_num(v, copy=False, nan=0.0, posinf=OBS_CLIP, neginf=-OBS_CLIP)
         self._kv_usage = usage
@@ -119,32 +170,50 @@ class ObservationFeatures:
 
 
 class KnobController(Controller):
-    """Admits at ``admission_rate_rps`` (credit carried across steps) with batch size
-    ``batch_fraction`` x (``max_num_batched_tokens``, ``max_num_seqs``).
+    """Activates at ``admission_rate_rps`` (credit carried across steps) with batch size
+    ``batch_fraction`` x (``max_num_batched_tokens``, ``max_num_seqs``), and refuses an arrival
+    (429, retry-after from ``ctrl.base.retry_after_s``) when its ``predicted_delay_s`` exceeds
+    ``reject_delay_s``: a request that would miss its TTFT SLO anyway is better refused early than
+    queued until it expires.
 
     :param max_num_batched_tokens: the token budget at batch fraction 1.
     :param max_num_seqs: the running cap at batch fraction 1.
+    :param prior_output_tokens: output length assumed by the delay prediction before any completion.
     """
 
     name = "knobs"
 
-    def __init__(self, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256) -> None:
+    def __init__(self, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 prior_output_tokens: int = 128) -> None:
         super().__init__()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.prior_output_tokens = prior_output_tokens
         self.admission_rate_rps = 0.0
         self.batch_fraction = 1.0
+        self.reject_delay_s = math.inf
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs)
         self._credit = 0.0
 
-    def set_knobs(self, admission_rate_rps: float, batch_fraction: float) -> None:
+    def set_knobs(self, admission_rate_rps: float, batch_fraction: float,
+                  reject_delay_s: float = math.inf) -> None:
         self.admission_rate_rps = admission_rate_rps
         self.batch_fraction = batch_fraction
+        self.reject_delay_s = reject_delay_s
         self._decision.token_budget = max(1, int(batch_fraction * self.max_num_batched_tokens))
         self._decision.running_cap = max(1, int(batch_fraction * self.max_num_seqs))
 
     def reset(self) -> None:
         self._credit = 0.0
+
+    def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
+        if obs.num_waiting <= 0 or not self.reject_delay_s < math.inf:
+            return None
+        delay = predicted_delay_s(obs, prompt_tokens, self._decision.token_budget, self.prior_output_tokens)
+        if delay > self.reject_delay_s:
+            return Rejection(f"predicted queueing delay {delay:.3g} s exceeds {self.reject_delay_s:.3g} s",
+                             retry_after_s(obs))
+        return None
 
     def decide(self, obs: Observation) -> Decision:
         step_s = obs.last_step_time_s or obs.mean_step_time_s
@@ -223,12 +292,18 @@ def load_policy(path: str | Path, runtime: str = "numpy"):
 
 
 class LearnedController(Controller):
-    """Runs the policy every ``control_interval`` steps to set the knobs of a ``KnobController``.
+    """Runs the policy every ``control_interval`` steps to set the knobs of a ``KnobController``:
+    its Decisions each step, and its admission threshold on every arrival (``admit``).
 
-    Build it with :func:`make_learned_controller`, which wraps it in the shield.
+    Build it with :func:`make_learned_controller`, which wraps it in the shield (whose overload
+    policy, ``max_waiting`` and the queue timeout, stays on and may refuse arrivals first).
+
+    While the policy cannot answer, Decisions come from ``FlowController(adaptive=True)`` and
+    admission uses the knobs of ``DEFAULT_ACTION`` (reject above 1 x TTFT SLO of predicted delay).
 
     :param policy: a callable obs -> action, or None (always the fallback).
-    :param features: the observation builder (its lambda_max and SLOs must match training).
+    :param features: the observation builder (its lambda_max and SLOs must match training); None:
+        defaults of the ``tiny-cpu`` profile (``DEFAULT_PROFILE``) with its splitwise_conv lambda_max.
     :param control_interval: engine steps between policy calls.
     :param time_budget_s: a policy call slower than this is discarded for the fallback.
     :param max_num_batched_tokens: the token budget at batch fraction 1.
@@ -238,17 +313,21 @@ class LearnedController(Controller):
 
     name = "learned"
 
-    def __init__(self, policy, features: ObservationFeatures, control_interval: int = 10,
+    def __init__(self, policy, features: ObservationFeatures | None = None, control_interval: int = 10,
                  time_budget_s: float = 1e-3, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  load_error: str | None = None) -> None:
         super().__init__()
         if control_interval < 1:
             raise ValueError(f"control_interval must be >= 1, got {control_interval}")
+        if features is None:
+            profile = _default_profile()
+            features = ObservationFeatures(_default_lambda_max(profile), profile.ttft_slo_s, profile.tpot_slo_s,
+                                           profile.max_num_seqs)
         self.policy = policy
         self.features = features
         self.control_interval = control_interval
         self.time_budget_s = time_budget_s
-        self.knobs = KnobController(max_num_batched_tokens, max_num_seqs)
+        self.knobs = KnobController(max_num_batched_tokens, max_num_seqs, features.prior_output_tokens)
         self.fallback = FlowController(adaptive=True, max_num_batched_tokens=max_num_batched_tokens,
                                        max_num_seqs=max_num_seqs)
         self.load_error = load_error
@@ -261,8 +340,13 @@ class LearnedController(Controller):
         self.fallback.reset()
         self.features.reset()
         self._steps = 0
-        self._last_action = (0.0, 0.0)
+        self._last_action = DEFAULT_ACTION
+        self._set_knobs(DEFAULT_ACTION)
         self._use_fallback = self.policy is None
+
+    def _set_knobs(self, action) -> None:
+        f = self.features
+        self.knobs.set_knobs(*action_to_knobs(action[0], action[1], f.lambda_max_rps, action[2], f.ttft_slo_s))
 
     @property
     def fallback_total(self) -> int:
@@ -274,6 +358,13 @@ class LearnedController(Controller):
             self.fallbacks[cause] = 0
         self.fallbacks[cause] += 1
         self._use_fallback = True
+        self._set_knobs(DEFAULT_ACTION)
+
+    def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
+        rejection = super().admit(obs, prompt_tokens, max_tokens)
+        if rejection is not None:
+            return rejection
+        return self.knobs.admit(obs, prompt_tokens, max_tokens)
 
     def decide(self, obs: Observation) -> Decision:
         if self._steps % self.control_interval == 0:
@@ -287,26 +378,42 @@ class LearnedController(Controller):
         return self.knobs.decide(obs)
 
     def _act(self, obs: Observation) -> None:
-        x = self.features.update(obs, self._last_action)
+        x = self.features.update(obs, self._last_action, self.knobs._decision.token_budget)
         if self.policy is None:
             return
         t0 = time.perf_counter()
         try:
             action = self.policy(x)
-            a0, a1 = float(action[0]), float(action[1])
+            a0, a1, a2 = float(action[0]), float(action[1]), float(action[2])
         except Exception as exc:
             self._fall_back(f"policy raised {type(exc).__name__}")
             return
         if time.perf_counter() - t0 > self.time_budget_s:
             self._fall_back(f"policy slower than {self.time_budget_s * 1e6:.0f} us")
             return
-        if not (math.isfinite(a0) and math.isfinite(a1)):
+        if not (math.isfinite(a0) and math.isfinite(a1) and math.isfinite(a2)):
             self._fall_back("policy returned NaN or inf")
             return
         self.policy_calls += 1
         self._use_fallback = False
-        self._last_action = (max(-1.0, min(1.0, a0)), max(-1.0, min(1.0, a1)))
-        self.knobs.set_knobs(*action_to_knobs(a0, a1, self.features.lambda_max_rps))
+        self._last_action = (_clip1(a0), _clip1(a1), _clip1(a2))
+        self._set_knobs(self._last_action)
+
+
+def _default_profile():
+    from engine.profile import load_profile
+
+    return load_profile(DEFAULT_PROFILE)
+
+
+def _default_lambda_max(profile) -> float:
+    """lambda_max of ``profile`` with the splitwise_conv trace (the training workload)."""
+    from ctrl.theory import capacity
+    from engine.workload import read_trace, resolve_trace
+
+    arrivals = read_trace(resolve_trace("splitwise_conv"))
+    return capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals],
+                    profile).lambda_max_rps
 
 
 def make_learned_controller(path: str | Path | None = None, *, profile=None, lambda_max_rps: float | None = None,
@@ -315,8 +422,11 @@ def make_learned_controller(path: str | Path | None = None, *, profile=None, lam
     """The learned controller inside the shield, with the flow controller as its fallback.
 
     :param path: the exported policy (default ``checkpoints/policy.onnx``); a missing or corrupt
-        file is not an error: every decision then comes from the fallback.
-    :param profile: an ``engine.profile.Profile`` (SLOs, batch limits; default a100-llama2-7b).
+        file (or one with another action size) is not an error: every decision then comes from the
+        fallback.
+    :param profile: an ``engine.profile.Profile`` or a profile name (SLOs, batch limits); None:
+        ``DEFAULT_PROFILE`` (tiny-cpu, the model the server runs when nothing else is known).
+        The shipped policy was trained on a100-llama2-7b.
     :param lambda_max_rps: the fluid bound of the expected workload (default: from the profile
         with the splitwise_conv trace, as in training).
     :param control_interval: engine steps between policy calls (as in training).
@@ -326,21 +436,20 @@ def make_learned_controller(path: str | Path | None = None, *, profile=None, lam
     :param shield_options: more ``ShieldedController`` options.
     """
     if profile is None:
+        profile = _default_profile()
+    elif isinstance(profile, (str, Path)):
         from engine.profile import load_profile
 
-        profile = load_profile("a100-llama2-7b")
+        profile = load_profile(profile)
     if lambda_max_rps is None:
-        from ctrl.theory import capacity
-        from engine.workload import read_trace, resolve_trace
-
-        arrivals = read_trace(resolve_trace("splitwise_conv"))
-        lambda_max_rps = capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals],
-                                  profile).lambda_max_rps
+        lambda_max_rps = _default_lambda_max(profile)
     path = DEFAULT_POLICY if path is None else Path(path)
     policy, error = None, None
     try:
         policy = load_policy(path, runtime)
-        policy(np.zeros(OBS_DIM, dtype=np.float32))
+        out = np.asarray(policy(np.zeros(OBS_DIM, dtype=np.float32)))
+        if out.shape != (ACTION_DIM,):
+            raise PolicyError(f"action shape {out.shape}, expected ({ACTION_DIM},)")
     except Exception as exc:
         policy, error = None, f"cannot load {path}: {type(exc).__name__}"
     features = ObservationFeatures(lambda_max_rps, profile.ttft_slo_s, profile.tpot_slo_s, profile.max_num_seqs)

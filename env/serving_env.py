@@ -1,7 +1,8 @@
 """ServingEnv: the Gymnasium environment around the engine loop.
 
-One ``env.step`` sets the learned controller's two knobs (admission rate and batch size) for
-the next control interval, projects them through the flow-control shield, runs the engine for
+One ``env.step`` sets the learned controller's three knobs (activation rate, batch size and the
+rejection threshold on the predicted queueing delay) for the next control interval, projects the
+Decisions through the flow-control shield (whose overload policy stays on), runs the engine for
 ``control_interval`` steps (jumping the clock over idle gaps) and rewards the interval's
 goodput. Observation, action and reward are tabulated in docs/ENV.md.
 """
@@ -16,7 +17,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from ctrl.learned import OBS_CLIP, OBS_DIM, KnobController, ObservationFeatures, action_to_knobs
+from ctrl.learned import (ACTION_DIM, DEFAULT_ACTION, OBS_CLIP, OBS_DIM, KnobController, ObservationFeatures,
+                          action_to_knobs)
 from ctrl.shield import ShieldedController
 from ctrl.theory import capacity
 from engine.profile import load_profile
@@ -25,7 +27,8 @@ from engine.simulate import make_sim_engine
 from engine.workload import Arrival, read_trace, resolve_trace
 
 TRAIN_FRACTION = 0.7
-DEFAULT_REWARD_WEIGHTS = {"goodput": 1.0, "slo_miss": 0.5, "rejection": 0.5, "eviction": 0.1}
+#: goodput first: a request that misses its SLO (or expires) costs more than one refused early
+DEFAULT_REWARD_WEIGHTS = {"goodput": 1.0, "slo_miss": 0.5, "rejection": 0.05, "eviction": 0.05}
 
 
 @dataclass
@@ -52,6 +55,24 @@ def _segment(name: str, arrivals: list[Arrival], profile) -> _Segment:
     return _Segment(name, times, [a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals],
                     [a.max_tokens for a in arrivals], cap.lambda_max_rps, (len(arrivals) - 1) / float(times[-1]),
                     span)
+
+
+def augment_segments(segments: list[_Segment], scales, profile) -> list[_Segment]:
+    """The segments followed by a copy of each per (prompt_scale, output_scale) pair other than
+    (1, 1): prompt and output lengths scaled (at least 1 token, outputs within max_tokens), lambda_max
+    recomputed. Domain randomisation over request shape (e.g. long prompts, short outputs)."""
+    out = list(segments)
+    for ps, os_ in scales or ():
+        ps, os_ = float(ps), float(os_)
+        if not (ps > 0 and os_ > 0):
+            raise ValueError(f"augment scales must be > 0, got {(ps, os_)}")
+        if ps == 1.0 and os_ == 1.0:
+            continue
+        for seg in segments:
+            arrivals = [Arrival(float(t), max(1, round(p * ps)), min(m, max(1, round(o * os_))), m)
+                        for t, p, o, m in zip(seg.times_s, seg.prompts, seg.outputs, seg.max_tokens)]
+            out.append(_segment(f"{seg.name}x{ps:g}/{os_:g}", arrivals, profile))
+    return out
 
 
 def split_segments(trace, split: str, profile, max_tokens_cap: int | None = None) -> list[_Segment]:
@@ -87,16 +108,21 @@ def split_segments(trace, split: str, profile, max_tokens_cap: int | None = None
 
 
 class ServingEnv(gym.Env):
-    """Learn the admission rate and batch size of one serving replica.
+    """Learn the activation rate, batch size and admission threshold of one serving replica.
 
-    :param backend: ``sim`` (the simulator twin); ``engine`` (the real engine) is not available yet.
+    :param backend: ``sim`` (the simulator twin, virtual clock) or ``engine`` (the real engine:
+        ``TorchExecutor`` running ``model`` on CPU with a wall clock; random prompt tokens of the
+        trace's lengths, outputs forced to the trace's lengths; default profile tiny-cpu; request
+        lengths are clipped to the model's context).
+    :param model: the real engine's model (``tiny`` or a local Hugging Face folder); engine backend only.
+    :param length_scale: multiply every prompt and output length (fit a trace to a small model).
     :param trace: a shipped trace name or path, a list of them, or a list of ``Arrival``s
         (None: splitwise_conv for ``train``, splitwise_conv and splitwise_code for ``eval``).
     :param workload: alias of ``trace`` for a list of ``Arrival``s.
     :param split: ``train`` (first 70% of each trace) or ``eval`` (the rest; all of splitwise_code).
     :param load_range: (low, high) offered load as multiples of lambda_max; each episode draws one
         log-uniformly.
-    :param profile: a profile name, path or ``Profile``.
+    :param profile: a profile name, path or ``Profile`` (None: a100-llama2-7b for ``sim``, tiny-cpu for ``engine``).
     :param control_interval: engine steps per env step.
     :param episode_steps: env steps per episode (then ``truncated``).
     :param ttft_slo_s: TTFT SLO (default: the profile's).
@@ -106,22 +132,22 @@ class ServingEnv(gym.Env):
     :param max_waiting: the shield's queue limit (arrivals beyond it are rejected with 429).
     :param queue_timeout_s: the shield's queue timeout (default 5 x TTFT SLO).
     :param max_tokens_cap: every request's max_tokens (default the trace reader's).
+    :param augment: (prompt_scale, output_scale) pairs: each adds a copy of every segment with
+        scaled request lengths (``augment_segments``); episodes draw segments uniformly.
     :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
     """
 
     metadata = {"render_modes": []}
 
     def __init__(self, backend: str = "sim", trace=None, workload=None, split: str = "train",
-                 load_range: tuple[float, float] = (0.5, 2.0), profile="a100-llama2-7b",
+                 load_range: tuple[float, float] = (0.5, 2.0), profile=None,
                  control_interval: int = 10, episode_steps: int = 256, ttft_slo_s: float | None = None,
                  tpot_slo_s: float | None = None, reward_weights: dict | None = None,
                  shield_mode: str = "soft", max_waiting: int = 512, queue_timeout_s: float | None = None,
-                 max_tokens_cap: int | None = None, seed: int | None = None) -> None:
+                 max_tokens_cap: int | None = None, augment=None, seed: int | None = None, model: str = "tiny",
+                 length_scale: float = 1.0) -> None:
         super().__init__()
-        if backend == "engine":
-            raise NotImplementedError("backend='engine' needs engine/torch_executor.py, which is not "
-                                      "available yet; use backend='sim'")
-        if backend != "sim":
+        if backend not in ("sim", "engine"):
             raise ValueError(f"backend must be 'sim' or 'engine', got {backend!r}")
         low, high = (float(x) for x in load_range)
         if not 0 < low <= high:
@@ -132,9 +158,20 @@ class ServingEnv(gym.Env):
         if unknown:
             raise ValueError(f"unknown reward weights {sorted(unknown)}; expected some of "
                              f"{', '.join(DEFAULT_REWARD_WEIGHTS)}")
+        if profile is None:
+            profile = "tiny-cpu" if backend == "engine" else "a100-llama2-7b"
         self.profile = profile if hasattr(profile, "base_s") else load_profile(profile)
+        self.backend = backend
         self.segments = split_segments(workload if workload is not None else trace, split, self.profile,
                                        max_tokens_cap)
+        if length_scale != 1.0:
+            self.segments = augment_segments(self.segments, [(length_scale, length_scale)], self.profile)[
+                len(self.segments):]
+        if augment:
+            self.segments = augment_segments(self.segments, augment, self.profile)
+        self._executor = None
+        if backend == "engine":
+            self._init_engine(model)
         self.split = split
         self.load_range = (low, high)
         self.control_interval = int(control_interval)
@@ -148,7 +185,7 @@ class ServingEnv(gym.Env):
         self._seed = seed
 
         self.observation_space = spaces.Box(-OBS_CLIP, OBS_CLIP, shape=(OBS_DIM,), dtype=np.float32)
-        self.action_space = spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32)
+        self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
 
         self.knobs = KnobController(self.profile.max_num_batched_tokens, self.profile.max_num_seqs)
         self.shield = ShieldedController(self.knobs, mode=shield_mode, max_num_seqs=self.profile.max_num_seqs,
@@ -178,17 +215,56 @@ class ServingEnv(gym.Env):
         self._req_id = 0
 
         self.shield.reset()
-        self.core = make_sim_engine(self.profile, self.shield, record_steps=False)
+        self.core = self._make_engine()
         self.features = ObservationFeatures(seg.lambda_max_rps, self.ttft_slo_s, self.tpot_slo_s,
                                             self.profile.max_num_seqs, self.shield.target_usage,
                                             self.shield.prior_output_tokens)
-        self._last_action = (0.0, 0.0)
-        self.knobs.set_knobs(*action_to_knobs(0.0, 0.0, self.lambda_max_rps))
+        self._last_action = DEFAULT_ACTION
+        self._set_knobs(DEFAULT_ACTION)
         self._steps = 0
         self._episode += 1
         self.totals = {"good": 0, "finished": 0, "missed": 0, "rejected": 0, "evictions": 0}
-        obs = self.features.update(self.core.observe(), self._last_action).copy()
+        obs = self.features.update(self.core.observe(), self._last_action, self.knobs._decision.token_budget).copy()
         return obs, {"load": load, "segment": seg.name, "lambda_max_rps": seg.lambda_max_rps}
+
+    def _init_engine(self, model: str) -> None:
+        from engine.tiny_model import load_model
+        from engine.torch_executor import SamplingParams, TorchExecutor
+
+        hf_model, tokenizer = load_model(model, "cpu", None)
+        self._executor = TorchExecutor(hf_model, tokenizer, device="cpu")
+        self._sampling = SamplingParams(ignore_eos=True)
+        self._max_len = self._executor.max_model_len or 1 << 30
+        vocab = self._executor.vocab_size
+        self._token_low = 3 if vocab > 3 else 0
+        self._vocab = vocab
+
+    def _make_engine(self):
+        if self._executor is None:
+            return make_sim_engine(self.profile, self.shield, record_steps=False)
+        from engine.clock import WallClock
+        from engine.core import EngineCore
+
+        idle = self.profile.idle_s if self.profile.idle_s is not None else self.profile.base_s
+        core = EngineCore(self.shield, self._executor, WallClock(), kv_capacity_tokens=self.profile.kv_capacity_tokens,
+                          block_size=self.profile.block_size, rate_window_s=max(10.0, 200 * idle),
+                          record_steps=False)
+        self._executor.attach_pool(core.pool)
+        self._token_rng = np.random.default_rng(int(self.np_random.integers(1 << 31)))
+        return core
+
+    def _make_request(self, i: int) -> Request:
+        seg = self.segment
+        if self._executor is None:
+            return Request(str(self._req_id), self._next_time_s, seg.prompts[i], seg.max_tokens[i],
+                           target_output_len=seg.outputs[i])
+        # the real engine: random prompt tokens, lengths within the model's context
+        prompt = max(1, min(seg.prompts[i], self._max_len // 2))
+        max_tokens = max(1, min(seg.max_tokens[i], self._max_len - prompt))
+        ids = self._token_rng.integers(self._token_low, self._vocab, size=prompt).tolist()
+        return Request(str(self._req_id), self._next_time_s, prompt, max_tokens,
+                       target_output_len=min(seg.outputs[i], max_tokens), prompt_token_ids=ids,
+                       sampling=self._sampling)
 
     def _pull_arrivals(self, now_s: float) -> int:
         """Queue every arrival up to ``now_s``; returns how many were rejected."""
@@ -200,8 +276,7 @@ class ServingEnv(gym.Env):
         add = self.core.add_request
         while self._next_time_s <= now_s:
             i = self._next
-            r = Request(str(self._req_id), self._next_time_s, seg.prompts[i], seg.max_tokens[i],
-                        target_output_len=seg.outputs[i])
+            r = self._make_request(i)
             self._req_id += 1
             if add(r) is not None:
                 rejected += 1
@@ -213,28 +288,32 @@ class ServingEnv(gym.Env):
             self._next_time_s = (float(times[i]) + self._offset_s) / scale
         return rejected
 
+    def _set_knobs(self, action) -> None:
+        self.knobs.set_knobs(*action_to_knobs(action[0], action[1], self.lambda_max_rps, action[2],
+                                              self.ttft_slo_s))
+
     def step(self, action):
-        a0, a1 = float(action[0]), float(action[1])
-        if not (math.isfinite(a0) and math.isfinite(a1)):
-            a0 = a1 = 0.0
-        a0 = -1.0 if a0 < -1.0 else (1.0 if a0 > 1.0 else a0)
-        a1 = -1.0 if a1 < -1.0 else (1.0 if a1 > 1.0 else a1)
-        self.knobs.set_knobs(*action_to_knobs(a0, a1, self.lambda_max_rps))
-        self._last_action = (a0, a1)
+        a = [float(x) for x in np.asarray(action, dtype=np.float64).reshape(-1)[:ACTION_DIM]]
+        if len(a) < ACTION_DIM or not all(math.isfinite(x) for x in a):
+            a = list(DEFAULT_ACTION)
+        a = tuple(-1.0 if x < -1.0 else (1.0 if x > 1.0 else x) for x in a)
+        self._set_knobs(a)
+        self._last_action = a
 
         core = self.core
         clock = core.clock
+        now = clock.now
         shield = self.shield
-        t0 = clock.now_s
+        t0 = now()
         evictions0 = core.metrics.evictions
         interventions0, magnitude0 = shield.interventions, shield.magnitude_total
         ttft_slo, tpot_slo = self.ttft_slo_s, self.tpot_slo_s
         good = finished = missed = rejected = 0
         for _ in range(self.control_interval):
-            rejected += self._pull_arrivals(clock.now_s)
+            rejected += self._pull_arrivals(now())
             if not (core.waiting or core.running):
-                clock.advance_to(self._next_time_s)  # idle: jump to the next arrival
-                rejected += self._pull_arrivals(clock.now_s)
+                clock.advance_to(self._next_time_s)  # idle: jump to (or, on a wall clock, wait for) the next arrival
+                rejected += self._pull_arrivals(now())
             for r in core.step():
                 if r.state is RequestState.FINISHED:
                     finished += 1
@@ -248,7 +327,7 @@ class ServingEnv(gym.Env):
                 else:
                     missed += 1  # expired or failed
         evictions = core.metrics.evictions - evictions0
-        dt = max(clock.now_s - t0, 1e-9)
+        dt = max(now() - t0, 1e-9)
         norm = self.lambda_max_rps * dt  # requests the replica could serve in the interval
         w = self.reward_weights
         reward = (w["goodput"] * good - w["slo_miss"] * missed - w["rejection"] * rejected
@@ -260,7 +339,7 @@ class ServingEnv(gym.Env):
         t["missed"] += missed
         t["rejected"] += rejected
         t["evictions"] += evictions
-        obs = self.features.update(core.observe(), self._last_action).copy()
+        obs = self.features.update(core.observe(), self._last_action, self.knobs._decision.token_budget).copy()
         n_int = shield.interventions - interventions0
         info = {
             "goodput_rps": good / dt,

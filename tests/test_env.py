@@ -53,14 +53,14 @@ def test_strict_shield_never_evicts_at_overload():
     e = ServingEnv(shield_mode="strict", load_range=(3.0, 3.0), episode_steps=60, control_interval=10)
     e.reset(seed=0)
     for _ in range(60):
-        _, _, _, _, info = e.step(np.array([1.0, 1.0], dtype=np.float32))
+        _, _, _, _, info = e.step(np.array([1.0, 1.0, 1.0], dtype=np.float32))
         assert info["evictions"] == 0
 
 
 def test_adversarial_actions_are_safe():
     e = ServingEnv(**SMALL)
     e.reset(seed=1)
-    for a in ([np.nan, np.inf], [-np.inf, 5.0], [1e9, -1e9]):
+    for a in ([np.nan, np.inf, 0.0], [-np.inf, 5.0, np.nan], [1e9, -1e9, 1e9], [0.0, 0.0]):
         obs, reward, *_ = e.step(np.array(a, dtype=np.float32))
         assert np.all(np.isfinite(obs)) and np.isfinite(reward)
 
@@ -74,9 +74,38 @@ def test_splits_do_not_overlap():
     assert len(train[0].times_s) + len(evals[0].times_s) == 19366
 
 
+def test_action_has_an_admission_knob_and_augment_adds_segments():
+    e = ServingEnv(augment=[(1.0, 1.0), (2.0, 0.15)], **SMALL)
+    assert e.action_space.shape == (3,)
+    assert [s.name for s in e.segments] == ["splitwise_conv[train]", "splitwise_conv[train]x2/0.15"]
+    e.reset(seed=0, options={"load": 2.5, "segment": 0})
+    # a tight threshold (action[2] = -1) refuses more arrivals than a loose one
+    tight = sum(e.step(np.array([1.0, 0.0, -1.0], dtype=np.float32))[4]["rejections"] for _ in range(16))
+    e.reset(seed=0, options={"load": 2.5, "segment": 0})
+    loose = sum(e.step(np.array([-1.0, 0.0, 1.0], dtype=np.float32))[4]["rejections"] for _ in range(16))
+    assert tight > 0 and tight >= loose
+
+
+@pytest.mark.timeout(120)
+def test_engine_backend_runs_a_few_steps():
+    """The real engine (tiny model, CPU, wall clock): a handful of env steps on a short workload."""
+    from engine.workload import Arrival
+
+    workload = [Arrival(0.02 * i, 16 + (7 * i) % 32, 2 + i % 6, 8) for i in range(40)]
+    e = ServingEnv(backend="engine", workload=workload, episode_steps=4, control_interval=4, load_range=(0.05, 0.05))
+    assert e.profile.name == "tiny-cpu"
+    obs, _ = e.reset(seed=0)
+    finished = 0
+    for _ in range(4):
+        obs, reward, terminated, truncated, info = e.step(np.zeros(3, dtype=np.float32))
+        assert e.observation_space.contains(obs) and np.isfinite(reward)
+        finished += info["finished"]
+    assert truncated and finished > 0
+
+
 def test_bad_kwargs_give_one_sentence():
-    with pytest.raises(NotImplementedError, match="torch_executor"):
-        ServingEnv(backend="engine")
+    with pytest.raises(ValueError, match="backend"):
+        ServingEnv(backend="gpu-cluster")
     with pytest.raises(ValueError, match="load_range"):
         ServingEnv(load_range=(2.0, 1.0))
     with pytest.raises(ValueError, match="split"):

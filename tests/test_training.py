@@ -92,10 +92,56 @@ def test_learned_controller_falls_back(tmp_path, caplog):
 
         def __call__(self, obs):
             Raising.calls += 1
-            return [float("nan"), 0.0] if Raising.calls % 2 else 1 / 0
+            return [float("nan"), 0.0, 0.0] if Raising.calls % 2 else 1 / 0
 
     ctrl = make_learned_controller(bad)
     ctrl.inner.policy = Raising()
     ctrl.reset()
     res = simulate(arrivals, load_profile("a100-llama2-7b"), ctrl, record_steps=False)
     assert set(ctrl.inner.fallbacks) == {"policy returned NaN or inf", "policy raised ZeroDivisionError"}
+
+
+def test_admission_knob_rejects_on_predicted_delay_and_shield_still_rejects():
+    from ctrl.base import Observation
+    from ctrl.learned import ACTION_DIM, LearnedController, action_to_knobs, predicted_delay_s
+
+    obs = Observation(kv_capacity_tokens=100_000)
+    obs.num_waiting, obs.num_running, obs.completion_rate_rps = 40, 10, 4.0  # 10 s of queue
+    obs.mean_step_time_s, obs.waiting_prompt_tokens = 0.05, 40_000
+    assert predicted_delay_s(obs, 1000, 1000) >= 10.0
+    _, _, d_low = action_to_knobs(0, 0, 1.0, -1.0, ttft_slo_s=2.0)
+    _, _, d_high = action_to_knobs(0, 0, 1.0, 1.0, ttft_slo_s=2.0)
+    assert d_low < 2.0 < d_high
+
+    class Const:
+        def __init__(self, a):
+            self.a = np.array(a, dtype=np.float32)
+
+        def __call__(self, x):
+            return self.a
+
+    ctrl = make_learned_controller("/nonexistent/policy.onnx", profile="a100-llama2-7b", lambda_max_rps=4.0,
+                                   max_waiting=50)
+    ctrl.inner.policy = Const([0.0, 0.0, -1.0])
+    ctrl.reset()
+    ctrl.decide(obs)  # the policy sets the knobs
+    assert ctrl.inner.knobs.reject_delay_s < 10.0
+    assert ctrl.admit(obs, 1000, 100) is not None  # refused by the learned threshold
+    obs.num_waiting = 0
+    assert ctrl.admit(obs, 1000, 100) is None  # empty queue: always admitted
+    obs.num_waiting, obs.completion_rate_rps = 60, 1e9
+    ctrl.inner.policy = Const([0.0, 0.0, 1.0])
+    ctrl.inner._steps = 0
+    ctrl.decide(obs)
+    assert "queue is full" in ctrl.admit(obs, 1, 1).reason  # the shield's max_waiting is always on
+    assert ACTION_DIM == 3
+
+
+def test_learned_controller_without_profile_uses_tiny_cpu():
+    from ctrl import build_controller
+    from ctrl.learned import LearnedController
+
+    c = LearnedController(None)
+    assert c.features.ttft_slo_s == 1.0 and c.features.lambda_max_rps > 0  # tiny-cpu's SLO
+    shielded = build_controller("learned")
+    assert isinstance(shielded, ShieldedController) and shielded.inner.features.ttft_slo_s == 1.0

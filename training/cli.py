@@ -42,20 +42,27 @@ def export_command(checkpoint, out, vecnormalize):
 @click.command("evaluate")
 @click.option("--policy", default="checkpoints/policy.onnx", show_default=True)
 @click.option("--profile", default="a100-llama2-7b", show_default=True)
-@click.option("--loads", default="0.8,1.0,1.5,2.0", show_default=True, help="Multiples of lambda_max.")
+@click.option("--loads", default="0.8,1.0,1.2,1.5,2.0", show_default=True, help="Multiples of lambda_max.")
 @click.option("--requests", type=int, default=2000, show_default=True, help="Requests per run.")
-@click.option("--out", default=None, help="Write the Markdown table here.")
-def evaluate_command(policy, profile, loads, requests, out):
+@click.option("--seeds", default="0", show_default=True, help="Window seeds (0: the first requests).")
+@click.option("--out", default=None, help="Write the Markdown tables here.")
+@click.option("--plots", default=None, help="Write learned_goodput.png into this folder.")
+def evaluate_command(policy, profile, loads, requests, seeds, out, plots):
     """Compare the learned controller with the heuristics on the evaluation traces."""
     from engine.bench import markdown_table
-    from training.evaluate import COLUMNS, evaluate
+    from training.evaluate import DEFAULT_HEURISTICS, evaluate, summarize, summary_columns
 
     try:
         load_list = [float(x) for x in loads.split(",") if x]
     except ValueError:
         raise click.ClickException(f"--loads {loads!r} is not valid: expected numbers like 0.8,1.5") from None
     try:
-        rows = evaluate(policy, profile=profile, loads=load_list, requests=requests, out=out)
+        seed_list = [int(x) for x in seeds.split(",") if x]
+    except ValueError:
+        raise click.ClickException(f"--seeds {seeds!r} is not valid: expected integers like 0,1,2") from None
+    try:
+        rows = evaluate(policy, profile=profile, loads=load_list, requests=requests, seeds=seed_list, out=out,
+                        plots=plots)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(markdown_table(rows, COLUMNS))
+    click.echo(markdown_table(summarize(rows), summary_columns(DEFAULT_HEURISTICS, bool(policy))))

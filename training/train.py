@@ -79,6 +79,22 @@ class ServingScalarsCallback(BaseCallback):
         self._n = 0
 
 
+class StopOnWallTime(BaseCallback):
+    """Stops training once ``max_wall_s`` seconds have passed (checked every env step), so a run
+    fits its time budget on a contended machine; the model so far is saved as usual."""
+
+    def __init__(self, max_wall_s: float, verbose: int = 0) -> None:
+        super().__init__(verbose)
+        self.max_wall_s = float(max_wall_s)
+        self._t0 = None
+
+    def _on_training_start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def _on_step(self) -> bool:
+        return time.perf_counter() - self._t0 < self.max_wall_s
+
+
 def make_envs(n_envs: int, env_kwargs: dict, seed: int, vec_env: str | None = None):
     """``n_envs`` copies of the env: SubprocVecEnv, or DummyVecEnv for one env (or on request)."""
     cls = DummyVecEnv if n_envs == 1 or vec_env == "dummy" else SubprocVecEnv
@@ -123,7 +139,9 @@ def train(config_path: str | Path, *, env_id: str = ENV_ID, n_timesteps: int | N
     kwargs = {**cfg.get("env_kwargs", {}), **(env_kwargs or {})}
     if "load_range" in kwargs:
         kwargs["load_range"] = tuple(kwargs["load_range"])
-    eval_kwargs = {**kwargs, **cfg.get("eval_env_kwargs", {"split": "eval"})}
+    if kwargs.get("augment"):
+        kwargs["augment"] = [tuple(x) for x in kwargs["augment"]]
+    eval_kwargs = {**{k: v for k, v in kwargs.items() if k != "augment"}, **cfg.get("eval_env_kwargs", {"split": "eval"})}
     if "load_range" in eval_kwargs:
         eval_kwargs["load_range"] = tuple(eval_kwargs["load_range"])
     norm = {"norm_obs": True, "norm_reward": True, "clip_obs": 10.0, **cfg.get("normalize", {})}
@@ -151,7 +169,9 @@ def train(config_path: str | Path, *, env_id: str = ENV_ID, n_timesteps: int | N
 
     eval_freq = max(1, int(cfg.get("eval_freq", 10_000)) // n_envs)
     save_freq = max(1, int(cfg.get("save_freq", 20_000)) // n_envs)
+    max_wall_s = cfg.get("max_wall_minutes")
     callbacks = CallbackList([
+        *([StopOnWallTime(60.0 * float(max_wall_s))] if max_wall_s else []),
         ServingScalarsCallback(),
         EvalCallback(eval_venv, n_eval_episodes=int(cfg.get("n_eval_episodes", 4)), eval_freq=eval_freq,
                      best_model_save_path=str(out / "best"), log_path=str(out / "eval"), deterministic=True),
@@ -169,6 +189,7 @@ def train(config_path: str | Path, *, env_id: str = ENV_ID, n_timesteps: int | N
         "config": str(config_path), "env_id": env_id, "seed": seed, "n_envs": n_envs,
         "n_timesteps": int(model.num_timesteps), "wall_time_s": round(wall_s, 1), "env_kwargs": kwargs,
         "eval_env_kwargs": eval_kwargs, "resumed_from": str(resume) if resume else None,
+        "max_wall_minutes": max_wall_s,
         "hyperparameters": {k: (v if not isinstance(v, np.generic) else v.item()) for k, v in hyper.items()},
         "policy_kwargs": cfg.get("policy_kwargs"),
     }, sort_keys=False))

@@ -1,0 +1,90 @@
+"""Sim-to-real check of the learned controller: the same arrivals through the simulator twin and
+the real engine (tiny model, CPU, wall clock) for the shipped policy and two heuristics.
+
+    python -m training.sim_to_real [--requests 200] [--load 1.5] [--length-scale 0.1]
+        [--policy checkpoints/policy.onnx] [--out twin-learned.md]
+
+Arrivals: the first ``requests`` requests of splitwise_conv with lengths x ``length_scale``
+(to fit the tiny model), replayed at ``load`` x lambda_max of the tiny-cpu profile for those
+lengths. The learned controller is built with that lambda_max and the tiny-cpu profile (the
+policy itself was trained on a100-llama2-7b: this measures how it transfers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ctrl import build_controller
+from ctrl.learned import make_learned_controller
+from ctrl.theory import capacity
+from engine.bench import markdown_table
+from engine.profile import load_profile
+from engine.simulate import simulate
+from engine.twin import replay_real
+from engine.workload import Arrival, read_trace, resolve_trace
+
+COLUMNS = ("engine", "controller", "requests", "completed", "rejected", "expired", "evictions", "goodput_rps",
+           "goodput_frac", "slo_attainment", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s")
+
+
+def sim_to_real(policy="checkpoints/policy.onnx", requests: int = 200, load: float = 1.5,
+                length_scale: float = 0.1, max_tokens: int = 256, profile: str = "tiny-cpu",
+                heuristics=("greedy", "flow:adaptive=true"), max_waiting: int = 512, log=None) -> list[dict]:
+    import torch
+
+    torch.set_num_threads(1)  # as the tiny-cpu profile was fitted (and the step-time model assumes)
+    prof = load_profile(profile)
+    base = read_trace(resolve_trace("splitwise_conv"), first_n=requests, length_scale=length_scale,
+                      max_tokens_cap=max_tokens)
+    lam = capacity([a.prompt_tokens for a in base], [a.output_tokens for a in base], prof).lambda_max_rps
+    span = base[-1].arrival_time_s - base[0].arrival_time_s
+    scale = load * lam / ((len(base) - 1) / span)
+    arrivals = [Arrival((a.arrival_time_s - base[0].arrival_time_s) / scale, a.prompt_tokens, a.output_tokens,
+                        a.max_tokens) for a in base]
+    timeout = 5.0 * prof.ttft_slo_s
+
+    def controllers():
+        yield "learned+shield", make_learned_controller(policy, profile=prof, lambda_max_rps=lam,
+                                                        max_waiting=max_waiting, queue_timeout_s=timeout)
+        for spec in heuristics:
+            sep = "," if ":" in spec else ":"
+            yield spec, build_controller(f"{spec}{sep}max_waiting={max_waiting},queue_timeout_s={timeout}", prof)
+
+    rows = []
+    for (name, c_sim), (_, c_real) in zip(controllers(), controllers()):
+        s = simulate(arrivals, prof, c_sim, record_steps=False).summary
+        rows.append({**s, "engine": "sim", "controller": name, "goodput_frac": s["goodput_rps"] / lam})
+        if log:
+            log(f"{name}: sim goodput {s['goodput_rps'] / lam:.3f}; real engine, {arrivals[-1].arrival_time_s:.0f}s of arrivals")
+        core, _ = replay_real(arrivals, prof, c_real)
+        r = core.metrics.summary(core.pool.capacity_tokens, prof.ttft_slo_s, prof.tpot_slo_s,
+                                 final_waiting=len(core.waiting))
+        rows.append({**r, "engine": "real", "controller": name, "goodput_frac": r["goodput_rps"] / lam,
+                     "fallbacks": getattr(getattr(c_real, "inner", None), "fallback_total", 0)})
+        if log:
+            log(f"{name}: real goodput {r['goodput_rps'] / lam:.3f}")
+    for row in rows:
+        row["lambda_max_rps"] = lam
+    return rows
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policy", default="checkpoints/policy.onnx")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--load", type=float, default=1.5)
+    ap.add_argument("--length-scale", type=float, default=0.1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = sim_to_real(args.policy, args.requests, args.load, args.length_scale, log=print)
+    table = (f"lambda_max (tiny-cpu, splitwise_conv x{args.length_scale} lengths) = {rows[0]['lambda_max_rps']:.3g} rps; "
+             f"load {args.load}; {args.requests} requests\n\n" + markdown_table(rows, COLUMNS + ("fallbacks",)))
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

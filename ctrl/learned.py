@@ -83,19 +83,20 @@ def predicted_delay_s(obs: Observation, prompt_tokens: int = 0, token_budget: fl
     """Seconds a new arrival with ``prompt_tokens`` would wait before its first token, from
     ``Observation`` only: the larger of the request drain time (waiting requests / completion
     rate; before any completion, Little's law on the running set) and the prefill drain time
-    (queued plus own prompt tokens / tokens per step x steps per second). 0 with an empty queue."""
+    (queued plus own prompt tokens / tokens per step x steps per second). 0 with an empty queue,
+    and 0 before the first step has been timed (no evidence of delay: a cold server admits)."""
     if obs.num_waiting <= 0:
         return 0.0
     step_s = obs.mean_step_time_s or obs.last_step_time_s
+    if not step_s > 0:
+        return 0.0
     rate = obs.completion_rate_rps
     if not rate > 0.0:
         out = obs.mean_output_tokens or prior_output_tokens
-        rate = max(obs.num_running, 1) / (out * step_s) if step_s > 0 else 0.0
-    queue = obs.num_waiting / rate if rate > 0 else math.inf
-    prefill = 0.0
-    if step_s > 0:
-        tokens = token_budget if token_budget and token_budget > 0 else max(obs.last_step_tokens, 1)
-        prefill = (obs.waiting_prompt_tokens + prompt_tokens) * step_s / tokens
+        rate = max(obs.num_running, 1) / (out * step_s)
+    queue = obs.num_waiting / rate
+    tokens = token_budget if token_budget and token_budget > 0 else max(obs.last_step_tokens, 1)
+    prefill = (obs.waiting_prompt_tokens + prompt_tokens) * step_s / tokens
     return max(queue, prefill)
 
 

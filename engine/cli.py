@@ -178,8 +178,12 @@ def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
 @main.command()
 @click.option("--model", default="tiny", show_default=True, help="'tiny' (built-in, offline) or a local model folder.")
 @click.option("--served-model-name", default=None, help="Model name clients send (default: --model).")
-@click.option("--controller", "controller_spec", default="watermark", show_default=True,
-              help="NAME[:key=value,...] (see `tidegate simulate --help`).")
+@click.option("--controller", "controller_spec", default="learned", show_default=True,
+              help="NAME[:key=value,...] (see `tidegate simulate --help`); 'learned' is the shipped policy "
+                   "inside the shield.")
+@click.option("--profile", "profile_name", default=None,
+              help="Step-time profile of this model and machine, for the controllers' estimates "
+                   "(default: tiny-cpu; make one with `tidegate profile`).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--kv-capacity-tokens", type=click.IntRange(min=1), default=None,
@@ -200,7 +204,7 @@ def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="max_tokens of a chat request that sets none.")
 @friendly()
-def serve(model, served_model_name, controller_spec, host, port, kv_capacity_tokens, block_size,
+def serve(model, served_model_name, controller_spec, profile_name, host, port, kv_capacity_tokens, block_size,
           max_num_batched_tokens, max_num_seqs, device, dtype, max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens):
     """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -210,8 +214,11 @@ def serve(model, served_model_name, controller_spec, host, port, kv_capacity_tok
     from engine.server import GracefulServer, ServeConfig, build_service, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build_controller(controller_spec)  # a bad spec fails before the model loads
-    config = ServeConfig(model=model, served_model_name=served_model_name, controller=controller_spec, host=host,
+    from engine.profile import load_profile
+
+    build_controller(controller_spec, load_profile(profile_name or "tiny-cpu"))  # fail before the model loads
+    config = ServeConfig(model=model, served_model_name=served_model_name, controller=controller_spec,
+                         profile=profile_name, host=host,
                          port=port, kv_capacity_tokens=kv_capacity_tokens, block_size=block_size,
                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, device=device,
                          dtype=dtype, max_in_flight=max_in_flight, queue_timeout_s=queue_timeout_s,

@@ -13,8 +13,8 @@ For a server: ``add_request(..., on_delta=callback)`` then call ``step()`` in th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import types
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -75,9 +75,21 @@ class _Stream:
         return text[:len(text) - hold], False
 
 
-def _as_profile_defaults(max_num_batched_tokens: int, max_num_seqs: int):
-    return types.SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                 tpot_slo_s=0.1, kv_capacity_tokens=None, base_s=0.0)
+def serving_profile(profile, kv_capacity_tokens: int | None, block_size: int, max_num_batched_tokens: int,
+                    max_num_seqs: int):
+    """The step-time profile controllers see, with this engine's KV size and batch limits.
+
+    :param profile: a Profile, a profile name or file, or None for the shipped ``tiny-cpu`` fit
+        (the only model and machine tidegate ships a fit for; profile your own with
+        ``tidegate profile``).
+    """
+    from engine.profile import Profile, load_profile
+
+    base = profile if isinstance(profile, Profile) else load_profile(profile or "tiny-cpu")
+    changes = dict(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    if kv_capacity_tokens is not None:
+        changes["kv_capacity_tokens"] = kv_capacity_tokens
+    return dataclasses.replace(base, **changes)
 
 
 class LLM:
@@ -93,16 +105,20 @@ class LLM:
     :param max_num_batched_tokens: token budget of one step (chunked prefill beyond it).
     :param max_num_seqs: most running requests.
     :param model_and_tokenizer: an already loaded ``(model, tokenizer)`` to use instead of ``model``.
+    :param profile: the step-time profile controllers are given (``serving_profile``).
     """
 
     def __init__(self, model: str = "tiny", kv_capacity_tokens: int | None = None, block_size: int = 16,
                  controller="greedy", device=None, dtype=None, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, model_and_tokenizer=None, record_steps: bool = True) -> None:
+                 max_num_seqs: int = 256, model_and_tokenizer=None, record_steps: bool = True,
+                 profile=None) -> None:
         from ctrl import build_controller
         from engine.block_pool import BlockPool
 
-        if isinstance(controller, str):  # check the cheap inputs before loading anything
-            controller = build_controller(controller, _as_profile_defaults(max_num_batched_tokens, max_num_seqs))
+        spec = controller if isinstance(controller, str) else None
+        if spec is not None:  # check the cheap inputs before loading anything
+            controller = build_controller(spec, serving_profile(profile, kv_capacity_tokens, block_size,
+                                                                max_num_batched_tokens, max_num_seqs))
         device = torch.device(device) if device is not None else default_device()
         dtype = resolve_dtype(dtype, device)
         if kv_capacity_tokens is not None:
@@ -115,6 +131,9 @@ class LLM:
         self.executor = TorchExecutor(hf_model, tokenizer, device=device, dtype=dtype)
         if kv_capacity_tokens is None:
             kv_capacity_tokens = self._default_capacity(device)
+            if spec is not None:  # the controller should see the real KV size
+                controller = build_controller(spec, serving_profile(profile, kv_capacity_tokens, block_size,
+                                                                    max_num_batched_tokens, max_num_seqs))
         self.core = EngineCore(controller, self.executor, WallClock(), kv_capacity_tokens=kv_capacity_tokens,
                                block_size=block_size, on_token=self._on_token, on_finish=self._on_finish,
                                record_steps=record_steps)

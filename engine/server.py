@@ -42,7 +42,8 @@ class ServeConfig:
 
     model: str = "tiny"
     served_model_name: str | None = None
-    controller: str = "watermark"
+    controller: str = "learned"
+    profile: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     kv_capacity_tokens: int | None = None
@@ -608,7 +609,7 @@ def build_service(config: ServeConfig, model_and_tokenizer=None) -> EngineServic
     llm = LLM(config.model, kv_capacity_tokens=config.kv_capacity_tokens, block_size=config.block_size,
               controller=config.controller, device=config.device, dtype=config.dtype,
               max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-              model_and_tokenizer=model_and_tokenizer, record_steps=False)
+              model_and_tokenizer=model_and_tokenizer, record_steps=False, profile=config.profile)
     service = EngineService(llm, config, ServerMetrics(config.model_name))
     service.start()
     return service

@@ -305,3 +305,17 @@ def test_loadgen_against_the_server(server, tmp_path):
                                     "--goodput", "latency:5"])
     assert bad.exit_code == 2 and "expected ttft:MS or tpot:MS" in bad.output
     server.wait_idle()
+
+
+def test_default_server_runs_the_shielded_learned_policy(tiny):
+    s = Running(tiny)
+    try:
+        assert type(s.service.core.controller._inner).__name__ == "ShieldedController"
+        outs = [s.client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=5,
+                                            extra_body={"ignore_eos": True}) for i in range(3)]
+        assert all(o.usage.completion_tokens == 5 for o in outs)
+        text = httpx.get(s.url + "/metrics").text
+        assert "tidegate:shield_interventions_total" in text
+        s.wait_idle()
+    finally:
+        s.close()

@@ -82,22 +82,54 @@ def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs per grid point and pass.")
 @click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="Walks over the shuffled grid.")
 @click.option("--quick", is_flag=True, help="A smaller grid (for tests).")
+@click.option("--from-twin", is_flag=True,
+              help="Fit on the steps of a real serving run (a trace replayed in real time, as twin-check does) "
+                   "instead of the grid.")
+@click.option("--from-steps", "from_steps", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Fit on the steps a twin-check recorded (its twin_steps.csv) instead of timing anything.")
+@click.option("--trace", default="splitwise_conv", show_default=True, help="--from-twin: trace to serve.")
+@click.option("--skip", type=click.IntRange(min=0), default=300, show_default=True,
+              help="--from-twin: leave out the trace's first N requests (twin-check replays the first 300).")
+@click.option("--first", "first_n", type=click.IntRange(min=1), default=300, show_default=True,
+              help="--from-twin: requests to serve after the skipped ones.")
+@click.option("--length-scale", type=float, default=0.1, show_default=True, help="--from-twin: scale trace lengths.")
+@click.option("--rate-scale", type=float, default=1.0, show_default=True, help="--from-twin: scale trace speed.")
+@click.option("--controller", "controller_spec", default="greedy", show_default=True, help="--from-twin: controller.")
+@click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--from-twin: serve the requests this many times and pool the steps (averages machine load).")
+@click.option("--loss", type=click.Choice(["l1", "l2"]), default=None,
+              help="Fit on absolute (l1, minimises MAPE) or squared (l2) relative error "
+                   "[default: l1 with --from-twin, l2 on the grid].")
 @friendly(ValueError)
-def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_tokens, repeats, passes, quick):
-    """Time engine steps over a grid of batch shapes and fit the simulator's step-time model."""
-    from engine.profiler import run_profile
+def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_tokens, repeats, passes, quick,
+                    from_twin, from_steps, trace, skip, first_n, length_scale, rate_scale, controller_spec, runs, loss):
+    """Time engine steps and fit the simulator's step-time model (grid of batch shapes, or --from-twin)."""
+    from engine.profiler import run_profile, run_profile_from_serving, run_profile_from_steps
 
     _threads(threads)
-    profile = run_profile(model, device=device, dtype=dtype, name=name or out_path.stem,
-                          kv_capacity_tokens=kv_capacity_tokens, repeats=repeats, passes=passes, quick=quick,
-                          log=lambda s: click.echo(s, err=True))
+    log = lambda s: click.echo(s, err=True)  # noqa: E731
+    if from_twin and from_steps:
+        raise click.UsageError("--from-twin and --from-steps exclude each other")
+    if from_steps:
+        profile = run_profile_from_steps(from_steps, model=model, name=name or out_path.stem,
+                                         kv_capacity_tokens=kv_capacity_tokens, loss=loss or "l1")
+    elif from_twin:
+        profile = run_profile_from_serving(model, device=device, dtype=dtype, name=name or out_path.stem,
+                                           trace=trace, skip=skip, first_n=first_n, length_scale=length_scale,
+                                           rate_scale=rate_scale, controller_spec=controller_spec,
+                                           kv_capacity_tokens=kv_capacity_tokens, loss=loss or "l1", runs=runs, log=log)
+    else:
+        profile = run_profile(model, device=device, dtype=dtype, name=name or out_path.stem,
+                              kv_capacity_tokens=kv_capacity_tokens, repeats=repeats, passes=passes, quick=quick,
+                              loss=loss or "l2", log=log)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out_path)
     fit = profile.extra["fit"]
     click.echo(f"base_s={profile.base_s:.6g} per_token_s={profile.per_token_s:.6g} "
                f"per_kv_token_s={profile.per_kv_token_s:.6g}")
-    click.echo(f"R^2={fit['r2']:.4f} held-out MAPE={100 * fit['heldout_mape']:.2f}% "
-               f"({fit['points']} grid points)")
+    what = "serving steps" if (from_twin or from_steps) else "grid points"
+    click.echo(f"R^2={fit['r2']:.4f} MAPE={100 * fit['mape']:.2f}% held-out MAPE={100 * fit['heldout_mape']:.2f}% "
+               f"({fit['points']} {what})")
     click.echo(f"wrote {out_path}")
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.executor import Batch, StepResult
-from engine.paged_cache import PagedKVCache, build_layout, register_attention
+from engine.paged_cache import PagedKVCache, _long, build_layout, register_attention
 from engine.request import Request
 from engine.tiny_model import IncrementalDetokenizer, resolve_dtype
 
@@ -47,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -154,11 +156,11 @@ class TorchExecutor:
                                             self.device, self.dtype)
         self.cache.layout = layout
         dev = self.device
-        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True).unsqueeze(0)
-        keep = torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+        ids = _long(input_ids, dev).unsqueeze(0)
+        keep = _long(sample_rows, dev)
         config = self.model.config
         previous = config._attn_implementation
-        config._attn_implementation = self._attn_name
+        self._set_attn(config, self._attn_name)
         try:
             with torch.inference_mode():
                 if self.time_forward:
@@ -171,7 +173,7 @@ class TorchExecutor:
                     self.forward_time_s += time.perf_counter() - t0
                 tokens = self._sample(logits, [reqs[i] for i in samplers])
         finally:
-            config._attn_implementation = previous
+            self._set_attn(config, previous)
             self.cache.layout = None
 
         token_ids: list[int | None] = [None] * len(reqs)
@@ -194,6 +196,18 @@ class TorchExecutor:
     def _start(self, r: Request) -> None:
         sampling = r.sampling if r.sampling is not None else _GREEDY
         self._states[r] = _RequestState(sampling, self.eos_token_id, self.tokenizer, self.device)
+
+    @staticmethod
+    def _set_attn(config, name) -> None:
+        """Switch the model's attention function for one step.
+
+        The ``_attn_implementation`` setter validates and walks sub-configs (tens of microseconds
+        per step); a config without sub-configs only needs the stored name changed.
+        """
+        if not getattr(config, "sub_configs", None) and "_attn_implementation_internal" in vars(config):
+            vars(config)["_attn_implementation_internal"] = name
+        else:
+            config._attn_implementation = name
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """One token per row of ``logits`` (``[len(reqs), vocab]``)."""

@@ -116,22 +116,102 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile) -> dict:
             "total_time_error": float(pred.sum() / d.sum() - 1.0), "steps": int(busy.sum())}
 
 
+def speed_drift(profile, errors: dict) -> dict | None:
+    """How fast the machine ran during the check against while the profile was fitted.
+
+    Compares the median single-token step of this check with the one recorded by
+    ``tidegate profile --from-twin`` (``extra.serving.runs``); None for other profiles.
+    """
+    runs = (profile.extra.get("serving") or {}).get("runs") or []
+    ref = [r["batch1_decode_median_s"] for r in runs if r.get("batch1_decode_median_s")]
+    single = errors["real_s"][errors["tokens"] == 1]
+    if not ref or not len(single):
+        return None
+    profile_s, check_s = float(np.median(ref)), float(np.median(single))
+    return {"profile_s": profile_s, "check_s": check_s, "ratio": check_s / profile_s}
+
+
+SIZE_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 16), (17, 64), (65, 256), (257, 1 << 30))
+
+
+def step_errors_by_size(errors: dict) -> list[dict]:
+    """Real and predicted step times grouped by the step's new tokens T."""
+    t, real, pred = errors["tokens"], errors["real_s"], errors["predicted_s"]
+    out = []
+    for lo, hi in SIZE_BUCKETS:
+        sel = (t >= lo) & (t <= hi)
+        if not sel.any():
+            continue
+        label = str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 1 << 30 else f">= {lo}")
+        out.append({"tokens": label, "steps": int(sel.sum()), "real_mean_s": float(real[sel].mean()),
+                    "real_median_s": float(np.median(real[sel])), "predicted_mean_s": float(pred[sel].mean()),
+                    "mape": float(np.mean(np.abs(pred[sel] - real[sel]) / real[sel]))})
+    return out
+
+
+def _write_steps_csv(path: Path, errors: dict) -> None:
+    """Every non-empty real step: T, K, real and predicted seconds (``tidegate profile --from-steps`` reads it)."""
+    with open(path, "w") as f:
+        f.write("tokens,kv_tokens_read,real_s,predicted_s\n")
+        for t, k, r, p in zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["predicted_s"]):
+            f.write(f"{int(t)},{int(k)},{r:.7g},{p:.7g}\n")
+
+
+def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
+    """Per request: TTFT and TPOT in the real engine and in the simulator."""
+    def row(r):
+        if r.first_token_time_s is None or r.finish_time_s is None:
+            return float("nan"), float("nan")
+        outs = r.num_output_tokens
+        tpot = (r.finish_time_s - r.first_token_time_s) / (outs - 1) if outs > 1 else float("nan")
+        return r.first_token_time_s - r.arrival_time_s, tpot
+    sims = {r.request_id: r for r in sim_reqs}
+    with open(path, "w") as f:
+        f.write("request_id,arrival_s,prompt_tokens,output_tokens,ttft_real_s,ttft_sim_s,tpot_real_s,tpot_sim_s\n")
+        for r in sorted(real_reqs, key=lambda r: r.arrival_time_s):
+            s = sims.get(r.request_id)
+            (tr, pr), (ts, ps) = row(r), (row(s) if s is not None else (float("nan"), float("nan")))
+            f.write(f"{r.request_id},{r.arrival_time_s:.6f},{r.prompt_len},{r.num_output_tokens},"
+                    f"{tr:.6g},{ts:.6g},{pr:.6g},{ps:.6g}\n")
+
+
 def plot_step_times(errors: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     real, pred = errors["real_s"] * 1e3, errors["predicted_s"] * 1e3
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax1.scatter(pred, real, s=4, alpha=0.35)
-    hi = float(max(real.max(), pred.max())) * 1.05
-    ax1.plot([0, hi], [0, hi], color="black", lw=1, label="real = predicted")
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax1.scatter(pred, real, s=4, alpha=0.3)
+    lo = float(min(real.min(), pred.min())) * 0.9
+    hi = float(max(real.max(), pred.max())) * 1.1
+    ax1.plot([lo, hi], [lo, hi], color="black", lw=1, label="real = predicted")
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
     ax1.set_xlabel("predicted step time (ms)")
     ax1.set_ylabel("real step time (ms)")
-    ax1.set_xlim(0, hi)
-    ax1.set_ylim(0, hi)
+    ax1.set_xlim(lo, hi)
+    ax1.set_ylim(lo, hi)
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+    ticks = [t for t in (0.5, 1, 2, 3, 5, 10, 20, 50, 100, 200, 500, 1000) if lo <= t <= hi]
+    for axis in (ax1.xaxis, ax1.yaxis):
+        axis.set_major_locator(FixedLocator(ticks))
+        axis.set_minor_locator(NullLocator())
+        axis.set_major_formatter(ScalarFormatter())
     ax1.legend(loc="upper left")
     ax1.set_title(f"per step: MAPE {100 * errors['mape']:.1f}%")
+    ratio = real / pred
+    small = errors["tokens"] <= 4
+    bins = np.linspace(0.3, 3.0, 55)
+    ax3.hist(np.clip(ratio[small], bins[0], bins[-1]), bins=bins, alpha=0.6, label=f"T <= 4 ({int(small.sum())} steps)")
+    ax3.hist(np.clip(ratio[~small], bins[0], bins[-1]), bins=bins, alpha=0.6, label=f"T > 4 ({int((~small).sum())} steps)")
+    ax3.axvline(1.0, color="black", lw=1)
+    ax3.set_xlabel("real / predicted step time")
+    ax3.set_ylabel("steps")
+    refit = errors.get("refit_mape")
+    ax3.set_title("spread" + (f" (best linear refit on these steps: MAPE {100 * refit:.1f}%)" if refit is not None else ""),
+                  fontsize=9)
+    ax3.legend()
     n = min(len(real), 400)
     ax2.plot(real[:n], lw=1, label="real")
     ax2.plot(pred[:n], lw=1, label="predicted (profile)")
@@ -173,7 +253,8 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     out_dir.mkdir(parents=True, exist_ok=True)
     if log:
         log(f"simulating {len(arrivals)} requests with profile {profile.name}")
-    sim = simulate(arrivals, profile, controller(), record_steps=True).summary
+    sim_result = simulate(arrivals, profile, controller(), record_steps=True)
+    sim = sim_result.summary
     if log:
         log(f"replaying them through the real engine ({model}); about {arrivals[-1].arrival_time_s:.0f}s of arrivals")
     core, recorder = replay_real(arrivals, profile, controller(), model=model, device=device, dtype=dtype,
@@ -181,11 +262,33 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     real = core.metrics.summary(core.pool.capacity_tokens, profile.ttft_slo_s, profile.tpot_slo_s,
                                 final_waiting=len(core.waiting))
     errors = step_time_errors(recorder, core.metrics.step_duration_s, profile)
+    # The best any linear profile could do on these very steps (fitted on them, in-sample): the
+    # part of the MAPE that is step-to-step noise or beyond the linear model, not the profile.
+    from engine.profiler import fit_step_time
+    floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"])), loss="l1")
+    errors["refit_mape"] = floor["mape"]
+    errors["refit_coefficients"] = {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s")}
+
+    by_size = step_errors_by_size(errors)
+    _write_steps_csv(out_dir / "twin_steps.csv", errors)
+    _write_requests_csv(out_dir / "twin_requests.csv", core.metrics.terminal, sim_result.core.metrics.terminal)
 
     rows = {}
     for key in COMPARED:
         r, s = float(real[key]), float(sim[key])
         rows[key] = {"real": r, "sim": s, "rel_error": (s - r) / r if r else float("nan")}
+    drift = speed_drift(profile, errors)
+    if drift is not None:
+        # Diagnostic only: the same simulation with the profile scaled by how much slower (or
+        # faster) the machine ran single-token steps during this check than while profiling.
+        import dataclasses
+        k = drift["ratio"]
+        scaled = dataclasses.replace(profile, base_s=profile.base_s * k, per_token_s=profile.per_token_s * k,
+                                     per_kv_token_s=profile.per_kv_token_s * k,
+                                     idle_s=None if profile.idle_s is None else profile.idle_s * k)
+        sim_scaled = simulate(arrivals, scaled, controller(), record_steps=False).summary
+        drift["rel_error_speed_adjusted"] = {key: (float(sim_scaled[key]) - rows[key]["real"]) / rows[key]["real"]
+                                             for key in COMPARED if rows[key]["real"]}
     met = {"step_time_mape": errors["mape"] <= TARGETS["step_time_mape"],
            "throughput_rps": abs(rows["throughput_rps"]["rel_error"]) <= TARGETS["throughput_rps"],
            "ttft_p50_s": abs(rows["ttft_p50_s"]["rel_error"]) <= TARGETS["ttft_p50_s"]}
@@ -193,17 +296,30 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
              f"controller {controller_spec}, profile {profile.name}",
              f"step time: MAPE {100 * errors['mape']:.1f}% (median {100 * errors['median_ape']:.1f}%) over "
              f"{errors['steps']} steps; total busy time predicted {100 * errors['total_time_error']:+.1f}% "
-             f"(target MAPE <= {100 * TARGETS['step_time_mape']:.0f}%: {'met' if met['step_time_mape'] else 'missed'})",
+             f"(target MAPE <= {100 * TARGETS['step_time_mape']:.0f}%: {'met' if met['step_time_mape'] else 'missed'}); "
+             f"a linear profile fitted on these very steps: MAPE {100 * errors['refit_mape']:.1f}%",
              "", "| metric | real engine | simulator | relative error |", "|---|---|---|---|"]
     for key, row in rows.items():
         lines.append(f"| {key} | {row['real']:.4g} | {row['sim']:.4g} | {100 * row['rel_error']:+.1f}% |")
+    lines += ["", "| steps with T new tokens | steps | real mean (ms) | real median (ms) | predicted mean (ms) | MAPE |",
+              "|---|---|---|---|---|---|"]
+    for b in by_size:
+        lines.append(f"| {b['tokens']} | {b['steps']} | {1e3 * b['real_mean_s']:.2f} | {1e3 * b['real_median_s']:.2f} | "
+                     f"{1e3 * b['predicted_mean_s']:.2f} | {100 * b['mape']:.1f}% |")
+    if drift is not None:
+        adj = drift["rel_error_speed_adjusted"]
+        lines.append(f"\nmachine speed: single-token steps took {1e3 * drift['check_s']:.2f} ms (median) in this check "
+                     f"against {1e3 * drift['profile_s']:.2f} ms while profiling (x{drift['ratio']:.2f}). Diagnostic, "
+                     f"with the profile scaled by that ratio: TTFT p50 {100 * adj['ttft_p50_s']:+.1f}%, "
+                     f"TTFT p99 {100 * adj['ttft_p99_s']:+.1f}%, TPOT p50 {100 * adj['tpot_p50_s']:+.1f}%, "
+                     f"TPOT p99 {100 * adj['tpot_p99_s']:+.1f}%")
     lines.append(f"\ntargets: throughput within 10%: {'met' if met['throughput_rps'] else 'missed'}; "
                  f"TTFT p50 within 10%: {'met' if met['ttft_p50_s'] else 'missed'}")
     report = {
         "trace": trace, "requests": len(arrivals), "length_scale": length_scale, "rate_scale": rate_scale,
         "controller": controller_spec, "profile": profile.name, "model": model,
         "step_time": {k: v for k, v in errors.items() if not isinstance(v, np.ndarray)},
-        "metrics": rows, "targets_met": met, "real_summary": real, "sim_summary": sim,
+        "step_time_by_size": by_size, "speed_drift": drift, "metrics": rows, "targets_met": met, "real_summary": real, "sim_summary": sim,
         "table": "\n".join(lines),
     }
     (out_dir / "twin_report.json").write_text(json.dumps(report, indent=2, default=float) + "\n")

@@ -243,3 +243,61 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny, workload
     assert llm.core.pool.num_free_blocks == llm.core.pool.num_blocks
     prompt, max_tokens, expected = workload[0]
     assert llm.generate([prompt], SamplingParams(ignore_eos=True), max_tokens=max_tokens)[0].token_ids == expected
+
+
+def test_decode_buckets_cover_every_request_once():
+    from engine.paged_cache import plan_buckets
+    lens = [1, 1, 2, 24, 23, 3, 24, 12, 12, 1]
+    buckets = plan_buckets(lens)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lens)))
+    assert len(buckets) > 1  # 1-block and 24-block contexts are not padded to one shape
+    assert plan_buckets([5] * 8) == [list(range(8))]
+    assert plan_buckets([7]) == [[0]]
+    cost = lambda bs: sum(len(b) * max(lens[i] for i in b) + 32 for b in bs)  # noqa: E731
+    assert cost(buckets) < cost([list(range(len(lens)))])
+
+
+def test_batched_paged_attention_matches_per_request_attention(tiny):
+    """Decodes of very different lengths (several buckets) and prefill chunks with and without a
+    cached prefix, in one step: the logits match each request run alone through model.generate's path."""
+    from engine.block_pool import BlockPool
+    from engine.profiler import _batch
+    model, tok = tiny
+    pool = BlockPool(8192, 16)
+    ex = TorchExecutor(model, tok, pool)
+    rng = random.Random(3)
+    from engine.executor import Batch
+    batch = _batch(pool, [5, 300, 17, 16, 33, 250, 2], [(0, 40), (70, 9), (16, 1)], rng)
+    for r in batch.requests:  # fill each request's cached tokens with its own prefill first
+        cached = r.num_computed_tokens
+        if cached:
+            r.num_computed_tokens = 0
+            pre = Batch()
+            pre.requests, pre.num_new_tokens, pre.num_tokens = [r], [cached], cached
+            ex.execute(pre)
+            r.num_computed_tokens = cached
+    got = {}
+    real_sample = ex._sample
+    ex._sample = lambda logits, reqs: (got.setdefault("logits", logits.clone()), real_sample(logits, reqs))[1]
+    ex.execute(batch)
+    rows = []
+    for r, n in zip(batch.requests, batch.num_new_tokens):
+        ids = (r.prompt_token_ids + r.output_token_ids)[:r.num_computed_tokens + n]
+        with torch.inference_mode():
+            rows.append(model(torch.tensor([ids])).logits[0, -1])
+    torch.testing.assert_close(got["logits"], torch.stack(rows), atol=2e-4, rtol=1e-4)
+
+
+def test_l1_fit_recovers_coefficients_despite_stalls():
+    from engine.profiler import fit_step_time
+    rng = random.Random(0)
+    rows = []
+    for _ in range(400):
+        t, k = rng.randint(1, 300), rng.randint(1, 20000)
+        s = 0.002 + 1e-4 * t + 1e-6 * k
+        if rng.random() < 0.1:
+            s *= 3  # a stall from another job
+        rows.append((t, k, s * (1 + rng.uniform(-0.01, 0.01))))
+    fit = fit_step_time(rows, loss="l1")
+    assert abs(fit["base_s"] / 0.002 - 1) < 0.05 and abs(fit["per_token_s"] / 1e-4 - 1) < 0.05
+    assert fit["median_ape"] < 0.02

@@ -131,6 +131,7 @@ LONG = "x" * 3000
     ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": [1, 2, 99999]}, "outside the vocabulary"),
+    ({"model": "tiny", "prompt": "hi", "seed": 2**70}, "seed must be a 64-bit integer"),
 ])
 def test_bad_input_gets_a_400_with_an_error_body(server, body, fragment):
     content = body if isinstance(body, str) else json.dumps(body)

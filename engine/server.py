@@ -9,6 +9,7 @@ comes back through a bounded per-stream buffer.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import logging
@@ -180,6 +181,10 @@ class EngineService:
         self.thread = threading.Thread(target=self._run, name="tidegate-engine", daemon=True)
         self.engine_error: str | None = None
         self._touched: list[Stream] = []
+        # (requests, prompt tokens) handed to the engine thread, and taken by it: each written by
+        # one thread only, so their difference is exact without a lock.
+        self._submitted = (0, 0)
+        self._taken = (0, 0)
 
     # -- called from the HTTP side
     def start(self) -> None:
@@ -196,10 +201,15 @@ class EngineService:
         return self.thread.is_alive()
 
     def admission(self, prompt_len: int, max_tokens: int) -> Rejection | None:
-        """The controller's answer on the engine's latest observation (read-only, any thread)."""
-        return self.core.controller.admit(self.core.obs, prompt_len, max_tokens)
+        """The controller's answer on the engine's latest observation (read-only, any thread),
+        counting the requests handed over since then as waiting."""
+        obs = copy.copy(self.core.obs)
+        obs.num_waiting += self._submitted[0] - self._taken[0]
+        obs.waiting_prompt_tokens += self._submitted[1] - self._taken[1]
+        return self.core.controller.admit(obs, prompt_len, max_tokens)
 
     def submit(self, stream: Stream, prompt_ids: list[int], sampling, max_tokens: int) -> None:
+        self._submitted = (self._submitted[0] + 1, self._submitted[1] + len(prompt_ids))
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         self.inbox.put(("add", stream, prompt_ids, sampling, max_tokens))
@@ -263,6 +273,7 @@ class EngineService:
             if kind == "add":
                 _, stream, ids, sampling, max_tokens = item
                 self._add(stream, ids, sampling, max_tokens)
+                self._taken = (self._taken[0] + 1, self._taken[1] + len(ids))
             elif kind == "reject":
                 _, n, max_tokens, rejection = item
                 r = Request(f"rejected-{next(self._ids)}", self.core.clock.now(), n, max_tokens)
@@ -320,6 +331,9 @@ class EngineService:
         self.engine_error = reason
 
     def _update_gauges(self) -> None:
+        # Arrivals are decided on the HTTP side from this observation: keep it current between
+        # steps and while idle, or a queue that has drained would still look full.
+        self.core.observe()
         core, m = self.core, self.metrics
         m.running.set(len(core.running))
         m.waiting.set(len(core.waiting))

@@ -320,3 +320,21 @@ def test_default_server_runs_the_shielded_learned_policy(tiny):
         s.wait_idle()
     finally:
         s.close()
+
+
+def test_admission_recovers_once_a_burst_has_drained(tiny):
+    s = Running(tiny, controller="watermark:queue_limit=2", max_num_seqs=1)
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        body = {"model": "tiny", "prompt": "burst", "max_tokens": 30, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code,
+                                  range(8)))
+        assert 429 in codes and 200 in codes
+        s.wait_idle()
+        time.sleep(0.2)
+        after = [httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code for _ in range(3)]
+        assert after == [200, 200, 200]
+    finally:
+        s.close()

@@ -19,6 +19,7 @@ policy sees in production exactly the features it saw in training:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -310,13 +311,16 @@ class LearnedController(Controller):
     :param max_num_batched_tokens: the token budget at batch fraction 1.
     :param max_num_seqs: the running cap at batch fraction 1.
     :param load_error: why ``policy`` is None (counted as the cause of every fallback).
+    :param lambda_estimator: ``obs -> lambda_max_rps``, called before every policy call to follow
+        the traffic actually served (see :func:`lambda_max_estimate`); None keeps the features'
+        fixed lambda_max.
     """
 
     name = "learned"
 
     def __init__(self, policy, features: ObservationFeatures | None = None, control_interval: int = 10,
                  time_budget_s: float = 1e-3, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 load_error: str | None = None) -> None:
+                 load_error: str | None = None, lambda_estimator=None) -> None:
         super().__init__()
         if control_interval < 1:
             raise ValueError(f"control_interval must be >= 1, got {control_interval}")
@@ -332,6 +336,7 @@ class LearnedController(Controller):
         self.fallback = FlowController(adaptive=True, max_num_batched_tokens=max_num_batched_tokens,
                                        max_num_seqs=max_num_seqs)
         self.load_error = load_error
+        self.lambda_estimator = lambda_estimator
         self.fallbacks: dict[str, int] = {}
         self.policy_calls = 0
         self.reset()
@@ -379,6 +384,10 @@ class LearnedController(Controller):
         return self.knobs.decide(obs)
 
     def _act(self, obs: Observation) -> None:
+        if self.lambda_estimator is not None:
+            lam = self.lambda_estimator(obs)
+            if math.isfinite(lam) and lam > 0:
+                self.features.lambda_max_rps = lam
         x = self.features.update(obs, self._last_action, self.knobs._decision.token_budget)
         if self.policy is None:
             return
@@ -407,6 +416,23 @@ def _default_profile():
     return load_profile(DEFAULT_PROFILE)
 
 
+def lambda_max_estimate(obs: Observation, profile, prior_output_tokens: int = 128) -> float:
+    """The fluid bound ``1 / (a W / M + c W + b S)`` (``ctrl.theory.capacity``) of the traffic
+    seen so far: S and W from the engine's running estimates over completed requests (before
+    the first completion, the queue head's prompt with ``prior_output_tokens``), a, b, c from
+    the profile, M the engine's own KV capacity."""
+    if obs.completed_total > 0 and obs.lifetime_kv_workload > 0:
+        s = obs.mean_prompt_tokens + obs.mean_output_tokens
+        w = obs.lifetime_kv_workload
+    else:
+        prompt = obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0
+        out = prior_output_tokens
+        s = prompt + out
+        w = prompt * out + (out + out * out) / 2
+    m = obs.kv_capacity_tokens or profile.kv_capacity_tokens
+    return 1.0 / (profile.base_s * w / m + profile.per_kv_token_s * w + profile.per_token_s * s)
+
+
 def _default_lambda_max(profile) -> float:
     """lambda_max of ``profile`` with the splitwise_conv trace (the training workload)."""
     from ctrl.theory import capacity
@@ -428,8 +454,9 @@ def make_learned_controller(path: str | Path | None = None, *, profile=None, lam
     :param profile: an ``engine.profile.Profile`` or a profile name (SLOs, batch limits); None:
         ``DEFAULT_PROFILE`` (tiny-cpu, the model the server runs when nothing else is known).
         The shipped policy was trained on a100-llama2-7b.
-    :param lambda_max_rps: the fluid bound of the expected workload (default: from the profile
-        with the splitwise_conv trace, as in training).
+    :param lambda_max_rps: the fluid bound of the expected workload; None (a server that cannot
+        know its traffic in advance): estimated online from the requests served
+        (:func:`lambda_max_estimate`), starting from the profile with the splitwise_conv trace.
     :param control_interval: engine steps between policy calls (as in training).
     :param runtime: ``numpy`` (faster for this small MLP) or ``onnxruntime``.
     :param time_budget_s: a policy call slower than this falls back for that interval.
@@ -442,8 +469,10 @@ def make_learned_controller(path: str | Path | None = None, *, profile=None, lam
         from engine.profile import load_profile
 
         profile = load_profile(profile)
+    estimator = None
     if lambda_max_rps is None:
         lambda_max_rps = _default_lambda_max(profile)
+        estimator = functools.partial(lambda_max_estimate, profile=profile)
     path = DEFAULT_POLICY if path is None else Path(path)
     policy, error = None, None
     try:
@@ -455,7 +484,8 @@ def make_learned_controller(path: str | Path | None = None, *, profile=None, lam
         policy, error = None, f"cannot load {path}: {type(exc).__name__}"
     features = ObservationFeatures(lambda_max_rps, profile.ttft_slo_s, profile.tpot_slo_s, profile.max_num_seqs)
     inner = LearnedController(policy, features, control_interval, time_budget_s,
-                              profile.max_num_batched_tokens, profile.max_num_seqs, load_error=error)
+                              profile.max_num_batched_tokens, profile.max_num_seqs, load_error=error,
+                              lambda_estimator=estimator)
     shield_options.setdefault("max_num_seqs", profile.max_num_seqs)
     shield_options.setdefault("max_num_batched_tokens", profile.max_num_batched_tokens)
     return ShieldedController(inner, mode=shield_mode, **shield_options)

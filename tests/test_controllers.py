@@ -189,3 +189,22 @@ def test_parse_spec_and_profile_defaults():
     assert g.decide(Observation()).token_budget == profile.max_num_batched_tokens
     assert build_controller("greedy:max_num_batched_tokens=77", profile).decide(Observation()).token_budget == 77
     assert build_controller("flow:adaptive=yes").adaptive is True
+
+
+def test_learned_controller_follows_the_served_traffic_when_lambda_max_is_unknown():
+    from ctrl.learned import lambda_max_estimate, make_learned_controller
+
+    profile = load_profile("tiny-cpu")
+    small = obs_with(kv_capacity_tokens=profile.kv_capacity_tokens, completed_total=50, mean_prompt_tokens=33.0,
+                     mean_output_tokens=32.0, lifetime_kv_workload=33 * 32 + (32 + 32 * 32) / 2)
+    big = obs_with(kv_capacity_tokens=profile.kv_capacity_tokens, completed_total=50, mean_prompt_tokens=1000.0,
+                   mean_output_tokens=200.0, lifetime_kv_workload=1000 * 200 + (200 + 200 * 200) / 2)
+    assert lambda_max_estimate(small, profile) == pytest.approx(
+        capacity([33], [32], profile).lambda_max_rps, rel=1e-6)
+    assert lambda_max_estimate(small, profile) > 20 * lambda_max_estimate(big, profile)
+    ctrl = make_learned_controller(profile=profile)
+    ctrl.decide(small)
+    assert ctrl.inner.features.lambda_max_rps == pytest.approx(lambda_max_estimate(small, profile))
+    fixed = make_learned_controller(profile=profile, lambda_max_rps=3.0)
+    fixed.decide(small)
+    assert fixed.inner.features.lambda_max_rps == 3.0

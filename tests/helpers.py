@@ -42,3 +42,19 @@ def run_until_idle(core: EngineCore, max_steps: int = 100_000, check=None) -> No
         if check is not None:
             check(core)
     raise AssertionError("engine did not drain")
+
+
+def record_evictions(core: EngineCore) -> list[tuple[Request, int, int, int, int]]:
+    """Spy on the core's evictions: (request, its activation_seq, the newest running activation_seq,
+    its computed tokens just before eviction, its computed plus output tokens just after),
+    appended as they happen."""
+    evicted: list[tuple[Request, int, int, int, int]] = []
+    evict = core._evict
+
+    def spy(r: Request) -> None:
+        newest = max(q.activation_seq for q in core.running + [r])
+        before = r.num_computed_tokens
+        evict(r)
+        evicted.append((r, r.activation_seq, newest, before, r.num_computed_tokens + r.num_output_tokens))
+    core._evict = spy
+    return evicted

@@ -13,7 +13,7 @@ from ctrl.watermark import WatermarkController
 from engine.profile import load_profile
 from engine.simulate import simulate
 from engine.workload import Arrival, load_workload
-from tests.helpers import StepProfile, make_engine, req, run_until_idle
+from tests.helpers import StepProfile, make_engine, record_evictions, req, run_until_idle
 
 
 def obs_with(**fields) -> Observation:
@@ -119,17 +119,11 @@ def test_flow_evicts_lifo_and_progress_resets():
     rs = [req(i, 8, 30) for i in range(4)]
     for r in rs:
         core.add_request(r)
-    order = []
-    orig = core._evict
-
-    def spy(r):
-        order.append((r.activation_seq, max(q.activation_seq for q in core.running + [r])))
-        assert r.num_computed_tokens > 0
-        orig(r)
-        assert r.num_computed_tokens == 0 and r.num_output_tokens == 0
-    core._evict = spy
+    evicted = record_evictions(core)
     run_until_idle(core)
-    assert order and all(seq == newest for seq, newest in order)
+    assert evicted and all(seq == newest for _, seq, newest, _, _ in evicted)
+    assert all(before > 0 for *_, before, _ in evicted)  # there was progress to discard
+    assert all(after == 0 for *_, after in evicted)  # and it was discarded
 
 
 def test_flow_adaptive_budget_is_capped_by_memory():

@@ -8,7 +8,7 @@ from ctrl import build_controller
 from ctrl.base import Controller, Decision
 from ctrl.greedy import GreedyController
 from engine.request import RequestState
-from tests.helpers import StepProfile, make_engine, req, run_until_idle
+from tests.helpers import StepProfile, make_engine, record_evictions, req, run_until_idle
 
 CONTROLLER_SPECS = ["greedy", "no-evict", "sglang", "watermark:queue_limit=5", "flow:budget=2",
                     "flow:adaptive=true", "flow:budget=0.5,dist=poisson", "greedy:queue_timeout_s=30",
@@ -74,16 +74,10 @@ def test_lifo_eviction_takes_the_most_recently_activated():
     rs = [req(i, 8, 20) for i in range(3)]
     for r in rs:
         core.add_request(r)
-    evicted = []
-    orig = core._evict
-
-    def spy(r):
-        evicted.append((r.request_id, r.activation_seq, max(q.activation_seq for q in core.running + [r])))
-        orig(r)
-    core._evict = spy
+    evicted = record_evictions(core)
     run_until_idle(core)
     assert evicted, "the scenario must force an eviction"
-    for _, seq, newest in evicted:
+    for _, seq, newest, *_ in evicted:
         assert seq == newest
     assert rs[0].num_evictions == 0, "the oldest request is never evicted"
     assert all(r.state is RequestState.FINISHED for r in rs)

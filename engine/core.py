@@ -156,7 +156,6 @@ class EngineCore:
                 result = self.executor.execute(batch)
             except Exception as exc:  # the step's requests fail; the engine keeps serving
                 self._fail_batch(batch, f"step failed: {type(exc).__name__}: {exc}", ended)
-                self.clock.advance(0.0)
                 self._finish_step(start, batch, ended)
                 return ended
         else:

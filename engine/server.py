@@ -179,7 +179,6 @@ class EngineService:
         self._seen_evictions = 0
         self._seen_interventions = 0
         self.thread = threading.Thread(target=self._run, name="tidegate-engine", daemon=True)
-        self.engine_error: str | None = None
         self._touched: list[Stream] = []
         # (requests, prompt tokens) handed to the engine thread, and taken by it: each written by
         # one thread only, so their difference is exact without a lock.
@@ -241,9 +240,9 @@ class EngineService:
             if llm.has_unfinished:
                 try:
                     llm.step()
-                except Exception as exc:  # a bug outside the executor: fail what is in flight, keep serving
+                except Exception:  # a bug outside the executor: fail what is in flight, keep serving
                     log.exception("engine step failed")
-                    self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+                    self._fail_all()
                 self._wake_streams()
                 self._update_gauges()
             else:
@@ -324,11 +323,10 @@ class EngineService:
             m.queue_time.observe(max(0.0, r.start_time_s - r.arrival_time_s))
         m.finished(r.finish_reason if r.state is RequestState.FINISHED else r.state.value)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self) -> None:
         core = self.core
         for r in list(core.running) + list(core.waiting):
             core.cancel(r)
-        self.engine_error = reason
 
     def _update_gauges(self) -> None:
         # Arrivals are decided on the HTTP side from this observation: keep it current between

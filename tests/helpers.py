@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.clock import VirtualClock
 from engine.core import EngineCore
+from engine.profile import Profile
 from engine.request import Request
 from engine.sim_executor import SimExecutor
 
 
-@dataclass
-class StepProfile:
-    base_s: float = 1.0
-    per_token_s: float = 0.0
-    per_kv_token_s: float = 0.0
-    idle_s: float | None = None
-    kv_capacity_tokens: int = 256
-    block_size: int = 4
-    ttft_slo_s: float = 20.0
-    tpot_slo_s: float = 2.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 64
-    name: str = "test"
+def step_profile(**overrides) -> Profile:
+    """A small real Profile for tests: one time unit per step, 256 tokens of KV in blocks of 4."""
+    fields = dict(name="test", description="unit-test engine", base_s=1.0, per_token_s=0.0, per_kv_token_s=0.0,
+                  kv_capacity_tokens=256, block_size=4, ttft_slo_s=20.0, tpot_slo_s=2.0, max_num_seqs=64,
+                  max_num_batched_tokens=64)
+    return Profile(**{**fields, **overrides})
 
 
 def make_engine(controller, capacity=256, block_size=4, **kwargs) -> EngineCore:
-    profile = StepProfile(kv_capacity_tokens=capacity, block_size=block_size)
+    profile = step_profile(kv_capacity_tokens=capacity, block_size=block_size)
     return EngineCore(controller, SimExecutor(profile), VirtualClock(), capacity, block_size, **kwargs)
 
 

@@ -13,7 +13,7 @@ from ctrl.watermark import WatermarkController
 from engine.profile import load_profile
 from engine.simulate import simulate
 from engine.workload import Arrival, load_workload
-from tests.helpers import StepProfile, make_engine, record_evictions, req, run_until_idle
+from tests.helpers import step_profile, make_engine, record_evictions, req, run_until_idle
 
 
 def obs_with(**fields) -> Observation:
@@ -150,7 +150,7 @@ def test_theory_helpers():
     slot = load_profile("slot")
     cap = capacity([20, 20], [20, 20], slot)
     assert cap.lambda_max_rps == pytest.approx(slot.kv_capacity_tokens / lifetime_kv_workload(20, 20))
-    p = StepProfile(base_s=0.01, per_token_s=1e-4, per_kv_token_s=1e-6, kv_capacity_tokens=1000)
+    p = step_profile(base_s=0.01, per_token_s=1e-4, per_kv_token_s=1e-6, kv_capacity_tokens=1000)
     cap = capacity([100], [10], p)
     w = 100 * 10 + 55
     assert cap.lambda_max_rps == pytest.approx(1 / (0.01 * w / 1000 + 1e-6 * w + 1e-4 * 110))

@@ -8,7 +8,7 @@ from ctrl import build_controller
 from ctrl.base import Controller, Decision
 from ctrl.greedy import GreedyController
 from engine.request import RequestState
-from tests.helpers import StepProfile, make_engine, record_evictions, req, run_until_idle
+from tests.helpers import step_profile, make_engine, record_evictions, req, run_until_idle
 
 CONTROLLER_SPECS = ["greedy", "no-evict", "sglang", "watermark:queue_limit=5", "flow:budget=2",
                     "flow:adaptive=true", "flow:budget=0.5,dist=poisson", "greedy:queue_timeout_s=30",
@@ -30,7 +30,7 @@ def _check_step(core):
 @given(workloads, st.sampled_from(CONTROLLER_SPECS), st.integers(64, 400), st.sampled_from([1, 4, 16]),
        st.lists(st.integers(0, 29), max_size=4))
 def test_every_request_ends_in_exactly_one_terminal_state(workload, spec, capacity, block_size, cancels):
-    profile = StepProfile(kv_capacity_tokens=capacity, block_size=block_size)
+    profile = step_profile(kv_capacity_tokens=capacity, block_size=block_size)
     core = make_engine(build_controller(spec, profile), capacity, block_size)
     core.controller.reset()
     ended = []
@@ -177,7 +177,7 @@ def test_executor_exception_fails_the_step_and_engine_goes_on():
 
 
 def test_time_advances_by_the_profile():
-    profile = StepProfile(base_s=0.01, per_token_s=0.001, per_kv_token_s=0.0001)
+    profile = step_profile(base_s=0.01, per_token_s=0.001, per_kv_token_s=0.0001)
     from engine.sim_executor import SimExecutor
     ex = SimExecutor(profile)
     from engine.executor import Batch

@@ -29,8 +29,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from ctrl.theory import capacity
-from engine.loadgen import plan_random, run, run_load, summarize
-from engine.profile import load_profile
+from engine.bench.loadgen import plan_random, run, run_load, summarize
+from engine.core.profile import load_profile
 
 
 def free_port() -> int:

@@ -14,9 +14,9 @@ import statistics
 import time
 
 from ctrl import build_controller
-from engine.profile import load_profile
-from engine.simulate import simulate
-from engine.workload import read_trace, resolve_trace
+from engine.core.profile import load_profile
+from engine.sim.simulate import simulate
+from engine.workloads.workload import read_trace, resolve_trace
 
 
 def main() -> None:

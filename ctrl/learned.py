@@ -411,7 +411,7 @@ class LearnedController(Controller):
 
 
 def _default_profile():
-    from engine.profile import load_profile
+    from engine.core.profile import load_profile
 
     return load_profile(DEFAULT_PROFILE)
 
@@ -436,7 +436,7 @@ def lambda_max_estimate(obs: Observation, profile, prior_output_tokens: int = 12
 def _default_lambda_max(profile) -> float:
     """lambda_max of ``profile`` with the splitwise_conv trace (the training workload)."""
     from ctrl.theory import capacity
-    from engine.workload import read_trace, resolve_trace
+    from engine.workloads.workload import read_trace, resolve_trace
 
     arrivals = read_trace(resolve_trace("splitwise_conv"))
     return capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals],
@@ -451,7 +451,7 @@ def make_learned_controller(path: str | Path | None = None, *, profile=None, lam
     :param path: the exported policy (default ``checkpoints/policy.onnx``); a missing or corrupt
         file (or one with another action size) is not an error: every decision then comes from the
         fallback.
-    :param profile: an ``engine.profile.Profile`` or a profile name (SLOs, batch limits); None:
+    :param profile: an ``engine.core.profile.Profile`` or a profile name (SLOs, batch limits); None:
         ``DEFAULT_PROFILE`` (tiny-cpu, the model the server runs when nothing else is known).
         The shipped policy was trained on a100-llama2-7b.
     :param lambda_max_rps: the fluid bound of the expected workload; None (a server that cannot
@@ -466,7 +466,7 @@ def make_learned_controller(path: str | Path | None = None, *, profile=None, lam
     if profile is None:
         profile = _default_profile()
     elif isinstance(profile, (str, Path)):
-        from engine.profile import load_profile
+        from engine.core.profile import load_profile
 
         profile = load_profile(profile)
     estimator = None

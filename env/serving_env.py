@@ -21,10 +21,10 @@ from ctrl.learned import (ACTION_DIM, DEFAULT_ACTION, OBS_CLIP, OBS_DIM, KnobCon
                           action_to_knobs)
 from ctrl.shield import ShieldedController
 from ctrl.theory import capacity
-from engine.profile import load_profile
-from engine.request import Request, RequestState
-from engine.simulate import make_sim_engine
-from engine.workload import Arrival, read_trace, resolve_trace
+from engine.core.profile import load_profile
+from engine.core.request import Request, RequestState
+from engine.sim.simulate import make_sim_engine
+from engine.workloads.workload import Arrival, read_trace, resolve_trace
 
 TRAIN_FRACTION = 0.7
 #: goodput first: a request that misses its SLO (or expires) costs more than one refused early
@@ -228,8 +228,8 @@ class ServingEnv(gym.Env):
         return obs, {"load": load, "segment": seg.name, "lambda_max_rps": seg.lambda_max_rps}
 
     def _init_engine(self, model: str) -> None:
-        from engine.tiny_model import load_model
-        from engine.torch_executor import SamplingParams, TorchExecutor
+        from engine.real.model import load_model
+        from engine.real.executor import SamplingParams, TorchExecutor
 
         hf_model, tokenizer = load_model(model, "cpu", None)
         self._executor = TorchExecutor(hf_model, tokenizer, device="cpu")
@@ -242,8 +242,8 @@ class ServingEnv(gym.Env):
     def _make_engine(self):
         if self._executor is None:
             return make_sim_engine(self.profile, self.shield, record_steps=False)
-        from engine.clock import WallClock
-        from engine.core import EngineCore
+        from engine.core.clock import WallClock
+        from engine.core.engine_core import EngineCore
 
         idle = self.profile.idle_s if self.profile.idle_s is not None else self.profile.base_s
         core = EngineCore(self.shield, self._executor, WallClock(), kv_capacity_tokens=self.profile.kv_capacity_tokens,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.clock import VirtualClock
-from engine.core import EngineCore
-from engine.profile import Profile
-from engine.request import Request
-from engine.sim_executor import SimExecutor
+from engine.core.clock import VirtualClock
+from engine.core.engine_core import EngineCore
+from engine.core.profile import Profile
+from engine.core.request import Request
+from engine.sim.executor import SimExecutor
 
 
 def step_profile(**overrides) -> Profile:

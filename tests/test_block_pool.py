@@ -3,8 +3,8 @@ from hypothesis import strategies as st
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.request import Request
+from engine.core.block_pool import BlockPool
+from engine.core.request import Request
 
 
 def test_capacity_rounds_down_to_blocks():

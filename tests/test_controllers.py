@@ -10,9 +10,9 @@ from ctrl.no_evict import NoEvictController
 from ctrl.sglang import SGLangController
 from ctrl.theory import capacity, class_budgets_feasible, lifetime_kv_workload, necessary_rate_bound
 from ctrl.watermark import WatermarkController
-from engine.profile import load_profile
-from engine.simulate import simulate
-from engine.workload import Arrival, load_workload
+from engine.core.profile import load_profile
+from engine.sim.simulate import simulate
+from engine.workloads.workload import Arrival, load_workload
 from tests.helpers import step_profile, make_engine, record_evictions, req, run_until_idle
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from ctrl import build_controller
 from ctrl.base import Controller, Decision
 from ctrl.greedy import GreedyController
-from engine.request import RequestState
+from engine.core.request import RequestState
 from tests.helpers import step_profile, make_engine, record_evictions, req, run_until_idle
 
 CONTROLLER_SPECS = ["greedy", "no-evict", "sglang", "watermark:queue_limit=5", "flow:budget=2",
@@ -178,9 +178,9 @@ def test_executor_exception_fails_the_step_and_engine_goes_on():
 
 def test_time_advances_by_the_profile():
     profile = step_profile(base_s=0.01, per_token_s=0.001, per_kv_token_s=0.0001)
-    from engine.sim_executor import SimExecutor
+    from engine.sim.executor import SimExecutor
     ex = SimExecutor(profile)
-    from engine.executor import Batch
+    from engine.core.executor import Batch
     b = Batch()
     b.requests, b.num_tokens, b.kv_tokens_read = [object()], 10, 100
     assert ex.execute(b).duration_s == pytest.approx(0.01 + 0.01 + 0.01)

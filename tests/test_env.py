@@ -8,7 +8,7 @@ import pytest
 
 import env  # noqa: F401  (registers tidegate/Serving-v0)
 from env.serving_env import ServingEnv, split_segments
-from engine.profile import load_profile
+from engine.core.profile import load_profile
 
 SMALL = dict(episode_steps=16, control_interval=5)
 
@@ -89,7 +89,7 @@ def test_action_has_an_admission_knob_and_augment_adds_segments():
 @pytest.mark.timeout(120)
 def test_engine_backend_runs_a_few_steps():
     """The real engine (tiny model, CPU, wall clock): a handful of env steps on a short workload."""
-    from engine.workload import Arrival
+    from engine.workloads.workload import Arrival
 
     workload = [Arrival(0.02 * i, 16 + (7 * i) % 32, 2 + i % 6, 8) for i in range(40)]
     e = ServingEnv(backend="engine", workload=workload, episode_steps=4, control_interval=4, load_range=(0.05, 0.05))

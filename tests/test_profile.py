@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine import roofline
-from engine.profile import PROFILES_DIR, Profile, ProfileError, load_profile, shipped_profiles
+from engine.sim import roofline
+from engine.core.profile import PROFILES_DIR, Profile, ProfileError, load_profile, shipped_profiles
 
 SHIPPED = ["a100-llama2-7b", "h200-llama3-8b", "slot"]
 
@@ -139,7 +139,7 @@ def test_roofline_reproduces_the_shipped_preset_files():
     assert [p.name for p in presets] == ["a100-llama2-7b", "h200-llama3-8b"]
     for profile in presets:
         shipped = json.loads((PROFILES_DIR / f"{profile.name}.json").read_text())
-        assert profile.to_dict() == shipped, "regenerate with: python -m engine.roofline --write"
+        assert profile.to_dict() == shipped, "regenerate with: tidegate roofline --write"
         assert load_profile(profile.name) == profile
 
 

@@ -11,12 +11,12 @@ import torch
 from transformers import GenerationConfig
 
 from ctrl import ControllerSpecError, build_controller
-from engine.clock import WallClock
-from engine.core import EngineCore
-from engine.llm import LLM
-from engine.request import Request, RequestState
-from engine.tiny_model import ByteTokenizer, IncrementalDetokenizer, ModelLoadError, build_tiny_model, load_model
-from engine.torch_executor import SamplingParams, TorchExecutor
+from engine.core.clock import WallClock
+from engine.core.engine_core import EngineCore
+from engine.real.llm import LLM
+from engine.core.request import Request, RequestState
+from engine.real.model import ByteTokenizer, IncrementalDetokenizer, ModelLoadError, build_tiny_model, load_model
+from engine.real.executor import SamplingParams, TorchExecutor
 
 torch.set_num_threads(1)  # 2 threads stall badly when the 2 cores are shared
 
@@ -246,7 +246,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny, workload
 
 
 def test_decode_buckets_cover_every_request_once():
-    from engine.paged_cache import plan_buckets
+    from engine.real.paged_cache import plan_buckets
     lens = [1, 1, 2, 24, 23, 3, 24, 12, 12, 1]
     buckets = plan_buckets(lens)
     assert sorted(i for b in buckets for i in b) == list(range(len(lens)))
@@ -260,13 +260,13 @@ def test_decode_buckets_cover_every_request_once():
 def test_batched_paged_attention_matches_per_request_attention(tiny):
     """Decodes of very different lengths (several buckets) and prefill chunks with and without a
     cached prefix, in one step: the logits match each request run alone through model.generate's path."""
-    from engine.block_pool import BlockPool
-    from engine.profiler import _batch
+    from engine.core.block_pool import BlockPool
+    from engine.real.profiler import _batch
     model, tok = tiny
     pool = BlockPool(8192, 16)
     ex = TorchExecutor(model, tok, pool)
     rng = random.Random(3)
-    from engine.executor import Batch
+    from engine.core.executor import Batch
     batch = _batch(pool, [5, 300, 17, 16, 33, 250, 2], [(0, 40), (70, 9), (16, 1)], rng)
     for r in batch.requests:  # fill each request's cached tokens with its own prefill first
         cached = r.num_computed_tokens
@@ -289,7 +289,7 @@ def test_batched_paged_attention_matches_per_request_attention(tiny):
 
 
 def test_l1_fit_recovers_coefficients_despite_stalls():
-    from engine.profiler import fit_step_time
+    from engine.real.profiler import fit_step_time
     rng = random.Random(0)
     rows = []
     for _ in range(400):

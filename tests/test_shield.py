@@ -13,7 +13,7 @@ from ctrl.base import UNLIMITED, Controller, Decision
 from ctrl.flow import FlowController
 from ctrl.greedy import GreedyController
 from ctrl.shield import ShieldedController
-from engine.request import RequestState
+from engine.core.request import RequestState
 from tests.helpers import make_engine, req
 
 NUMBERS = st.one_of(

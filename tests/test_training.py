@@ -74,9 +74,9 @@ def test_export_matches_predict(trained, tmp_path):
 
 
 def test_learned_controller_falls_back(tmp_path, caplog):
-    from engine.profile import load_profile
-    from engine.simulate import simulate
-    from engine.workload import read_trace, resolve_trace
+    from engine.core.profile import load_profile
+    from engine.sim.simulate import simulate
+    from engine.workloads.workload import read_trace, resolve_trace
 
     bad = tmp_path / "policy.onnx"
     bad.write_bytes(b"not an onnx file")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.workload import (
+from engine.workloads.workload import (
     DEFAULT_MAX_TOKENS,
     Arrival,
     WorkloadError,

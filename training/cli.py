@@ -49,7 +49,7 @@ def export_command(checkpoint, out, vecnormalize):
 @click.option("--plots", default=None, help="Write learned_goodput.png into this folder.")
 def evaluate_command(policy, profile, loads, requests, seeds, out, plots):
     """Compare the learned controller with the heuristics on the evaluation traces."""
-    from engine.bench import markdown_table
+    from engine.bench.bench import markdown_table
     from training.evaluate import DEFAULT_HEURISTICS, evaluate, summarize, summary_columns
 
     try:

@@ -4,7 +4,7 @@
         [--requests 2000] [--seeds 0,1,2] [--out docs/bench_learned.md] [--plots docs/img]
 
 Every controller replays the same windows of the evaluation split (the last 30% of
-splitwise_conv and all of splitwise_code) through ``engine.simulate`` at each load (multiples
+splitwise_conv and all of splitwise_code) through ``engine.sim.simulate`` at each load (multiples
 of lambda_max). Seed 0 is the first ``requests`` requests of a segment, seed k > 0 a window
 starting at a random request (drawn from ``numpy.random.default_rng(k)``). The learned
 controller runs as deployed: ``make_learned_controller`` (the shield around it, the flow
@@ -21,10 +21,10 @@ import numpy as np
 
 from ctrl import build_controller
 from ctrl.learned import make_learned_controller
-from engine.bench import markdown_table
-from engine.profile import load_profile
-from engine.simulate import simulate
-from engine.workload import Arrival
+from engine.bench.bench import markdown_table
+from engine.core.profile import load_profile
+from engine.sim.simulate import simulate
+from engine.workloads.workload import Arrival
 
 from env.serving_env import TRAIN_FRACTION, split_segments
 

@@ -17,11 +17,11 @@ from pathlib import Path
 from ctrl import build_controller
 from ctrl.learned import make_learned_controller
 from ctrl.theory import capacity
-from engine.bench import markdown_table
-from engine.profile import load_profile
-from engine.simulate import simulate
-from engine.twin import replay_real
-from engine.workload import Arrival, read_trace, resolve_trace
+from engine.bench.bench import markdown_table
+from engine.core.profile import load_profile
+from engine.sim.simulate import simulate
+from engine.twin.check import replay_real
+from engine.workloads.workload import Arrival, read_trace, resolve_trace
 
 COLUMNS = ("engine", "controller", "requests", "completed", "rejected", "expired", "evictions", "goodput_rps",
            "goodput_frac", "slo_attainment", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s")

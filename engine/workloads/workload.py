@@ -565,7 +565,7 @@ def resolve_trace(name_or_path: str | Path) -> Path:
     """The file behind a shipped workload name, or the path itself.
 
     A bare name such as ``splitwise_conv`` or ``splitwise_code.csv`` (no directory part) names
-    a file shipped in ``engine/data``; write ``./splitwise_conv.csv`` for a local file of the
+    a file shipped in ``engine/workloads/data``; write ``./splitwise_conv.csv`` for a local file of the
     same name.
 
     :param name_or_path: a shipped name, with or without its extension, or a path.

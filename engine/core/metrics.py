@@ -6,7 +6,7 @@ from array import array
 
 import numpy as np
 
-from engine.request import Request, RequestState
+from engine.core.request import Request, RequestState
 
 
 class EngineMetrics:

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass, field
 
 from ctrl.base import Controller
-from engine.clock import VirtualClock
-from engine.core import EngineCore
-from engine.request import Request
-from engine.sim_executor import SimExecutor
+from engine.core.clock import VirtualClock
+from engine.core.engine_core import EngineCore
+from engine.core.request import Request
+from engine.sim.executor import SimExecutor
 
 
 @dataclass
@@ -38,8 +38,8 @@ def simulate(arrivals, profile, controller: Controller, *, record_steps: bool = 
              progress: bool = False, desc: str = "simulating") -> SimResult:
     """Replay ``arrivals`` through the engine until every request has ended.
 
-    :param arrivals: time-sorted ``engine.workload.Arrival`` items.
-    :param profile: the step-time profile (``engine.profile.Profile``).
+    :param arrivals: time-sorted ``engine.workloads.workload.Arrival`` items.
+    :param profile: the step-time profile (``engine.core.profile.Profile``).
     :param controller: the controller under test; it is reset first.
     :param progress: show a progress bar over arrivals.
     """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli_support import friendly
+from engine.cli.support import friendly
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -45,7 +45,7 @@ def workload_options(fn):
 
 
 def load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale=None):
-    from engine.workload import load_synthetic, read_trace, resolve_trace
+    from engine.workloads.workload import load_synthetic, read_trace, resolve_trace
     if bool(trace) == bool(workload):
         raise click.UsageError("give exactly one of --trace FILE or --workload FILE.yaml")
     if workload:
@@ -75,10 +75,10 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
              profile_name, controller_spec, as_json, progress):
     """Replay a trace or synthetic workload through the simulator twin."""
     from ctrl import build_controller
-    from engine.bench import rate_scale_for_load
-    from engine.profile import load_profile
-    from engine.simulate import simulate as run
-    from engine.workload import Arrival
+    from engine.bench.bench import rate_scale_for_load
+    from engine.core.profile import load_profile
+    from engine.sim.simulate import simulate as run
+    from engine.workloads.workload import Arrival
 
     if rate_scale is not None and load is not None:
         raise click.UsageError("give --rate-scale or --load, not both")
@@ -127,8 +127,8 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
 def bench(traces, controllers, loads, profile_name, first_n, start_s, end_s, length_scale, max_tokens, seed,
           jobs, out_dir):
     """Every controller at several loads on traces: table, CSV and plots."""
-    from engine.bench import DEFAULT_CONTROLLERS, TABLE_COLUMNS, markdown_table, run_bench
-    from engine.profile import load_profile
+    from engine.bench.bench import DEFAULT_CONTROLLERS, TABLE_COLUMNS, markdown_table, run_bench
+    from engine.core.profile import load_profile
 
     profile = load_profile(profile_name)
     if controllers is None:
@@ -152,8 +152,8 @@ def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
              profile_name, as_json):
     """Lifetime KV workload, the necessary rate bound and the fluid bound lambda_max."""
     from ctrl.theory import capacity as fluid_capacity
-    from engine.profile import load_profile
-    from engine.workload import trace_stats
+    from engine.core.profile import load_profile
+    from engine.workloads.workload import trace_stats
 
     profile = load_profile(profile_name)
     arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
@@ -211,10 +211,10 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, k
     import logging
 
     from ctrl import build_controller
-    from engine.server import GracefulServer, ServeConfig, build_service, create_app
+    from engine.serve.server import GracefulServer, ServeConfig, build_service, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.profile import load_profile
+    from engine.core.profile import load_profile
 
     build_controller(controller_spec, load_profile(profile_name or "tiny-cpu"))  # fail before the model loads
     config = ServeConfig(model=model, served_model_name=served_model_name, controller=controller_spec,
@@ -259,8 +259,8 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, k
 def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_requests, max_concurrency,
             input_len, output_len, length_scale, max_tokens_cap, goodput_slos, model, seed, out_path):
     """Streaming load against any OpenAI-compatible server; latency percentiles, goodput, 429s."""
-    from engine.loadgen import format_summary, outcomes_json, plan_random, plan_trace, run, run_load, summarize
-    from engine.workload import read_trace, resolve_trace
+    from engine.bench.loadgen import format_summary, outcomes_json, plan_random, plan_trace, run, run_load, summarize
+    from engine.workloads.workload import read_trace, resolve_trace
 
     if bool(trace) == bool(dataset):
         raise click.UsageError("give exactly one of --trace FILE or --dataset random")
@@ -291,7 +291,7 @@ def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_r
 
 
 def _register_commands() -> None:
-    from engine.cli_real import generate_command, profile_command, twin_check_command
+    from engine.cli.real import generate_command, profile_command, twin_check_command
     from training.cli import evaluate_command, export_command, train_command
 
     for command in (generate_command, profile_command, twin_check_command, train_command, export_command,
@@ -302,5 +302,3 @@ def _register_commands() -> None:
 _register_commands()
 
 
-if __name__ == "__main__":
-    main()

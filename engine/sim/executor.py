@@ -3,14 +3,14 @@ output lengths come from the requests themselves (the trace's or a synthetic dra
 
 from __future__ import annotations
 
-from engine.executor import Batch, StepResult
-from engine.request import Request
+from engine.core.executor import Batch, StepResult
+from engine.core.request import Request
 
 
 class SimExecutor:
     """Step time ``base_s + per_token_s * tokens + per_kv_token_s * kv_tokens_read``.
 
-    :param profile: an ``engine.profile.Profile`` (or anything with the same coefficients).
+    :param profile: an ``engine.core.profile.Profile`` (or anything with the same coefficients).
     """
 
     def __init__(self, profile) -> None:

@@ -13,10 +13,10 @@ from collections import deque
 from typing import Callable
 
 from ctrl.base import Controller, Decision, Observation, Rejection
-from engine.block_pool import BlockPool
-from engine.executor import Batch, Executor
-from engine.metrics import EngineMetrics
-from engine.request import Request, RequestState
+from engine.core.block_pool import BlockPool
+from engine.core.executor import Batch, Executor
+from engine.core.metrics import EngineMetrics
+from engine.core.request import Request, RequestState
 
 ASK = object()  # add_request's default: ask the controller
 _FINISHED = RequestState.FINISHED

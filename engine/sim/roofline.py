@@ -4,7 +4,7 @@ Every step of a decoder-only transformer streams all weights from HBM once, does
 FLOPs of matrix multiplies per new token, and its attention reads the K and V entries of every
 cached token of every request in the batch. With sustained compute rate F·mfu and sustained
 bandwidth BW·bw_eff this gives the coefficients of the linear step-time model of
-:mod:`engine.profile`::
+:mod:`engine.core.profile`::
 
     base_s         = step_overhead_s + weights_bytes / (BW · bw_eff)
     per_token_s    = 2 · N / (F · mfu)
@@ -15,8 +15,8 @@ linear upper bound of the roofline; it is chosen so that the derived presets and
 on a real engine share one linear form. Every constant, with its source, is listed in
 docs/PROFILES.md.
 
-``python -m engine.roofline`` prints the coefficient table; ``--write`` regenerates the preset
-files in ``engine/profiles/`` from the code below.
+``python -m engine.sim.roofline`` prints the coefficient table; ``--write`` regenerates the preset
+files in ``engine/core/profiles/`` from the code below.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.profile import PROFILES_DIR, Profile
+from engine.core.profile import PROFILES_DIR, Profile
 
 GiB = 2**30
 
@@ -155,7 +155,7 @@ def roofline_profile(name: str, description: str, model: ModelSpec, gpu: GpuSpec
         tpot_slo_s=tpot_slo_s,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
-        source="roofline (python -m engine.roofline --write)",
+        source="roofline (tidegate roofline --write)",
         extra={"roofline": {
             "model": asdict(model),
             "gpu": asdict(gpu),
@@ -192,7 +192,7 @@ H200_SXM = GpuSpec(
 
 
 def preset_profiles() -> list[Profile]:
-    """The datacenter presets shipped in ``engine/profiles/``."""
+    """The datacenter presets shipped in ``engine/core/profiles/``."""
     assume = ServingAssumptions()
     # Batch limits: vLLM v1's defaults for the OpenAI server, which keeps the smaller budget on
     # A100 (vllm/engine/arg_utils.py); SLOs: a chat setting, see docs/PROFILES.md.
@@ -221,11 +221,11 @@ def coefficient_table(profiles: list[Profile]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m engine.roofline",
+        prog="python -m engine.sim.roofline",
         description="Print the roofline presets; with --write, regenerate their profile files.")
     parser.add_argument("--write", action="store_true", help="write the preset JSON files")
     parser.add_argument("--out-dir", type=Path, default=PROFILES_DIR,
-                        help="where --write puts the files (default: engine/profiles/)")
+                        help="where --write puts the files (default: engine/core/profiles/)")
     args = parser.parse_args(argv)
     profiles = preset_profiles()
     print(coefficient_table(profiles))

@@ -10,9 +10,9 @@ import click
 
 def _project_errors() -> tuple[type[Exception], ...]:
     from ctrl import ControllerSpecError
-    from engine.profile import ProfileError
-    from engine.tiny_model import ModelLoadError
-    from engine.workload import WorkloadError
+    from engine.core.profile import ProfileError
+    from engine.real.model import ModelLoadError
+    from engine.workloads.workload import WorkloadError
     return (ControllerSpecError, ProfileError, WorkloadError, ModelLoadError)
 
 

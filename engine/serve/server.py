@@ -31,8 +31,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from ctrl.base import Rejection
-from engine.request import Request, RequestState
-from engine.server_metrics import ServerMetrics
+from engine.core.request import Request, RequestState
+from engine.serve.metrics import ServerMetrics
 
 log = logging.getLogger("tidegate.server")
 
@@ -584,7 +584,7 @@ def create_app(service: EngineService, config: ServeConfig) -> FastAPI:
             service.done(stream)
 
     def _sampling(body: _Sampling):
-        from engine.torch_executor import SamplingParams
+        from engine.real.executor import SamplingParams
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               seed=body.seed, stop=stops, ignore_eos=body.ignore_eos)
@@ -616,7 +616,7 @@ def create_app(service: EngineService, config: ServeConfig) -> FastAPI:
 # ---------------------------------------------------------------------------------- running it
 def build_service(config: ServeConfig, model_and_tokenizer=None) -> EngineService:
     """Load the model (or use an already loaded ``(model, tokenizer)``) and start the engine thread."""
-    from engine.llm import LLM
+    from engine.real.llm import LLM
 
     llm = LLM(config.model, kv_capacity_tokens=config.kv_capacity_tokens, block_size=config.block_size,
               controller=config.controller, device=config.device, dtype=config.dtype,

@@ -9,7 +9,7 @@ decoding request) and K the number of KV tokens its attention reads (the sum ove
 each request's context length, cached tokens plus the new ones). A step with no tokens takes
 ``idle_s``, the simulator's tick while nothing can run.
 
-Profiles live in JSON or YAML files; the shipped ones are in ``engine/profiles/``. The file
+Profiles live in JSON or YAML files; the shipped ones are in ``engine/core/profiles/``. The file
 format and the derivation of the shipped numbers are in docs/PROFILES.md.
 """
 
@@ -151,7 +151,7 @@ class Profile:
 
 
 def shipped_profiles() -> list[str]:
-    """Names of the profiles shipped in ``engine/profiles/``, sorted."""
+    """Names of the profiles shipped in ``engine/core/profiles/``, sorted."""
     return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
 
 

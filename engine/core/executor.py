@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 class Batch:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 class BlockPool:

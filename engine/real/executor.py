@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.executor import Batch, StepResult
-from engine.paged_cache import PagedKVCache, _long, build_layout, register_attention
-from engine.request import Request
-from engine.tiny_model import IncrementalDetokenizer, resolve_dtype
+from engine.core.executor import Batch, StepResult
+from engine.real.paged_cache import PagedKVCache, _long, build_layout, register_attention
+from engine.core.request import Request
+from engine.real.model import IncrementalDetokenizer, resolve_dtype
 
 
 @dataclass

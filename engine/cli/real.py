@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli_support import friendly
+from engine.cli.support import friendly
 
 
 def _threads(threads: int | None) -> None:
@@ -47,8 +47,8 @@ threads_option = click.option("--threads", type=click.IntRange(min=1), default=N
 def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos,
                      kv_capacity_tokens, stream, as_json, device, dtype, threads):
     """Generate text for prompts on the real engine."""
-    from engine.llm import LLM
-    from engine.torch_executor import SamplingParams
+    from engine.real.llm import LLM
+    from engine.real.executor import SamplingParams
 
     _threads(threads)
     if stream and len(prompts) > 1:
@@ -104,7 +104,7 @@ def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed
 def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_tokens, repeats, passes, quick,
                     from_twin, from_steps, trace, skip, first_n, length_scale, rate_scale, controller_spec, runs, loss):
     """Time engine steps and fit the simulator's step-time model (grid of batch shapes, or --from-twin)."""
-    from engine.profiler import run_profile, run_profile_from_serving, run_profile_from_steps
+    from engine.real.profiler import run_profile, run_profile_from_serving, run_profile_from_steps
 
     _threads(threads)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
@@ -156,7 +156,7 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, controller_spec,
                        seed, out_dir, as_json, device, dtype, threads):
     """Run one workload through the real engine and the simulator twin and compare them."""
-    from engine.twin import run_twin_check
+    from engine.twin.check import run_twin_check
 
     _threads(threads)
     report = run_twin_check(model=model, trace=trace, first_n=first_n, length_scale=length_scale,

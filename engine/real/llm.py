@@ -20,11 +20,11 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from engine.clock import WallClock
-from engine.core import ASK, EngineCore
-from engine.request import Request, RequestState
-from engine.tiny_model import IncrementalDetokenizer, default_device, load_model, resolve_dtype
-from engine.torch_executor import SamplingParams, TorchExecutor
+from engine.core.clock import WallClock
+from engine.core.engine_core import ASK, EngineCore
+from engine.core.request import Request, RequestState
+from engine.real.model import IncrementalDetokenizer, default_device, load_model, resolve_dtype
+from engine.real.executor import SamplingParams, TorchExecutor
 
 DeltaCallback = Callable[[Request, str, bool], None]
 
@@ -83,7 +83,7 @@ def serving_profile(profile, kv_capacity_tokens: int | None, block_size: int, ma
         (the only model and machine tidegate ships a fit for; profile your own with
         ``tidegate profile``).
     """
-    from engine.profile import Profile, load_profile
+    from engine.core.profile import Profile, load_profile
 
     base = profile if isinstance(profile, Profile) else load_profile(profile or "tiny-cpu")
     changes = dict(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
@@ -113,7 +113,7 @@ class LLM:
                  max_num_seqs: int = 256, model_and_tokenizer=None, record_steps: bool = True,
                  profile=None) -> None:
         from ctrl import build_controller
-        from engine.block_pool import BlockPool
+        from engine.core.block_pool import BlockPool
 
         spec = controller if isinstance(controller, str) else None
         if spec is not None:  # check the cheap inputs before loading anything

@@ -29,11 +29,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.block_pool import BlockPool
-from engine.executor import Batch
-from engine.profile import Profile
-from engine.request import Request
-from engine.torch_executor import SamplingParams, TorchExecutor
+from engine.core.block_pool import BlockPool
+from engine.core.executor import Batch
+from engine.core.profile import Profile
+from engine.core.request import Request
+from engine.real.executor import SamplingParams, TorchExecutor
 
 _IGNORE_EOS = SamplingParams(ignore_eos=True)
 
@@ -214,7 +214,7 @@ def run_profile(model: str = "tiny", device=None, dtype=None, name: str = "tiny-
                 kv_capacity_tokens: int | None = None, repeats: int = 3, passes: int = 3, quick: bool = False,
                 block_size: int = 16, loss: str = "l2", log: Callable[[str], None] | None = None) -> Profile:
     """Profile ``model`` on ``device`` and return the fitted Profile (fit report under ``extra``)."""
-    from engine.tiny_model import default_device, load_model, resolve_dtype
+    from engine.real.model import default_device, load_model, resolve_dtype
 
     device = torch.device(device) if device is not None else default_device()
     dtype = resolve_dtype(dtype, device)
@@ -251,7 +251,7 @@ def run_profile(model: str = "tiny", device=None, dtype=None, name: str = "tiny-
 def serving_arrivals(trace: str = "splitwise_conv", skip: int = 300, first_n: int = 300, length_scale: float = 0.1,
                      rate_scale: float = 1.0, max_tokens: int = 256):
     """Requests ``skip .. skip+first_n-1`` of a trace, re-based to arrive from 0 (as ``read_trace`` does)."""
-    from engine.workload import read_trace, resolve_trace
+    from engine.workloads.workload import read_trace, resolve_trace
 
     arrivals = read_trace(resolve_trace(trace), first_n=skip + first_n, rate_scale=rate_scale,
                           length_scale=length_scale, max_tokens_cap=max_tokens)[skip:]
@@ -295,14 +295,14 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
                              log: Callable[[str], None] | None = None) -> Profile:
     """Fit the profile on the steps of a real serving run (``tidegate profile --from-twin``).
 
-    The trace slice is replayed through the real engine in wall-clock time (``engine.twin.replay_real``,
+    The trace slice is replayed through the real engine in wall-clock time (``engine.twin.check.replay_real``,
     the same loop ``twin-check`` uses); each non-empty step's (T, K) and its whole
     ``EngineCore.step`` duration are the fit's rows. ``runs`` > 1 replays it that many times and
     pools the steps, so the fit averages over the load other jobs put on a shared machine.
     """
     from ctrl import build_controller
-    from engine.tiny_model import default_device, load_model, resolve_dtype
-    from engine.twin import replay_real
+    from engine.real.model import default_device, load_model, resolve_dtype
+    from engine.twin.check import replay_real
 
     device = torch.device(device) if device is not None else default_device()
     dtype = resolve_dtype(dtype, device)
@@ -370,7 +370,7 @@ def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv
     Checking the twin against the very run its profile was fitted on is in-sample: use it to see
     how far a linear profile can get, and fit on a different run for an honest check.
     """
-    from engine.tiny_model import load_model
+    from engine.real.model import load_model
 
     rows = read_steps_csv(path)
     fit = fit_step_time(rows, loss=loss)

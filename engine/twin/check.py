@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from engine.executor import Batch, StepResult
-from engine.request import Request
+from engine.core.executor import Batch, StepResult
+from engine.core.request import Request
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
 COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
@@ -47,10 +47,10 @@ class RecordingExecutor:
 def replay_real(arrivals, profile, controller, model: str = "tiny", device=None, dtype=None, seed: int = 0,
                 log: Callable[[str], None] | None = None):
     """Replay ``arrivals`` through the real engine in wall-clock time; returns the core and recorder."""
-    from engine.clock import WallClock
-    from engine.core import EngineCore
-    from engine.tiny_model import load_model
-    from engine.torch_executor import SamplingParams, TorchExecutor
+    from engine.core.clock import WallClock
+    from engine.core.engine_core import EngineCore
+    from engine.real.model import load_model
+    from engine.real.executor import SamplingParams, TorchExecutor
 
     hf_model, tokenizer = load_model(model, device, dtype)
     executor = TorchExecutor(hf_model, tokenizer, device=device, dtype=dtype)
@@ -235,9 +235,9 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     :return: the report: per-metric real, simulated and relative error, step-time errors, targets met.
     """
     from ctrl import build_controller
-    from engine.profile import load_profile
-    from engine.simulate import simulate
-    from engine.workload import read_trace, resolve_trace
+    from engine.core.profile import load_profile
+    from engine.sim.simulate import simulate
+    from engine.workloads.workload import read_trace, resolve_trace
 
     profile = load_profile(profile_name)
     arrivals = read_trace(resolve_trace(trace), first_n=first_n, rate_scale=rate_scale,
@@ -264,7 +264,7 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     errors = step_time_errors(recorder, core.metrics.step_duration_s, profile)
     # The best any linear profile could do on these very steps (fitted on them, in-sample): the
     # part of the MAPE that is step-to-step noise or beyond the linear model, not the profile.
-    from engine.profiler import fit_step_time
+    from engine.real.profiler import fit_step_time
     floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"])), loss="l1")
     errors["refit_mape"] = floor["mape"]
     errors["refit_coefficients"] = {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s")}

@@ -1,0 +1,5 @@
+"""``python -m engine.cli``: the ``tidegate`` command."""
+
+from engine.cli import main
+
+main()

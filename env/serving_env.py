@@ -22,7 +22,9 @@ from ctrl.learned import (ACTION_DIM, DEFAULT_ACTION, OBS_CLIP, OBS_DIM, KnobCon
 from ctrl.shield import ShieldedController
 from ctrl.theory import capacity
 from engine.core.profile import load_profile
+from engine.core.builder import build_engine
 from engine.core.request import Request, RequestState
+from engine.core.slo import met_slo
 from engine.sim.simulate import make_sim_engine
 from engine.workloads.workload import Arrival, read_trace, resolve_trace
 
@@ -243,12 +245,8 @@ class ServingEnv(gym.Env):
         if self._executor is None:
             return make_sim_engine(self.profile, self.shield, record_steps=False)
         from engine.core.clock import WallClock
-        from engine.core.engine_core import EngineCore
 
-        idle = self.profile.idle_s if self.profile.idle_s is not None else self.profile.base_s
-        core = EngineCore(self.shield, self._executor, WallClock(), kv_capacity_tokens=self.profile.kv_capacity_tokens,
-                          block_size=self.profile.block_size, rate_window_s=max(10.0, 200 * idle),
-                          record_steps=False)
+        core = build_engine(self.profile, self.shield, self._executor, WallClock(), record_steps=False)
         self._executor.attach_pool(core.pool)
         self._token_rng = np.random.default_rng(int(self.np_random.integers(1 << 31)))
         return core
@@ -317,10 +315,7 @@ class ServingEnv(gym.Env):
             for r in core.step():
                 if r.state is RequestState.FINISHED:
                     finished += 1
-                    out = r.num_output_tokens
-                    ttft = r.first_token_time_s - r.arrival_time_s
-                    tpot = (r.finish_time_s - r.first_token_time_s) / (out - 1) if out > 1 else 0.0
-                    if ttft <= ttft_slo and tpot <= tpot_slo:
+                    if met_slo(r, ttft_slo, tpot_slo):
                         good += 1
                     else:
                         missed += 1

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """What EngineCore needs of time: read it, and move it (virtual) or wait for it (wall)."""
+
+    def now(self) -> float: ...
+
+    def advance(self, seconds: float) -> None: ...
+
+    def advance_to(self, time_s: float) -> None: ...
 
 
 class VirtualClock:

@@ -16,7 +16,8 @@ from ctrl.base import Controller, Decision, Observation, Rejection
 from engine.core.block_pool import BlockPool
 from engine.core.executor import Batch, Executor
 from engine.core.metrics import EngineMetrics
-from engine.core.request import Request, RequestState
+from engine.core.request import Request, RequestState, unservable_reason
+from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 
 ASK = object()  # add_request's default: ask the controller
 _FINISHED = RequestState.FINISHED
@@ -99,14 +100,9 @@ class EngineCore:
         now = self.clock.now()
         self._arrivals.add(now)
         self.metrics.on_arrival(request)
-        cap = self.pool.capacity_tokens
-        if request.prompt_len < 1 or request.max_tokens < 1:
-            return self._reject(request, "a request needs at least one prompt token and max_tokens >= 1", 0.0)
-        if request.prompt_len + request.max_tokens > cap:
-            return self._reject(
-                request,
-                f"prompt ({request.prompt_len} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
-                f"KV capacity of {cap} tokens", 0.0)
+        never = unservable_reason(request.prompt_len, request.max_tokens, self.pool.capacity_tokens)
+        if never is not None:
+            return self._reject(request, never, 0.0)
         rejection = self.admit(request) if admission is ASK else admission
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
@@ -385,10 +381,9 @@ class EngineCore:
             obs.mean_prompt_tokens += aw * (p - obs.mean_prompt_tokens)
             obs.mean_output_tokens += aw * (o - obs.mean_output_tokens)
             obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
-        ttft = r.first_token_time_s - r.arrival_time_s
-        obs.ttft_recent_s += a * (ttft - obs.ttft_recent_s)
-        if o > 1:
-            tpot = (now - r.first_token_time_s) / (o - 1)
+        obs.ttft_recent_s += a * (time_to_first_token_s(r) - obs.ttft_recent_s)
+        tpot = time_per_output_token_s(r, end_s=now)
+        if tpot is not None:
             obs.tpot_recent_s += a * (tpot - obs.tpot_recent_s)
         self.metrics.on_terminal(r)
 

@@ -7,6 +7,7 @@ from array import array
 import numpy as np
 
 from engine.core.request import Request, RequestState
+from engine.core.slo import met_slo, time_per_output_token_s, time_to_first_token_s
 
 
 class EngineMetrics:
@@ -72,16 +73,12 @@ class EngineMetrics:
         counts = {s: 0 for s in RequestState}
         for r in self.terminal:
             counts[r.state] += 1
-        ttft = np.array([r.first_token_time_s - r.arrival_time_s for r in finished], dtype=float)
+        ttft = np.array([time_to_first_token_s(r) for r in finished], dtype=float)
         e2e = np.array([r.finish_time_s - r.arrival_time_s for r in finished], dtype=float)
         outs = np.array([r.num_output_tokens for r in finished], dtype=float)
-        decode_s = np.array([r.finish_time_s - r.first_token_time_s for r in finished], dtype=float)
-        multi = outs > 1
-        tpot = decode_s[multi] / (outs[multi] - 1) if finished else np.array([])
-        tpot_all = np.zeros(len(finished))
-        if finished:
-            tpot_all[multi] = tpot
-        good = int(np.sum((ttft <= ttft_slo_s) & (tpot_all <= tpot_slo_s))) if finished else 0
+        tpots = (time_per_output_token_s(r) for r in finished)
+        tpot = np.array([t for t in tpots if t is not None], dtype=float)
+        good = sum(met_slo(r, ttft_slo_s, tpot_slo_s) for r in finished)
         start = self.first_arrival_s or 0.0
         span = max(self.last_time_s - start, 1e-12)
         busy = self.busy_time_s if self.busy_time_s > 0 else 1e-12

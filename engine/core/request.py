@@ -95,3 +95,26 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.state.value}, prompt={self.prompt_len}, "
                 f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+def unservable_reason(prompt_len: int, max_tokens: int, kv_capacity_tokens: int,
+                      max_model_len: int | None = None) -> str | None:
+    """Why a request can never run on this engine, as one sentence; None when it can.
+
+    The one definition used by the engine (rejection), the offline API and the server (4xx).
+
+    :param max_model_len: the model's context length, when it has one.
+    """
+    if prompt_len < 1:
+        return "the prompt is empty; a request needs at least one prompt token."
+    if max_tokens < 1:
+        return f"max_tokens must be at least 1, got {max_tokens}."
+    if max_model_len is not None and prompt_len > max_model_len:
+        return f"the prompt has {prompt_len} tokens, more than the model context of {max_model_len} tokens."
+    if max_model_len is not None and prompt_len + max_tokens > max_model_len:
+        return (f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the model context "
+                f"of {max_model_len} tokens.")
+    if prompt_len + max_tokens > kv_capacity_tokens:
+        return (f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the KV capacity "
+                f"of {kv_capacity_tokens} tokens.")
+    return None

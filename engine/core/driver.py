@@ -1,0 +1,36 @@
+"""Replay arrivals through an EngineCore: the one loop behind ``simulate`` (virtual clock) and
+the twin's real replay (wall clock)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from engine.core.engine_core import EngineCore
+from engine.core.request import Request
+
+
+def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Callable[[int], Request],
+           on_step: Callable[[int], None] | None = None) -> None:
+    """Add request ``i`` once the clock reaches ``arrival_times_s[i]`` and step the engine
+    until every request has ended. While nothing is queued or running, the clock jumps to (on a
+    wall clock: waits for) the next arrival.
+
+    :param arrival_times_s: non-decreasing arrival times on the core's clock.
+    :param make_request: builds request ``i`` when it arrives.
+    :param on_step: called after every step with the number of requests added so far.
+    """
+    clock, step, add = core.clock, core.step, core.add_request
+    n, i = len(arrival_times_s), 0
+    while i < n or core.has_unfinished:
+        now = clock.now()
+        while i < n and arrival_times_s[i] <= now:
+            add(make_request(i))
+            i += 1
+        if not (core.waiting or core.running):
+            if i >= n:
+                break
+            clock.advance_to(arrival_times_s[i])
+            continue
+        step()
+        if on_step is not None:
+            on_step(i)

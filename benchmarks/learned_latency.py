@@ -16,6 +16,7 @@ import numpy as np
 
 from ctrl.base import Observation
 from ctrl.learned import OBS_DIM, load_policy, make_learned_controller
+from engine.core.profile import load_profile
 
 
 def _percentiles(samples_s: list[float]) -> tuple[float, float]:
@@ -43,7 +44,8 @@ def main() -> None:
             policy(x)
             samples.append(time.perf_counter() - t0)
         rows.append((f"policy call ({runtime})", *_percentiles(samples)))
-        ctrl = make_learned_controller(args.policy, runtime=runtime, control_interval=1, time_budget_s=1.0)
+        ctrl = make_learned_controller(args.policy, profile=load_profile("a100-llama2-7b"), runtime=runtime,
+                                       control_interval=1, time_budget_s=1.0)
         obs = Observation(107520, 16)
         obs.num_waiting, obs.num_running, obs.kv_used_tokens = 40, 100, 50_000
         obs.last_step_time_s = obs.mean_step_time_s = 0.03

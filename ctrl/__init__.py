@@ -143,6 +143,8 @@ def _learned(raw: dict[str, str], profile) -> Controller:
     params = {k: p for k, p in _inspect.signature(make_learned_controller).parameters.items()
               if p.kind is not p.VAR_KEYWORD and k != "profile"}
     kwargs = _options("learned", raw, params)
+    if profile is None:
+        raise ControllerSpecError("controller 'learned' needs the replica's profile (its step time, KV size and SLOs)")
     try:
         return make_learned_controller(kwargs.pop("path", None), profile=profile, **kwargs)
     except (ValueError, TypeError) as exc:

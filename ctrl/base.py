@@ -7,8 +7,32 @@ Gymnasium env, the real engine and the server.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 UNLIMITED = 1 << 60
+
+
+class ReplicaProfile(Protocol):
+    """What controllers read of a replica's profile (``engine.core.profile.Profile`` has it all):
+    the step-time model ``base_s + per_token_s * T + per_kv_token_s * K``, the KV capacity, the
+    SLOs and the batch limits. ``ctrl`` never imports the engine; callers hand a profile in."""
+
+    @property
+    def base_s(self) -> float: ...
+    @property
+    def per_token_s(self) -> float: ...
+    @property
+    def per_kv_token_s(self) -> float: ...
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+    @property
+    def ttft_slo_s(self) -> float: ...
+    @property
+    def tpot_slo_s(self) -> float: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
 
 
 class Observation:

@@ -20,6 +20,7 @@ policy sees in production exactly the features it saw in training:
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import logging
 import math
 import time
@@ -27,13 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ctrl.base import Controller, Decision, Observation, Rejection, retry_after_s
+from ctrl.base import Controller, Decision, Observation, Rejection, ReplicaProfile, retry_after_s
 from ctrl.flow import FlowController
 from ctrl.shield import ShieldedController
+from ctrl.theory import fluid_lambda_max
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "checkpoints" / "policy.onnx"
+#: the shipped policy: package data of ``checkpoints``, found from any current directory and install
+DEFAULT_POLICY = Path(str(importlib.resources.files("checkpoints") / "policy.onnx"))
 
 #: Names of the observation features, in order (docs/ENV.md has their definitions).
 FEATURES = (
@@ -56,8 +59,11 @@ REJECT_RANGE = 4.0
 REJECT_BIAS = -0.5
 #: the action whose knobs are used before the first policy call and while the policy is unavailable
 DEFAULT_ACTION = (0.0, 0.0, 0.0)
-#: profile assumed when none is given (``LearnedController`` built by the server without one)
-DEFAULT_PROFILE = "tiny-cpu"
+#: the training workload (splitwise_conv): S = E[P] + E[D] tokens per request and lifetime KV
+#: workload W = E[P*D] + E[D(D+1)]/2, the policy's prior on traffic until the engine has seen
+#: completions of its own (a test pins them to the trace)
+PRIOR_MEAN_TOKENS_PER_REQUEST = 1365.8233502013838
+PRIOR_LIFETIME_KV_WORKLOAD = 259152.66172673757
 
 
 def _clip1(x) -> float:
@@ -304,8 +310,7 @@ class LearnedController(Controller):
     admission uses the knobs of ``DEFAULT_ACTION`` (reject above 1 x TTFT SLO of predicted delay).
 
     :param policy: a callable obs -> action, or None (always the fallback).
-    :param features: the observation builder (its lambda_max and SLOs must match training); None:
-        defaults of the ``tiny-cpu`` profile (``DEFAULT_PROFILE``) with its splitwise_conv lambda_max.
+    :param features: the observation builder (its lambda_max and SLOs must match training).
     :param control_interval: engine steps between policy calls.
     :param time_budget_s: a policy call slower than this is discarded for the fallback.
     :param max_num_batched_tokens: the token budget at batch fraction 1.
@@ -318,16 +323,12 @@ class LearnedController(Controller):
 
     name = "learned"
 
-    def __init__(self, policy, features: ObservationFeatures | None = None, control_interval: int = 10,
+    def __init__(self, policy, features: ObservationFeatures, control_interval: int = 10,
                  time_budget_s: float = 1e-3, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  load_error: str | None = None, lambda_estimator=None) -> None:
         super().__init__()
         if control_interval < 1:
             raise ValueError(f"control_interval must be >= 1, got {control_interval}")
-        if features is None:
-            profile = _default_profile()
-            features = ObservationFeatures(_default_lambda_max(profile), profile.ttft_slo_s, profile.tpot_slo_s,
-                                           profile.max_num_seqs)
         self.policy = policy
         self.features = features
         self.control_interval = control_interval
@@ -410,13 +411,7 @@ class LearnedController(Controller):
         self._set_knobs(self._last_action)
 
 
-def _default_profile():
-    from engine.core.profile import load_profile
-
-    return load_profile(DEFAULT_PROFILE)
-
-
-def lambda_max_estimate(obs: Observation, profile, prior_output_tokens: int = 128) -> float:
+def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128) -> float:
     """The fluid bound ``1 / (a W / M + c W + b S)`` (``ctrl.theory.capacity``) of the traffic
     seen so far: S and W from the engine's running estimates over completed requests (before
     the first completion, the queue head's prompt with ``prior_output_tokens``), a, b, c from
@@ -429,21 +424,16 @@ def lambda_max_estimate(obs: Observation, profile, prior_output_tokens: int = 12
         out = prior_output_tokens
         s = prompt + out
         w = prompt * out + (out + out * out) / 2
-    m = obs.kv_capacity_tokens or profile.kv_capacity_tokens
-    return 1.0 / (profile.base_s * w / m + profile.per_kv_token_s * w + profile.per_token_s * s)
+    return fluid_lambda_max(s, w, profile, obs.kv_capacity_tokens)
 
 
-def _default_lambda_max(profile) -> float:
-    """lambda_max of ``profile`` with the splitwise_conv trace (the training workload)."""
-    from ctrl.theory import capacity
-    from engine.workloads.workload import read_trace, resolve_trace
-
-    arrivals = read_trace(resolve_trace("splitwise_conv"))
-    return capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals],
-                    profile).lambda_max_rps
+def prior_lambda_max(profile: ReplicaProfile) -> float:
+    """lambda_max of ``profile`` with the training workload's S and W."""
+    return fluid_lambda_max(PRIOR_MEAN_TOKENS_PER_REQUEST, PRIOR_LIFETIME_KV_WORKLOAD, profile)
 
 
-def make_learned_controller(path: str | Path | None = None, *, profile=None, lambda_max_rps: float | None = None,
+def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaProfile,
+                            lambda_max_rps: float | None = None,
                             control_interval: int = 10, runtime: str = "numpy", time_budget_s: float = 1e-3,
                             shield_mode: str = "soft", **shield_options) -> ShieldedController:
     """The learned controller inside the shield, with the flow controller as its fallback.
@@ -451,27 +441,20 @@ def make_learned_controller(path: str | Path | None = None, *, profile=None, lam
     :param path: the exported policy (default ``checkpoints/policy.onnx``); a missing or corrupt
         file (or one with another action size) is not an error: every decision then comes from the
         fallback.
-    :param profile: an ``engine.core.profile.Profile`` or a profile name (SLOs, batch limits); None:
-        ``DEFAULT_PROFILE`` (tiny-cpu, the model the server runs when nothing else is known).
-        The shipped policy was trained on a100-llama2-7b.
+    :param profile: the replica's profile (step time, KV capacity, SLOs, batch limits), e.g. an
+        ``engine.core.profile.Profile``. The shipped policy was trained on a100-llama2-7b.
     :param lambda_max_rps: the fluid bound of the expected workload; None (a server that cannot
         know its traffic in advance): estimated online from the requests served
-        (:func:`lambda_max_estimate`), starting from the profile with the splitwise_conv trace.
+        (:func:`lambda_max_estimate`), starting from the training workload on this profile (:func:`prior_lambda_max`).
     :param control_interval: engine steps between policy calls (as in training).
     :param runtime: ``numpy`` (faster for this small MLP) or ``onnxruntime``.
     :param time_budget_s: a policy call slower than this falls back for that interval.
     :param shield_mode: ``strict`` or ``soft`` (see docs/SAFETY.md).
     :param shield_options: more ``ShieldedController`` options.
     """
-    if profile is None:
-        profile = _default_profile()
-    elif isinstance(profile, (str, Path)):
-        from engine.core.profile import load_profile
-
-        profile = load_profile(profile)
     estimator = None
     if lambda_max_rps is None:
-        lambda_max_rps = _default_lambda_max(profile)
+        lambda_max_rps = prior_lambda_max(profile)
         estimator = functools.partial(lambda_max_estimate, profile=profile)
     path = DEFAULT_POLICY if path is None else Path(path)
     policy, error = None, None

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ctrl.base import ReplicaProfile
+
 
 def lifetime_kv_workload(prompt_tokens, output_tokens):
     """w = l*o + (o + o^2)/2: the KV token-steps a request occupies over its life."""
@@ -44,7 +46,7 @@ class Capacity:
         return dict(self.__dict__)
 
 
-def capacity(prompt_tokens, output_tokens, profile) -> Capacity:
+def capacity(prompt_tokens, output_tokens, profile: ReplicaProfile) -> Capacity:
     """The fluid throughput bound for a workload on a profile.
 
     With step time t = a + b*T + c*K (T new tokens, K KV tokens read), N requests need
@@ -57,12 +59,23 @@ def capacity(prompt_tokens, output_tokens, profile) -> Capacity:
     s = float(p.mean() + d.mean())
     w = float(np.mean(p * d) + np.mean(d * (d + 1)) / 2)
     m = profile.kv_capacity_tokens
-    a, b, c = profile.base_s, profile.per_token_s, profile.per_kv_token_s
-    full_step_s = a + c * m
+    full_step_s = profile.base_s + profile.per_kv_token_s * m
     return Capacity(
         mean_tokens_per_request=s,
         lifetime_kv_workload=w,
         kv_capacity_tokens=m,
         memory_bound_rps=m / (w * full_step_s),
-        lambda_max_rps=1.0 / (a * w / m + c * w + b * s),
+        lambda_max_rps=fluid_lambda_max(s, w, profile),
     )
+
+
+def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float, profile: ReplicaProfile,
+                     kv_capacity_tokens: float | None = None) -> float:
+    """``1 / (a*W/M + c*W + b*S)`` requests per second: the fluid bound for requests of S tokens
+    and lifetime KV workload W on a replica with step time a + b*T + c*K and KV capacity M.
+
+    :param kv_capacity_tokens: M (default: the profile's).
+    """
+    m = kv_capacity_tokens or profile.kv_capacity_tokens
+    w, s = lifetime_kv_workload, mean_tokens_per_request
+    return 1.0 / (profile.base_s * w / m + profile.per_kv_token_s * w + profile.per_token_s * s)

@@ -9,6 +9,7 @@ import pytest
 
 from ctrl.learned import OBS_DIM, NumpyPolicy, OnnxPolicy, make_learned_controller
 from ctrl.shield import ShieldedController
+from engine.core.profile import load_profile
 
 
 SMALL_RUN = {"n_steps": 512, "batch_size": 128, "n_epochs": 4, "eval_freq": 1024, "save_freq": 1024,
@@ -69,7 +70,7 @@ def test_export_matches_predict(trained, tmp_path):
     np.testing.assert_allclose(got_ort, expected, atol=1e-5)
     np.testing.assert_allclose(got_np, expected, atol=1e-5)
 
-    shielded = make_learned_controller(onnx_path)
+    shielded = make_learned_controller(onnx_path, profile=load_profile("tiny-cpu"))
     assert isinstance(shielded, ShieldedController) and shielded.inner.policy is not None
 
 
@@ -80,7 +81,7 @@ def test_learned_controller_falls_back(tmp_path, caplog):
 
     bad = tmp_path / "policy.onnx"
     bad.write_bytes(b"not an onnx file")
-    ctrl = make_learned_controller(bad)
+    ctrl = make_learned_controller(bad, profile=load_profile("a100-llama2-7b"))
     assert ctrl.inner.policy is None
     arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=100)
     res = simulate(arrivals, load_profile("a100-llama2-7b"), ctrl, record_steps=False)
@@ -94,7 +95,7 @@ def test_learned_controller_falls_back(tmp_path, caplog):
             Raising.calls += 1
             return [float("nan"), 0.0, 0.0] if Raising.calls % 2 else 1 / 0
 
-    ctrl = make_learned_controller(bad)
+    ctrl = make_learned_controller(bad, profile=load_profile("a100-llama2-7b"))
     ctrl.inner.policy = Raising()
     ctrl.reset()
     res = simulate(arrivals, load_profile("a100-llama2-7b"), ctrl, record_steps=False)
@@ -120,7 +121,7 @@ def test_admission_knob_rejects_on_predicted_delay_and_shield_still_rejects():
         def __call__(self, x):
             return self.a
 
-    ctrl = make_learned_controller("/nonexistent/policy.onnx", profile="a100-llama2-7b", lambda_max_rps=4.0,
+    ctrl = make_learned_controller("/nonexistent/policy.onnx", profile=load_profile("a100-llama2-7b"), lambda_max_rps=4.0,
                                    max_waiting=50)
     ctrl.inner.policy = Const([0.0, 0.0, -1.0])
     ctrl.reset()
@@ -137,11 +138,24 @@ def test_admission_knob_rejects_on_predicted_delay_and_shield_still_rejects():
     assert ACTION_DIM == 3
 
 
-def test_learned_controller_without_profile_uses_tiny_cpu():
-    from ctrl import build_controller
-    from ctrl.learned import LearnedController
+def test_learned_controller_needs_a_profile_and_ctrl_never_loads_one():
+    from ctrl import ControllerSpecError, build_controller
 
-    c = LearnedController(None)
-    assert c.features.ttft_slo_s == 1.0 and c.features.lambda_max_rps > 0  # tiny-cpu's SLO
-    shielded = build_controller("learned")
+    with pytest.raises(ControllerSpecError, match="needs the replica's profile"):
+        build_controller("learned")
+    shielded = build_controller("learned", load_profile("tiny-cpu"))
     assert isinstance(shielded, ShieldedController) and shielded.inner.features.ttft_slo_s == 1.0
+    assert shielded.inner.policy is not None  # the shipped policy, found as package data
+
+
+def test_prior_workload_is_the_training_trace():
+    from ctrl.learned import PRIOR_LIFETIME_KV_WORKLOAD, PRIOR_MEAN_TOKENS_PER_REQUEST, prior_lambda_max
+    from ctrl.theory import capacity
+    from engine.workloads.workload import read_trace, resolve_trace
+
+    arrivals = read_trace(resolve_trace("splitwise_conv"))
+    profile = load_profile("tiny-cpu")
+    cap = capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals], profile)
+    assert PRIOR_MEAN_TOKENS_PER_REQUEST == pytest.approx(cap.mean_tokens_per_request, rel=1e-12)
+    assert PRIOR_LIFETIME_KV_WORKLOAD == pytest.approx(cap.lifetime_kv_workload, rel=1e-12)
+    assert prior_lambda_max(profile) == pytest.approx(cap.lambda_max_rps, rel=1e-12)

@@ -1,11 +1,11 @@
-# `make test`: set up .venv and run the tests.  `make run`: set up .venv and start the server
+# `make test`: set up .venv, run the quality gates and the tests.  `make run`: set up .venv and start the server
 # (tiny built-in model; pass SERVE_ARGS='--port 9000 --controller greedy' to change it).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidegate-installed
 
-.PHONY: setup test run bench clean
+.PHONY: setup test lint run bench clean
 
 setup: $(STAMP)
 
@@ -14,8 +14,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q
+
+# Quality gates: ruff (with the complexity limits), mypy on the torch-free core, and the
+# import-linter contracts that keep dependencies pointing one way (pyproject.toml holds all three).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 run: $(STAMP)
 	$(BIN)/tidegate serve --model tiny $(SERVE_ARGS)

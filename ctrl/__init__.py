@@ -36,7 +36,7 @@ class ControllerSpecError(ValueError):
 
 def controller_options(cls: type[Controller]) -> dict[str, inspect.Parameter]:
     """The options a controller accepts: its own and the overload options of every controller."""
-    params = {}
+    params: dict[str, inspect.Parameter] = {}
     for klass in (cls, Controller):
         for name, p in inspect.signature(klass.__init__).parameters.items():
             if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):

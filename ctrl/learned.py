@@ -316,6 +316,7 @@ class LearnedController(Controller):
     :param max_num_batched_tokens: the token budget at batch fraction 1.
     :param max_num_seqs: the running cap at batch fraction 1.
     :param load_error: why ``policy`` is None (counted as the cause of every fallback).
+    :param policy_source: where the policy came from (a file path), for logs and the server banner.
     :param lambda_estimator: ``obs -> lambda_max_rps``, called before every policy call to follow
         the traffic actually served (see :func:`lambda_max_estimate`); None keeps the features'
         fixed lambda_max.
@@ -325,7 +326,7 @@ class LearnedController(Controller):
 
     def __init__(self, policy, features: ObservationFeatures, control_interval: int = 10,
                  time_budget_s: float = 1e-3, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 load_error: str | None = None, lambda_estimator=None) -> None:
+                 load_error: str | None = None, lambda_estimator=None, policy_source: str = "") -> None:
         super().__init__()
         if control_interval < 1:
             raise ValueError(f"control_interval must be >= 1, got {control_interval}")
@@ -337,10 +338,19 @@ class LearnedController(Controller):
         self.fallback = FlowController(adaptive=True, max_num_batched_tokens=max_num_batched_tokens,
                                        max_num_seqs=max_num_seqs)
         self.load_error = load_error
+        self.policy_source = policy_source
         self.lambda_estimator = lambda_estimator
         self.fallbacks: dict[str, int] = {}
         self.policy_calls = 0
         self.reset()
+
+    @property
+    def policy_status(self) -> str:
+        """One line: the policy in use, or why every decision comes from the fallback."""
+        if self.policy is None:
+            return (f"learned policy unavailable ({self.load_error or 'no policy'}); "
+                    "decisions come from the flow fallback")
+        return f"learned policy {self.policy_source or type(self.policy).__name__} loaded"
 
     def reset(self) -> None:
         self.knobs.reset()
@@ -468,7 +478,7 @@ def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaP
     features = ObservationFeatures(lambda_max_rps, profile.ttft_slo_s, profile.tpot_slo_s, profile.max_num_seqs)
     inner = LearnedController(policy, features, control_interval, time_budget_s,
                               profile.max_num_batched_tokens, profile.max_num_seqs, load_error=error,
-                              lambda_estimator=estimator)
+                              lambda_estimator=estimator, policy_source=str(path))
     shield_options.setdefault("max_num_seqs", profile.max_num_seqs)
     shield_options.setdefault("max_num_batched_tokens", profile.max_num_batched_tokens)
     return ShieldedController(inner, mode=shield_mode, **shield_options)

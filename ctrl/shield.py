@@ -22,11 +22,14 @@ The guarantee and its proof sketch are in docs/SAFETY.md.
 
 from __future__ import annotations
 
+import logging
 import math
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
 
 MODES = ("strict", "soft")
+
+log = logging.getLogger(__name__)
 
 
 def _finite_int(value, default: int) -> int:
@@ -153,6 +156,8 @@ class ShieldedController(Controller):
         self._bucket = self.eviction_burst
         self._refilling = False
         self._evictions_seen = 0
+        #: exceptions from the inner controller absorbed since the last reset, by cause
+        self.inner_errors: dict[str, int] = {}
 
     @property
     def intervention_rate(self) -> float:
@@ -192,70 +197,27 @@ class ShieldedController(Controller):
 
     # ------------------------------------------------------------------ Controller
     def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
-        if obs.num_waiting >= self.max_waiting:
+        if self.max_waiting is not None and obs.num_waiting >= self.max_waiting:
             self.rejections += 1
             return Rejection(f"queue is full ({obs.num_waiting} waiting)", retry_after_s(obs))
         try:
             rejection = self.inner.admit(obs, prompt_tokens, max_tokens)
-        except Exception:  # a broken inner controller must not take admission down with it
+        except Exception as exc:  # a broken inner controller must not take admission down with it
+            self._absorb("admit", exc)
             rejection = None
         if rejection is not None:
             self.rejections += 1
         return rejection
 
     def decide(self, obs: Observation) -> Decision:
-        try:
-            proposed = self.inner.decide(obs)
-        except Exception:
-            proposed = None
+        p_act, p_tok, p_cap, p_ratio, p_classes = self._proposal(obs)
         seqs_max, tokens_max = self.limits(obs)
         strict = self._strict_now(obs)
-
-        if proposed is None:
-            p_act = p_tok = p_cap = p_ratio = None
-            p_classes = None
-        else:
-            p_act = getattr(proposed, "activation_budget", None)
-            p_tok = getattr(proposed, "token_budget", None)
-            p_cap = getattr(proposed, "running_cap", None)
-            p_ratio = getattr(proposed, "kv_reserve_ratio", None)
-            p_classes = getattr(proposed, "class_budgets", None)
-        if p_classes is not None:
-            # The per-class path ignores the reservation; fold the allowances into one budget.
-            try:
-                p_act = sum(max(0, _finite_int(v, 0)) for v in p_classes.values())
-            except Exception:
-                p_act = None
-
-        # Activation budget: within the safe rate (with credit for fractions), liveness floor.
         safe = self.safe_budget(obs)
-        allowance = self._credit + safe
-        allowed = int(allowance) if allowance < UNLIMITED else UNLIMITED
-        act = _finite_int(p_act, 0)
-        if act < 0:
-            act = 0
-        if act > allowed:
-            act = allowed
-        if act == 0 and obs.num_running == 0 and obs.num_waiting > 0:
-            act = 1
-        self._credit = min(max(allowance - act, 0.0), max(safe, 1.0))
-
-        cap = _finite_int(p_cap, seqs_max)
-        cap = 1 if cap < 1 else (seqs_max if cap > seqs_max else cap)
-        tok = _finite_int(p_tok, tokens_max)
-        tok = 1 if tok < 1 else (tokens_max if tok > tokens_max else tok)
-
-        if strict:
-            ratio = 1.0
-        else:
-            try:
-                ratio = None if p_ratio is None else float(p_ratio)
-            except (TypeError, ValueError):
-                ratio = 1.0
-            if ratio is not None and not (ratio >= 0):  # NaN or negative: reserve fully
-                ratio = 1.0
-            if ratio is not None and ratio > 1.0:
-                ratio = 1.0
+        act = self._activation_budget(obs, p_act, safe)
+        cap = _clamp(_finite_int(p_cap, seqs_max), seqs_max)
+        tok = _clamp(_finite_int(p_tok, tokens_max), tokens_max)
+        ratio = 1.0 if strict else _reserve_ratio(p_ratio)
 
         d = self._decision
         d.activation_budget = act
@@ -263,8 +225,45 @@ class ShieldedController(Controller):
         d.token_budget = tok
         d.kv_reserve_ratio = ratio
         d.class_budgets = None
+        self._report(p_act, p_cap, p_tok, p_ratio, p_classes, act, cap, tok, ratio, safe)
+        return d
 
-        # Report what changed.
+    def _proposal(self, obs: Observation) -> tuple:
+        """The inner controller's proposal as (activations, tokens, cap, ratio, class budgets);
+        None for whatever it did not propose or could not answer."""
+        try:
+            proposed = self.inner.decide(obs)
+        except Exception as exc:
+            self._absorb("decide", exc)
+            return None, None, None, None, None
+        if proposed is None:
+            return None, None, None, None, None
+        p_act = getattr(proposed, "activation_budget", None)
+        p_classes = getattr(proposed, "class_budgets", None)
+        if p_classes is not None:
+            # The per-class path ignores the reservation; fold the allowances into one budget.
+            try:
+                p_act = sum(max(0, _finite_int(v, 0)) for v in p_classes.values())
+            except Exception as exc:
+                self._absorb("class_budgets", exc)
+                p_act = None
+        return (p_act, getattr(proposed, "token_budget", None), getattr(proposed, "running_cap", None),
+                getattr(proposed, "kv_reserve_ratio", None), p_classes)
+
+    def _activation_budget(self, obs: Observation, proposed, safe: float) -> int:
+        """Within the safe rate (with credit for fractions), at least 1 when nothing runs and
+        something waits (liveness)."""
+        allowance = self._credit + safe
+        allowed = int(allowance) if allowance < UNLIMITED else UNLIMITED
+        act = min(max(_finite_int(proposed, 0), 0), allowed)
+        if act == 0 and obs.num_running == 0 and obs.num_waiting > 0:
+            act = 1
+        self._credit = min(max(allowance - act, 0.0), max(safe, 1.0))
+        return act
+
+    def _report(self, p_act, p_cap, p_tok, p_ratio, p_classes, act: int, cap: int, tok: int,
+                ratio: float | None, safe: float) -> None:
+        """Record what the shield changed in ``last_intervention`` and the running totals."""
         iv = self.last_intervention
         fields = []
         if p_classes is not None or act != p_act:
@@ -282,22 +281,45 @@ class ShieldedController(Controller):
         iv.applied_activation_budget = act
         iv.safe_activation_budget = safe
         iv.strict_reserve = ratio == 1.0
+        mag = 0.0
+        if "activation_budget" in fields:
+            mag += _log_gap(p_act, act)
+        if "running_cap" in fields:
+            mag += _log_gap(p_cap, cap)
+        if "token_budget" in fields:
+            mag += _log_gap(p_tok, tok)
+        if "kv_reserve_ratio" in fields:
+            mag += 1.0 if p_ratio is None or ratio is None else min(1.0, abs(ratio - _finite_float(p_ratio)))
+        iv.magnitude = mag
         if fields:
             self.interventions += 1
-            mag = 0.0
-            if "activation_budget" in fields:
-                mag += _log_gap(p_act, act)
-            if "running_cap" in fields:
-                mag += _log_gap(p_cap, cap)
-            if "token_budget" in fields:
-                mag += _log_gap(p_tok, tok)
-            if "kv_reserve_ratio" in fields:
-                mag += 1.0 if p_ratio is None else min(1.0, abs(ratio - (_finite_float(p_ratio))))
-            iv.magnitude = mag
             self.magnitude_total += mag
-        else:
-            iv.magnitude = 0.0
-        return d
+
+    def _absorb(self, call: str, exc: Exception) -> None:
+        """Count an exception from the inner controller (its step then gets the shield's safe
+        default) and log it once per cause."""
+        cause = f"inner controller's {call}() raised {type(exc).__name__}"
+        seen = self.inner_errors.get(cause, 0)
+        self.inner_errors[cause] = seen + 1
+        if not seen:
+            log.warning("%s: %s (counted in inner_errors; logged once per cause)", cause, exc)
+
+
+def _clamp(value: int, high: int) -> int:
+    return 1 if value < 1 else (high if value > high else value)
+
+
+def _reserve_ratio(proposed) -> float | None:
+    """Soft mode: the proposed reserve ratio within [0, 1]; NaN, negative or unreadable: 1."""
+    if proposed is None:
+        return None
+    try:
+        ratio = float(proposed)
+    except (TypeError, ValueError):
+        return 1.0
+    if not ratio >= 0:
+        return 1.0
+    return min(ratio, 1.0)
 
 
 def _finite_float(value) -> float:

@@ -184,3 +184,31 @@ def test_expired_and_finished_are_terminal_states():
     core = run_episode(shield, [(0.0, 8, 8, 0), (0.0, 8, 8, 0), (0.0, 8, 8, 0)])
     states = {r.state for r in core.metrics.terminal}
     assert states <= {RequestState.FINISHED, RequestState.EXPIRED}
+
+
+def test_shield_counts_and_logs_once_every_exception_it_absorbs(caplog):
+    from ctrl.base import Controller, Observation
+    from ctrl.shield import ShieldedController
+
+    class Broken(Controller):
+        name = "broken"
+
+        def decide(self, obs):
+            raise ZeroDivisionError("boom")
+
+        def admit(self, obs, prompt_tokens, max_tokens):
+            raise KeyError("nope")
+
+    shield = ShieldedController(Broken(), max_num_seqs=8, max_num_batched_tokens=64)
+    obs = Observation(kv_capacity_tokens=1024, block_size=16)
+    obs.num_waiting = 3
+    with caplog.at_level("WARNING", logger="ctrl.shield"):
+        for _ in range(5):
+            d = shield.decide(obs)
+            assert shield.admit(obs, 10, 10) is None
+    assert d.activation_budget == 1  # liveness: nothing runs, something waits
+    assert shield.inner_errors == {"inner controller's decide() raised ZeroDivisionError": 5,
+                                   "inner controller's admit() raised KeyError": 5}
+    assert len(caplog.records) == 2  # once per cause, not once per call
+    shield.reset()
+    assert shield.inner_errors == {}

@@ -1,4 +1,5 @@
-"""What every ``tidegate`` command shares: user errors as one line and exit code 2."""
+"""What every ``tidegate`` command shares: user errors as one line and exit code 2, and the
+options that pick a workload."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ def _project_errors() -> tuple[type[Exception], ...]:
     from ctrl import ControllerSpecError
     from engine.core.profile import ProfileError
     from engine.real.model import ModelLoadError
-    from engine.workloads.workload import WorkloadError
+    from engine.workloads import WorkloadError
     return (ControllerSpecError, ProfileError, WorkloadError, ModelLoadError)
 
 
@@ -29,3 +30,49 @@ def friendly(*extra: type[Exception]):
                 sys.exit(2)
         return wrapper
     return decorate
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise click.BadParameter(f"{what} must be positive numbers, got {text!r}")
+    return values
+
+
+def workload_options(fn):
+    """The options that pick and shape a workload."""
+    opts = [
+        click.option("--trace", help="Trace file (Splitwise/Vidur, Azure 2023, BurstGPT CSV, Mooncake "
+                     "JSONL) or a shipped name: splitwise_conv, splitwise_code."),
+        click.option("--workload", help="Synthetic workload YAML (or the shipped paper_sec41)."),
+        click.option("--rate-scale", type=float, default=None, help="Replay at this many times the trace's speed."),
+        click.option("--load", type=float, default=None,
+                     help="Replay at this multiple of the fluid bound lambda_max (instead of --rate-scale)."),
+        click.option("--first", "first_n", type=click.IntRange(min=1), default=None, help="Keep the first N requests."),
+        click.option("--start-s", type=float, default=None, help="Keep requests from this trace time on."),
+        click.option("--end-s", type=float, default=None, help="Keep requests before this trace time."),
+        click.option("--length-scale", type=float, default=1.0, show_default=True,
+                     help="Multiply prompt and output lengths (for small models)."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+                     help="max_tokens of every request (outputs are capped to it; default 2048)."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed of synthetic draws and controllers."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale=None):
+    from engine.workloads import load_synthetic, read_trace, resolve_trace
+    if bool(trace) == bool(workload):
+        raise click.UsageError("give exactly one of --trace FILE or --workload FILE.yaml")
+    if workload:
+        if first_n or start_s is not None or end_s is not None:
+            raise click.UsageError("--first, --start-s and --end-s apply to traces, not to --workload")
+        return load_synthetic(resolve_trace(workload), seed=seed, rate_scale=rate_scale or 1.0,
+                              length_scale=length_scale, max_tokens_cap=max_tokens)
+    return read_trace(resolve_trace(trace), rate_scale=rate_scale or 1.0, first_n=first_n, start_s=start_s,
+                      end_s=end_s, length_scale=length_scale, max_tokens_cap=max_tokens)

@@ -14,12 +14,17 @@ from typing import Callable
 
 from ctrl.base import Controller, Decision, Observation, Rejection
 from engine.core.block_pool import BlockPool
+from engine.core.clock import Clock
 from engine.core.executor import Batch, Executor
 from engine.core.metrics import EngineMetrics
 from engine.core.request import Request, RequestState, unservable_reason
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 
-ASK = object()  # add_request's default: ask the controller
+class _Ask:
+    """The type of ``ASK``, add_request's default: ask the controller."""
+
+
+ASK = _Ask()
 _FINISHED = RequestState.FINISHED
 _RUNNING = RequestState.RUNNING
 
@@ -61,7 +66,7 @@ class EngineCore:
         self,
         controller: Controller,
         executor: Executor,
-        clock,
+        clock: Clock,
         kv_capacity_tokens: int,
         block_size: int = 16,
         rate_window_s: float = 10.0,
@@ -90,7 +95,7 @@ class EngineCore:
         self.step_index = 0
 
     # ------------------------------------------------------------------ arrivals
-    def add_request(self, request: Request, admission: Rejection | None | object = ASK) -> Rejection | None:
+    def add_request(self, request: Request, admission: Rejection | None | _Ask = ASK) -> Rejection | None:
         """Queue an arrival, unless it can never fit or the controller refuses it.
 
         :param admission: ``ASK`` (default) asks the controller now. A server that decides at
@@ -103,7 +108,7 @@ class EngineCore:
         never = unservable_reason(request.prompt_len, request.max_tokens, self.pool.capacity_tokens)
         if never is not None:
             return self._reject(request, never, 0.0)
-        rejection = self.admit(request) if admission is ASK else admission
+        rejection = self.admit(request) if isinstance(admission, _Ask) else admission
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
         self.waiting.append(request)
@@ -263,7 +268,8 @@ class EngineCore:
                 need += 1
         while need > self.pool.num_free_blocks:
             victim = self.running.pop()
-            if victim.num_computed_tokens >= victim.prompt_len and victim.num_tokens > len(victim.block_ids) * bs_tokens:
+            grows = victim.num_tokens > len(victim.block_ids) * bs_tokens
+            if victim.num_computed_tokens >= victim.prompt_len and grows:
                 need -= 1
             self._evict(victim)
         if need:

@@ -74,7 +74,7 @@ class EngineMetrics:
         for r in self.terminal:
             counts[r.state] += 1
         ttft = np.array([time_to_first_token_s(r) for r in finished], dtype=float)
-        e2e = np.array([r.finish_time_s - r.arrival_time_s for r in finished], dtype=float)
+        e2e = np.array([_finished_at(r) - r.arrival_time_s for r in finished], dtype=float)
         outs = np.array([r.num_output_tokens for r in finished], dtype=float)
         tpots = (time_per_output_token_s(r) for r in finished)
         tpot = np.array([t for t in tpots if t is not None], dtype=float)
@@ -116,3 +116,8 @@ class EngineMetrics:
             "steps": self.steps,
             "sim_time_s": span,
         }
+
+
+def _finished_at(r: Request) -> float:
+    assert r.finish_time_s is not None, "a terminal request has a finish time"
+    return r.finish_time_s

@@ -265,7 +265,7 @@ def _no_unknown_keys(mapping: dict, allowed: set[str], prefix: str = "") -> None
 
 def _checked(values: dict, key_of) -> dict:
     """Numeric fields validated and normalised (floats as float, counts as int); raises _Invalid."""
-    out = {}
+    out: dict[str, Any] = {}
     for f in _NON_NEGATIVE + _POSITIVE + ("idle_s",):
         v = values[f]
         if f == "idle_s" and v is None:

@@ -4,26 +4,21 @@ output lengths come from the requests themselves (the trace's or a synthetic dra
 from __future__ import annotations
 
 from engine.core.executor import Batch, StepResult
+from engine.core.profile import Profile
 from engine.core.request import Request
 
 
 class SimExecutor:
-    """Step time ``base_s + per_token_s * tokens + per_kv_token_s * kv_tokens_read``.
+    """A step takes ``profile.step_time_s(T, K)``: the profile's one step-time formula.
 
-    :param profile: an ``engine.core.profile.Profile`` (or anything with the same coefficients).
+    :param profile: the replica's profile (``engine.core.profile.Profile``).
     """
 
-    def __init__(self, profile) -> None:
-        self.base_s = profile.base_s
-        self.per_token_s = profile.per_token_s
-        self.per_kv_token_s = profile.per_kv_token_s
-        self.idle_s = profile.idle_s if profile.idle_s is not None else profile.base_s
+    def __init__(self, profile: Profile) -> None:
+        self.step_time_s = profile.step_time_s
 
     def execute(self, batch: Batch) -> StepResult:
-        if not batch.num_tokens:
-            return StepResult(self.idle_s)
-        return StepResult(self.base_s + self.per_token_s * batch.num_tokens
-                          + self.per_kv_token_s * batch.kv_tokens_read)
+        return StepResult(self.step_time_s(batch.num_tokens, batch.kv_tokens_read))
 
     def release(self, request: Request) -> None:
         """Nothing to drop: the simulator keeps no per-request state."""

@@ -21,12 +21,9 @@ files in ``engine/core/profiles/`` from the code below.
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from engine.core.profile import PROFILES_DIR, Profile
+from engine.core.profile import Profile
 
 GiB = 2**30
 
@@ -217,24 +214,3 @@ def coefficient_table(profiles: list[Profile]) -> str:
         rows.append(f"| {p.name} | {p.base_s:.4g} | {p.per_token_s:.4g} | {p.per_kv_token_s:.4g} "
                     f"| {p.kv_capacity_tokens} | {p.max_num_batched_tokens} | {p.max_num_seqs} |")
     return "\n".join(rows)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m engine.sim.roofline",
-        description="Print the roofline presets; with --write, regenerate their profile files.")
-    parser.add_argument("--write", action="store_true", help="write the preset JSON files")
-    parser.add_argument("--out-dir", type=Path, default=PROFILES_DIR,
-                        help="where --write puts the files (default: engine/core/profiles/)")
-    args = parser.parse_args(argv)
-    profiles = preset_profiles()
-    print(coefficient_table(profiles))
-    if args.write:
-        for profile in profiles:
-            path = args.out_dir / f"{profile.name}.json"
-            profile.save(path)
-            print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

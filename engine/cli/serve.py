@@ -1,0 +1,130 @@
+"""Commands of the server side: ``serve`` (the OpenAI-compatible server) and ``loadgen``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from engine.cli.support import friendly
+
+
+@click.command()
+@click.option("--model", default="tiny", show_default=True, help="'tiny' (built-in, offline) or a local model folder.")
+@click.option("--served-model-name", default=None, help="Model name clients send (default: --model).")
+@click.option("--controller", "controller_spec", default="learned", show_default=True,
+              help="NAME[:key=value,...] (see `tidegate simulate --help`); 'learned' is the shipped policy "
+                   "inside the shield.")
+@click.option("--profile", "profile_name", default=None,
+              help="Step-time profile of this model and machine, for the controllers' estimates "
+                   "(default: tiny-cpu; make one with `tidegate profile`).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--kv-capacity-tokens", type=click.IntRange(min=1), default=None,
+              help="KV cache size M in tokens (default: 32768 on CPU, 80% of free memory on CUDA).")
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available).")
+@click.option("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU).")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Requests admitted and not yet answered before new ones get 429.")
+@click.option("--queue-timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="A request that waits this long without starting ends with 503.")
+@click.option("--stream-buffer-chunks", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Chunks buffered for one slow client before its stream is ended.")
+@click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM, how long in-flight requests may take to finish.")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="max_tokens of a chat request that sets none.")
+@friendly()
+def serve(model, served_model_name, controller_spec, profile_name, host, port, kv_capacity_tokens, block_size,
+          max_num_batched_tokens, max_num_seqs, device, dtype, max_in_flight, queue_timeout_s,
+          stream_buffer_chunks, drain_timeout_s, default_max_tokens):
+    """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /metrics)."""
+    import logging
+
+    from ctrl import build_controller
+    from engine.serve.server import GracefulServer, ServeConfig, build_service, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.core.profile import load_profile
+
+    # fail before the model loads, and say which policy a learned controller will run
+    controller = build_controller(controller_spec, load_profile(profile_name or "tiny-cpu"))
+    policy_note = getattr(getattr(controller, "inner", None), "policy_status", None)
+    config = ServeConfig(model=model, served_model_name=served_model_name, controller=controller_spec,
+                         profile=profile_name, host=host,
+                         port=port, kv_capacity_tokens=kv_capacity_tokens, block_size=block_size,
+                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, device=device,
+                         dtype=dtype, max_in_flight=max_in_flight, queue_timeout_s=queue_timeout_s,
+                         stream_buffer_chunks=stream_buffer_chunks, drain_timeout_s=drain_timeout_s,
+                         default_max_tokens=default_max_tokens)
+    try:
+        service = build_service(config)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"tidegate: serving {config.model_name!r} with controller {controller_spec!r} on "
+               f"http://{host}:{port}/v1 (KV capacity {service.core.pool.capacity_tokens} tokens)", err=True)
+    if policy_note:
+        click.echo(f"tidegate: {policy_note}", err=True)
+    GracefulServer(create_app(service, config), service, config).run()
+
+
+@click.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL of the server.")
+@click.option("--trace", default=None, help="Replay a trace's timing and lengths.")
+@click.option("--dataset", type=click.Choice(["random"]), default=None, help="Random prompts instead of a trace.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Requests per second (random dataset; default: all at once).")
+@click.option("--rate-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Replay a trace this many times faster.")
+@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Coefficient of variation of inter-arrival times (1 = Poisson).")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop scheduling arrivals after this many seconds.")
+@click.option("--num-requests", type=click.IntRange(min=1), default=None, help="Requests to send.")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None)
+@click.option("--input-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--length-scale", type=float, default=1.0, show_default=True, help="Scale trace lengths.")
+@click.option("--max-tokens", "max_tokens_cap", type=click.IntRange(min=1), default=None, help="Cap trace outputs.")
+@click.option("--goodput", "goodput_slos", multiple=True, help="SLO for goodput, e.g. --goodput ttft:2000 --goodput tpot:100 (ms).")
+@click.option("--model", default=None, help="Model name (default: the server's first).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
+@friendly()
+def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_requests, max_concurrency,
+            input_len, output_len, length_scale, max_tokens_cap, goodput_slos, model, seed, out_path):
+    """Streaming load against any OpenAI-compatible server; latency percentiles, goodput, 429s."""
+    from engine.bench.loadgen import format_summary, outcomes_json, plan_random, plan_trace, run, run_load, summarize
+    from engine.workloads import read_trace, resolve_trace
+
+    if bool(trace) == bool(dataset):
+        raise click.UsageError("give exactly one of --trace FILE or --dataset random")
+    slos = {}
+    for item in goodput_slos:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot"):
+            raise click.BadParameter(f"--goodput {item!r}: expected ttft:MS or tpot:MS")
+        try:
+            slos[key] = float(value) / 1000
+        except ValueError:
+            raise click.BadParameter(f"--goodput {item!r}: expected a number of milliseconds") from None
+    if trace:
+        arrivals = read_trace(resolve_trace(trace), rate_scale=rate_scale, first_n=num_requests,
+                              length_scale=length_scale, max_tokens_cap=max_tokens_cap,
+                              end_s=None if duration_s is None else duration_s * rate_scale)
+        plan = plan_trace(arrivals)
+    else:
+        if num_requests is None and duration_s is None:
+            raise click.UsageError("--dataset random needs --num-requests or --duration")
+        plan = plan_random(num_requests or 10**9, rate or float("inf"), burstiness, input_len, output_len, seed,
+                           duration_s)
+    outcomes, wall = run(run_load(url, plan, model, max_concurrency, progress=sys.stderr.isatty()))
+    summary = summarize(outcomes, wall, slos.get("ttft"), slos.get("tpot"))
+    click.echo(format_summary(summary))
+    if out_path:
+        Path(out_path).write_text(json.dumps({"summary": summary, "requests": outcomes_json(outcomes)}))

@@ -1,0 +1,145 @@
+"""Commands of the simulator twin: ``simulate``, ``bench``, ``capacity`` and ``roofline``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from engine.cli.support import parse_floats, friendly, load_arrivals, workload_options
+
+
+@click.command()
+@workload_options
+@click.option("--profile", "profile_name", default="a100-llama2-7b", show_default=True,
+              help="Profile name (slot, a100-llama2-7b, h200-llama3-8b) or a JSON/YAML file.")
+@click.option("--controller", "controller_spec", default="greedy", show_default=True,
+              help="NAME[:key=value,...]; names: greedy, no-evict, sglang, watermark, class-budgets, flow.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
+@friendly()
+def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
+             profile_name, controller_spec, as_json, progress):
+    """Replay a trace or synthetic workload through the simulator twin."""
+    from ctrl import build_controller
+    from engine.bench.bench import rate_scale_for_load
+    from engine.core.profile import load_profile
+    from engine.sim.simulate import simulate as run
+    from engine.workloads import Arrival
+
+    if rate_scale is not None and load is not None:
+        raise click.UsageError("give --rate-scale or --load, not both")
+    if rate_scale is not None and rate_scale <= 0:
+        raise click.BadParameter("--rate-scale must be > 0")
+    if load is not None and load <= 0:
+        raise click.BadParameter("--load must be > 0")
+    profile = load_profile(profile_name)
+    arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
+    if load is not None:
+        scale, _ = rate_scale_for_load(arrivals, profile, load)
+        arrivals = [Arrival(a.arrival_time_s / scale, a.prompt_tokens, a.output_tokens, a.max_tokens, a.class_id)
+                    for a in arrivals]
+    controller = build_controller(controller_spec, profile, arrivals)
+    if hasattr(controller, "seed"):
+        controller.seed = seed
+    show = sys.stderr.isatty() if progress is None else progress
+    summary = run(arrivals, profile, controller, record_steps=False, progress=show).summary
+    summary = {"controller": controller_spec, "profile": profile.name, **summary}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        width = max(len(k) for k in summary)
+        for k, v in summary.items():
+            click.echo(f"{k:<{width}}  {v:.6g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+
+
+@click.command()
+@click.option("--trace", "traces", multiple=True, default=("splitwise_conv",), show_default=True,
+              help="Trace file or shipped name; repeat for several.")
+@click.option("--controllers", default=None,
+              help="Comma-separated controller specs (default: every controller). Separate specs with ';' "
+                   "when they carry options, e.g. 'greedy;flow:budget=2,dist=poisson'.")
+@click.option("--loads", default="0.8,1.0,1.5,2.0", show_default=True, help="Loads as multiples of lambda_max.")
+@click.option("--profile", "profile_name", default="a100-llama2-7b", show_default=True)
+@click.option("--first", "first_n", type=click.IntRange(min=1), default=None, help="Keep the first N requests.")
+@click.option("--start-s", type=float, default=None)
+@click.option("--end-s", type=float, default=None)
+@click.option("--length-scale", type=float, default=1.0, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel simulations (default: cores).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
+              show_default=True)
+@friendly()
+def bench(traces, controllers, loads, profile_name, first_n, start_s, end_s, length_scale, max_tokens, seed,
+          jobs, out_dir):
+    """Every controller at several loads on traces: table, CSV and plots."""
+    from engine.bench.bench import DEFAULT_CONTROLLERS, TABLE_COLUMNS, markdown_table, run_bench
+    from engine.core.profile import load_profile
+
+    profile = load_profile(profile_name)
+    if controllers is None:
+        specs = list(DEFAULT_CONTROLLERS)
+    else:
+        sep = ";" if ";" in controllers or ":" in controllers else ","
+        specs = [s.strip() for s in controllers.split(sep) if s.strip()]
+    rows = run_bench(list(traces), specs, parse_floats(loads, "--loads"), profile, out_dir, first_n=first_n,
+                     start_s=start_s, end_s=end_s, length_scale=length_scale, max_tokens_cap=max_tokens,
+                     seed=seed, jobs=jobs)
+    click.echo(markdown_table(rows, TABLE_COLUMNS))
+    click.echo(f"\nwrote {out_dir}/results.csv, results.md and plots (kv_usage_*, ttft_cdf_*, goodput_*.png)")
+
+
+@click.command()
+@workload_options
+@click.option("--profile", "profile_name", default="a100-llama2-7b", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@friendly()
+def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
+             profile_name, as_json):
+    """Lifetime KV workload, the necessary rate bound and the fluid bound lambda_max."""
+    from ctrl.theory import capacity as fluid_capacity
+    from engine.core.profile import load_profile
+    from engine.workloads import trace_stats
+
+    profile = load_profile(profile_name)
+    arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
+    cap = fluid_capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals], profile)
+    stats = trace_stats(arrivals)
+    out = {"profile": profile.name, "requests": stats["requests"], "mean_rate_rps": stats["mean_rate_rps"],
+           **cap.as_dict(), "load_vs_lambda_max": stats["mean_rate_rps"] / cap.lambda_max_rps}
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    click.echo(f"profile                    {profile.name}")
+    click.echo(f"requests                   {out['requests']}")
+    click.echo(f"mean arrival rate          {out['mean_rate_rps']:.4g} req/s")
+    click.echo(f"S = E[P] + E[D]            {cap.mean_tokens_per_request:.6g} tokens")
+    click.echo(f"W = E[PD] + E[D(D+1)]/2    {cap.lifetime_kv_workload:.6g} token-steps (lifetime KV workload)")
+    click.echo(f"M                          {cap.kv_capacity_tokens} tokens")
+    click.echo(f"memory bound M/(W t_full)  {cap.memory_bound_rps:.4g} req/s (necessary condition)")
+    click.echo(f"lambda_max (fluid)         {cap.lambda_max_rps:.4g} req/s")
+    click.echo(f"offered load               {out['load_vs_lambda_max']:.3g} x lambda_max")
+
+
+@click.command()
+@click.option("--write", is_flag=True, help="Regenerate the preset profile files.")
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where --write puts the files (default: the shipped profiles folder).")
+@friendly()
+def roofline(write, out_dir):
+    """The roofline presets' step-time coefficients; with --write, their profile files."""
+    from engine.core.profile import PROFILES_DIR
+    from engine.sim.roofline import coefficient_table, preset_profiles
+
+    profiles = preset_profiles()
+    click.echo(coefficient_table(profiles))
+    if write:
+        folder = out_dir or PROFILES_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        for profile in profiles:
+            path = folder / f"{profile.name}.json"
+            profile.save(path)
+            click.echo(f"wrote {path}")

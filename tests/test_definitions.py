@@ -1,0 +1,123 @@
+"""Each meaning has one definition: these tests pin it, and check that its users call it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ctrl import build_controller
+from ctrl.theory import capacity, fluid_lambda_max
+from engine.core.builder import build_engine, rate_window_s
+from engine.core.clock import VirtualClock
+from engine.core.driver import replay
+from engine.core.request import Request, RequestState, unservable_reason
+from engine.core.slo import met_slo, time_per_output_token_s, time_to_first_token_s
+from engine.sim.executor import SimExecutor
+from engine.sim.simulate import make_request, simulate
+from tests.helpers import req, step_profile
+
+
+def finished(arrival: float, first: float, finish: float, outputs: int) -> Request:
+    r = Request("r", arrival, 4, outputs)
+    r.state = RequestState.FINISHED
+    r.first_token_time_s, r.finish_time_s, r.num_output_tokens = first, finish, outputs
+    return r
+
+
+def test_ttft_tpot_and_the_slo():
+    r = finished(arrival=1.0, first=3.0, finish=7.0, outputs=5)
+    assert time_to_first_token_s(r) == 2.0
+    assert time_per_output_token_s(r) == 1.0
+    assert met_slo(r, ttft_slo_s=2.0, tpot_slo_s=1.0)
+    assert not met_slo(r, ttft_slo_s=1.99, tpot_slo_s=1.0)
+    assert not met_slo(r, ttft_slo_s=2.0, tpot_slo_s=0.99)
+    single = finished(arrival=0.0, first=1.0, finish=1.0, outputs=1)
+    assert time_per_output_token_s(single) is None  # no TPOT with one token...
+    assert met_slo(single, ttft_slo_s=1.0, tpot_slo_s=0.0)  # ...so only TTFT counts
+    waiting = Request("w", 0.0, 4, 4)
+    assert math.isnan(time_to_first_token_s(waiting)) and not met_slo(waiting, 1e9, 1e9)
+
+
+@given(st.lists(st.tuples(st.floats(0, 50), st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=25),
+       st.floats(0.5, 40), st.floats(0.05, 3))
+def test_goodput_counts_exactly_the_requests_that_met_the_slo(workload, ttft_slo, tpot_slo):
+    profile = step_profile(kv_capacity_tokens=512, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
+    arrivals = sorted(workload)
+    core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())
+    replay(core, [a for a, _, _ in arrivals], lambda i: req(i, arrivals[i][1], arrivals[i][2], arrival=arrivals[i][0]))
+    summary = core.metrics.summary(512, ttft_slo, tpot_slo)
+    good = sum(met_slo(r, ttft_slo, tpot_slo) for r in core.metrics.terminal)
+    assert summary["goodput_rps"] * summary["sim_time_s"] == pytest.approx(good)
+
+
+def test_env_reward_and_metrics_goodput_share_the_slo_function():
+    import env.serving_env as serving_env
+    import engine.core.metrics as metrics
+
+    assert serving_env.met_slo is met_slo and metrics.met_slo is met_slo
+
+
+def test_unservable_reason_is_what_the_engine_rejects_with():
+    assert unservable_reason(0, 5, 100) == "the prompt is empty; a request needs at least one prompt token."
+    assert "max_tokens must be at least 1" in unservable_reason(5, 0, 100)
+    assert "exceeds the KV capacity of 100 tokens" in unservable_reason(60, 41, 100)
+    assert unservable_reason(60, 40, 100) is None
+    assert "model context of 50 tokens" in unservable_reason(30, 21, 100, max_model_len=50)
+    assert "more than the model context" in unservable_reason(51, 1, 100, max_model_len=50)
+    profile = step_profile(kv_capacity_tokens=100)
+    core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())
+    rejection = core.add_request(req(0, 60, 41))
+    assert rejection is not None and rejection.reason == unservable_reason(60, 41, 100)
+
+
+def test_build_engine_takes_kv_size_block_size_and_rate_window_from_the_profile():
+    profile = step_profile(kv_capacity_tokens=96, block_size=8, base_s=0.2)
+    core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())
+    assert core.pool.capacity_tokens == 96 and core.pool.block_size == 8
+    assert rate_window_s(profile) == 200 * 0.2 == core._arrivals.window_s
+    assert rate_window_s(step_profile(base_s=0.001)) == 10.0
+
+
+def test_step_time_has_one_formula():
+    profile = step_profile(base_s=0.5, per_token_s=0.25, per_kv_token_s=0.125, idle_s=0.75)
+    executor = SimExecutor(profile)
+    from engine.core.executor import Batch
+
+    batch = Batch()
+    assert executor.execute(batch).duration_s == profile.step_time_s(0, 0) == 0.75
+    batch.num_tokens, batch.kv_tokens_read = 4, 8
+    assert executor.execute(batch).duration_s == profile.step_time_s(4, 8) == 0.5 + 1.0 + 1.0
+
+
+def test_fluid_bound_is_one_formula():
+    profile = step_profile(base_s=0.01, per_token_s=1e-4, per_kv_token_s=1e-6, kv_capacity_tokens=4096)
+    cap = capacity([100, 300], [20, 60], profile)
+    assert cap.lambda_max_rps == fluid_lambda_max(cap.mean_tokens_per_request, cap.lifetime_kv_workload, profile)
+    s, w = cap.mean_tokens_per_request, cap.lifetime_kv_workload
+    assert cap.lambda_max_rps == pytest.approx(1 / (0.01 * w / 4096 + 1e-6 * w + 1e-4 * s))
+
+
+def test_replay_waits_for_arrivals_and_drains():
+    profile = step_profile()
+    core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())
+    times = [0.0, 0.0, 10.0, 50.0]
+    seen = []
+    replay(core, times, lambda i: req(i, 4, 3, arrival=times[i]), on_step=seen.append)
+    assert not core.has_unfinished and len(core.metrics.terminal) == 4
+    assert seen == sorted(seen) and seen[-1] == 4
+    assert min(r.start_time_s - r.arrival_time_s for r in core.metrics.terminal) == 0.0
+
+
+def test_simulate_is_the_replay_of_make_request():
+    from engine.workloads.arrivals import Arrival
+
+    arrivals = [Arrival(0.1 * i, 8, 5, 16, 0) for i in range(30)]
+    profile = step_profile(kv_capacity_tokens=64)
+    a = simulate(arrivals, profile, build_controller("greedy", profile)).summary
+    core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())
+    replay(core, [x.arrival_time_s for x in arrivals], lambda i: make_request(i, arrivals[i]))
+    b = core.metrics.summary(64, profile.ttft_slo_s, profile.tpot_slo_s)
+    assert {k: v for k, v in a.items() if k != "wall_time_s"} == b

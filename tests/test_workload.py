@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.workloads.workload import (
+from engine.workloads import (
     DEFAULT_MAX_TOKENS,
     Arrival,
     WorkloadError,

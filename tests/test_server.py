@@ -17,7 +17,9 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.serve.server import ServeConfig, Stream, build_service, create_app
+from engine.serve.app import create_app
+from engine.serve.launch import ServeConfig, build_service
+from engine.serve.service import Stream
 from engine.real.model import load_model
 
 pytestmark = pytest.mark.timeout(180)
@@ -193,7 +195,7 @@ def test_slow_reader_stream_is_ended_and_bounded(tiny):
         stream = Stream(loop, limit=4)
         stream.admitted = True
         ids = s.service.llm.tokenizer.encode("slow")
-        from engine.real.executor import SamplingParams
+        from engine.real.sampling import SamplingParams
         s.service.submit(stream, ids, SamplingParams(ignore_eos=True), 200)  # nobody reads this stream
         deadline = time.time() + 30
         while stream.request is None or not stream.request.state.is_terminal:

@@ -47,7 +47,7 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, k
     import logging
 
     from ctrl import build_controller
-    from engine.serve.server import GracefulServer, ServeConfig, build_service, create_app
+    from engine.serve import GracefulServer, ServeConfig, build_service, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.core.profile import load_profile

@@ -18,7 +18,7 @@ from ctrl import build_controller
 from engine.bench.bench import DEFAULT_CONTROLLERS, rate_scale_for_load
 from engine.core.profile import load_profile
 from engine.sim.simulate import simulate
-from engine.workloads.workload import Arrival, read_trace, resolve_trace
+from engine.workloads import Arrival, read_trace, resolve_trace
 
 
 def timed(controller):

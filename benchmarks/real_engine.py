@@ -28,7 +28,7 @@ from transformers import GenerationConfig
 
 from engine.real.llm import LLM
 from engine.real.model import build_tiny_model
-from engine.real.executor import SamplingParams
+from engine.real.sampling import SamplingParams
 
 
 def mixed_workload(n: int, seed: int = 0, prompt_range=(16, 256), output_range=(8, 128)):
@@ -129,6 +129,12 @@ def machine() -> str:
     return f"{name}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose output tokens per second is closest to the median of ``runs``."""
+    mid = statistics.median(r["output_tps"] for r in runs)
+    return min(runs, key=lambda r: abs(r["output_tps"] - mid))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
@@ -147,22 +153,26 @@ def main() -> None:
         work = mixed_workload(args.requests)
         runs = []
         for _ in range(args.repeats):
-            runs.append((bench_continuous(model, tok, work, args.batch, cpu), bench_static(model, work, args.batch, cpu)))
+            runs.append((bench_continuous(model, tok, work, args.batch, cpu),
+                         bench_static(model, work, args.batch, cpu)))
         ratios = [c["output_tps"] / s["output_tps"] for c, s in runs]
-        cont = min((c for c, _ in runs), key=lambda c: abs(c["output_tps"] - statistics.median(x["output_tps"] for x, _ in runs)))
-        static = min((s for _, s in runs), key=lambda s: abs(s["output_tps"] - statistics.median(x["output_tps"] for _, x in runs)))
+        cont = _median_run([c for c, _ in runs])
+        static = _median_run([s for _, s in runs])
         print(f"(a) {args.requests} requests, prompts 16-256, outputs 8-128 tokens, batch {args.batch}, tiny fp32 CPU"
               f" ({args.repeats} run{'s' if args.repeats > 1 else ''}, medians)")
-        print(f"    continuous batching: {cont['output_tokens']} tokens in {cont['wall_s']:.1f}s = {cont['output_tps']:.0f} tok/s")
+        print(f"    continuous batching: {cont['output_tokens']} tokens in {cont['wall_s']:.1f}s = "
+              f"{cont['output_tps']:.0f} tok/s")
         print(f"    static model.generate: {static['output_tokens']} useful tokens in {static['wall_s']:.1f}s = "
               f"{static['output_tps']:.0f} tok/s")
-        print(f"    ratio: {statistics.median(ratios):.2f}x (runs: {', '.join(f'{r:.2f}' for r in ratios)}; target >= 3x); "
+        print(f"    ratio: {statistics.median(ratios):.2f}x (runs: {', '.join(f'{r:.2f}' for r in ratios)}; "
+              "target >= 3x); "
               f"work ratio (token positions static / continuous): {work_ratio(work, args.batch):.2f}x")
     if args.only in (None, "b"):
         runs = [bench_overhead(model, tok, args.batch, cpu) for _ in range(args.repeats)]
         o = sorted(runs, key=lambda r: r["overhead_share"])[len(runs) // 2]
         shares = ", ".join(f"{100 * r['overhead_share']:.1f}%" for r in runs)
-        print(f"(b) decode batch {o['batch']}, context ~128-200: step {o['step_ms']:.2f} ms, forward {o['forward_ms']:.2f} ms, "
+        print(f"(b) decode batch {o['batch']}, context ~128-200: step {o['step_ms']:.2f} ms, "
+              f"forward {o['forward_ms']:.2f} ms, "
               f"outside the forward {100 * o['overhead_share']:.1f}% "
               f"(runs: {shares}; target <= 5%)")
     if args.only in (None, "c"):

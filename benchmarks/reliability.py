@@ -74,6 +74,20 @@ def probe(url: str, stop, results, period_s: float = 0.05) -> None:
             stop.wait(period_s)
 
 
+def wait_ready(proc: subprocess.Popen, url: str, controller: str, timeout_s: float = 120.0) -> None:
+    """Poll /ready until the server answers 200; raise if it exits or takes longer than ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"server for {controller} did not start")
+        time.sleep(0.2)
+
+
 def run_one(controller: str, args, rate: float) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -82,16 +96,7 @@ def run_one(controller: str, args, rate: float) -> dict:
                              "--max-in-flight", "100000", "--queue-timeout-s", str(args.queue_timeout_s)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server for {controller} did not start")
-            time.sleep(0.2)
+        wait_ready(proc, url, controller)
         # warm up, then measure memory from here
         run(run_load(url, plan_random(20, 50.0, 1.0, args.input_len, args.output_len, 1), progress=False))
         rss_start = rss_mib(proc.pid)
@@ -163,7 +168,8 @@ def main() -> None:
     profile = load_profile("tiny-cpu")
     lam = capacity([args.input_len + 1], [args.output_len], profile).lambda_max_rps
     rate = args.load * lam
-    print(f"tiny-cpu lambda_max for {args.input_len}+{args.output_len} tokens: {lam:.1f} req/s; offering {rate:.1f} req/s "
+    print(f"tiny-cpu lambda_max for {args.input_len}+{args.output_len} tokens: {lam:.1f} req/s; "
+          f"offering {rate:.1f} req/s "
           f"for {args.duration:.0f} s with up to {args.concurrency} concurrent streams", flush=True)
     rows = [run_one(c, args, rate) for c in args.controllers.split(",")]
     out = Path(args.out)

@@ -16,7 +16,7 @@ import time
 from ctrl import build_controller
 from engine.core.profile import load_profile
 from engine.sim.simulate import simulate
-from engine.workloads.workload import read_trace, resolve_trace
+from engine.workloads import read_trace, resolve_trace
 
 
 def main() -> None:

@@ -10,8 +10,6 @@ goodput. Observation, action and reward are tabulated in docs/ENV.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -20,93 +18,15 @@ from gymnasium import spaces
 from ctrl.learned import (ACTION_DIM, DEFAULT_ACTION, OBS_CLIP, OBS_DIM, KnobController, ObservationFeatures,
                           action_to_knobs)
 from ctrl.shield import ShieldedController
-from ctrl.theory import capacity
 from engine.core.profile import load_profile
 from engine.core.builder import build_engine
 from engine.core.request import Request, RequestState
 from engine.core.slo import met_slo
 from engine.sim.simulate import make_sim_engine
-from engine.workloads.workload import Arrival, read_trace, resolve_trace
+from engine.workloads import augment_segments, split_segments
 
-TRAIN_FRACTION = 0.7
 #: goodput first: a request that misses its SLO (or expires) costs more than one refused early
 DEFAULT_REWARD_WEIGHTS = {"goodput": 1.0, "slo_miss": 0.5, "rejection": 0.05, "eviction": 0.05}
-
-
-@dataclass
-class _Segment:
-    """A stretch of a trace as arrays; replayed cyclically from a random start."""
-
-    name: str
-    times_s: np.ndarray
-    prompts: list
-    outputs: list
-    max_tokens: list
-    lambda_max_rps: float
-    mean_rate_rps: float
-    span_s: float
-
-
-def _segment(name: str, arrivals: list[Arrival], profile) -> _Segment:
-    if len(arrivals) < 2:
-        raise ValueError(f"workload {name!r} needs at least two requests, got {len(arrivals)}")
-    times = np.array([a.arrival_time_s for a in arrivals])
-    times -= times[0]
-    span = float(times[-1]) + float(times[-1]) / (len(arrivals) - 1)  # one mean gap before wrapping
-    cap = capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals], profile)
-    return _Segment(name, times, [a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals],
-                    [a.max_tokens for a in arrivals], cap.lambda_max_rps, (len(arrivals) - 1) / float(times[-1]),
-                    span)
-
-
-def augment_segments(segments: list[_Segment], scales, profile) -> list[_Segment]:
-    """The segments followed by a copy of each per (prompt_scale, output_scale) pair other than
-    (1, 1): prompt and output lengths scaled (at least 1 token, outputs within max_tokens), lambda_max
-    recomputed. Domain randomisation over request shape (e.g. long prompts, short outputs)."""
-    out = list(segments)
-    for ps, os_ in scales or ():
-        ps, os_ = float(ps), float(os_)
-        if not (ps > 0 and os_ > 0):
-            raise ValueError(f"augment scales must be > 0, got {(ps, os_)}")
-        if ps == 1.0 and os_ == 1.0:
-            continue
-        for seg in segments:
-            arrivals = [Arrival(float(t), max(1, round(p * ps)), min(m, max(1, round(o * os_))), m)
-                        for t, p, o, m in zip(seg.times_s, seg.prompts, seg.outputs, seg.max_tokens)]
-            out.append(_segment(f"{seg.name}x{ps:g}/{os_:g}", arrivals, profile))
-    return out
-
-
-def split_segments(trace, split: str, profile, max_tokens_cap: int | None = None) -> list[_Segment]:
-    """The workload segments of a split.
-
-    ``train``: the first 70% (by request) of each trace (default splitwise_conv). ``eval``: the last
-    30% of splitwise_conv and all of splitwise_code by default; a trace given explicitly uses its
-    last 30%. A list of ``Arrival``s is used whole in either split.
-    """
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    if trace is None:
-        names = ["splitwise_conv"] if split == "train" else ["splitwise_conv", "splitwise_code"]
-    elif isinstance(trace, (str, Path)):
-        names = [trace]
-    elif trace and isinstance(trace[0], Arrival):
-        return [_segment("workload", list(trace), profile)]
-    else:
-        names = list(trace)
-    segments = []
-    for name in names:
-        arrivals = read_trace(resolve_trace(name), max_tokens_cap=max_tokens_cap)
-        stem = Path(str(name)).stem
-        cut = int(len(arrivals) * TRAIN_FRACTION)
-        if split == "train":
-            part = arrivals[:cut]
-        elif trace is None and stem == "splitwise_code":
-            part = arrivals
-        else:
-            part = arrivals[cut:]
-        segments.append(_segment(f"{stem}[{split}]", part, profile))
-    return segments
 
 
 class ServingEnv(gym.Env):
@@ -231,7 +151,8 @@ class ServingEnv(gym.Env):
 
     def _init_engine(self, model: str) -> None:
         from engine.real.model import load_model
-        from engine.real.executor import SamplingParams, TorchExecutor
+        from engine.real.executor import TorchExecutor
+        from engine.real.sampling import SamplingParams
 
         hf_model, tokenizer = load_model(model, "cpu", None)
         self._executor = TorchExecutor(hf_model, tokenizer, device="cpu")

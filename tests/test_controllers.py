@@ -12,7 +12,7 @@ from ctrl.theory import capacity, class_budgets_feasible, lifetime_kv_workload, 
 from ctrl.watermark import WatermarkController
 from engine.core.profile import load_profile
 from engine.sim.simulate import simulate
-from engine.workloads.workload import Arrival, load_workload
+from engine.workloads import Arrival, load_workload
 from tests.helpers import step_profile, make_engine, record_evictions, req, run_until_idle
 
 

@@ -112,7 +112,7 @@ def test_replay_waits_for_arrivals_and_drains():
 
 
 def test_simulate_is_the_replay_of_make_request():
-    from engine.workloads.arrivals import Arrival
+    from engine.workloads import Arrival
 
     arrivals = [Arrival(0.1 * i, 8, 5, 16, 0) for i in range(30)]
     profile = step_profile(kv_capacity_tokens=64)

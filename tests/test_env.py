@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import env  # noqa: F401  (registers tidegate/Serving-v0)
-from env.serving_env import ServingEnv, split_segments
+from engine.workloads import split_segments
+from env.serving_env import ServingEnv
 from engine.core.profile import load_profile
 
 SMALL = dict(episode_steps=16, control_interval=5)
@@ -29,7 +30,7 @@ def test_registered_and_episode_truncates():
     e = gym.make("tidegate/Serving-v0", **SMALL)
     obs, info = e.reset(seed=3)
     assert e.observation_space.contains(obs) and 0.5 <= info["load"] <= 2.0
-    for k in range(SMALL["episode_steps"]):
+    for _ in range(SMALL["episode_steps"]):
         obs, reward, terminated, truncated, info = e.step(e.action_space.sample())
         assert e.observation_space.contains(obs) and np.isfinite(reward) and not terminated
         assert 0.0 <= info["shield_intervention_rate"] <= 1.0
@@ -89,7 +90,7 @@ def test_action_has_an_admission_knob_and_augment_adds_segments():
 @pytest.mark.timeout(120)
 def test_engine_backend_runs_a_few_steps():
     """The real engine (tiny model, CPU, wall clock): a handful of env steps on a short workload."""
-    from engine.workloads.workload import Arrival
+    from engine.workloads import Arrival
 
     workload = [Arrival(0.02 * i, 16 + (7 * i) % 32, 2 + i % 6, 8) for i in range(40)]
     e = ServingEnv(backend="engine", workload=workload, episode_steps=4, control_interval=4, load_range=(0.05, 0.05))

@@ -143,11 +143,16 @@ def test_roofline_reproduces_the_shipped_preset_files():
         assert load_profile(profile.name) == profile
 
 
-def test_roofline_write_regenerates_identical_files(tmp_path, capsys):
-    roofline.main(["--write", "--out-dir", str(tmp_path)])
+def test_roofline_write_regenerates_identical_files(tmp_path):
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    result = CliRunner().invoke(main, ["roofline", "--write", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
     for name in ("a100-llama2-7b", "h200-llama3-8b"):
         assert (tmp_path / f"{name}.json").read_text() == (PROFILES_DIR / f"{name}.json").read_text()
-    assert "| a100-llama2-7b |" in capsys.readouterr().out
+    assert "| a100-llama2-7b |" in result.output
 
 
 # --- files: formats, round trip ---------------------------------------------------------------

@@ -16,7 +16,8 @@ from engine.core.engine_core import EngineCore
 from engine.real.llm import LLM
 from engine.core.request import Request, RequestState
 from engine.real.model import ByteTokenizer, IncrementalDetokenizer, ModelLoadError, build_tiny_model, load_model
-from engine.real.executor import SamplingParams, TorchExecutor
+from engine.real.executor import TorchExecutor
+from engine.real.sampling import SamplingParams
 
 torch.set_num_threads(1)  # 2 threads stall badly when the 2 cores are shared
 
@@ -261,13 +262,13 @@ def test_batched_paged_attention_matches_per_request_attention(tiny):
     """Decodes of very different lengths (several buckets) and prefill chunks with and without a
     cached prefix, in one step: the logits match each request run alone through model.generate's path."""
     from engine.core.block_pool import BlockPool
-    from engine.real.profiler import _batch
+    from engine.real.profiler import batch_of_shape
     model, tok = tiny
     pool = BlockPool(8192, 16)
     ex = TorchExecutor(model, tok, pool)
     rng = random.Random(3)
     from engine.core.executor import Batch
-    batch = _batch(pool, [5, 300, 17, 16, 33, 250, 2], [(0, 40), (70, 9), (16, 1)], rng)
+    batch = batch_of_shape(pool, [5, 300, 17, 16, 33, 250, 2], [(0, 40), (70, 9), (16, 1)], rng)
     for r in batch.requests:  # fill each request's cached tokens with its own prefill first
         cached = r.num_computed_tokens
         if cached:
@@ -288,16 +289,65 @@ def test_batched_paged_attention_matches_per_request_attention(tiny):
     torch.testing.assert_close(got["logits"], torch.stack(rows), atol=2e-4, rtol=1e-4)
 
 
-def test_l1_fit_recovers_coefficients_despite_stalls():
-    from engine.real.profiler import fit_step_time
-    rng = random.Random(0)
-    rows = []
-    for _ in range(400):
-        t, k = rng.randint(1, 300), rng.randint(1, 20000)
-        s = 0.002 + 1e-4 * t + 1e-6 * k
-        if rng.random() < 0.1:
-            s *= 3  # a stall from another job
-        rows.append((t, k, s * (1 + rng.uniform(-0.01, 0.01))))
-    fit = fit_step_time(rows, loss="l1")
-    assert abs(fit["base_s"] / 0.002 - 1) < 0.05 and abs(fit["per_token_s"] / 1e-4 - 1) < 0.05
-    assert fit["median_ape"] < 0.02
+def test_check_request_is_the_cores_definition_plus_the_vocabulary(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary of 259"):
+        llm.check_request([1, 9999], 4)
+    with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
+        llm.check_request([1, 9999], 0)  # the core's checks of max_tokens come before the vocabulary
+    with pytest.raises(ValueError, match="exceeds the model context of 2048 tokens"):
+        llm.check_request([5] * 2000, 100)
+    llm.check_request([5] * 100, 100)
+    # The engine was built from the profile controllers see: same KV size and block size.
+    assert llm.profile.kv_capacity_tokens == llm.core.pool.capacity_tokens
+    assert llm.profile.block_size == llm.core.pool.block_size
+
+
+# --- KV geometry -----------------------------------------------------------------------------
+
+def test_kv_geometry_and_bytes_per_token_of_llama_configs():
+    from transformers import LlamaConfig
+
+    from engine.real.paged_cache import kv_bytes_per_token, kv_geometry
+    from engine.sim.roofline import LLAMA2_7B, LLAMA3_8B
+
+    llama2_7b = LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32)
+    llama3_8b = LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                            intermediate_size=14336, vocab_size=128256)
+    assert kv_geometry(llama2_7b) == (32, 32, 128)
+    assert kv_geometry(llama3_8b) == (32, 8, 128)
+    # The bytes the roofline presets use (16-bit KV); fp32 doubles them.
+    assert kv_bytes_per_token(llama2_7b, torch.float16) == LLAMA2_7B.kv_bytes_per_token == 524_288
+    assert kv_bytes_per_token(llama3_8b, torch.bfloat16) == LLAMA3_8B.kv_bytes_per_token == 131_072
+    assert kv_bytes_per_token(llama3_8b, torch.float32) == 2 * 131_072
+
+
+def test_paged_cache_is_shaped_by_the_kv_geometry(tiny):
+    from engine.core.block_pool import BlockPool
+    from engine.real.paged_cache import PagedKVCache, kv_bytes_per_token, kv_geometry
+
+    model, _ = tiny
+    pool = BlockPool(256, 16)
+    cache = PagedKVCache.for_model(model.config, pool, "cpu", torch.float32)
+    layers, kv_heads, head_dim = kv_geometry(model.config)
+    assert (layers, kv_heads, head_dim) == (4, 2, 64)
+    assert cache.key_cache.shape == (layers, pool.num_blocks, 16, kv_heads, head_dim)
+    assert cache.bytes == pool.capacity_tokens * kv_bytes_per_token(model.config, torch.float32)
+
+
+# --- devices ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, expected", [
+    ("nosuchdev", "unknown device 'nosuchdev': expected cpu, cuda or cuda:N."),
+    ("cuda", "device 'cuda' is not available"),
+])
+def test_an_unusable_device_is_one_sentence_and_exit_2(monkeypatch, device, expected):
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU-only torch
+    result = CliRunner().invoke(main, ["generate", "--device", device, "--prompt", "hi", "--max-tokens", "2"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]

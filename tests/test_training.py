@@ -1,15 +1,25 @@
-"""Training smoke test and the ONNX export's parity with SB3's deterministic predict."""
+"""Training smoke test, the ONNX export's parity with SB3's deterministic predict, the
+``tidegate train/export/evaluate/sim-to-real`` commands and their default paths."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
-from ctrl.learned import OBS_DIM, NumpyPolicy, OnnxPolicy, make_learned_controller
+from ctrl.learned import DEFAULT_POLICY, OBS_DIM, NumpyPolicy, OnnxPolicy, make_learned_controller
 from ctrl.shield import ShieldedController
+from engine.cli import main
 from engine.core.profile import load_profile
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 SMALL_RUN = {"n_steps": 512, "batch_size": 128, "n_epochs": 4, "eval_freq": 1024, "save_freq": 1024,
@@ -21,7 +31,7 @@ def trained(tmp_path_factory):
     from training.train import train
 
     out = tmp_path_factory.mktemp("ppo")
-    model = train("training/configs/ppo.yaml", n_timesteps=3072, out_dir=out, n_envs=1, progress_bar=False,
+    model = train(None, n_timesteps=3072, out_dir=out, n_envs=1, progress_bar=False,
                   tensorboard=True, env_kwargs={"episode_steps": 64, "control_interval": 5},
                   overrides=SMALL_RUN)
     return out, model
@@ -46,7 +56,7 @@ def test_resume_from_checkpoint(trained, tmp_path):
     out, _ = trained
     ckpts = sorted(out.glob("ppo_serving_*_steps.zip"))
     assert ckpts, "CheckpointCallback wrote nothing"
-    model = train("training/configs/ppo.yaml", n_timesteps=512, out_dir=tmp_path, n_envs=1, progress_bar=False,
+    model = train(None, n_timesteps=512, out_dir=tmp_path, n_envs=1, progress_bar=False,
                   tensorboard=False, resume=ckpts[0], env_kwargs={"episode_steps": 64, "control_interval": 5},
                   overrides=SMALL_RUN)
     assert model.exists()
@@ -77,7 +87,7 @@ def test_export_matches_predict(trained, tmp_path):
 def test_learned_controller_falls_back(tmp_path, caplog):
     from engine.core.profile import load_profile
     from engine.sim.simulate import simulate
-    from engine.workloads.workload import read_trace, resolve_trace
+    from engine.workloads import read_trace, resolve_trace
 
     bad = tmp_path / "policy.onnx"
     bad.write_bytes(b"not an onnx file")
@@ -104,7 +114,7 @@ def test_learned_controller_falls_back(tmp_path, caplog):
 
 def test_admission_knob_rejects_on_predicted_delay_and_shield_still_rejects():
     from ctrl.base import Observation
-    from ctrl.learned import ACTION_DIM, LearnedController, action_to_knobs, predicted_delay_s
+    from ctrl.learned import ACTION_DIM, action_to_knobs, predicted_delay_s
 
     obs = Observation(kv_capacity_tokens=100_000)
     obs.num_waiting, obs.num_running, obs.completion_rate_rps = 40, 10, 4.0  # 10 s of queue
@@ -121,8 +131,8 @@ def test_admission_knob_rejects_on_predicted_delay_and_shield_still_rejects():
         def __call__(self, x):
             return self.a
 
-    ctrl = make_learned_controller("/nonexistent/policy.onnx", profile=load_profile("a100-llama2-7b"), lambda_max_rps=4.0,
-                                   max_waiting=50)
+    ctrl = make_learned_controller("/nonexistent/policy.onnx", profile=load_profile("a100-llama2-7b"),
+                                   lambda_max_rps=4.0, max_waiting=50)
     ctrl.inner.policy = Const([0.0, 0.0, -1.0])
     ctrl.reset()
     ctrl.decide(obs)  # the policy sets the knobs
@@ -151,7 +161,7 @@ def test_learned_controller_needs_a_profile_and_ctrl_never_loads_one():
 def test_prior_workload_is_the_training_trace():
     from ctrl.learned import PRIOR_LIFETIME_KV_WORKLOAD, PRIOR_MEAN_TOKENS_PER_REQUEST, prior_lambda_max
     from ctrl.theory import capacity
-    from engine.workloads.workload import read_trace, resolve_trace
+    from engine.workloads import read_trace, resolve_trace
 
     arrivals = read_trace(resolve_trace("splitwise_conv"))
     profile = load_profile("tiny-cpu")
@@ -159,3 +169,171 @@ def test_prior_workload_is_the_training_trace():
     assert PRIOR_MEAN_TOKENS_PER_REQUEST == pytest.approx(cap.mean_tokens_per_request, rel=1e-12)
     assert PRIOR_LIFETIME_KV_WORKLOAD == pytest.approx(cap.lifetime_kv_workload, rel=1e-12)
     assert prior_lambda_max(profile) == pytest.approx(cap.lambda_max_rps, rel=1e-12)
+
+
+# --- paths -------------------------------------------------------------------------------------
+
+
+def test_vecnormalize_path_names_the_statistics_saved_with_a_model():
+    from training.train import vecnormalize_path
+
+    assert vecnormalize_path("runs/ppo/model.zip") == Path("runs/ppo/vecnormalize.pkl")
+    assert vecnormalize_path(Path("r/ppo_serving_100_steps.zip")) == Path("r/ppo_serving_vecnormalize_100_steps.pkl")
+    assert vecnormalize_path(REPO / "checkpoints/model.zip").is_file()  # the source of the shipped export
+
+
+def test_default_paths_are_package_data_and_runs_go_to_runs():
+    from training import cli
+    from training.configs import DEFAULT_CONFIG, DEFAULT_OUT
+    from training.export import default_export_path
+
+    assert DEFAULT_CONFIG.is_file() and DEFAULT_CONFIG.name == "ppo.yaml"
+    assert DEFAULT_POLICY.is_file() and DEFAULT_POLICY.parent.name == "checkpoints"
+    assert DEFAULT_OUT == Path("runs/ppo")
+    defaults = {(c.name, p.name): p.default for c in (cli.train_command, cli.evaluate_command,
+                                                      cli.sim_to_real_command) for p in c.params}
+    assert defaults["train", "config_path"] == DEFAULT_CONFIG and defaults["train", "out_dir"] == DEFAULT_OUT
+    assert defaults["evaluate", "policy"] == DEFAULT_POLICY == defaults["sim-to-real", "policy"]
+    assert default_export_path("runs/ppo/model.zip") == Path("runs/ppo/policy.onnx")
+    assert default_export_path(REPO / "checkpoints/model.zip") == DEFAULT_POLICY
+    shipped = subprocess.run(["git", "ls-files", "checkpoints"], cwd=REPO, capture_output=True, text=True).stdout
+    if shipped:  # a git checkout: only the shipped policy, its card and the source of its export
+        assert set(shipped.split()) == {f"checkpoints/{n}" for n in ("__init__.py", "MODEL_CARD.md", "model.zip",
+                                                                     "policy.onnx", "train_run.yaml",
+                                                                     "vecnormalize.pkl")}
+
+
+# --- the commands ------------------------------------------------------------------------------
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_one_line_error(res, *needles: str) -> None:
+    """Exit code 2 and a single ``error: ...`` line naming the input, no traceback."""
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert all(n in lines[0] for n in needles), lines[0]
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_export_command_writes_policy_beside_the_checkpoint_by_default(trained, tmp_path):
+    out, model_path = trained
+    for name in ("model.zip", "vecnormalize.pkl"):
+        shutil.copy(out / name, tmp_path / name)
+    res = invoke("export", tmp_path / "model.zip")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "policy.onnx").is_file() and NumpyPolicy(tmp_path / "policy.onnx") is not None
+    res = invoke("export", tmp_path / "model.zip", tmp_path / "sub" / "other.onnx", "--vecnormalize",
+                 tmp_path / "vecnormalize.pkl")
+    assert res.exit_code == 0 and (tmp_path / "sub" / "other.onnx").is_file(), res.output
+
+
+def test_evaluate_runs_on_tiny_inputs(tmp_path):
+    from training.evaluate import DEFAULT_HEURISTICS, LEARNED, evaluate
+
+    rows = evaluate(loads=[1.0], requests=100, seeds=[0], out=tmp_path / "eval.md")
+    assert {r["controller"] for r in rows} == {LEARNED, *DEFAULT_HEURISTICS}
+    assert {r["trace"] for r in rows} == {"splitwise_conv[eval]", "splitwise_code[eval]"}
+    assert all(r["completed"] + r["rejected"] + r["expired"] == 100 for r in rows)
+    learned = [r for r in rows if r["controller"] == LEARNED]
+    assert all(r["fallbacks"] == 0 for r in learned)  # the shipped policy ran, not its fallback
+    assert "Every run:" in (tmp_path / "eval.md").read_text()
+
+    res = invoke("evaluate", "--loads", "1.0", "--requests", "100", "--seeds", "0,1", "--plots", tmp_path / "img")
+    assert res.exit_code == 0, res.output
+    assert LEARNED in res.stdout and "vs_best" in res.stdout
+    assert (tmp_path / "img" / "learned_goodput.png").is_file()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--seeds", "a"], ["--seeds", "'a'"]),
+    (["--seeds", ""], ["--seeds"]),
+    (["--seeds", "0,,1"], ["--seeds"]),
+    (["--seeds", "-1"], ["seeds", "-1"]),
+    (["--loads", "fast"], ["--loads", "'fast'"]),
+    (["--loads", "0"], ["loads", "0.0"]),
+    (["--requests", "0"], ["requests"]),
+    (["--profile", "no-such-profile"], ["no-such-profile"]),
+    (["--policy", "/nonexistent/policy.onnx"], ["/nonexistent/policy.onnx", "no such policy"]),
+])
+def test_evaluate_bad_input_is_one_line_and_exit_2(args, needles):
+    assert_one_line_error(invoke("evaluate", "--requests", "10", *args), *needles)
+
+
+def test_evaluate_refuses_a_corrupt_policy_instead_of_evaluating_the_fallback(tmp_path):
+    bad = tmp_path / "policy.onnx"
+    bad.write_bytes(b"not an onnx file")
+    assert_one_line_error(invoke("evaluate", "--requests", "10", "--policy", bad), str(bad), "tidegate export")
+
+
+def test_export_and_train_bad_input_is_one_line_and_exit_2(tmp_path):
+    corrupt = tmp_path / "model.zip"
+    corrupt.write_bytes(b"not a zip")
+    assert_one_line_error(invoke("export", tmp_path / "missing.zip"), "missing.zip", "no such checkpoint")
+    assert_one_line_error(invoke("export", corrupt), "model.zip", "not a stable-baselines3 PPO checkpoint")
+    assert_one_line_error(invoke("train", "--config", tmp_path / "missing.yaml"), "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("tidegate/Serving-v0: [unclosed")
+    assert_one_line_error(invoke("train", "--config", tmp_path / "bad.yaml"), "bad.yaml", "not valid YAML")
+    (tmp_path / "other.yaml").write_text("CartPole-v1: {n_envs: 1}")
+    assert_one_line_error(invoke("train", "--config", tmp_path / "other.yaml"), "tidegate/Serving-v0")
+    assert_one_line_error(invoke("train", "--resume", tmp_path / "missing.zip", "--out", tmp_path / "run"),
+                          "missing.zip")
+    assert_one_line_error(invoke("train", "--resume", corrupt, "--out", tmp_path / "run"), "VecNormalize")
+    (tmp_path / "vecnormalize.pkl").write_bytes(b"junk")
+    assert_one_line_error(invoke("train", "--resume", corrupt, "--out", tmp_path / "run", "--n-envs", "1"),
+                          "cannot resume")
+
+
+def test_sim_to_real_bad_input_is_one_line_and_exit_2(tmp_path):
+    assert_one_line_error(invoke("sim-to-real", "--policy", tmp_path / "missing.onnx"), "missing.onnx")
+    assert_one_line_error(invoke("sim-to-real", "--requests", "1"), "requests")
+    assert_one_line_error(invoke("sim-to-real", "--profile", "no-such-profile"), "no-such-profile")
+
+
+def test_sim_to_real_runs_on_tiny_inputs(tmp_path):
+    from training.sim_to_real import sim_to_real
+
+    rows = sim_to_real(requests=6, load=1.0, length_scale=0.05, max_tokens=16, heuristics=("greedy",))
+    assert [(r["engine"], r["controller"]) for r in rows] == [("sim", "learned+shield"), ("real", "learned+shield"),
+                                                               ("sim", "greedy"), ("real", "greedy")]
+    assert all(r["completed"] + r["rejected"] + r["expired"] == 6 for r in rows)
+    assert rows[1]["fallbacks"] == 0 and rows[0]["lambda_max_rps"] > 0
+
+    out = tmp_path / "twin.md"
+    res = invoke("sim-to-real", "--requests", "4", "--load", "1.0", "--length-scale", "0.05", "--max-tokens", "8",
+                 "--out", out)
+    assert res.exit_code == 0, res.output
+    assert "| real | learned+shield |" in res.stdout and out.read_text().startswith("lambda_max (tiny-cpu")
+
+
+# --- a non-editable install --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_non_editable_install_finds_policy_and_config_from_any_directory(tmp_path):
+    # Build from a copy of the source tree: an in-tree build writes build/ and *.egg-info into the checkout.
+    src, target = tmp_path / "src", tmp_path / "site"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info",
+                                                             "__pycache__", ".*_cache", ".hypothesis", "bench-out"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(src)], check=True, capture_output=True, timeout=240)
+    snippet = (
+        "import ctrl, ctrl.learned, engine.core.profile, training.cli, training.configs\n"
+        "c = ctrl.build_controller('learned', engine.core.profile.load_profile('tiny-cpu'))\n"
+        "assert c.inner.policy is not None, c.inner.load_error\n"
+        "print(ctrl.learned.DEFAULT_POLICY)\n"
+        "print(training.configs.DEFAULT_CONFIG)\n"
+        "print({p.name: p.default for p in training.cli.train_command.params}['config_path'])\n"
+        "print(ctrl.__file__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
+    res = subprocess.run([sys.executable, "-c", snippet], cwd="/", env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    policy, config, cli_config, ctrl_file = (Path(line) for line in res.stdout.split())
+    for path in (policy, config, cli_config, ctrl_file):
+        assert path.is_relative_to(target), path
+    assert policy.is_file() and config.is_file() and cli_config == config
+    assert not (target / "checkpoints" / "model.zip").exists()  # only the shipped files are package data

@@ -1,68 +1,121 @@
-"""Click commands ``train``, ``export`` and ``evaluate`` for the ``tidegate`` group
-(``group.add_command(train_command)`` etc.)."""
+"""The ``tidegate`` commands of the learned controller: ``train``, ``export``, ``evaluate`` and
+``sim-to-real``, loaded lazily by ``engine.cli`` (``training.cli:train_command`` and so on).
+
+Torch and stable-baselines3 are imported inside the commands, so ``tidegate --help`` stays fast.
+A user error (a missing or corrupt file, a bad value) is one ``error: ...`` line and exit code 2.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
+
+from ctrl.learned import DEFAULT_POLICY
+from engine.cli.support import friendly
+from training.configs import DEFAULT_CONFIG, DEFAULT_OUT
+from training.errors import ConfigError, EvaluationError, ExportError
+
+
+class OptionError(ValueError):
+    """A command-line value the user got wrong; the message is one sentence naming the option."""
+
+
+def parse_list(text: str, option: str, kind: type, expected: str) -> list:
+    """The comma-separated values of ``option`` as ``kind``; an empty item is an error, not skipped.
+
+    :param expected: what the values should be, for the error message (e.g. ``integers like 0,1,2``).
+    :raises OptionError: an item is empty or not a ``kind``.
+    """
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise OptionError(f"{option} {text!r} is not valid: expected {expected}") from None
+
+
+def _path() -> click.Path:
+    # no exists/dir checks here: the commands name a bad path in one line, click would print its usage too
+    return click.Path(path_type=Path)
 
 
 @click.command("train")
-@click.option("--config", "config_path", default="training/configs/ppo.yaml", show_default=True,
-              help="Zoo-style YAML, one key per env id.")
+@click.option("--config", "config_path", type=_path(), default=DEFAULT_CONFIG,
+              show_default="shipped training/configs/ppo.yaml", help="Zoo-style YAML, one key per env id.")
 @click.option("--timesteps", type=int, default=None, help="Override the config's n_timesteps.")
 @click.option("--n-envs", type=int, default=None, help="Override the config's n_envs.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "out_dir", default="checkpoints", show_default=True, help="Models, checkpoints, logs.")
-@click.option("--resume", default=None, help="A checkpoint .zip to continue from.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the envs and of PPO.")
+@click.option("--out", "out_dir", type=_path(), default=DEFAULT_OUT, show_default=True,
+              help="Model, vecnormalize.pkl, checkpoints, evaluations and TensorBoard logs (tb/).")
+@click.option("--resume", type=_path(), default=None,
+              help="A checkpoint .zip to continue from (its VecNormalize statistics beside it).")
+@friendly(ConfigError)
 def train_command(config_path, timesteps, n_envs, seed, out_dir, resume):
     """Train the learned controller with PPO on tidegate/Serving-v0."""
-    from training.train import ConfigError, train
+    from training.train import train
 
-    try:
-        path = train(config_path, n_timesteps=timesteps, n_envs=n_envs, seed=seed, out_dir=out_dir, resume=resume)
-    except (ConfigError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
+    path = train(config_path, n_timesteps=timesteps, n_envs=n_envs, seed=seed, out_dir=out_dir, resume=resume)
     click.echo(f"saved {path}")
 
 
 @click.command("export")
-@click.argument("checkpoint")
-@click.argument("out", default="checkpoints/policy.onnx")
-@click.option("--vecnormalize", default=None, help="VecNormalize statistics (default: beside the checkpoint).")
+@click.argument("checkpoint", type=_path())
+@click.argument("out", type=_path(), required=False)
+@click.option("--vecnormalize", type=_path(), default=None,
+              help="VecNormalize statistics (default: the file saved beside the checkpoint).")
+@friendly(ExportError)
 def export_command(checkpoint, out, vecnormalize):
-    """Export a PPO checkpoint's deterministic actor to ONNX (normalisation folded in)."""
-    from training.export import ExportError, export
+    """Export a PPO checkpoint's deterministic actor to ONNX (normalisation folded in).
 
-    try:
-        click.echo(f"wrote {export(checkpoint, out, vecnormalize)}")
-    except ExportError as exc:
-        raise click.ClickException(str(exc)) from None
+    OUT defaults to policy.onnx in the checkpoint's folder.
+    """
+    from training.export import export
+
+    click.echo(f"wrote {export(checkpoint, out, vecnormalize)}")
 
 
 @click.command("evaluate")
-@click.option("--policy", default="checkpoints/policy.onnx", show_default=True)
-@click.option("--profile", default="a100-llama2-7b", show_default=True)
+@click.option("--policy", type=_path(), default=DEFAULT_POLICY,
+              show_default="shipped checkpoints/policy.onnx", help="An ONNX policy written by `tidegate export`.")
+@click.option("--profile", default="a100-llama2-7b", show_default=True, help="Profile name or file.")
 @click.option("--loads", default="0.8,1.0,1.2,1.5,2.0", show_default=True, help="Multiples of lambda_max.")
 @click.option("--requests", type=int, default=2000, show_default=True, help="Requests per run.")
 @click.option("--seeds", default="0", show_default=True, help="Window seeds (0: the first requests).")
-@click.option("--out", default=None, help="Write the Markdown tables here.")
-@click.option("--plots", default=None, help="Write learned_goodput.png into this folder.")
+@click.option("--out", type=_path(), default=None, help="Write the Markdown tables here.")
+@click.option("--plots", type=_path(), default=None, help="Write learned_goodput.png into this folder.")
+@friendly(OptionError, EvaluationError)
 def evaluate_command(policy, profile, loads, requests, seeds, out, plots):
     """Compare the learned controller with the heuristics on the evaluation traces."""
+    load_list = parse_list(loads, "--loads", float, "positive numbers like 0.8,1.5")
+    seed_list = parse_list(seeds, "--seeds", int, "non-negative integers like 0,1,2")
     from engine.bench.bench import markdown_table
     from training.evaluate import DEFAULT_HEURISTICS, evaluate, summarize, summary_columns
 
-    try:
-        load_list = [float(x) for x in loads.split(",") if x]
-    except ValueError:
-        raise click.ClickException(f"--loads {loads!r} is not valid: expected numbers like 0.8,1.5") from None
-    try:
-        seed_list = [int(x) for x in seeds.split(",") if x]
-    except ValueError:
-        raise click.ClickException(f"--seeds {seeds!r} is not valid: expected integers like 0,1,2") from None
-    try:
-        rows = evaluate(policy, profile=profile, loads=load_list, requests=requests, seeds=seed_list, out=out,
-                        plots=plots)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(markdown_table(summarize(rows), summary_columns(DEFAULT_HEURISTICS, bool(policy))))
+    rows = evaluate(policy, profile=profile, loads=load_list, requests=requests, seeds=seed_list, out=out,
+                    plots=plots)
+    click.echo(markdown_table(summarize(rows), summary_columns(DEFAULT_HEURISTICS)))
+
+
+@click.command("sim-to-real")
+@click.option("--policy", type=_path(), default=DEFAULT_POLICY,
+              show_default="shipped checkpoints/policy.onnx", help="An ONNX policy written by `tidegate export`.")
+@click.option("--requests", type=int, default=200, show_default=True, help="The first N requests of splitwise_conv.")
+@click.option("--load", type=float, default=1.5, show_default=True, help="Offered load, a multiple of lambda_max.")
+@click.option("--length-scale", type=float, default=0.1, show_default=True,
+              help="Multiply prompt and output lengths (to fit the tiny model).")
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="Cap on every request's output.")
+@click.option("--profile", default="tiny-cpu", show_default=True,
+              help="Profile of the tiny model on this machine (name or file).")
+@click.option("--out", type=_path(), default=None, help="Write the Markdown table here.")
+@friendly(EvaluationError)
+def sim_to_real_command(policy, requests, load, length_scale, max_tokens, profile, out):
+    """The learned controller and two heuristics on the simulator twin and on the real tiny model
+    (CPU, wall clock): the same arrivals, goodput side by side. Progress goes to stderr."""
+    from training.sim_to_real import sim_to_real, sim_to_real_table
+
+    rows = sim_to_real(policy, requests, load, length_scale, max_tokens=max_tokens, profile=profile,
+                       log=lambda line: click.echo(line, err=True))
+    table = sim_to_real_table(rows, load, requests, length_scale, profile)
+    click.echo(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table + "\n")

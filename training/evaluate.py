@@ -1,6 +1,6 @@
 """Evaluate the exported policy against the heuristic controllers on the held-out traces.
 
-    python -m training.evaluate --policy checkpoints/policy.onnx [--loads 0.8,1.0,1.2,1.5,2.0]
+    tidegate evaluate [--policy runs/ppo/policy.onnx] [--profile a100-llama2-7b] [--loads 0.8,1.0,1.2,1.5,2.0]
         [--requests 2000] [--seeds 0,1,2] [--out docs/bench_learned.md] [--plots docs/img]
 
 Every controller replays the same windows of the evaluation split (the last 30% of
@@ -9,8 +9,10 @@ of lambda_max). Seed 0 is the first ``requests`` requests of a segment, seed k >
 starting at a random request (drawn from ``numpy.random.default_rng(k)``). The learned
 controller runs as deployed: ``make_learned_controller`` (the shield around it, the flow
 controller as fallback); the heuristics get the same overload options (queue limit and
-timeout) as the shield. ``flow:tuned`` is ``flow`` (fixed budget) with the budget per load
-picked by grid search on windows of the training split (the first 70% of splitwise_conv).
+timeout) as the shield. The policy defaults to the shipped one (``ctrl.learned.DEFAULT_POLICY``);
+a policy file that cannot be loaded is an error here, not a fallback. ``flow:tuned`` is ``flow``
+(fixed budget) with the budget per load picked by grid search on windows of the training split
+(the first 70% of splitwise_conv).
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from ctrl import build_controller
-from ctrl.learned import make_learned_controller
+from ctrl.base import ReplicaProfile
+from ctrl.learned import DEFAULT_POLICY, make_learned_controller
 from engine.bench.bench import markdown_table
 from engine.core.profile import load_profile
 from engine.sim.simulate import simulate
-from engine.workloads.workload import Arrival
-
-from env.serving_env import TRAIN_FRACTION, split_segments
+from engine.workloads import TRAIN_FRACTION, Arrival, split_segments
+from training.errors import EvaluationError
 
 DEFAULT_HEURISTICS = ("greedy", "no-evict", "sglang", "watermark", "flow:adaptive=true", "flow:tuned")
 DEFAULT_LOADS = (0.8, 1.0, 1.2, 1.5, 2.0)
@@ -36,6 +38,50 @@ COLUMNS = ("trace", "load", "seed", "controller", "requests", "completed", "reje
            "goodput_frac", "slo_attainment", "ttft_p99_s", "tpot_p99_s", "kv_usage_mean", "fallbacks",
            "shield_intervention_rate")
 LEARNED = "learned+shield"
+
+
+def require_policy(path: str | Path, profile: ReplicaProfile) -> Path:
+    """``path`` if the learned controller can run the policy in it on ``profile``.
+
+    ``make_learned_controller`` falls back to the flow controller for a missing or corrupt policy (right
+    for serving); an evaluation of that fallback under the name of the learned controller would be wrong.
+
+    :raises EvaluationError: the file is missing or not a policy exported by ``tidegate export``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise EvaluationError(f"{path}: no such policy file (write one with `tidegate export CHECKPOINT OUT`)")
+    probe = make_learned_controller(path, profile=profile).inner
+    if probe.policy is None:
+        cause = (probe.load_error or "").rpartition(": ")[2]
+        raise EvaluationError(f"{path}: not a policy written by `tidegate export` ({cause})")
+    return path
+
+
+def _writable_folder(folder: str | Path) -> Path:
+    """``folder``, created if missing; checked before a long run rather than after it.
+
+    :raises EvaluationError: it cannot be created.
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EvaluationError(f"{folder}: cannot create this folder ({exc.strerror or type(exc).__name__})") from None
+    return folder
+
+
+def _check_run_sizes(loads, seeds, requests: int) -> None:
+    """Loads must be positive, seeds non-negative integers, and at least one of each and one request.
+
+    :raises EvaluationError: naming the first value out of range.
+    """
+    if not loads or any(not load > 0 for load in loads):
+        raise EvaluationError(f"loads must be positive multiples of lambda_max, got {list(loads)}")
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in seeds):
+        raise EvaluationError(f"seeds must be non-negative integers, got {list(seeds)}")
+    if requests < 1:
+        raise EvaluationError(f"requests must be at least 1, got {requests}")
 
 
 def _window(segment, n: int, load: float, seed: int = 0) -> list[Arrival]:
@@ -73,14 +119,14 @@ def tune_flow_budget(prof, load: float, requests: int, max_waiting: int, timeout
     return best
 
 
-def evaluate(policy: str | Path | None = "checkpoints/policy.onnx", *, profile: str = "a100-llama2-7b",
+def evaluate(policy: str | Path | None = DEFAULT_POLICY, *, profile: str = "a100-llama2-7b",
              loads=DEFAULT_LOADS, requests: int = 2000, seeds=(0,), heuristics=DEFAULT_HEURISTICS,
              shield_mode: str = "soft", control_interval: int = 10, max_waiting: int = 512,
              queue_timeout_s: float | None = None, out: str | Path | None = None,
              plots: str | Path | None = None) -> list[dict]:
     """Goodput and friends of the learned controller and the heuristics on the evaluation split.
 
-    :param policy: the exported ONNX policy (None: only the heuristics).
+    :param policy: the exported ONNX policy (default: the shipped one; None: only the heuristics).
     :param profile: the profile name or path.
     :param loads: offered loads as multiples of lambda_max.
     :param requests: requests per run (a window of each evaluation segment).
@@ -93,8 +139,14 @@ def evaluate(policy: str | Path | None = "checkpoints/policy.onnx", *, profile: 
     :param out: write Markdown tables here (a per-load summary with ratios, then every run).
     :param plots: write ``learned_goodput.png`` (goodput vs load per trace) into this folder.
     :return: one row per (trace, load, seed, controller).
+    :raises EvaluationError: the policy cannot be loaded, or a load, seed or ``requests`` is out of range.
     """
+    _check_run_sizes(loads, seeds, requests)
     prof = load_profile(profile)
+    if policy is not None:
+        policy = require_policy(policy, prof)
+    out = None if out is None else _writable_folder(Path(out).parent) / Path(out).name
+    plots = None if plots is None else _writable_folder(plots)
     timeout = queue_timeout_s or 5.0 * prof.ttft_slo_s
     tuned = {load: tune_flow_budget(prof, load, requests, max_waiting, timeout) for load in loads} \
         if "flow:tuned" in heuristics else {}
@@ -125,8 +177,6 @@ def evaluate(policy: str | Path | None = "checkpoints/policy.onnx", *, profile: 
                     rows.append(s)
     summary = summarize(rows)
     if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         tuned_text = ", ".join(f"{k:g}x: {v:g}" for k, v in tuned.items())
         out.write_text(
             f"Evaluation split: the last {1 - TRAIN_FRACTION:.0%} of splitwise_conv and all of splitwise_code, "
@@ -137,7 +187,7 @@ def evaluate(policy: str | Path | None = "checkpoints/policy.onnx", *, profile: 
             + markdown_table(summary, summary_columns(heuristics, policy is not None)) + "\n\n"
             "Every run:\n\n" + markdown_table(rows, COLUMNS) + "\n")
     if plots is not None:
-        plot(summary, heuristics, Path(plots), policy is not None)
+        plot(summary, heuristics, plots, policy is not None)
     return rows
 
 
@@ -188,25 +238,3 @@ def plot(summary: list[dict], heuristics, folder: Path, learned: bool = True) ->
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def main() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Evaluate the learned controller against the heuristics.")
-    ap.add_argument("--policy", default="checkpoints/policy.onnx")
-    ap.add_argument("--profile", default="a100-llama2-7b")
-    ap.add_argument("--loads", default=",".join(map(str, DEFAULT_LOADS)))
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--seeds", default="0")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--plots", default=None)
-    args = ap.parse_args()
-    rows = evaluate(args.policy, profile=args.profile, loads=[float(x) for x in args.loads.split(",")],
-                    requests=args.requests, seeds=[int(x) for x in args.seeds.split(",")], out=args.out,
-                    plots=args.plots)
-    print(markdown_table(summarize(rows), summary_columns(DEFAULT_HEURISTICS, args.policy is not None)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Export the deterministic PPO actor to ONNX with VecNormalize's observation normalisation folded in.
 
-    python -m training.export checkpoints/model.zip checkpoints/policy.onnx
+    tidegate export runs/ppo/model.zip [runs/ppo/policy.onnx] [--vecnormalize runs/ppo/vecnormalize.pkl]
 
 The graph computes ``clip(action_net(tanh MLP(clip((obs - mean) / std, -c, c))), -1, 1)``, which is
 what ``model.predict(obs, deterministic=True)`` returns for VecNormalize-d observations. The
@@ -18,11 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.train import _vecnormalize_beside
-
-
-class ExportError(ValueError):
-    """A checkpoint that cannot be exported; the message is one sentence naming it."""
+from training.errors import ExportError
+from training.train import vecnormalize_path
 
 
 class _Actor(nn.Module):
@@ -70,39 +67,63 @@ def _clone(m: nn.Linear) -> nn.Linear:
     return c.eval()
 
 
-def export(checkpoint: str | Path, out: str | Path, vecnormalize: str | Path | None = None) -> Path:
+def default_export_path(checkpoint: str | Path) -> Path:
+    """Where :func:`export` writes unless told: ``policy.onnx`` in the checkpoint's folder (so
+    ``checkpoints/model.zip`` reproduces the shipped ``checkpoints/policy.onnx``)."""
+    return Path(checkpoint).with_name("policy.onnx")
+
+
+def export(checkpoint: str | Path, out: str | Path | None = None, vecnormalize: str | Path | None = None) -> Path:
     """Write the deterministic actor of ``checkpoint`` to ONNX.
 
     :param checkpoint: an SB3 PPO ``.zip`` (``model.zip`` or a CheckpointCallback file).
-    :param out: the ``.onnx`` file to write.
-    :param vecnormalize: the VecNormalize statistics (default: the file saved beside the model;
-        none found means no normalisation).
-    :return: ``out``.
+    :param out: the ``.onnx`` file to write (default: :func:`default_export_path`).
+    :param vecnormalize: the VecNormalize statistics (default: the file saved beside the model,
+        :func:`training.train.vecnormalize_path`; none found there means no normalisation).
+    :return: the path written.
+    :raises ExportError: the checkpoint or the statistics are missing or unreadable, or ``out`` cannot be written.
     """
     from stable_baselines3 import PPO
 
     checkpoint = Path(checkpoint)
-    if not checkpoint.exists():
+    if not checkpoint.is_file():
         raise ExportError(f"{checkpoint}: no such checkpoint")
     try:
         model = PPO.load(str(checkpoint), device="cpu")
-    except Exception as exc:
+    except Exception as exc:  # SB3 raises whatever unzipping or unpickling a foreign file does
         raise ExportError(f"{checkpoint}: not a stable-baselines3 PPO checkpoint ({type(exc).__name__})") from None
-    vn_path = Path(vecnormalize) if vecnormalize else _vecnormalize_beside(checkpoint)
-    vn = None
-    if vn_path.exists():
-        with open(vn_path, "rb") as f:
+    actor = build_actor(model, _load_vecnormalize(checkpoint, vecnormalize))
+    out = default_export_path(checkpoint) if out is None else Path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_onnx(actor, model.policy.observation_space.shape[0], out, source=checkpoint)
+    except OSError as exc:
+        raise ExportError(f"{out}: cannot write the policy ({exc.strerror or type(exc).__name__})") from None
+    return out
+
+
+def _load_vecnormalize(checkpoint: Path, vecnormalize: str | Path | None):
+    """The VecNormalize object given, or the one saved beside ``checkpoint``, or None."""
+    path = Path(vecnormalize) if vecnormalize else vecnormalize_path(checkpoint)
+    if not path.is_file():
+        if vecnormalize:
+            raise ExportError(f"{path}: no such VecNormalize file")
+        return None
+    try:
+        with open(path, "rb") as f:
             vn = pickle.load(f)
-    elif vecnormalize:
-        raise ExportError(f"{vn_path}: no such VecNormalize file")
-    actor = build_actor(model, vn)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    dim = model.policy.observation_space.shape[0]
+    except Exception as exc:  # unpickling a foreign file can raise almost anything
+        raise ExportError(f"{path}: not a VecNormalize file ({type(exc).__name__})") from None
+    if not hasattr(vn, "obs_rms"):
+        raise ExportError(f"{path}: not a VecNormalize file (a pickled {type(vn).__name__})")
+    return vn
+
+
+def _write_onnx(actor: _Actor, obs_dim: int, out: Path, source: Path) -> None:
     with warnings.catch_warnings():
         # the torch.export-based exporter needs onnxscript; the TorchScript one is exact for an MLP
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(actor, torch.zeros(1, dim), str(out), input_names=["obs"], output_names=["action"],
+        torch.onnx.export(actor, torch.zeros(1, obs_dim), str(out), input_names=["obs"], output_names=["action"],
                           dynamic_axes={"obs": {0: "batch"}, "action": {0: "batch"}}, opset_version=17,
                           dynamo=False, do_constant_folding=False)
     import onnx
@@ -111,21 +132,5 @@ def export(checkpoint: str | Path, out: str | Path, vecnormalize: str | Path | N
     entry = proto.metadata_props.add()
     entry.key, entry.value = "clip_obs", repr(actor.clip_obs)
     entry = proto.metadata_props.add()
-    entry.key, entry.value = "source", str(checkpoint)
+    entry.key, entry.value = "source", str(source)
     onnx.save(proto, str(out))
-    return out
-
-
-def main() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Export a PPO checkpoint's actor to ONNX.")
-    ap.add_argument("checkpoint")
-    ap.add_argument("out")
-    ap.add_argument("--vecnormalize", default=None)
-    args = ap.parse_args()
-    print(f"wrote {export(args.checkpoint, args.out, args.vecnormalize)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,7 @@ import numpy as np
 from ctrl import build_controller
 from ctrl.theory import capacity
 from engine.sim.simulate import simulate
-from engine.workloads.workload import Arrival, read_trace, resolve_trace
+from engine.workloads import Arrival, read_trace, resolve_trace
 
 DEFAULT_CONTROLLERS = ("greedy", "no-evict", "sglang", "watermark", "class-budgets", "flow:adaptive=true")
 DEFAULT_LOADS = (0.8, 1.0, 1.5, 2.0)

@@ -107,7 +107,8 @@ async def _send(client, url: str, model: str, p: Planned, ignore_eos: bool) -> O
 
 
 async def run_load(url: str, plan: list[Planned], model: str | None = None, max_concurrency: int | None = None,
-                   ignore_eos: bool = True, timeout_s: float = 600.0, progress: bool = True) -> tuple[list[Outcome], float]:
+                   ignore_eos: bool = True, timeout_s: float = 600.0,
+                   progress: bool = True) -> tuple[list[Outcome], float]:
     """Send the plan; returns the outcomes (in plan order) and the wall time of the run."""
     import httpx
     from tqdm import tqdm

@@ -1,12 +1,11 @@
 """Commands of the real engine: ``generate``, ``profile`` and ``twin-check``.
 
-Registered into the ``tidegate`` group by engine/cli.py (``main.add_command(...)``).
+Named in ``engine.cli.COMMANDS``; imported when one of them runs.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -21,9 +20,11 @@ def _threads(threads: int | None) -> None:
 
 
 model_option = click.option("--model", default="tiny", show_default=True,
-                            help="'tiny' (random-weight 3M Llama, no files needed) or a local Hugging Face model folder.")
+                            help="'tiny' (random-weight 3M Llama, no files needed) or a local Hugging Face "
+                                 "model folder.")
 device_option = click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available).")
-dtype_option = click.option("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU).")
+dtype_option = click.option("--dtype", default=None,
+                            help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU).")
 threads_option = click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
 
 
@@ -48,7 +49,7 @@ def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed
                      kv_capacity_tokens, stream, as_json, device, dtype, threads):
     """Generate text for prompts on the real engine."""
     from engine.real.llm import LLM
-    from engine.real.executor import SamplingParams
+    from engine.real.sampling import SamplingParams
 
     _threads(threads)
     if stream and len(prompts) > 1:
@@ -79,8 +80,10 @@ def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed
 @click.option("--name", default=None, help="Profile name (default: the file's stem).")
 @click.option("--kv-capacity-tokens", type=click.IntRange(min=16), default=None,
               help="KV capacity written into the profile (default: sized for the model and device).")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs per grid point and pass.")
-@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="Walks over the shuffled grid.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed runs per grid point and pass.")
+@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Walks over the shuffled grid.")
 @click.option("--quick", is_flag=True, help="A smaller grid (for tests).")
 @click.option("--from-twin", is_flag=True,
               help="Fit on the steps of a real serving run (a trace replayed in real time, as twin-check does) "
@@ -104,7 +107,8 @@ def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed
 def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_tokens, repeats, passes, quick,
                     from_twin, from_steps, trace, skip, first_n, length_scale, rate_scale, controller_spec, runs, loss):
     """Time engine steps and fit the simulator's step-time model (grid of batch shapes, or --from-twin)."""
-    from engine.real.profiler import run_profile, run_profile_from_serving, run_profile_from_steps
+    from engine.real.profiler import run_profile
+    from engine.twin.fit import run_profile_from_serving, run_profile_from_steps
 
     _threads(threads)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
@@ -139,7 +143,8 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 @click.option("--first", "first_n", type=click.IntRange(min=1), default=300, show_default=True)
 @click.option("--length-scale", type=float, default=0.1, show_default=True,
               help="Multiply prompt and output lengths (fit the trace to the tiny model).")
-@click.option("--rate-scale", type=float, default=1.0, show_default=True, help="Replay at this multiple of the trace's speed.")
+@click.option("--rate-scale", type=float, default=1.0, show_default=True,
+              help="Replay at this multiple of the trace's speed.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Cap on output lengths (max_tokens of every request).")
 @click.option("--profile", "profile_name", default="tiny-cpu", show_default=True,

@@ -91,7 +91,8 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, k
 @click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--length-scale", type=float, default=1.0, show_default=True, help="Scale trace lengths.")
 @click.option("--max-tokens", "max_tokens_cap", type=click.IntRange(min=1), default=None, help="Cap trace outputs.")
-@click.option("--goodput", "goodput_slos", multiple=True, help="SLO for goodput, e.g. --goodput ttft:2000 --goodput tpot:100 (ms).")
+@click.option("--goodput", "goodput_slos", multiple=True,
+              help="SLO for goodput, e.g. --goodput ttft:2000 --goodput tpot:100 (ms).")
 @click.option("--model", default=None, help="Model name (default: the server's first).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")

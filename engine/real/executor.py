@@ -8,57 +8,14 @@ keys and values at the blocks the core gave each request, and samples the next t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.core.executor import Batch, StepResult
-from engine.real.paged_cache import PagedKVCache, _long, build_layout, register_attention
 from engine.core.request import Request
-from engine.real.model import IncrementalDetokenizer, resolve_dtype
-
-
-@dataclass
-class SamplingParams:
-    """How a request picks its tokens (``max_tokens`` lives on the Request).
-
-    :param temperature: 0 (or below 1e-5) is greedy; otherwise logits are divided by it before sampling.
-    :param top_p: nucleus sampling: keep the smallest set of tokens with this much probability.
-    :param top_k: keep the k most likely tokens; 0 keeps all.
-    :param seed: seeds the request's own generator, so its samples reproduce (also after an
-        eviction, which restarts the request from scratch); None uses the executor's generator.
-    :param stop_token_ids: token ids that end the request (the token is kept in the output).
-    :param stop: strings that end the request once the output text contains one.
-    :param ignore_eos: keep generating past EOS (up to ``max_tokens``).
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-
-    @property
-    def greedy(self) -> bool:
-        # Below this temperature logits / temperature overflows to inf: the limit is argmax anyway.
-        return self.temperature < 1e-5 or self.top_k == 1
-
+from engine.real.model import IncrementalDetokenizer, resolve_device, resolve_dtype
+from engine.real.paged_cache import PagedKVCache, _long, build_layout, register_attention
+from engine.real.sampling import SamplingParams
 
 _GREEDY = SamplingParams()
 
@@ -95,7 +52,7 @@ class TorchExecutor:
         self.model = model
         self.tokenizer = tokenizer
         params = next(model.parameters())
-        self.device = torch.device(device) if device is not None else params.device
+        self.device = resolve_device(device) if device is not None else params.device
         self.dtype = resolve_dtype(dtype, self.device) if dtype is not None else params.dtype
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.vocab_size = model.config.vocab_size
@@ -118,75 +75,70 @@ class TorchExecutor:
 
     # ------------------------------------------------------------------ the step
     def execute(self, batch: Batch) -> StepResult:
+        """Run one step: pack the new tokens, one forward pass, sample, and find the requests that stop."""
         if not batch.requests:
             return StepResult(None)
         if self.cache is None:
             raise RuntimeError("TorchExecutor.attach_pool(pool) was not called")
-        reqs, counts = batch.requests, batch.num_new_tokens
-        input_ids: list[int] = []
-        positions: list[int] = []     # first position of each request's new tokens
-        tables: list[list[int]] = []  # block tables of the step's requests
-        sample_rows: list[int] = []   # packed row of the last token of each sampling request
-        samplers: list[int] = []      # batch index of each sampling request
-        states = self._states
-        row = 0
-        for i, r in enumerate(reqs):
-            n = counts[i]
-            c = r.num_computed_tokens
-            if r not in states:  # new, or restarted after an eviction released it
-                self._start(r)
-            p = r.prompt_len
-            if c >= p:  # a decode: the token at position c is an output token
-                if n == 1:
-                    input_ids.append(r.output_token_ids[c - p])
-                else:
-                    input_ids.extend(r.output_token_ids[c - p:c - p + n])
-            elif c + n <= p:
-                input_ids.extend(r.prompt_token_ids[c:c + n])
-            else:
-                input_ids.extend((r.prompt_token_ids + r.output_token_ids)[c:c + n])
-            positions.append(c)
-            tables.append(r.block_ids)
-            row += n
-            if c + n >= r.num_tokens:
-                sample_rows.append(row - 1)
-                samplers.append(i)
+        step = self._pack(batch)
+        logits = self._forward(batch, step)
+        samplers = [batch.requests[i] for i in step.samplers]
+        with torch.inference_mode():
+            tokens = self._sample(logits, samplers)
+        token_ids: list[int | None] = [None] * len(batch.requests)
+        for i, tok in zip(step.samplers, tokens):
+            token_ids[i] = tok
+        stopped = [r for r, tok in zip(samplers, tokens) if self._stops(r, tok)]
+        return StepResult(None, token_ids, stopped)
 
-        layout, position_ids = build_layout(self.cache.block_size, batch.num_decodes, positions, counts, tables,
-                                            self.device, self.dtype)
-        self.cache.layout = layout
+    def _pack(self, batch: Batch) -> "_PackedStep":
+        """The step's new tokens as one packed sequence, and which rows sample a token."""
+        step = _PackedStep()
+        row = 0
+        for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if r not in self._states:  # new, or restarted after an eviction released it
+                self._start(r)
+            c = r.num_computed_tokens
+            step.input_ids.extend(_new_token_ids(r, c, n))
+            step.positions.append(c)
+            step.tables.append(r.block_ids)
+            row += n
+            if c + n >= r.num_tokens:  # the chunk reaches the end of the sequence: it samples
+                step.sample_rows.append(row - 1)
+                step.samplers.append(i)
+        return step
+
+    def _forward(self, batch: Batch, step: "_PackedStep") -> torch.Tensor:
+        """One forward pass over the packed step; logits of the sampling rows, ``[samplers, vocab]``."""
         dev = self.device
-        ids = _long(input_ids, dev).unsqueeze(0)
-        keep = _long(sample_rows, dev)
+        layout, position_ids = build_layout(self.cache.block_size, batch.num_decodes, step.positions,
+                                            batch.num_new_tokens, step.tables, dev, self.dtype)
+        self.cache.layout = layout
+        ids = _long(step.input_ids, dev).unsqueeze(0)
+        keep = _long(step.sample_rows, dev)
         config = self.model.config
         previous = config._attn_implementation
         self._set_attn(config, self._attn_name)
         try:
             with torch.inference_mode():
-                if self.time_forward:
-                    t0 = time.perf_counter()
+                t0 = time.perf_counter() if self.time_forward else 0.0
                 logits = self.model(input_ids=ids, position_ids=position_ids.unsqueeze(0), cache=self.cache,
                                     use_cache=False, logits_to_keep=keep, paged_layout=layout).logits[0]
                 if self.time_forward:
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
                     self.forward_time_s += time.perf_counter() - t0
-                tokens = self._sample(logits, [reqs[i] for i in samplers])
         finally:
             self._set_attn(config, previous)
             self.cache.layout = None
+        return logits
 
-        token_ids: list[int | None] = [None] * len(reqs)
-        stopped = []
-        for i, tok in zip(samplers, tokens):
-            token_ids[i] = tok
-            r = reqs[i]
-            state = self._states[r]
-            if tok in state.stop_ids:
-                stopped.append(r)
-            elif state.detok is not None and self._hits_stop_string(r, state, tok):
-                stopped.append(r)
-        return StepResult(None, token_ids, stopped)
+    def _stops(self, r: Request, tok: int) -> bool:
+        """Whether ``tok`` ends ``r``: a stop token (EOS included unless ignored) or a stop string."""
+        state = self._states[r]
+        if tok in state.stop_ids:
+            return True
+        return state.detok is not None and self._hits_stop_string(r, state, tok)
 
     def release(self, request: Request) -> None:
         """Drop the request's generator and detokenizer (it ended or was evicted)."""
@@ -241,3 +193,28 @@ class TorchExecutor:
         window = max(len(s) for s in stops) - 1
         tail = detok.text[max(0, before - window):]
         return any(s in tail for s in stops)
+
+
+class _PackedStep:
+    """A step's requests laid out as one packed sequence."""
+
+    __slots__ = ("input_ids", "positions", "tables", "sample_rows", "samplers")
+
+    def __init__(self) -> None:
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []      # first position of each request's new tokens
+        self.tables: list[list[int]] = []   # block tables of the step's requests
+        self.sample_rows: list[int] = []    # packed row of the last token of each sampling request
+        self.samplers: list[int] = []       # batch index of each sampling request
+
+
+def _new_token_ids(r: Request, computed: int, n: int) -> list[int]:
+    """Ids of the ``n`` tokens of ``r``'s sequence (prompt then output) from position ``computed``."""
+    p = r.prompt_len
+    if computed >= p:  # a decode: the token at position ``computed`` is an output token
+        if n == 1:
+            return [r.output_token_ids[computed - p]]
+        return r.output_token_ids[computed - p:computed - p + n]
+    if computed + n <= p:
+        return r.prompt_token_ids[computed:computed + n]
+    return (r.prompt_token_ids + r.output_token_ids)[computed:computed + n]

@@ -20,11 +20,14 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from engine.core.builder import build_engine
 from engine.core.clock import WallClock
-from engine.core.engine_core import ASK, EngineCore
-from engine.core.request import Request, RequestState
-from engine.real.model import IncrementalDetokenizer, default_device, load_model, resolve_dtype
-from engine.real.executor import SamplingParams, TorchExecutor
+from engine.core.engine_core import ASK
+from engine.core.request import Request, unservable_reason
+from engine.real.executor import TorchExecutor
+from engine.real.model import IncrementalDetokenizer, load_model, resolve_device, resolve_dtype
+from engine.real.paged_cache import kv_bytes_per_token
+from engine.real.sampling import SamplingParams
 
 DeltaCallback = Callable[[Request, str, bool], None]
 
@@ -116,10 +119,12 @@ class LLM:
         from engine.core.block_pool import BlockPool
 
         spec = controller if isinstance(controller, str) else None
+        settings = dict(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                        max_num_seqs=max_num_seqs)
+        serving = serving_profile(profile, kv_capacity_tokens, **settings)
         if spec is not None:  # check the cheap inputs before loading anything
-            controller = build_controller(spec, serving_profile(profile, kv_capacity_tokens, block_size,
-                                                                max_num_batched_tokens, max_num_seqs))
-        device = torch.device(device) if device is not None else default_device()
+            controller = build_controller(spec, serving)
+        device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         if kv_capacity_tokens is not None:
             BlockPool(kv_capacity_tokens, block_size)  # raises ValueError on a bad size
@@ -130,13 +135,12 @@ class LLM:
         self.model, self.tokenizer = hf_model, tokenizer
         self.executor = TorchExecutor(hf_model, tokenizer, device=device, dtype=dtype)
         if kv_capacity_tokens is None:
-            kv_capacity_tokens = self._default_capacity(device)
+            serving = serving_profile(profile, self._default_capacity(device), **settings)
             if spec is not None:  # the controller should see the real KV size
-                controller = build_controller(spec, serving_profile(profile, kv_capacity_tokens, block_size,
-                                                                    max_num_batched_tokens, max_num_seqs))
-        self.core = EngineCore(controller, self.executor, WallClock(), kv_capacity_tokens=kv_capacity_tokens,
-                               block_size=block_size, on_token=self._on_token, on_finish=self._on_finish,
-                               record_steps=record_steps)
+                controller = build_controller(spec, serving)
+        self.profile = serving
+        self.core = build_engine(serving, controller, self.executor, WallClock(), record_steps=record_steps,
+                                 on_token=self._on_token, on_finish=self._on_finish)
         self.executor.attach_pool(self.core.pool)
         self.max_model_len = self.executor.max_model_len
         self._streams: dict[Request, _Stream] = {}
@@ -145,11 +149,7 @@ class LLM:
     def _default_capacity(self, device: torch.device) -> int:
         if device.type != "cuda":
             return 32768
-        cfg = self.model.config
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=self.executor.dtype).element_size()
+        per_token = kv_bytes_per_token(self.model.config, self.executor.dtype)
         free, _ = torch.cuda.mem_get_info(device)
         return max(int(0.8 * free) // per_token, 1024)
 
@@ -161,23 +161,15 @@ class LLM:
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise ValueError (one sentence) for a request that can never run."""
-        n = len(prompt_token_ids)
-        if n < 1:
-            raise ValueError("the prompt is empty; a request needs at least one prompt token.")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
-        if any(t < 0 or t >= self.executor.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"the prompt holds token ids outside the vocabulary of {self.executor.vocab_size}.")
-        limit = self.max_model_len
-        if limit is not None and n > limit:
-            raise ValueError(f"the prompt has {n} tokens, more than the model context of {limit} tokens.")
-        if limit is not None and n + max_tokens > limit:
-            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the model context "
-                             f"of {limit} tokens.")
-        cap = self.core.pool.capacity_tokens
-        if n + max_tokens > cap:
-            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the KV capacity "
-                             f"of {cap} tokens.")
+        vocab = self.executor.vocab_size
+        # Ids outside the vocabulary are this engine's own concern; the rest is the core's one
+        # definition of a request that can never run (an empty prompt and a bad max_tokens first).
+        if max_tokens >= 1 and any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary of {vocab}.")
+        reason = unservable_reason(len(prompt_token_ids), max_tokens, self.core.pool.capacity_tokens,
+                                   self.max_model_len)
+        if reason is not None:
+            raise ValueError(reason)
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 16,
                     request_id: str | None = None, on_delta: DeltaCallback | None = None,

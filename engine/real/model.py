@@ -137,6 +137,34 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device=None) -> torch.device:
+    """``None`` -> CUDA when available, else CPU; a name such as ``cuda:1`` -> that device, checked to exist.
+
+    :raises ModelLoadError: the name is not a device, or names a device this machine or torch build lacks.
+    """
+    if device is None:
+        return default_device()
+    if isinstance(device, torch.device):
+        resolved = device
+    else:
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ModelLoadError(f"unknown device {device!r}: expected cpu, cuda or cuda:N.") from None
+    if resolved.type == "cpu" or (resolved.type == "mps" and torch.backends.mps.is_available()):
+        return resolved
+    if resolved.type != "cuda":
+        raise ModelLoadError(f"device {str(device)!r} is not available here: expected cpu, cuda or cuda:N.")
+    if not torch.cuda.is_available():
+        why = (f"this torch build ({torch.__version__}) has no CUDA support" if torch.version.cuda is None
+               else "no CUDA GPU is visible")
+        raise ModelLoadError(f"device {str(device)!r} is not available: {why}; expected cpu.")
+    count = torch.cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise ModelLoadError(f"device {str(device)!r} does not exist: expected cuda:0 to cuda:{count - 1}.")
+    return resolved
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -164,9 +192,10 @@ def load_model(model: str = "tiny", device=None, dtype=None):
     :param device: torch device; None: CUDA when available, else CPU.
     :param dtype: torch dtype or its name; None: bf16 on CUDA, fp32 on CPU.
     :return: ``(model, tokenizer)`` with the model in eval mode on ``device``.
-    :raises ModelLoadError: the folder is missing or does not hold a loadable model.
+    :raises ModelLoadError: the folder is missing or does not hold a loadable model, or the device is
+        unknown or absent.
     """
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if model == "tiny":
         return build_tiny_model(seed=0, dtype=dtype, device=device)

@@ -144,6 +144,24 @@ def plan_buckets(num_blocks: list[int], call_cost: float = CALL_COST_BLOCKS,
     return [order[cum[cuts[k]]:cum[cuts[k + 1]]] for k in range(len(cuts) - 1)]
 
 
+def kv_geometry(config) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers model ``config``.
+
+    Grouped-query models give ``num_key_value_heads``; older configs leave it out (one KV head per
+    attention head) or leave out ``head_dim`` (``hidden_size / num_attention_heads``).
+    """
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes in every layer (keys and values) at ``dtype``."""
+    num_layers, num_kv_heads, head_dim = kv_geometry(config)
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
 class PagedKVCache:
     """Keys and values of every layer in the pool's blocks.
 
@@ -178,10 +196,8 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, config, pool, device, dtype) -> "PagedKVCache":
         """A cache shaped for a transformers model ``config`` on the engine's ``pool``."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, pool.num_blocks, pool.block_size, kv_heads, head_dim, device, dtype)
+        num_layers, num_kv_heads, head_dim = kv_geometry(config)
+        return cls(num_layers, pool.num_blocks, pool.block_size, num_kv_heads, head_dim, device, dtype)
 
     @property
     def bytes(self) -> int:

@@ -1,0 +1,149 @@
+"""Fit the simulator's step-time model on the steps of real serving runs.
+
+Two sources of serving steps, both fitted with ``engine.sim.fit.fit_step_time`` (by default on
+absolute relative error, which minimises the step-time MAPE the twin check reports):
+
+- ``run_profile_from_serving`` (``tidegate profile --from-twin``): a trace slice replayed through
+  the real engine in wall-clock time exactly as ``twin-check`` does (``replay_real``), every
+  step's (T, K) and whole ``EngineCore.step`` duration recorded (scheduling and sampling
+  included, shapes changing every step, idle gaps between arrivals). By default the run uses
+  requests 300-599 of ``splitwise_conv``, disjoint from the 300 the twin check replays.
+- ``run_profile_from_steps`` (``tidegate profile --from-steps``): the ``twin_steps.csv`` a twin
+  check wrote, without serving again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine.core.profile import Profile
+from engine.real.model import load_model, resolve_device, resolve_dtype
+from engine.real.profiler import describe_device, serving_defaults
+from engine.sim.fit import binned_samples, fit_step_time
+from engine.twin.replay import replay_real
+
+
+def serving_arrivals(trace: str = "splitwise_conv", skip: int = 300, first_n: int = 300, length_scale: float = 0.1,
+                     rate_scale: float = 1.0, max_tokens: int = 256):
+    """Requests ``skip .. skip+first_n-1`` of a trace, re-based to arrive from 0 (as ``read_trace`` does)."""
+    from engine.workloads import read_trace, resolve_trace
+
+    arrivals = read_trace(resolve_trace(trace), first_n=skip + first_n, rate_scale=rate_scale,
+                          length_scale=length_scale, max_tokens_cap=max_tokens)[skip:]
+    if not arrivals:
+        raise ValueError(f"{trace} has no requests after the first {skip}")
+    t0 = arrivals[0].arrival_time_s
+    return [dataclasses.replace(a, arrival_time_s=a.arrival_time_s - t0) for a in arrivals]
+
+
+def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name: str = "tiny-cpu",
+                             trace: str = "splitwise_conv", skip: int = 300, first_n: int = 300,
+                             length_scale: float = 0.1, rate_scale: float = 1.0, max_tokens: int = 256,
+                             controller_spec: str = "greedy", kv_capacity_tokens: int | None = None,
+                             block_size: int = 16, loss: str = "l1", seed: int = 0, runs: int = 1,
+                             log: Callable[[str], None] | None = None) -> Profile:
+    """Fit the profile on the steps of a real serving run (``tidegate profile --from-twin``).
+
+    The trace slice is replayed through the real engine in wall-clock time (``replay_real``, the
+    same loop ``twin-check`` uses); each non-empty step's (T, K) and its whole ``EngineCore.step``
+    duration are the fit's rows. ``runs`` > 1 replays it that many times and pools the steps, so
+    the fit averages over the load other jobs put on a shared machine.
+    """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    config = load_model(model, device, dtype)[0].config
+    base = serving_defaults(config, name, block_size, kv_capacity_tokens)
+    arrivals = serving_arrivals(trace, skip, first_n, length_scale, rate_scale, max_tokens)
+    if log:
+        log(f"replaying requests {skip}-{skip + len(arrivals) - 1} of {trace} (length x{length_scale}, "
+            f"rate x{rate_scale}) through the real engine: about {arrivals[-1].arrival_time_s:.0f}s")
+    t0 = time.perf_counter()
+    rows, per_run = _serve_and_record(arrivals, base, controller_spec, runs, model, device, dtype, seed, log)
+    fit = fit_step_time(rows, loss=loss)
+    described = describe_device(device)
+    source = (f"fitted on serving steps (tidegate profile --from-twin --model {model} --device {device.type} "
+              f"--trace {trace} --skip {skip} --first {first_n} --length-scale {length_scale} "
+              f"--rate-scale {rate_scale} --runs {runs})")
+    serving = {"trace": trace, "skip": skip, "first": first_n, "length_scale": length_scale,
+               "rate_scale": rate_scale, "max_tokens": max_tokens, "controller": controller_spec,
+               "steps": len(rows), "runs": per_run}
+    return dataclasses.replace(
+        base, base_s=fit["base_s"], per_token_s=fit["per_token_s"], per_kv_token_s=fit["per_kv_token_s"],
+        description=f"{model} model ({str(dtype).removeprefix('torch.')}) on {described} (fitted on serving steps).",
+        source=source,
+        extra={"fit": fit, "device": described, "torch": torch.__version__,
+               "profiling_time_s": time.perf_counter() - t0, "method": "serving", "serving": serving,
+               "samples": binned_samples(rows)},
+    )
+
+
+def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, model: str, device, dtype,
+                      seed: int, log) -> tuple[list[tuple[int, int, float]], list[dict]]:
+    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds)`` of every non-empty step,
+    and per run its step count and median single-token step."""
+    from ctrl import build_controller
+
+    rows: list[tuple[int, int, float]] = []
+    per_run = []
+    for run in range(runs):
+        controller = build_controller(controller_spec, base, arrivals)
+        core, recorder = replay_real(arrivals, base, controller, model=model, device=device, dtype=dtype, seed=seed,
+                                     log=log)
+        durations = core.metrics.step_duration_s
+        got = [(t, k, d) for t, k, d in zip(recorder.tokens, recorder.kv_tokens_read, durations) if t > 0]
+        rows += got
+        single = [d for t, _, d in got if t == 1]
+        per_run.append({"steps": len(got), "batch1_decode_median_s": float(np.median(single)) if single else None})
+        if log and runs > 1:
+            log(f"  run {run + 1}/{runs}: {len(got)} steps, median single-token step "
+                f"{1e3 * per_run[-1]['batch1_decode_median_s']:.2f} ms")
+    return rows, per_run
+
+
+def read_steps_csv(path) -> list[tuple[int, int, float]]:
+    """``(T, K, seconds)`` rows of a ``twin_steps.csv`` written by ``twin-check``."""
+    rows = []
+    with open(path) as f:
+        header = f.readline().strip().split(",")
+        try:
+            it, ik, ir = header.index("tokens"), header.index("kv_tokens_read"), header.index("real_s")
+        except ValueError:
+            raise ValueError(f"{path}: expected the columns tokens, kv_tokens_read, real_s "
+                             f"(a twin_steps.csv)") from None
+        for line in f:
+            parts = line.strip().split(",")
+            if len(parts) == len(header) and int(parts[it]) > 0:
+                rows.append((int(parts[it]), int(parts[ik]), float(parts[ir])))
+    if len(rows) < 3:
+        raise ValueError(f"{path}: fewer than 3 steps to fit")
+    return rows
+
+
+def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv_capacity_tokens: int | None = None,
+                           block_size: int = 16, loss: str = "l1") -> Profile:
+    """Fit the profile on the steps a ``twin-check`` recorded (its ``twin_steps.csv``), without serving again.
+
+    Checking the twin against the very run its profile was fitted on is in-sample: use it to see
+    how far a linear profile can get, and fit on a different run for an honest check.
+    """
+    rows = read_steps_csv(path)
+    fit = fit_step_time(rows, loss=loss)
+    base = serving_defaults(_config_of(model), name, block_size, kv_capacity_tokens)
+    return dataclasses.replace(
+        base, base_s=fit["base_s"], per_token_s=fit["per_token_s"], per_kv_token_s=fit["per_kv_token_s"],
+        description=f"{model} model, fitted on the serving steps in {path}.",
+        source=f"fitted on recorded serving steps (tidegate profile --from-steps {path})",
+        extra={"fit": fit, "method": "steps", "steps_file": str(path), "samples": binned_samples(rows)})
+
+
+def _config_of(model: str):
+    """The model's transformers config (the tiny model is built; a folder's config is read, not its weights)."""
+    if model == "tiny":
+        return load_model(model, "cpu", None)[0].config
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model)

@@ -1,0 +1,114 @@
+"""Replay a workload through the real engine in wall-clock time, recording every step's work.
+
+The same ``EngineCore`` (``build_engine``) and arrival loop (``engine.core.driver.replay``) as
+``simulate``, with a ``TorchExecutor`` and a ``WallClock``: the real half of the twin check, of
+``tidegate profile --from-twin`` and of the sim-to-real check. Each request gets random prompt
+tokens of the trace's length, ignores EOS and ends at the trace's output length, exactly as in
+the simulator.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from engine.core.builder import build_engine
+from engine.core.clock import WallClock
+from engine.core.driver import replay
+from engine.core.engine_core import EngineCore
+from engine.core.executor import Batch, StepResult
+from engine.core.profile import Profile
+from engine.core.request import Request
+from engine.real.executor import TorchExecutor
+from engine.real.model import load_model
+from engine.real.sampling import SamplingParams
+
+_IGNORE_EOS = SamplingParams(ignore_eos=True)
+LOG_EVERY_S = 10.0
+
+
+class RecordingExecutor:
+    """Wraps an executor and records the work (T, K) of every step it runs."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.tokens: list[int] = []
+        self.kv_tokens_read: list[int] = []
+
+    def execute(self, batch: Batch) -> StepResult:
+        self.tokens.append(batch.num_tokens)
+        self.kv_tokens_read.append(batch.kv_tokens_read)
+        return self.inner.execute(batch)
+
+    def release(self, request: Request) -> None:
+        self.inner.release(request)
+
+    def clear(self) -> None:
+        """Forget the steps recorded so far."""
+        self.tokens.clear()
+        self.kv_tokens_read.clear()
+
+
+def replay_real(arrivals, profile: Profile, controller, model: str = "tiny", device=None, dtype=None,
+                seed: int = 0, log: Callable[[str], None] | None = None) -> tuple[EngineCore, RecordingExecutor]:
+    """Replay ``arrivals`` through the real engine in wall-clock time.
+
+    :param arrivals: time-sorted ``engine.workloads.Arrival`` items.
+    :param profile: the replica's KV capacity and block size (and rate window).
+    :param controller: the controller under test; it is reset first.
+    :param seed: seeds the random prompt tokens.
+    :param log: gets a progress line every ten seconds of replay.
+    :return: the engine (metrics, finished requests) and the recorder of every step's (T, K).
+    """
+    hf_model, tokenizer = load_model(model, device, dtype)
+    executor = TorchExecutor(hf_model, tokenizer, device=device, dtype=dtype)
+    recorder = RecordingExecutor(executor)
+    prompts = random_prompts(arrivals, executor.vocab_size, seed)
+    _warm_up(profile, controller, recorder, prompts[0])
+    controller.reset()
+    core = build_engine(profile, controller, recorder, WallClock())
+    executor.attach_pool(core.pool)
+    recorder.clear()
+
+    def make_request(i: int) -> Request:
+        a = arrivals[i]
+        # max_tokens and target_output_len exactly as the simulator sets them.
+        return Request(str(i), a.arrival_time_s, a.prompt_tokens, a.max_tokens, target_output_len=a.output_tokens,
+                       prompt_token_ids=prompts[i], sampling=_IGNORE_EOS, class_id=a.class_id)
+
+    on_step = None if log is None else _progress_logger(core, len(arrivals), log)
+    replay(core, [a.arrival_time_s for a in arrivals], make_request, on_step)
+    return core, recorder
+
+
+def random_prompts(arrivals, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random prompt token ids of each arrival's length (special ids 0-2 left out when the vocabulary allows)."""
+    rng = random.Random(seed)
+    low = 3 if vocab_size > 3 else 0
+    return [[rng.randrange(low, vocab_size) for _ in range(a.prompt_tokens)] for a in arrivals]
+
+
+def _warm_up(profile: Profile, controller, recorder: RecordingExecutor, prompt: list[int]) -> None:
+    """Run one short request on a throw-away engine so the kernels' first calls (which allocate)
+    happen before the clock starts to matter."""
+    controller.reset()
+    core = build_engine(profile, controller, recorder, WallClock())
+    recorder.inner.attach_pool(core.pool)
+    ids = (prompt * 16)[:16] or [0] * 16  # 16 tokens, also from a shorter first prompt
+    core.add_request(Request("warm-up", 0.0, len(ids), 2, prompt_token_ids=ids, sampling=_IGNORE_EOS))
+    while core.has_unfinished:
+        core.step()
+
+
+def _progress_logger(core: EngineCore, n: int, log: Callable[[str], None]) -> Callable[[int], None]:
+    """An ``on_step`` hook that logs the replay's progress every ``LOG_EVERY_S`` seconds."""
+    next_log = [0.0]
+
+    def on_step(arrived: int) -> None:
+        now = core.clock.now()
+        if now >= next_log[0]:
+            log(f"  real engine: t={now:6.1f}s arrived={arrived}/{n} running={len(core.running)} "
+                f"waiting={len(core.waiting)} kv={core.pool.used_tokens}/{core.pool.capacity_tokens}")
+            next_log[0] = now + LOG_EVERY_S
+
+    return on_step

@@ -1,0 +1,164 @@
+"""The simulator twin against the real engine: the step-time fit, the profiler's grid, fitting on
+recorded serving steps and the twin check end to end (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.core.profile import Profile, load_profile
+from engine.sim.fit import binned_samples, fit_step_time
+from engine.twin.check import COMPARED, step_time_errors
+from engine.twin.fit import read_steps_csv, run_profile_from_steps
+
+torch.set_num_threads(1)  # as the tiny-cpu profile was fitted
+
+COEFFICIENTS = {"base_s": 0.002, "per_token_s": 1e-4, "per_kv_token_s": 1e-6}
+
+
+def _step_rows(n: int, seed: int = 0) -> list[tuple[int, int, float]]:
+    """``(T, K, seconds)`` of ``n`` steps timed exactly by ``COEFFICIENTS``."""
+    rng = random.Random(seed)
+    c = COEFFICIENTS
+    rows = []
+    for _ in range(n):
+        t, k = rng.randint(1, 300), rng.randint(1, 20000)
+        rows.append((t, k, c["base_s"] + c["per_token_s"] * t + c["per_kv_token_s"] * k))
+    return rows
+
+
+# --- the step-time fit (engine.sim.fit) ------------------------------------------------------
+
+@pytest.mark.parametrize("loss", ["l2", "l1"])
+def test_fit_recovers_known_coefficients_from_noiseless_steps(loss):
+    fit = fit_step_time(_step_rows(200), loss=loss)
+    for key, value in COEFFICIENTS.items():
+        assert fit[key] == pytest.approx(value, rel=1e-6), key
+    assert fit["mape"] < 1e-6 and fit["heldout_mape"] < 1e-6 and fit["r2"] == pytest.approx(1.0)
+    assert fit["points"] == 200 and fit["heldout_points"] == 50 and fit["loss"] == loss
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # Step time that falls with K: the unconstrained fit would give K a negative cost.
+    rows = [(t, k, 0.01 + 1e-4 * t - 1e-7 * k) for t in (1, 8, 64) for k in (10, 1000, 10000)]
+    fit = fit_step_time(rows)
+    assert fit["per_kv_token_s"] == 0.0 and fit["base_s"] > 0 and fit["per_token_s"] > 0
+
+
+def test_fit_rejects_an_unknown_loss():
+    with pytest.raises(ValueError, match="loss must be 'l1' or 'l2'"):
+        fit_step_time(_step_rows(10), loss="l3")
+
+
+def test_l1_fit_recovers_coefficients_despite_stalls():
+    rng = random.Random(0)
+    rows = []
+    for _ in range(400):
+        t, k = rng.randint(1, 300), rng.randint(1, 20000)
+        s = 0.002 + 1e-4 * t + 1e-6 * k
+        if rng.random() < 0.1:
+            s *= 3  # a stall from another job
+        rows.append((t, k, s * (1 + rng.uniform(-0.01, 0.01))))
+    fit = fit_step_time(rows, loss="l1")
+    assert abs(fit["base_s"] / 0.002 - 1) < 0.05 and abs(fit["per_token_s"] / 1e-4 - 1) < 0.05
+    assert fit["median_ape"] < 0.02
+
+
+def test_binned_samples_keep_every_step_once():
+    rows = _step_rows(500)
+    bins = binned_samples(rows)
+    assert sum(b["steps"] for b in bins) == 500
+    assert bins == sorted(bins, key=lambda b: (b["tokens"], b["kv_tokens_read"]))
+
+
+# --- predictions come from the one step-time formula -----------------------------------------
+
+class _Recorded:
+    tokens = [0, 1, 7, 300]
+    kv_tokens_read = [0, 40, 900, 20000]
+
+
+def test_step_time_errors_predict_with_the_profiles_formula():
+    profile = Profile("toy", "a toy", kv_capacity_tokens=4096, idle_s=0.5, **COEFFICIENTS)
+    real = [0.5, 0.003, 0.004, 0.06]
+    errors = step_time_errors(_Recorded(), real, profile)
+    assert errors["steps"] == 3  # the idle step is left out
+    expected = [profile.step_time_s(t, k) for t, k in zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:])]
+    np.testing.assert_array_equal(errors["predicted_s"], expected)
+    ape = np.abs(np.array(expected) - real[1:]) / real[1:]
+    assert errors["mape"] == pytest.approx(ape.mean())
+
+
+# --- fitting on recorded serving steps (engine.twin.fit) -------------------------------------
+
+def _write_steps(path, rows) -> None:
+    with open(path, "w") as f:
+        f.write("tokens,kv_tokens_read,real_s,predicted_s\n")
+        f.write("0,0,0.5,0.5\n")  # an idle step: not a row of the fit
+        for t, k, s in rows:
+            f.write(f"{t},{k},{s:.9g},0\n")
+
+
+@pytest.mark.slow  # builds the tiny model for its config (importing transformers takes seconds)
+def test_profile_from_recorded_steps(tmp_path):
+    path = tmp_path / "twin_steps.csv"
+    _write_steps(path, _step_rows(40))
+    assert len(read_steps_csv(path)) == 40
+    profile = run_profile_from_steps(path, name="from-steps")
+    for key, value in COEFFICIENTS.items():
+        assert getattr(profile, key) == pytest.approx(value, rel=1e-4), key
+    assert profile.name == "from-steps" and profile.extra["method"] == "steps"
+    assert profile.kv_capacity_tokens == 8 * 2048  # eight contexts of the tiny model
+    profile.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == profile
+
+
+def test_steps_file_without_the_columns_is_one_sentence(tmp_path):
+    path = tmp_path / "other.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="expected the columns tokens, kv_tokens_read, real_s"):
+        read_steps_csv(path)
+    _write_steps(path, _step_rows(2))
+    with pytest.raises(ValueError, match="fewer than 3 steps"):
+        read_steps_csv(path)
+
+
+# --- the profiler's grid (engine.real.profiler) ----------------------------------------------
+
+@pytest.mark.slow
+def test_profiler_grid_fits_a_loadable_profile(tmp_path):
+    from engine.real.profiler import QUICK_GRID, grid_points, run_profile
+
+    profile = run_profile("tiny", device="cpu", name="grid-test", quick=True, repeats=1, passes=1)
+    assert min(profile.base_s, profile.per_token_s, profile.per_kv_token_s) >= 0
+    assert profile.base_s + profile.per_token_s + profile.per_kv_token_s > 0
+    assert profile.extra["method"] == "grid" and profile.extra["fit"]["points"] == len(grid_points(QUICK_GRID))
+    assert all(s["step_s"] > 0 for s in profile.extra["samples"])
+    profile.save(tmp_path / "grid-test.json")
+    assert load_profile(tmp_path / "grid-test.json") == profile
+
+
+# --- the twin check end to end (engine.twin.check) -------------------------------------------
+
+@pytest.mark.slow
+def test_twin_check_end_to_end(tmp_path):
+    from engine.twin.check import run_twin_check
+
+    report = run_twin_check(model="tiny", trace="splitwise_conv", first_n=16, length_scale=0.05, rate_scale=10.0,
+                            profile_name="tiny-cpu", device="cpu", out_dir=tmp_path)
+    assert {"trace", "requests", "profile", "model", "step_time", "step_time_by_size", "speed_drift", "metrics",
+            "targets_met", "real_summary", "sim_summary", "table"} <= set(report)
+    assert report["requests"] == 16 and set(report["metrics"]) == set(COMPARED)
+    completed = report["metrics"]["completed"]
+    assert completed["real"] == completed["sim"] == 16
+    assert report["step_time"]["steps"] > 0 and report["step_time"]["mape"] >= 0
+    assert set(report["targets_met"]) == {"step_time_mape", "throughput_rps", "ttft_p50_s"}
+    assert json.loads((tmp_path / "twin_report.json").read_text())["requests"] == 16
+    assert (tmp_path / "twin_step_time.png").stat().st_size > 0
+    # The steps it recorded are what --from-steps fits on.
+    assert len(read_steps_csv(tmp_path / "twin_steps.csv")) == report["step_time"]["steps"]
+    assert (tmp_path / "twin_requests.csv").read_text().count("\n") == 17

@@ -15,13 +15,22 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from ctrl.learned import (ACTION_DIM, DEFAULT_ACTION, OBS_CLIP, OBS_DIM, KnobController, ObservationFeatures,
-                          action_to_knobs)
+from ctrl.learned import (
+    ACTION_DIM,
+    DEFAULT_ACTION,
+    OBS_CLIP,
+    OBS_DIM,
+    KnobController,
+    ObservationFeatures,
+    action_to_knobs,
+)
 from ctrl.shield import ShieldedController
-from engine.core.profile import load_profile
 from engine.core.builder import build_engine
+from engine.core.clock import WallClock
+from engine.core.profile import load_profile
 from engine.core.request import Request, RequestState
 from engine.core.slo import met_slo
+from engine.real.sampling import SamplingParams
 from engine.sim.simulate import make_sim_engine
 from engine.workloads import augment_segments, split_segments
 
@@ -150,9 +159,8 @@ class ServingEnv(gym.Env):
         return obs, {"load": load, "segment": seg.name, "lambda_max_rps": seg.lambda_max_rps}
 
     def _init_engine(self, model: str) -> None:
-        from engine.real.model import load_model
         from engine.real.executor import TorchExecutor
-        from engine.real.sampling import SamplingParams
+        from engine.real.model import load_model
 
         hf_model, tokenizer = load_model(model, "cpu", None)
         self._executor = TorchExecutor(hf_model, tokenizer, device="cpu")
@@ -165,8 +173,6 @@ class ServingEnv(gym.Env):
     def _make_engine(self):
         if self._executor is None:
             return make_sim_engine(self.profile, self.shield, record_steps=False)
-        from engine.core.clock import WallClock
-
         core = build_engine(self.profile, self.shield, self._executor, WallClock(), record_steps=False)
         self._executor.attach_pool(core.pool)
         self._token_rng = np.random.default_rng(int(self.np_random.integers(1 << 31)))

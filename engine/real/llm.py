@@ -20,9 +20,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ctrl import build_controller
+from engine.core.block_pool import BlockPool
 from engine.core.builder import build_engine
 from engine.core.clock import WallClock
 from engine.core.engine_core import ASK
+from engine.core.profile import Profile, load_profile
 from engine.core.request import Request, unservable_reason
 from engine.real.executor import TorchExecutor
 from engine.real.model import IncrementalDetokenizer, load_model, resolve_device, resolve_dtype
@@ -86,8 +89,6 @@ def serving_profile(profile, kv_capacity_tokens: int | None, block_size: int, ma
         (the only model and machine tidegate ships a fit for; profile your own with
         ``tidegate profile``).
     """
-    from engine.core.profile import Profile, load_profile
-
     base = profile if isinstance(profile, Profile) else load_profile(profile or "tiny-cpu")
     changes = dict(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     if kv_capacity_tokens is not None:
@@ -115,9 +116,6 @@ class LLM:
                  controller="greedy", device=None, dtype=None, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, model_and_tokenizer=None, record_steps: bool = True,
                  profile=None) -> None:
-        from ctrl import build_controller
-        from engine.core.block_pool import BlockPool
-
         spec = controller if isinstance(controller, str) else None
         settings = dict(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                         max_num_seqs=max_num_seqs)

@@ -13,15 +13,29 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.core.request import Request, RequestState
-from engine.serve.protocol import (SSE_DONE, ChatBody, ChatMessage, CompletionBody, SamplingBody, StreamEvents,
-                                   completion_body, error_body, error_response, model_list, sse_event, usage_body)
+from engine.real.sampling import SamplingParams
+from engine.serve.protocol import (
+    SSE_DONE,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    SamplingBody,
+    StreamEvents,
+    completion_body,
+    error_body,
+    error_response,
+    model_list,
+    sse_event,
+    usage_body,
+)
 from engine.serve.service import EngineService, Stream
 
 if TYPE_CHECKING:
@@ -322,9 +336,7 @@ def _usage(r: Request | None) -> dict:
     return usage_body(r.prompt_len if r else 0, len(r.output_token_ids) if r else 0)
 
 
-def _sampling_params(body: SamplingBody):
-    from engine.real.sampling import SamplingParams
-
+def _sampling_params(body: SamplingBody) -> SamplingParams:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                           seed=body.seed, stop=stops, ignore_eos=body.ignore_eos)

@@ -20,10 +20,13 @@ from typing import Callable
 
 import numpy as np
 
-from engine.core.profile import Profile
+from ctrl import build_controller
+from engine.core.profile import Profile, load_profile
 from engine.sim.fit import fit_step_time
+from engine.sim.simulate import simulate
 from engine.twin.plot import plot_step_times
 from engine.twin.replay import RecordingExecutor, replay_real
+from engine.workloads import read_trace, resolve_trace
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
 COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
@@ -130,7 +133,6 @@ def targets_met(errors: dict, rows: dict) -> dict:
 def _speed_adjusted_errors(arrivals, profile: Profile, controller, ratio: float, rows: dict) -> dict:
     """Diagnostic only: the simulator's relative errors with the profile scaled by how much slower
     (or faster) the machine ran single-token steps during the check than while profiling."""
-    from engine.sim.simulate import simulate
 
     scaled = dataclasses.replace(profile, base_s=profile.base_s * ratio, per_token_s=profile.per_token_s * ratio,
                                  per_kv_token_s=profile.per_kv_token_s * ratio,
@@ -179,10 +181,6 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
 
     :return: the report: per-metric real, simulated and relative error, step-time errors, targets met.
     """
-    from ctrl import build_controller
-    from engine.core.profile import load_profile
-    from engine.sim.simulate import simulate
-    from engine.workloads import read_trace, resolve_trace
 
     profile = load_profile(profile_name)
     arrivals = read_trace(resolve_trace(trace), first_n=first_n, rate_scale=rate_scale,

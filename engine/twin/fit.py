@@ -21,18 +21,18 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ctrl import build_controller
 from engine.core.profile import Profile
 from engine.real.model import load_model, resolve_device, resolve_dtype
 from engine.real.profiler import describe_device, serving_defaults
 from engine.sim.fit import binned_samples, fit_step_time
 from engine.twin.replay import replay_real
+from engine.workloads import read_trace, resolve_trace
 
 
 def serving_arrivals(trace: str = "splitwise_conv", skip: int = 300, first_n: int = 300, length_scale: float = 0.1,
                      rate_scale: float = 1.0, max_tokens: int = 256):
     """Requests ``skip .. skip+first_n-1`` of a trace, re-based to arrive from 0 (as ``read_trace`` does)."""
-    from engine.workloads import read_trace, resolve_trace
-
     arrivals = read_trace(resolve_trace(trace), first_n=skip + first_n, rate_scale=rate_scale,
                           length_scale=length_scale, max_tokens_cap=max_tokens)[skip:]
     if not arrivals:
@@ -86,8 +86,6 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
                       seed: int, log) -> tuple[list[tuple[int, int, float]], list[dict]]:
     """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds)`` of every non-empty step,
     and per run its step count and median single-token step."""
-    from ctrl import build_controller
-
     rows: list[tuple[int, int, float]] = []
     per_run = []
     for run in range(runs):

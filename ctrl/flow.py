@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation
+from ctrl.theory import estimated_kv_workload
 
 
 class FlowController(Controller):
@@ -72,11 +73,7 @@ class FlowController(Controller):
 
     def safe_budget(self, obs: Observation) -> float:
         """rho * M / w_hat: the activation rate whose steady KV demand is rho * M."""
-        w = obs.lifetime_kv_workload
-        if obs.completed_total == 0 or w <= 0:
-            o = self.prior_output_tokens
-            l = obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0
-            w = l * o + (o + o * o) / 2
+        w = estimated_kv_workload(obs, self.prior_output_tokens)
         return self.target_usage * obs.kv_capacity_tokens / w
 
     def adaptive_budget(self, obs: Observation) -> float:

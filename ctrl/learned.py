@@ -31,7 +31,7 @@ import numpy as np
 from ctrl.base import Controller, Decision, Observation, Rejection, ReplicaProfile, retry_after_s
 from ctrl.flow import FlowController
 from ctrl.shield import ShieldedController
-from ctrl.theory import fluid_lambda_max
+from ctrl.theory import estimated_kv_workload, fluid_lambda_max
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +147,7 @@ class ObservationFeatures:
         self._evictions = obs.evictions_total
         self._rejections = obs.rejections_total
         step_s = obs.mean_step_time_s or obs.last_step_time_s
-        w = obs.lifetime_kv_workload
-        if obs.completed_total == 0 or not w > 0:
-            o = self.prior_output_tokens
-            l = obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0
-            w = l * o + (o + o * o) / 2
+        w = estimated_kv_workload(obs, self.prior_output_tokens)
         safe_rps = self.target_usage * cap / w / step_s if step_s > 0 else lam
         v = self.vector
         v[0] = usage
@@ -426,14 +422,11 @@ def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_
     seen so far: S and W from the engine's running estimates over completed requests (before
     the first completion, the queue head's prompt with ``prior_output_tokens``), a, b, c from
     the profile, M the engine's own KV capacity."""
+    w = estimated_kv_workload(obs, prior_output_tokens)
     if obs.completed_total > 0 and obs.lifetime_kv_workload > 0:
         s = obs.mean_prompt_tokens + obs.mean_output_tokens
-        w = obs.lifetime_kv_workload
     else:
-        prompt = obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0
-        out = prior_output_tokens
-        s = prompt + out
-        w = prompt * out + (out + out * out) / 2
+        s = (obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0) + prior_output_tokens
     return fluid_lambda_max(s, w, profile, obs.kv_capacity_tokens)
 
 

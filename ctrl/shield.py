@@ -26,6 +26,7 @@ import logging
 import math
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
+from ctrl.theory import estimated_kv_workload
 
 MODES = ("strict", "soft")
 
@@ -167,11 +168,7 @@ class ShieldedController(Controller):
     # ------------------------------------------------------------------ the safe set
     def safe_budget(self, obs: Observation) -> float:
         """rho * M / w_hat activations per step: steady KV demand rho * M (Little's law on KV)."""
-        w = obs.lifetime_kv_workload
-        if obs.completed_total == 0 or not w > 0:
-            o = self.prior_output_tokens
-            l = obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0
-            w = l * o + (o + o * o) / 2
+        w = estimated_kv_workload(obs, self.prior_output_tokens)
         return self.target_usage * obs.kv_capacity_tokens / w
 
     def limits(self, obs: Observation) -> tuple[int, int]:

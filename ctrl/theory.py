@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ctrl.base import ReplicaProfile
+from ctrl.base import Observation, ReplicaProfile
 
 
 def lifetime_kv_workload(prompt_tokens, output_tokens):
@@ -19,6 +19,17 @@ def lifetime_kv_workload(prompt_tokens, output_tokens):
     o = np.asarray(output_tokens, dtype=float)
     w = l * o + (o + o * o) / 2
     return float(w) if w.ndim == 0 else w
+
+
+def estimated_kv_workload(obs: Observation, prior_output_tokens: int) -> float:
+    """w_hat: the engine's running estimate of the lifetime KV workload once requests have
+    completed; before that (or when the estimate is not a positive number) the queue head's
+    prompt (or the mean prompt) with ``prior_output_tokens`` of output."""
+    w = obs.lifetime_kv_workload
+    if obs.completed_total > 0 and w > 0:
+        return w
+    l = obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0
+    return float(lifetime_kv_workload(l, prior_output_tokens))
 
 
 def necessary_rate_bound(lifetime_kv: float, kv_capacity_tokens: int) -> float:

@@ -13,6 +13,8 @@ import numpy as np
 
 from ctrl import build_controller
 from ctrl.theory import capacity
+from engine.core.request import RequestState
+from engine.core.slo import time_to_first_token_s
 from engine.sim.simulate import simulate
 from engine.workloads import Arrival, read_trace, resolve_trace
 
@@ -56,8 +58,7 @@ def _run_one(args) -> dict:
     t = np.frombuffer(m.step_time_s, dtype=float)
     kv = np.frombuffer(m.step_kv_tokens, dtype=np.int64) / result.core.pool.capacity_tokens
     idx = np.linspace(0, len(t) - 1, min(points, len(t))).astype(int) if len(t) else np.array([], int)
-    ttft = sorted(r.first_token_time_s - r.arrival_time_s for r in m.terminal if r.first_token_time_s
-                  is not None and r.state.value == "finished")
+    ttft = sorted(time_to_first_token_s(r) for r in m.terminal if r.state is RequestState.FINISHED)
     return {"summary": s, "kv_t": t[idx].tolist(), "kv": kv[idx].tolist(), "ttft": ttft}
 
 

@@ -174,5 +174,3 @@ def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_toke
     click.echo(report["table"])
     click.echo(f"\nwrote {out_dir}/twin_report.json and {out_dir}/twin_step_time.png")
 
-
-COMMANDS = (generate_command, profile_command, twin_check_command)

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION_NAME = "tidegate_paged"
-_CPU = torch.device("cpu")
 
 
 @dataclass

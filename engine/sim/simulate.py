@@ -58,6 +58,7 @@ def simulate(arrivals, profile: Profile, controller: Controller, *, record_steps
     wall0 = time.perf_counter()
     replay(core, [a.arrival_time_s for a in arrivals], lambda i: make_request(i, arrivals[i]), on_step)
     if bar is not None:
+        bar.update(len(arrivals) - bar.n)
         bar.close()
     wall = time.perf_counter() - wall0
     summary = core.metrics.summary(core.pool.capacity_tokens, profile.ttft_slo_s, profile.tpot_slo_s,

@@ -22,6 +22,7 @@ import numpy as np
 
 from ctrl import build_controller
 from engine.core.profile import Profile, load_profile
+from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time
 from engine.sim.simulate import simulate
 from engine.twin.plot import plot_step_times
@@ -101,9 +102,8 @@ def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
     def row(r):
         if r.first_token_time_s is None or r.finish_time_s is None:
             return float("nan"), float("nan")
-        outs = r.num_output_tokens
-        tpot = (r.finish_time_s - r.first_token_time_s) / (outs - 1) if outs > 1 else float("nan")
-        return r.first_token_time_s - r.arrival_time_s, tpot
+        tpot = time_per_output_token_s(r)
+        return time_to_first_token_s(r), float("nan") if tpot is None else tpot
     sims = {r.request_id: r for r in sim_reqs}
     with open(path, "w") as f:
         f.write("request_id,arrival_s,prompt_tokens,output_tokens,ttft_real_s,ttft_sim_s,tpot_real_s,tpot_sim_s\n")

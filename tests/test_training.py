@@ -337,3 +337,20 @@ def test_non_editable_install_finds_policy_and_config_from_any_directory(tmp_pat
         assert path.is_relative_to(target), path
     assert policy.is_file() and config.is_file() and cli_config == config
     assert not (target / "checkpoints" / "model.zip").exists()  # only the shipped files are package data
+
+    # The server itself, started from / on the installed copy, serves the learned policy, not the fallback.
+    serve = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--kv-capacity-tokens", "4096"]
+    proc = subprocess.Popen(serve,
+                            cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "learned policy" in line or len(lines) > 200:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    banner = next((line for line in lines if "learned policy" in line), "".join(lines))
+    assert "loaded" in banner and "unavailable" not in banner, banner
+    assert str(target / "checkpoints" / "policy.onnx") in banner

@@ -65,10 +65,7 @@ def capacity(prompt_tokens, output_tokens, profile: ReplicaProfile) -> Capacity:
     at least N*W/M steps, each costing a, with the attention reading N*W tokens in total:
     time >= N*(a*W/M + c*W + b*S), hence lambda_max = 1 / (a*W/M + c*W + b*S).
     """
-    p = np.asarray(prompt_tokens, dtype=float)
-    d = np.asarray(output_tokens, dtype=float)
-    s = float(p.mean() + d.mean())
-    w = float(np.mean(p * d) + np.mean(d * (d + 1)) / 2)
+    s, w = workload_moments(prompt_tokens, output_tokens)
     m = profile.kv_capacity_tokens
     full_step_s = profile.base_s + profile.per_kv_token_s * m
     return Capacity(
@@ -78,6 +75,14 @@ def capacity(prompt_tokens, output_tokens, profile: ReplicaProfile) -> Capacity:
         memory_bound_rps=m / (w * full_step_s),
         lambda_max_rps=fluid_lambda_max(s, w, profile),
     )
+
+
+def workload_moments(prompt_tokens, output_tokens) -> tuple[float, float]:
+    """(S, W) of a workload: S = E[P] + E[D] tokens per request and lifetime KV workload
+    W = E[P*D] + E[D(D+1)]/2."""
+    p = np.asarray(prompt_tokens, dtype=float)
+    d = np.asarray(output_tokens, dtype=float)
+    return float(p.mean() + d.mean()), float(np.mean(p * d) + np.mean(d * (d + 1)) / 2)
 
 
 def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float, profile: ReplicaProfile,

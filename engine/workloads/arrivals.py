@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ctrl.theory import workload_moments
+
 __all__ = ["DEFAULT_MAX_TOKENS", "Arrival", "WorkloadError", "check_options", "is_int", "scale_tokens",
            "scale_token_array", "trace_stats"]
 
@@ -65,6 +67,7 @@ def trace_stats(arrivals: list[Arrival]) -> dict[str, float]:
     t = np.array([a.arrival_time_s for a in arrivals])
     p = np.array([a.prompt_tokens for a in arrivals], dtype=np.float64)
     d = np.array([a.output_tokens for a in arrivals], dtype=np.float64)
+    s, w = workload_moments(p, d)
     span_s = float(t.max() - t.min())
     return {
         "requests": len(arrivals),
@@ -74,8 +77,8 @@ def trace_stats(arrivals: list[Arrival]) -> dict[str, float]:
         "prompt_tokens_max": int(p.max()),
         "output_tokens_mean": float(d.mean()),
         "output_tokens_max": int(d.max()),
-        "mean_tokens_per_request": float(p.mean() + d.mean()),
-        "lifetime_kv_workload": float((p * d).mean() + (d * (d + 1)).mean() / 2),
+        "mean_tokens_per_request": s,
+        "lifetime_kv_workload": w,
     }
 
 

@@ -11,12 +11,13 @@ from ctrl.flow import FlowController
 from ctrl.greedy import GreedyController
 from ctrl.no_evict import NoEvictController
 from ctrl.sglang import SGLangController
+from ctrl.slo_flow import SloFlowController
 from ctrl.theory import lifetime_kv_workload
 from ctrl.watermark import WatermarkController
 
 CONTROLLERS: dict[str, type[Controller]] = {
     c.name: c for c in (GreedyController, NoEvictController, SGLangController, WatermarkController,
-                        ClassBudgetsController, FlowController)
+                        ClassBudgetsController, FlowController, SloFlowController)
 }
 
 # Options filled from the profile when the user does not set them.
@@ -24,6 +25,7 @@ _PROFILE_DEFAULTS = {
     "max_num_seqs": lambda p: p.max_num_seqs,
     "max_num_batched_tokens": lambda p: p.max_num_batched_tokens,
     "tpot_slo_s": lambda p: p.tpot_slo_s,
+    "ttft_slo_s": lambda p: p.ttft_slo_s,
 }
 
 __all__ = ["CONTROLLERS", "Controller", "ControllerSpecError", "Decision", "Observation", "Rejection",

@@ -6,7 +6,6 @@ Gymnasium env, the real engine and the server.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 UNLIMITED = 1 << 60
@@ -133,19 +132,30 @@ class Rejection:
         return f"Rejection({self.reason!r}, retry_after_s={self.retry_after_s:.3g})"
 
 
+#: Retry-After is always within these bounds (seconds): at least one second, and never so long
+#: that a client gives up on the server (the openai client's default timeout is 600 s, its retries
+#: stop waiting past 60 s)
+RETRY_AFTER_MIN_S = 1.0
+RETRY_AFTER_MAX_S = 60.0
+
+
 def retry_after_s(obs: Observation, backlog: float | None = None) -> float:
-    """Seconds until the current backlog drains at the observed completion rate.
+    """Seconds until the backlog ahead of a new request drains at the observed completion rate,
+    within [``RETRY_AFTER_MIN_S``, ``RETRY_AFTER_MAX_S``].
 
     :param backlog: requests ahead of a new one; defaults to the waiting queue plus one.
     """
     if backlog is None:
         backlog = obs.num_waiting + 1
     rate = obs.completion_rate_rps
-    if rate <= 0.0:
-        # Nothing has completed recently: fall back to one mean request lifetime.
-        lifetime = obs.mean_output_tokens * obs.mean_step_time_s
-        return max(1.0, lifetime) if math.isfinite(lifetime) else 1.0
-    return max(0.1, backlog / rate)
+    if rate > 0.0:
+        wait = backlog / rate
+    else:
+        # Nothing has completed recently: one mean request lifetime.
+        wait = obs.mean_output_tokens * obs.mean_step_time_s
+    if not wait >= RETRY_AFTER_MIN_S:  # also NaN
+        return RETRY_AFTER_MIN_S
+    return min(wait, RETRY_AFTER_MAX_S)
 
 
 class Controller:

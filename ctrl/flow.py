@@ -27,10 +27,11 @@ from ctrl.theory import estimated_kv_workload
 
 
 class FlowController(Controller):
-    """:param budget: mean activations per step (fixed mode).
+    """:param budget: mean activations per step (fixed mode; default 1).
     :param dist: how B_t is drawn around the mean: ``fixed`` (fractions carry over as credit),
         ``poisson`` or ``bernoulli`` (floor plus a coin for the fraction).
-    :param adaptive: set the mean from online estimates instead of ``budget``.
+    :param adaptive: set the mean from online estimates instead of ``budget`` (default: adaptive
+        unless a ``budget`` is given).
     :param target_usage: rho, the KV fraction the adaptive budget aims at.
     :param headroom: eta, activation rate above the arrival rate.
     :param drain_steps: steps over which a backlog is activated.
@@ -43,13 +44,17 @@ class FlowController(Controller):
     name = "flow"
     DISTS = ("fixed", "poisson", "bernoulli")
 
-    def __init__(self, budget: float = 1.0, dist: str = "fixed", adaptive: bool = False,
+    def __init__(self, budget: float | None = None, dist: str = "fixed", adaptive: bool | None = None,
                  target_usage: float = 1.0, headroom: float = 0.2, drain_steps: float = 20.0,
                  prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  max_num_seqs: int = UNLIMITED, seed: int = 0, **overload) -> None:
         super().__init__(**overload)
         if dist not in self.DISTS:
             raise ValueError(f"dist must be one of {', '.join(self.DISTS)}, got {dist!r}")
+        if adaptive is None:
+            adaptive = budget is None
+        if budget is None:
+            budget = 1.0
         if budget < 0 or not math.isfinite(budget):
             raise ValueError(f"budget must be a finite number >= 0, got {budget}")
         if not 0 < target_usage <= 1 or headroom < 0 or drain_steps <= 0:

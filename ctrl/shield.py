@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import math
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
+from ctrl.base import (RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection,
+                       retry_after_s)
 from ctrl.theory import estimated_kv_workload
 
 MODES = ("strict", "soft")
@@ -202,8 +203,13 @@ class ShieldedController(Controller):
         except Exception as exc:  # a broken inner controller must not take admission down with it
             self._absorb("admit", exc)
             rejection = None
-        if rejection is not None:
-            self.rejections += 1
+        if rejection is None:
+            return None
+        self.rejections += 1
+        wait = getattr(rejection, "retry_after_s", None)
+        if not isinstance(wait, (int, float)) or not RETRY_AFTER_MIN_S <= wait <= RETRY_AFTER_MAX_S:
+            # NaN, inf, negative or not a number: the drain-rate estimate within its bounds
+            rejection = Rejection(str(getattr(rejection, "reason", "refused by the controller")), retry_after_s(obs))
         return rejection
 
     def decide(self, obs: Observation) -> Decision:

@@ -1,0 +1,174 @@
+"""SLO-aware flow control: the robust heuristic under the learned controller, and its fallback.
+
+Three rules, each with a worst case that can be argued on its own:
+
+- **Activation** at the memory-safe rate of Dong & Cao's flow control: a waiting request starts
+  while the activation credit, refilled by ``b_safe = rho * M / w_hat`` per step (the rate whose
+  steady KV demand is rho * M, Little's law on KV), allows it. Under any overload the KV demand
+  stays near rho * M, so evictions stay rare; at light load ``b_safe`` is far above the arrival
+  rate and every request starts at the next step (no demand-tracking lag).
+- **Token budget** by AIMD on the TPOT SLO (as ``watermark``): it grows while steps run within
+  the SLO and halves when one did not, so long prefills cannot stall running decodes.
+- **Admission** on a calibrated TTFT prediction (:func:`predicted_ttft_s`): an arrival is
+  refused with 429 only when requests are waiting *and* the time until its first token, counting
+  the queue ahead, its own prefill and the decodes already running, exceeds a threshold. The
+  threshold is the TTFT SLO while arrivals do not outpace completions (only a request that would
+  miss its SLO anyway is refused), and shrinks as ``SLO / overload^2`` down to
+  ``overload_floor`` x SLO in sustained overload (overload = observed arrival rate / completion
+  rate): there the queue settles where the threshold is, so a short queue keeps the admitted
+  requests within their SLO while the replica stays busy. With an empty queue nothing is ever
+  refused, whatever the machine's speed.
+
+Three multipliers (:meth:`SloFlowController.set_residual`, all 1 by default) scale the activation
+rate, the token budget and the admission threshold: the learned policy sets them, and at
+multipliers 1 (its action 0) it is exactly this heuristic.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
+from ctrl.theory import estimated_kv_workload
+
+
+def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int) -> float:
+    """``b_safe = rho * M / w_hat``: activations per step whose steady KV demand is rho * M."""
+    return target_usage * obs.kv_capacity_tokens / estimated_kv_workload(obs, prior_output_tokens)
+
+
+def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
+                     prior_output_tokens: int = 128) -> float:
+    """Seconds until the first token of an arrival with ``prompt_tokens``, from ``Observation`` only.
+
+    The larger of two bounds, plus the step that produces the token:
+
+    - **activation**: the ``num_waiting`` requests ahead start at the memory-safe rate while KV usage
+      is under ``target_usage``; above it, only as running requests complete (the observed completion
+      rate, or before any completion ``num_running`` per mean lifetime, Little's law);
+    - **prefill**: the queued prompt tokens plus its own, at the step's token budget less one token
+      for each running request's decode.
+
+    Step time is the engine's running mean. 0 before the first step was timed: no evidence of delay.
+    """
+    step_s = obs.mean_step_time_s or obs.last_step_time_s
+    if not step_s > 0:
+        return 0.0
+    per_step = max(float(token_budget) - obs.num_running, 1.0)
+    prefill_steps = (obs.waiting_prompt_tokens + prompt_tokens) / per_step
+    queue_steps = 0.0
+    if obs.num_waiting > 0 and obs.num_running > 0:
+        if obs.kv_usage < target_usage:
+            rate = safe_activation_rate(obs, target_usage, prior_output_tokens)
+        else:
+            rate = obs.completion_rate_rps * step_s
+            if not rate > 0:
+                out = obs.mean_output_tokens or prior_output_tokens
+                rate = obs.num_running / out
+        queue_steps = obs.num_waiting / max(rate, 1e-9)
+    return (max(queue_steps, prefill_steps) + 1.0) * step_s
+
+
+class SloFlowController(Controller):
+    """:param ttft_slo_s: the TTFT SLO of the admission rule.
+    :param tpot_slo_s: the step-time target of the AIMD token budget.
+    :param reject_above: refuse an arrival whose predicted TTFT exceeds this many TTFT SLOs
+        (while requests wait) when not overloaded; ``inf`` never refuses on delay.
+    :param overload_floor: the threshold's floor, in TTFT SLOs, in sustained overload.
+    :param target_usage: rho of the memory-safe activation rate.
+    :param prior_output_tokens: output length assumed before any request completed.
+    :param max_num_batched_tokens: ceiling (and start) of the token budget.
+    :param min_token_budget: floor of the token budget (default: 256, or the ceiling if lower).
+    :param additive_tokens: token budget increase per step within the SLO.
+    :param backoff: multiplicative decrease when a step exceeded the SLO.
+    :param max_num_seqs: most running requests.
+    """
+
+    name = "slo-flow"
+
+    def __init__(self, ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.1, reject_above: float = 1.0,
+                 overload_floor: float = 0.25,
+                 target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
+                 min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
+                 max_num_seqs: int = 256, **overload) -> None:
+        super().__init__(**overload)
+        if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and 0 < overload_floor <= reject_above):
+            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0 and 0 < overload_floor <= reject_above")
+        if not 0 < target_usage <= 1 or not 0 < backoff < 1 or prior_output_tokens < 1:
+            raise ValueError("need 0 < target_usage <= 1, 0 < backoff < 1 and prior_output_tokens >= 1")
+        if min_token_budget is None:
+            min_token_budget = min(256, max_num_batched_tokens)
+        if not 1 <= min_token_budget <= max_num_batched_tokens:
+            raise ValueError("need 1 <= min_token_budget <= max_num_batched_tokens")
+        self.ttft_slo_s = ttft_slo_s
+        self.tpot_slo_s = tpot_slo_s
+        self.reject_above = reject_above
+        self.overload_floor = overload_floor
+        self.target_usage = target_usage
+        self.prior_output_tokens = prior_output_tokens
+        self.max_budget = max_num_batched_tokens
+        self.min_budget = min_token_budget
+        self.additive = additive_tokens
+        self.backoff = backoff
+        self.max_num_seqs = max_num_seqs
+        self.activation_scale = 1.0
+        self.token_scale = 1.0
+        self.reject_scale = 1.0
+        self._decision = Decision(0, max_num_batched_tokens, max_num_seqs)
+        self.reset()
+
+    def reset(self) -> None:
+        self.token_budget = float(self.max_budget)
+        self._credit = 0.0
+        self._decision.token_budget = self.max_budget
+
+    def set_residual(self, activation_scale: float = 1.0, token_scale: float = 1.0,
+                     reject_scale: float = 1.0) -> None:
+        """Multiply the activation rate, the token budget and the admission threshold (all > 0)."""
+        self.activation_scale = activation_scale
+        self.token_scale = token_scale
+        self.reject_scale = reject_scale
+
+    def reject_delay_s(self, obs: Observation) -> float:
+        """The predicted TTFT above which arrivals are refused (while requests wait)."""
+        f = self.reject_above
+        done = obs.completion_rate_rps
+        if done > 0 and obs.arrival_rate_rps > done:
+            f = max(f * (done / obs.arrival_rate_rps) ** 2, self.overload_floor)
+        return f * self.reject_scale * self.ttft_slo_s
+
+    def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
+        """:func:`predicted_ttft_s` with this controller's token budget and rho."""
+        return predicted_ttft_s(obs, prompt_tokens, self._decision.token_budget, self.target_usage,
+                                self.prior_output_tokens)
+
+    def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
+        rejection = super().admit(obs, prompt_tokens, max_tokens)
+        if rejection is not None or obs.num_waiting <= 0:
+            return rejection
+        limit = self.reject_delay_s(obs)
+        if not limit < math.inf:
+            return None
+        delay = self.predict_ttft_s(obs, prompt_tokens)
+        if delay > limit:
+            return Rejection(f"predicted time to first token {delay:.3g} s exceeds {limit:.3g} s",
+                             retry_after_s(obs))
+        return None
+
+    def decide(self, obs: Observation) -> Decision:
+        if obs.last_step_tokens:
+            if obs.last_step_time_s <= self.tpot_slo_s:
+                self.token_budget = min(self.max_budget, self.token_budget + self.additive)
+            else:
+                self.token_budget = max(self.min_budget, self.token_budget * self.backoff)
+        d = self._decision
+        d.token_budget = max(1, min(self.max_budget, int(self.token_budget * self.token_scale)))
+        rate = self.activation_scale * safe_activation_rate(obs, self.target_usage, self.prior_output_tokens)
+        credit = self._credit + rate
+        n = min(int(credit), obs.num_waiting) if credit < UNLIMITED else obs.num_waiting
+        if n == 0 and obs.num_running == 0 and obs.num_waiting > 0:
+            n = 1  # liveness: an idle engine always starts the queue head
+        # unused credit does not pile up into a burst while the queue is short
+        self._credit = min(max(credit - n, 0.0), max(rate, 1.0))
+        d.activation_budget = n
+        return d

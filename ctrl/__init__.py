@@ -26,6 +26,7 @@ _PROFILE_DEFAULTS = {
     "max_num_batched_tokens": lambda p: p.max_num_batched_tokens,
     "tpot_slo_s": lambda p: p.tpot_slo_s,
     "ttft_slo_s": lambda p: p.ttft_slo_s,
+    "profile": lambda p: p,
 }
 
 __all__ = ["CONTROLLERS", "Controller", "ControllerSpecError", "Decision", "Observation", "Rejection",
@@ -72,6 +73,8 @@ def _options(name: str, raw: dict[str, str], params: dict[str, inspect.Parameter
     """Typed keyword arguments from raw ``key=value`` options, refusing unknown keys."""
     kwargs = {}
     for key, text in raw.items():
+        if key == "profile":
+            raise ControllerSpecError(f"controller {name!r} takes its profile from the replica, not from an option")
         if key not in params:
             raise ControllerSpecError(
                 f"controller {name!r} has no option {key!r}; it accepts {', '.join(sorted(params))}")

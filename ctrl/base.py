@@ -47,7 +47,7 @@ class Observation:
         "arrival_rate_rps", "completion_rate_rps", "last_step_time_s", "last_step_tokens",
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
         "rejections_total", "completed_total", "mean_prompt_tokens", "mean_output_tokens",
-        "lifetime_kv_workload", "mean_step_time_s",
+        "lifetime_kv_workload", "mean_step_time_s", "running_prefill_tokens",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -74,6 +74,8 @@ class Observation:
         self.mean_output_tokens = 0.0
         self.lifetime_kv_workload = 0.0
         self.mean_step_time_s = 0.0
+        #: prompt tokens of running requests still to prefill (after the last step)
+        self.running_prefill_tokens = 0
 
     @property
     def kv_usage(self) -> float:
@@ -190,3 +192,8 @@ class Controller:
 
     def reset(self) -> None:
         """Forget per-run state (called when an engine starts a new run)."""
+
+    def use_wall_clock(self) -> None:
+        """Called once by an engine on a wall clock (the real engine, the server): a controller with
+        a wall-time budget enforces it from then on. Simulations never call it, so their results
+        never depend on how fast the machine runs the controller."""

@@ -161,6 +161,12 @@ class ShieldedController(Controller):
         #: exceptions from the inner controller absorbed since the last reset, by cause
         self.inner_errors: dict[str, int] = {}
 
+    def use_wall_clock(self) -> None:
+        try:
+            self.inner.use_wall_clock()
+        except Exception as exc:
+            self._absorb("use_wall_clock", exc)
+
     @property
     def intervention_rate(self) -> float:
         """Fraction of decisions the shield changed since the last reset."""

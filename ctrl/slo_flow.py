@@ -10,14 +10,15 @@ Three rules, each with a worst case that can be argued on its own:
 - **Token budget** by AIMD on the TPOT SLO (as ``watermark``): it grows while steps run within
   the SLO and halves when one did not, so long prefills cannot stall running decodes.
 - **Admission** on a calibrated TTFT prediction (:func:`predicted_ttft_s`): an arrival is
-  refused with 429 only when requests are waiting *and* the time until its first token, counting
-  the queue ahead, its own prefill and the decodes already running, exceeds a threshold. The
-  threshold is the TTFT SLO while arrivals do not outpace completions (only a request that would
-  miss its SLO anyway is refused), and shrinks as ``SLO / overload^2`` down to
-  ``overload_floor`` x SLO in sustained overload (overload = observed arrival rate / completion
-  rate): there the queue settles where the threshold is, so a short queue keeps the admitted
-  requests within their SLO while the replica stays busy. With an empty queue nothing is ever
-  refused, whatever the machine's speed.
+  refused with 429 only in overload (u = observed arrival rate / completion rate above
+  ``1 + overload_margin``; refusals shorten the queue, never the arrival rate, so u witnesses
+  overload whatever the controller does), when requests are waiting *and* the time until its
+  first token, counting the queue ahead, its own prefill and the decodes already running, exceeds
+  ``SLO / u^2`` (at least ``overload_floor`` x SLO). In overload the queue settles where the
+  threshold is, so a short queue keeps the admitted requests within their SLO while the replica
+  stays busy. Without overload nothing is refused: a burst at light load drains by itself, and a
+  late answer serves a user better than a 429. With an empty queue nothing is ever refused,
+  whatever the machine's speed.
 
 Three multipliers (:meth:`SloFlowController.set_residual`, all 1 by default) scale the activation
 rate, the token budget and the admission threshold: the learned policy sets them, and at
@@ -46,8 +47,8 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     - **activation**: the ``num_waiting`` requests ahead start at the memory-safe rate while KV usage
       is under ``target_usage``; above it, only as running requests complete (the observed completion
       rate, or before any completion ``num_running`` per mean lifetime, Little's law);
-    - **prefill**: the queued prompt tokens plus its own, at the step's token budget less one token
-      for each running request's decode.
+    - **prefill**: the prompt tokens still to prefill of the running requests, of the queue ahead and
+      its own, at the step's token budget less one token for each running request's decode.
 
     Step time is the engine's running mean. 0 before the first step was timed: no evidence of delay.
     """
@@ -55,7 +56,7 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     if not step_s > 0:
         return 0.0
     per_step = max(float(token_budget) - obs.num_running, 1.0)
-    prefill_steps = (obs.waiting_prompt_tokens + prompt_tokens) / per_step
+    prefill_steps = (obs.running_prefill_tokens + obs.waiting_prompt_tokens + prompt_tokens) / per_step
     queue_steps = 0.0
     if obs.num_waiting > 0 and obs.num_running > 0:
         if obs.kv_usage < target_usage:
@@ -75,6 +76,9 @@ class SloFlowController(Controller):
     :param reject_above: refuse an arrival whose predicted TTFT exceeds this many TTFT SLOs
         (while requests wait) when not overloaded; ``inf`` never refuses on delay.
     :param overload_floor: the threshold's floor, in TTFT SLOs, in sustained overload.
+    :param overload_margin: arrivals may outpace completions by this fraction before anything is
+        refused (the noise of two rate estimates over one window).
+
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
     :param max_num_batched_tokens: ceiling (and start) of the token budget.
@@ -87,13 +91,15 @@ class SloFlowController(Controller):
     name = "slo-flow"
 
     def __init__(self, ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.1, reject_above: float = 1.0,
-                 overload_floor: float = 0.25,
+                 overload_floor: float = 0.25, overload_margin: float = 0.2,
                  target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
                  max_num_seqs: int = 256, **overload) -> None:
         super().__init__(**overload)
-        if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and 0 < overload_floor <= reject_above):
-            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0 and 0 < overload_floor <= reject_above")
+        if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and 0 < overload_floor <= reject_above
+                and overload_margin >= 0):
+            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, 0 < overload_floor <= reject_above and "
+                             "overload_margin >= 0")
         if not 0 < target_usage <= 1 or not 0 < backoff < 1 or prior_output_tokens < 1:
             raise ValueError("need 0 < target_usage <= 1, 0 < backoff < 1 and prior_output_tokens >= 1")
         if min_token_budget is None:
@@ -104,6 +110,7 @@ class SloFlowController(Controller):
         self.tpot_slo_s = tpot_slo_s
         self.reject_above = reject_above
         self.overload_floor = overload_floor
+        self.overload_margin = overload_margin
         self.target_usage = target_usage
         self.prior_output_tokens = prior_output_tokens
         self.max_budget = max_num_batched_tokens
@@ -130,12 +137,15 @@ class SloFlowController(Controller):
         self.reject_scale = reject_scale
 
     def reject_delay_s(self, obs: Observation) -> float:
-        """The predicted TTFT above which arrivals are refused (while requests wait)."""
-        f = self.reject_above
+        """The predicted queueing delay above which arrivals are refused (while requests wait): ``inf``
+        unless arrivals outpace completions by more than ``overload_margin`` (times the residual),
+        then ``reject_above`` x SLO / u^2 with u = arrival rate / completion rate, at least
+        ``overload_floor`` x SLO (all times the residual)."""
         done = obs.completion_rate_rps
-        if done > 0 and obs.arrival_rate_rps > done:
-            f = max(f * (done / obs.arrival_rate_rps) ** 2, self.overload_floor)
-        return f * self.reject_scale * self.ttft_slo_s
+        if not done > 0 or not obs.arrival_rate_rps > done * (1.0 + self.overload_margin * self.reject_scale):
+            return math.inf
+        u = obs.arrival_rate_rps / done
+        return max(self.reject_above / (u * u), self.overload_floor) * self.reject_scale * self.ttft_slo_s
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""
@@ -149,9 +159,11 @@ class SloFlowController(Controller):
         limit = self.reject_delay_s(obs)
         if not limit < math.inf:
             return None
-        delay = self.predict_ttft_s(obs, prompt_tokens)
+        # the queue's share of the delay: a prompt that is slow to prefill on its own is served, since
+        # refusing it shortens nobody's wait
+        delay = self.predict_ttft_s(obs, 0)
         if delay > limit:
-            return Rejection(f"predicted time to first token {delay:.3g} s exceeds {limit:.3g} s",
+            return Rejection(f"predicted queueing delay {delay:.3g} s exceeds {limit:.3g} s in overload",
                              retry_after_s(obs))
         return None
 

@@ -95,3 +95,21 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     m = kv_capacity_tokens or profile.kv_capacity_tokens
     w, s = lifetime_kv_workload, mean_tokens_per_request
     return 1.0 / (profile.base_s * w / m + profile.per_kv_token_s * w + profile.per_token_s * s)
+
+
+def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128) -> float:
+    """The fluid bound ``1 / (a W / M + c W + b S)`` (``ctrl.theory.fluid_lambda_max``) of the traffic
+    seen so far: S and W from the engine's running estimates over completed requests; before the
+    first completion, the queue head's prompt (else the mean prompt seen, else the token budget)
+    with ``prior_output_tokens``. a, b, c from the profile, M the engine's own KV capacity. Always
+    finite and positive: a cold or idle server gets the bound of requests as large as one step's
+    token budget, never one of empty requests."""
+    if obs.completed_total > 0 and obs.lifetime_kv_workload > 0:
+        s = obs.mean_prompt_tokens + obs.mean_output_tokens
+        w = obs.lifetime_kv_workload
+    else:
+        prompt = obs.head_prompt_tokens or obs.mean_prompt_tokens or profile.max_num_batched_tokens
+        s = prompt + prior_output_tokens
+        w = estimated_kv_workload(obs, prior_output_tokens) if (obs.head_prompt_tokens or obs.mean_prompt_tokens) \
+            else prompt * prior_output_tokens + prior_output_tokens * (prior_output_tokens + 1) / 2
+    return fluid_lambda_max(s, w, profile, obs.kv_capacity_tokens or profile.kv_capacity_tokens)

@@ -1,14 +1,18 @@
 """ServingEnv: the Gymnasium environment around the engine loop.
 
-One ``env.step`` sets the learned controller's three knobs (activation rate, batch size and the
-rejection threshold on the predicted queueing delay) for the next control interval, projects the
-Decisions through the flow-control shield (whose overload policy stays on), runs the engine for
-``control_interval`` steps (jumping the clock over idle gaps) and rewards the interval's
-goodput. Observation, action and reward are tabulated in docs/ENV.md.
+One ``env.step`` sets the learned controller's three residuals on the ``slo-flow`` heuristic
+(multipliers of its activation rate, token budget and admission threshold; action 0 is the
+heuristic) for the next control interval, projects the Decisions through the flow-control shield
+(whose overload policy stays on), runs the engine for ``control_interval`` steps (jumping the
+clock over idle gaps) and rewards the interval's goodput. Episodes draw a workload family (YAML,
+``engine.workloads.families``) or a stretch of a trace, a load, and optionally a replica whose
+step-time coefficients and KV capacity differ from the profile the controller is told.
+Observation, action and reward are tabulated in docs/ENV.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import gymnasium as gym
@@ -20,9 +24,9 @@ from ctrl.learned import (
     DEFAULT_ACTION,
     OBS_CLIP,
     OBS_DIM,
-    KnobController,
     ObservationFeatures,
-    action_to_knobs,
+    action_to_residual,
+    make_prior,
 )
 from ctrl.shield import ShieldedController
 from engine.core.builder import build_engine
@@ -33,6 +37,7 @@ from engine.core.slo import met_slo
 from engine.real.sampling import SamplingParams
 from engine.sim.simulate import make_sim_engine
 from engine.workloads import augment_segments, split_segments
+from engine.workloads.families import family_segment, load_family, perturbed_profile
 
 #: goodput first: a request that misses its SLO (or expires) costs more than one refused early
 DEFAULT_REWARD_WEIGHTS = {"goodput": 1.0, "slo_miss": 0.5, "rejection": 0.05, "eviction": 0.05}
@@ -65,6 +70,13 @@ class ServingEnv(gym.Env):
     :param max_tokens_cap: every request's max_tokens (default the trace reader's).
     :param augment: (prompt_scale, output_scale) pairs: each adds a copy of every segment with
         scaled request lengths (``augment_segments``); episodes draw segments uniformly.
+    :param families: workload family names or YAML paths (``engine.workloads.families``); when given,
+        every episode draws one uniformly and samples ``episode_requests`` fresh requests from it
+        (``trace``, ``split`` and ``augment`` are then unused).
+    :param episode_requests: requests sampled per episode from a family.
+    :param profile_spread: each episode's replica has the profile's step-time coefficients and KV
+        capacity times factors uniform in ``[1 - spread, 1 + spread]``; the controller is still told
+        the nominal profile (a profile measured on another day, or on a neighbouring machine).
     :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
     """
 
@@ -76,7 +88,8 @@ class ServingEnv(gym.Env):
                  tpot_slo_s: float | None = None, reward_weights: dict | None = None,
                  shield_mode: str = "soft", max_waiting: int = 512, queue_timeout_s: float | None = None,
                  max_tokens_cap: int | None = None, augment=None, seed: int | None = None, model: str = "tiny",
-                 length_scale: float = 1.0) -> None:
+                 length_scale: float = 1.0, families=None, episode_requests: int = 3000,
+                 profile_spread: float = 0.0) -> None:
         super().__init__()
         if backend not in ("sim", "engine"):
             raise ValueError(f"backend must be 'sim' or 'engine', got {backend!r}")
@@ -91,10 +104,21 @@ class ServingEnv(gym.Env):
                              f"{', '.join(DEFAULT_REWARD_WEIGHTS)}")
         if profile is None:
             profile = "tiny-cpu" if backend == "engine" else "a100-llama2-7b"
-        self.profile = profile if hasattr(profile, "base_s") else load_profile(profile)
+        profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile]
+        if not profiles or (len(profiles) > 1 and not families):
+            raise ValueError("give one profile, or several together with families")
+        self.profiles = [p if hasattr(p, "base_s") else load_profile(p) for p in profiles]
+        self.profile = self.profiles[0]
         self.backend = backend
-        self.segments = split_segments(workload if workload is not None else trace, split, self.profile,
-                                       max_tokens_cap)
+        if not 0 <= profile_spread < 1:
+            raise ValueError(f"profile_spread must be in [0, 1), got {profile_spread}")
+        if episode_requests < 2:
+            raise ValueError(f"episode_requests must be >= 2, got {episode_requests}")
+        self.families = [load_family(f) for f in families] if families else []
+        self.episode_requests = int(episode_requests)
+        self.profile_spread = float(profile_spread)
+        self.segments = [] if self.families else split_segments(
+            workload if workload is not None else trace, split, self.profile, max_tokens_cap)
         if length_scale != 1.0:
             self.segments = augment_segments(self.segments, [(length_scale, length_scale)], self.profile)[
                 len(self.segments):]
@@ -107,23 +131,32 @@ class ServingEnv(gym.Env):
         self.load_range = (low, high)
         self.control_interval = int(control_interval)
         self.episode_steps = int(episode_steps)
-        self.ttft_slo_s = ttft_slo_s or self.profile.ttft_slo_s
-        self.tpot_slo_s = tpot_slo_s or self.profile.tpot_slo_s
+        if ttft_slo_s or tpot_slo_s:  # the controller aims at the SLOs the reward counts
+            self.profiles = [dataclasses.replace(p, ttft_slo_s=ttft_slo_s or p.ttft_slo_s,
+                                                 tpot_slo_s=tpot_slo_s or p.tpot_slo_s) for p in self.profiles]
         self.reward_weights = {**DEFAULT_REWARD_WEIGHTS, **(reward_weights or {})}
         self.shield_mode = shield_mode
         self.max_waiting = max_waiting
-        self.queue_timeout_s = queue_timeout_s or 5.0 * self.ttft_slo_s
+        self._queue_timeout_s = queue_timeout_s
         self._seed = seed
 
         self.observation_space = spaces.Box(-OBS_CLIP, OBS_CLIP, shape=(OBS_DIM,), dtype=np.float32)
         self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
-
-        self.knobs = KnobController(self.profile.max_num_batched_tokens, self.profile.max_num_seqs)
-        self.shield = ShieldedController(self.knobs, mode=shield_mode, max_num_seqs=self.profile.max_num_seqs,
-                                         max_num_batched_tokens=self.profile.max_num_batched_tokens,
-                                         max_waiting=max_waiting, queue_timeout_s=self.queue_timeout_s)
+        self._use_profile(self.profiles[0])
         self.core = None
         self._episode = 0
+
+    def _use_profile(self, profile) -> None:
+        """The replica's nominal profile: what the controller (the heuristic, the shield and the
+        features) is told, and the SLOs the reward counts."""
+        self.profile = profile
+        self.ttft_slo_s = profile.ttft_slo_s
+        self.tpot_slo_s = profile.tpot_slo_s
+        self.queue_timeout_s = self._queue_timeout_s or 5.0 * self.ttft_slo_s
+        self.prior = make_prior(profile)
+        self.shield = ShieldedController(self.prior, mode=self.shield_mode, max_num_seqs=profile.max_num_seqs,
+                                         max_num_batched_tokens=profile.max_num_batched_tokens,
+                                         max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
 
     # ------------------------------------------------------------------ episodes
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -132,31 +165,38 @@ class ServingEnv(gym.Env):
         super().reset(seed=seed)
         rng = self.np_random
         options = options or {}
-        seg = self.segments[int(rng.integers(len(self.segments)))] if "segment" not in options \
-            else self.segments[options["segment"]]
+        if len(self.profiles) > 1:
+            self._use_profile(self.profiles[int(options.get("profile", rng.integers(len(self.profiles))))])
+        self.replica = perturbed_profile(self.profile, rng, self.profile_spread) if self.profile_spread \
+            else self.profile
+        if self.families:
+            family = self.families[int(options.get("family", rng.integers(len(self.families))))]
+            seg = family_segment(family, self.replica, rng, self.episode_requests)
+        else:
+            seg = self.segments[int(options.get("segment", rng.integers(len(self.segments))))]
         low, high = self.load_range
         load = float(options.get("load", math.exp(rng.uniform(math.log(low), math.log(high)))))
         self.segment = seg
         self.load = load
         self.lambda_max_rps = seg.lambda_max_rps
         self._rate_scale = load * seg.lambda_max_rps / seg.mean_rate_rps
-        self._next = int(options.get("start_index", rng.integers(len(seg.times_s))))
+        start = 0 if self.families else rng.integers(len(seg.times_s))
+        self._next = int(options.get("start_index", start))
         self._offset_s = -float(seg.times_s[self._next])
         self._next_time_s = 0.0
         self._req_id = 0
 
         self.shield.reset()
         self.core = self._make_engine()
-        self.features = ObservationFeatures(seg.lambda_max_rps, self.ttft_slo_s, self.tpot_slo_s,
-                                            self.profile.max_num_seqs, self.shield.target_usage,
-                                            self.shield.prior_output_tokens)
+        self.features = ObservationFeatures(self.profile, self.shield.target_usage, self.shield.prior_output_tokens)
         self._last_action = DEFAULT_ACTION
-        self._set_knobs(DEFAULT_ACTION)
+        self._set_residual(DEFAULT_ACTION)
         self._steps = 0
         self._episode += 1
         self.totals = {"good": 0, "finished": 0, "missed": 0, "rejected": 0, "evictions": 0}
-        obs = self.features.update(self.core.observe(), self._last_action, self.knobs._decision.token_budget).copy()
-        return obs, {"load": load, "segment": seg.name, "lambda_max_rps": seg.lambda_max_rps}
+        obs = self.features.update(self.core.observe(), self._last_action, self.prior._decision.token_budget).copy()
+        return obs, {"load": load, "segment": seg.name, "lambda_max_rps": seg.lambda_max_rps,
+                     "replica": self.replica.name}
 
     def _init_engine(self, model: str) -> None:
         from engine.real.executor import TorchExecutor
@@ -172,8 +212,8 @@ class ServingEnv(gym.Env):
 
     def _make_engine(self):
         if self._executor is None:
-            return make_sim_engine(self.profile, self.shield, record_steps=False)
-        core = build_engine(self.profile, self.shield, self._executor, WallClock(), record_steps=False)
+            return make_sim_engine(self.replica, self.shield, record_steps=False)
+        core = build_engine(self.replica, self.shield, self._executor, WallClock(), record_steps=False)
         self._executor.attach_pool(core.pool)
         self._token_rng = np.random.default_rng(int(self.np_random.integers(1 << 31)))
         return core
@@ -213,16 +253,15 @@ class ServingEnv(gym.Env):
             self._next_time_s = (float(times[i]) + self._offset_s) / scale
         return rejected
 
-    def _set_knobs(self, action) -> None:
-        self.knobs.set_knobs(*action_to_knobs(action[0], action[1], self.lambda_max_rps, action[2],
-                                              self.ttft_slo_s))
+    def _set_residual(self, action) -> None:
+        self.prior.set_residual(*action_to_residual(action))
 
     def step(self, action):
         a = [float(x) for x in np.asarray(action, dtype=np.float64).reshape(-1)[:ACTION_DIM]]
         if len(a) < ACTION_DIM or not all(math.isfinite(x) for x in a):
             a = list(DEFAULT_ACTION)
         a = tuple(-1.0 if x < -1.0 else (1.0 if x > 1.0 else x) for x in a)
-        self._set_knobs(a)
+        self._set_residual(a)
         self._last_action = a
 
         core = self.core
@@ -261,7 +300,7 @@ class ServingEnv(gym.Env):
         t["missed"] += missed
         t["rejected"] += rejected
         t["evictions"] += evictions
-        obs = self.features.update(core.observe(), self._last_action, self.knobs._decision.token_budget).copy()
+        obs = self.features.update(core.observe(), self._last_action, self.prior._decision.token_budget).copy()
         n_int = shield.interventions - interventions0
         info = {
             "goodput_rps": good / dt,

@@ -1,3 +1,6 @@
+import math
+
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -185,8 +188,9 @@ def test_parse_spec_and_profile_defaults():
     assert build_controller("flow:adaptive=yes").adaptive is True
 
 
-def test_learned_controller_follows_the_served_traffic_when_lambda_max_is_unknown():
-    from ctrl.learned import lambda_max_estimate, make_learned_controller
+def test_learned_features_follow_the_served_traffic_and_are_sound_on_a_cold_or_idle_server():
+    from ctrl.learned import make_learned_controller
+    from ctrl.theory import lambda_max_estimate
 
     profile = load_profile("tiny-cpu")
     small = obs_with(kv_capacity_tokens=profile.kv_capacity_tokens, completed_total=50, mean_prompt_tokens=33.0,
@@ -199,6 +203,10 @@ def test_learned_controller_follows_the_served_traffic_when_lambda_max_is_unknow
     ctrl = make_learned_controller(profile=profile)
     ctrl.decide(small)
     assert ctrl.inner.features.lambda_max_rps == pytest.approx(lambda_max_estimate(small, profile))
-    fixed = make_learned_controller(profile=profile, lambda_max_rps=3.0)
-    fixed.decide(small)
-    assert fixed.inner.features.lambda_max_rps == 3.0
+    # a cold, idle server (nothing seen, nothing waiting): a finite bound of budget-sized requests
+    idle = obs_with(kv_capacity_tokens=profile.kv_capacity_tokens)
+    lam = lambda_max_estimate(idle, profile)
+    assert math.isfinite(lam) and lam > 0
+    assert lam == pytest.approx(capacity([profile.max_num_batched_tokens], [128], profile).lambda_max_rps)
+    x = make_learned_controller(profile=profile).inner.features.update(idle)
+    assert np.all(np.isfinite(x)) and np.all(np.abs(x) <= 10)

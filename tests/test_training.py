@@ -112,42 +112,6 @@ def test_learned_controller_falls_back(tmp_path, caplog):
     assert set(ctrl.inner.fallbacks) == {"policy returned NaN or inf", "policy raised ZeroDivisionError"}
 
 
-def test_admission_knob_rejects_on_predicted_delay_and_shield_still_rejects():
-    from ctrl.base import Observation
-    from ctrl.learned import ACTION_DIM, action_to_knobs, predicted_delay_s
-
-    obs = Observation(kv_capacity_tokens=100_000)
-    obs.num_waiting, obs.num_running, obs.completion_rate_rps = 40, 10, 4.0  # 10 s of queue
-    obs.mean_step_time_s, obs.waiting_prompt_tokens = 0.05, 40_000
-    assert predicted_delay_s(obs, 1000, 1000) >= 10.0
-    _, _, d_low = action_to_knobs(0, 0, 1.0, -1.0, ttft_slo_s=2.0)
-    _, _, d_high = action_to_knobs(0, 0, 1.0, 1.0, ttft_slo_s=2.0)
-    assert d_low < 2.0 < d_high
-
-    class Const:
-        def __init__(self, a):
-            self.a = np.array(a, dtype=np.float32)
-
-        def __call__(self, x):
-            return self.a
-
-    ctrl = make_learned_controller("/nonexistent/policy.onnx", profile=load_profile("a100-llama2-7b"),
-                                   lambda_max_rps=4.0, max_waiting=50)
-    ctrl.inner.policy = Const([0.0, 0.0, -1.0])
-    ctrl.reset()
-    ctrl.decide(obs)  # the policy sets the knobs
-    assert ctrl.inner.knobs.reject_delay_s < 10.0
-    assert ctrl.admit(obs, 1000, 100) is not None  # refused by the learned threshold
-    obs.num_waiting = 0
-    assert ctrl.admit(obs, 1000, 100) is None  # empty queue: always admitted
-    obs.num_waiting, obs.completion_rate_rps = 60, 1e9
-    ctrl.inner.policy = Const([0.0, 0.0, 1.0])
-    ctrl.inner._steps = 0
-    ctrl.decide(obs)
-    assert "queue is full" in ctrl.admit(obs, 1, 1).reason  # the shield's max_waiting is always on
-    assert ACTION_DIM == 3
-
-
 def test_learned_controller_needs_a_profile_and_ctrl_never_loads_one():
     from ctrl import ControllerSpecError, build_controller
 
@@ -156,19 +120,6 @@ def test_learned_controller_needs_a_profile_and_ctrl_never_loads_one():
     shielded = build_controller("learned", load_profile("tiny-cpu"))
     assert isinstance(shielded, ShieldedController) and shielded.inner.features.ttft_slo_s == 1.0
     assert shielded.inner.policy is not None  # the shipped policy, found as package data
-
-
-def test_prior_workload_is_the_training_trace():
-    from ctrl.learned import PRIOR_LIFETIME_KV_WORKLOAD, PRIOR_MEAN_TOKENS_PER_REQUEST, prior_lambda_max
-    from ctrl.theory import capacity
-    from engine.workloads import read_trace, resolve_trace
-
-    arrivals = read_trace(resolve_trace("splitwise_conv"))
-    profile = load_profile("tiny-cpu")
-    cap = capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals], profile)
-    assert PRIOR_MEAN_TOKENS_PER_REQUEST == pytest.approx(cap.mean_tokens_per_request, rel=1e-12)
-    assert PRIOR_LIFETIME_KV_WORKLOAD == pytest.approx(cap.lifetime_kv_workload, rel=1e-12)
-    assert prior_lambda_max(profile) == pytest.approx(cap.lambda_max_rps, rel=1e-12)
 
 
 # --- paths -------------------------------------------------------------------------------------
@@ -231,21 +182,26 @@ def test_export_command_writes_policy_beside_the_checkpoint_by_default(trained, 
     assert res.exit_code == 0 and (tmp_path / "sub" / "other.onnx").is_file(), res.output
 
 
-def test_evaluate_runs_on_tiny_inputs(tmp_path):
-    from training.evaluate import DEFAULT_HEURISTICS, LEARNED, evaluate
+def test_evaluate_matrix_on_tiny_inputs(tmp_path):
+    from training.evaluate import HEURISTICS, PRIOR, evaluate, write_report
 
-    rows = evaluate(loads=[1.0], requests=100, seeds=[0], out=tmp_path / "eval.md")
-    assert {r["controller"] for r in rows} == {LEARNED, *DEFAULT_HEURISTICS}
-    assert {r["trace"] for r in rows} == {"splitwise_conv[eval]", "splitwise_code[eval]"}
-    assert all(r["completed"] + r["rejected"] + r["expired"] == 100 for r in rows)
-    learned = [r for r in rows if r["controller"] == LEARNED]
-    assert all(r["fallbacks"] == 0 for r in learned)  # the shipped policy ran, not its fallback
-    assert "Every run:" in (tmp_path / "eval.md").read_text()
+    rows = evaluate({"learned": DEFAULT_POLICY}, families=["chat", "splitwise_code"], loads=[0.8, 2.0], seeds=[0],
+                    requests=120, workers=1, progress=False)
+    assert {r["controller"] for r in rows} == {"learned", PRIOR, *HEURISTICS}
+    assert {r["family"] for r in rows} == {"chat", "splitwise_code"}
+    assert all(r["requests"] == 120 for r in rows)
+    again = evaluate({"learned": DEFAULT_POLICY}, families=["chat", "splitwise_code"], loads=[0.8, 2.0], seeds=[0],
+                     requests=120, workers=2, progress=False)
+    assert again == rows  # a cell is a pure function of its inputs, in any process
+    report = write_report(rows, ["learned"], tmp_path, held_out=["splitwise_code"])
+    assert {"worst_cell_vs_best", "geomean_vs_best_load_ge_1.2"} <= set(report["targets"])
+    assert {p.name for p in tmp_path.iterdir()} >= {"matrix.md", "matrix.json", "learned_vs_best.png"}
+    assert "(held out)" in (tmp_path / "matrix.md").read_text()
 
-    res = invoke("evaluate", "--loads", "1.0", "--requests", "100", "--seeds", "0,1", "--plots", tmp_path / "img")
+    res = invoke("evaluate", "--family", "short", "--loads", "1.0", "--requests", "60", "--seeds", "0",
+                 "--workers", "1")
     assert res.exit_code == 0, res.output
-    assert LEARNED in res.stdout and "vs_best" in res.stdout
-    assert (tmp_path / "img" / "learned_goodput.png").is_file()
+    assert "vs_best" in res.stdout and "worst_cell_vs_best" in res.stdout
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -258,6 +214,8 @@ def test_evaluate_runs_on_tiny_inputs(tmp_path):
     (["--requests", "0"], ["requests"]),
     (["--profile", "no-such-profile"], ["no-such-profile"]),
     (["--policy", "/nonexistent/policy.onnx"], ["/nonexistent/policy.onnx", "no such policy"]),
+    (["--family", "no-such-family.yaml"], ["no-such-family.yaml"]),
+    (["--family", "/nonexistent/trace.csv"], ["/nonexistent/trace.csv"]),
 ])
 def test_evaluate_bad_input_is_one_line_and_exit_2(args, needles):
     assert_one_line_error(invoke("evaluate", "--requests", "10", *args), *needles)

@@ -15,6 +15,7 @@ from ctrl.learned import DEFAULT_POLICY
 from engine.cli.support import friendly
 from training.configs import DEFAULT_CONFIG, DEFAULT_OUT
 from training.errors import ConfigError, EvaluationError, ExportError
+from training.parallel import TaskError, add_backend_options
 
 
 class OptionError(ValueError):
@@ -44,17 +45,28 @@ def _path() -> click.Path:
 @click.option("--timesteps", type=int, default=None, help="Override the config's n_timesteps.")
 @click.option("--n-envs", type=int, default=None, help="Override the config's n_envs.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the envs and of PPO.")
+@click.option("--seeds", default=None,
+              help="Several training seeds, e.g. 0,1,2: one run each, in OUT/seed<N>, run as parallel tasks.")
 @click.option("--out", "out_dir", type=_path(), default=DEFAULT_OUT, show_default=True,
               help="Model, vecnormalize.pkl, checkpoints, evaluations and TensorBoard logs (tb/).")
 @click.option("--resume", type=_path(), default=None,
               help="A checkpoint .zip to continue from (its VecNormalize statistics beside it).")
-@friendly(ConfigError)
-def train_command(config_path, timesteps, n_envs, seed, out_dir, resume):
+@add_backend_options
+@friendly(ConfigError, OptionError, TaskError, ImportError)
+def train_command(config_path, timesteps, n_envs, seed, seeds, out_dir, resume, backend, address, workers):
     """Train the learned controller with PPO on tidegate/Serving-v0."""
-    from training.train import train
+    from training.train import train, train_seeds
 
-    path = train(config_path, n_timesteps=timesteps, n_envs=n_envs, seed=seed, out_dir=out_dir, resume=resume)
-    click.echo(f"saved {path}")
+    if seeds is None:
+        path = train(config_path, n_timesteps=timesteps, n_envs=n_envs, seed=seed, out_dir=out_dir, resume=resume)
+        click.echo(f"saved {path}")
+        return
+    if resume is not None:
+        raise OptionError("--resume continues one run: give --seed, not --seeds")
+    seed_list = parse_list(seeds, "--seeds", int, "integers like 0,1,2")
+    for path in train_seeds(config_path, seed_list, out_dir, n_timesteps=timesteps, n_envs=n_envs,
+                            backend=backend, address=address, workers=workers):
+        click.echo(f"saved {path}")
 
 
 @click.command("export")
@@ -74,25 +86,35 @@ def export_command(checkpoint, out, vecnormalize):
 
 
 @click.command("evaluate")
-@click.option("--policy", type=_path(), default=DEFAULT_POLICY,
-              show_default="shipped checkpoints/policy.onnx", help="An ONNX policy written by `tidegate export`.")
+@click.option("--policy", "policies", type=_path(), multiple=True,
+              show_default="shipped checkpoints/policy.onnx",
+              help="An ONNX policy written by `tidegate export`; repeat for several (e.g. one per training seed).")
+@click.option("--family", "families", multiple=True,
+              help="A shipped workload family, a family YAML or a trace file; repeat (default: every shipped family).")
 @click.option("--profile", default="a100-llama2-7b", show_default=True, help="Profile name or file.")
-@click.option("--loads", default="0.8,1.0,1.2,1.5,2.0", show_default=True, help="Multiples of lambda_max.")
-@click.option("--requests", type=int, default=2000, show_default=True, help="Requests per run.")
-@click.option("--seeds", default="0", show_default=True, help="Window seeds (0: the first requests).")
-@click.option("--out", type=_path(), default=None, help="Write the Markdown tables here.")
-@click.option("--plots", type=_path(), default=None, help="Write learned_goodput.png into this folder.")
-@friendly(OptionError, EvaluationError)
-def evaluate_command(policy, profile, loads, requests, seeds, out, plots):
-    """Compare the learned controller with the heuristics on the evaluation traces."""
+@click.option("--loads", default="0.5,0.8,1.2,2.0,3.0", show_default=True, help="Multiples of lambda_max.")
+@click.option("--requests", type=int, default=1500, show_default=True, help="Requests per cell.")
+@click.option("--seeds", default="0,1,2", show_default=True, help="Draws per (family, load).")
+@click.option("--out", type=_path(), default=None,
+              help="Write matrix.md, matrix.json and the heatmaps (PNG) into this folder.")
+@add_backend_options
+@friendly(OptionError, EvaluationError, TaskError, ImportError)
+def evaluate_command(policies, families, profile, loads, requests, seeds, out, backend, address, workers):
+    """The evaluation matrix: families x loads x seeds, the learned controller against the heuristics."""
     load_list = parse_list(loads, "--loads", float, "positive numbers like 0.8,1.5")
     seed_list = parse_list(seeds, "--seeds", int, "non-negative integers like 0,1,2")
-    from engine.bench.bench import markdown_table
-    from training.evaluate import DEFAULT_HEURISTICS, evaluate, summarize, summary_columns
+    from training.evaluate import evaluate, markdown, summarize, targets, write_report
 
-    rows = evaluate(policy, profile=profile, loads=load_list, requests=requests, seeds=seed_list, out=out,
-                    plots=plots)
-    click.echo(markdown_table(summarize(rows), summary_columns(DEFAULT_HEURISTICS)))
+    paths = list(policies) or [DEFAULT_POLICY]
+    named = {("learned" if len(paths) == 1 else f"learned[{i}]"): p for i, p in enumerate(paths)}
+    rows = evaluate(named, families=list(families) or None, loads=load_list, seeds=seed_list, requests=requests,
+                    profile=profile, backend=backend, address=address, workers=workers)
+    if out is not None:
+        write_report(rows, list(named), out)
+    summary = summarize(rows, list(named))
+    click.echo(markdown(summary, list(named)))
+    for key, value in targets(summary).items():
+        click.echo(f"{key}: {value:.3f}")
 
 
 @click.command("sim-to-real")

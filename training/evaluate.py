@@ -1,49 +1,53 @@
-"""Evaluate the exported policy against the heuristic controllers on the held-out traces.
+"""The evaluation matrix: workload families x loads x seeds, the learned controller against the
+heuristics, each cell a simulation on the twin.
 
-    tidegate evaluate [--policy runs/ppo/policy.onnx] [--profile a100-llama2-7b] [--loads 0.8,1.0,1.2,1.5,2.0]
-        [--requests 2000] [--seeds 0,1,2] [--out docs/bench_learned.md] [--plots docs/img]
+Each cell samples ``requests`` arrivals from a family (``engine.workloads.families``: a shipped name,
+a family YAML, or a trace file), scales them to ``load`` x the fluid bound lambda_max of those very
+requests on the profile, and simulates every controller on the same arrivals. Simulations are pure
+functions of their inputs (the virtual clock never lets the policy's speed change a result), so a
+cell gives the same figures on an idle and on a busy machine.
 
-Every controller replays the same windows of the evaluation split (the last 30% of
-splitwise_conv and all of splitwise_code) through ``engine.sim.simulate`` at each load (multiples
-of lambda_max). Seed 0 is the first ``requests`` requests of a segment, seed k > 0 a window
-starting at a random request (drawn from ``numpy.random.default_rng(k)``). The learned
-controller runs as deployed: ``make_learned_controller`` (the shield around it, the flow
-controller as fallback); the heuristics get the same overload options (queue limit and
-timeout) as the shield. The policy defaults to the shipped one (``ctrl.learned.DEFAULT_POLICY``);
-a policy file that cannot be loaded is an error here, not a fallback. ``flow:tuned`` is ``flow``
-(fixed budget) with the budget per load picked by grid search on windows of the training split
-(the first 70% of splitwise_conv).
+Draws are keyed by purpose: ``TEST`` draws (the matrix) and ``VALIDATION`` draws (checkpoint
+selection) come from different random streams, and neither is the training env's stream.
+
+The comparison set is the field's policies (``HEURISTICS``: vLLM's greedy, SGLang's, watermark
+backpressure, adaptive flow control) plus ``slo-flow``, the heuristic the policy adjusts (its
+action 0); "best heuristic" is the best of the first four in the cell, "prior" the last.
 """
 
 from __future__ import annotations
 
+import json
+import math
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from ctrl import build_controller
 from ctrl.base import ReplicaProfile
-from ctrl.learned import DEFAULT_POLICY, make_learned_controller
-from engine.bench.bench import markdown_table
+from ctrl.learned import make_learned_controller
+from ctrl.theory import capacity
 from engine.core.profile import load_profile
 from engine.sim.simulate import simulate
-from engine.workloads import TRAIN_FRACTION, Arrival, split_segments
+from engine.workloads import Arrival, WorkloadError
+from engine.workloads.families import Family, load_family, shipped_families
 from training.errors import EvaluationError
+from training.parallel import run_tasks
 
-DEFAULT_HEURISTICS = ("greedy", "no-evict", "sglang", "watermark", "flow:adaptive=true", "flow:tuned")
-DEFAULT_LOADS = (0.8, 1.0, 1.2, 1.5, 2.0)
-#: candidate fixed flow budgets (activations per step) for ``flow:tuned``
-FLOW_BUDGETS = (0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
-COLUMNS = ("trace", "load", "seed", "controller", "requests", "completed", "rejected", "expired", "evictions",
-           "goodput_frac", "slo_attainment", "ttft_p99_s", "tpot_p99_s", "kv_usage_mean", "fallbacks",
-           "shield_intervention_rate")
-LEARNED = "learned+shield"
+#: the field's policies the learned controller is held against
+HEURISTICS = ("greedy", "sglang", "watermark", "flow")
+#: the heuristic under the learned policy (its action 0)
+PRIOR = "slo-flow"
+DEFAULT_LOADS = (0.5, 0.8, 1.2, 2.0, 3.0)
+#: purposes of the random draws: the test matrix and checkpoint selection never share a draw
+TEST, VALIDATION = 1, 2
 
 
 def require_policy(path: str | Path, profile: ReplicaProfile) -> Path:
     """``path`` if the learned controller can run the policy in it on ``profile``.
 
-    ``make_learned_controller`` falls back to the flow controller for a missing or corrupt policy (right
+    ``make_learned_controller`` falls back to the heuristic for a missing or corrupt policy (right
     for serving); an evaluation of that fallback under the name of the learned controller would be wrong.
 
     :raises EvaluationError: the file is missing or not a policy exported by ``tidegate export``.
@@ -58,7 +62,7 @@ def require_policy(path: str | Path, profile: ReplicaProfile) -> Path:
     return path
 
 
-def _writable_folder(folder: str | Path) -> Path:
+def writable_folder(folder: str | Path) -> Path:
     """``folder``, created if missing; checked before a long run rather than after it.
 
     :raises EvaluationError: it cannot be created.
@@ -71,170 +75,189 @@ def _writable_folder(folder: str | Path) -> Path:
     return folder
 
 
-def _check_run_sizes(loads, seeds, requests: int) -> None:
-    """Loads must be positive, seeds non-negative integers, and at least one of each and one request.
+def check_sizes(loads, seeds, requests: int) -> None:
+    """At least one load and seed, loads positive, seeds non-negative, at least 2 requests per cell.
 
-    :raises EvaluationError: naming the first value out of range.
+    :raises EvaluationError: naming the bad value.
     """
-    if not loads or any(not load > 0 for load in loads):
-        raise EvaluationError(f"loads must be positive multiples of lambda_max, got {list(loads)}")
-    if not seeds or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in seeds):
-        raise EvaluationError(f"seeds must be non-negative integers, got {list(seeds)}")
-    if requests < 1:
-        raise EvaluationError(f"requests must be at least 1, got {requests}")
+    if not loads or not seeds:
+        raise EvaluationError("need at least one load and one seed")
+    for x in loads:
+        if not (x > 0 and math.isfinite(x)):
+            raise EvaluationError(f"loads must be positive multiples of lambda_max, got {x}")
+    for s in seeds:
+        if s < 0:
+            raise EvaluationError(f"seeds must be >= 0, got {s}")
+    if requests < 2:
+        raise EvaluationError(f"requests must be at least 2 per cell, got {requests}")
 
 
-def _window(segment, n: int, load: float, seed: int = 0) -> list[Arrival]:
-    """``n`` requests of the segment replayed at ``load`` x lambda_max: the first ``n`` for seed 0,
-    otherwise from a random start (wrapping around the segment's end)."""
-    scale = load * segment.lambda_max_rps / segment.mean_rate_rps
-    total = len(segment.times_s)
-    k = min(n, total)
-    start = 0 if seed == 0 else int(np.random.default_rng(seed).integers(total))
-    out, offset = [], -float(segment.times_s[start])
-    for j in range(k):
-        i = (start + j) % total
-        if j and i == 0:
-            offset += segment.span_s
-        out.append(Arrival((float(segment.times_s[i]) + offset) / scale, segment.prompts[i], segment.outputs[i],
-                           segment.max_tokens[i]))
-    return out
+def resolve_family(source: str | Path) -> Family:
+    """A shipped family name, a family YAML, or a trace file (a family of windows of that trace).
 
-
-def _overload(max_waiting: int, timeout: float) -> str:
-    return f"max_waiting={max_waiting},queue_timeout_s={timeout}"
-
-
-def tune_flow_budget(prof, load: float, requests: int, max_waiting: int, timeout: float,
-                     seeds=(0, 1), budgets=FLOW_BUDGETS) -> float:
-    """The fixed flow budget with the highest mean goodput on windows of the training split at ``load``."""
-    seg = split_segments(None, "train", prof)[0]
-    windows = [_window(seg, requests, load, s) for s in seeds]
-    best, best_g = budgets[0], -1.0
-    for b in budgets:
-        g = np.mean([simulate(w, prof, build_controller(f"flow:budget={b},{_overload(max_waiting, timeout)}", prof),
-                              record_steps=False).summary["goodput_rps"] for w in windows])
-        if g > best_g:
-            best, best_g = b, g
-    return best
-
-
-def evaluate(policy: str | Path | None = DEFAULT_POLICY, *, profile: str = "a100-llama2-7b",
-             loads=DEFAULT_LOADS, requests: int = 2000, seeds=(0,), heuristics=DEFAULT_HEURISTICS,
-             shield_mode: str = "soft", control_interval: int = 10, max_waiting: int = 512,
-             queue_timeout_s: float | None = None, out: str | Path | None = None,
-             plots: str | Path | None = None) -> list[dict]:
-    """Goodput and friends of the learned controller and the heuristics on the evaluation split.
-
-    :param policy: the exported ONNX policy (default: the shipped one; None: only the heuristics).
-    :param profile: the profile name or path.
-    :param loads: offered loads as multiples of lambda_max.
-    :param requests: requests per run (a window of each evaluation segment).
-    :param seeds: window seeds (0: the first ``requests`` requests).
-    :param heuristics: controller specs to compare with (``flow:tuned``: see the module docstring).
-    :param shield_mode: the learned controller's shield mode.
-    :param control_interval: engine steps per policy call (as in training).
-    :param max_waiting: queue limit for every controller.
-    :param queue_timeout_s: queue timeout for every controller (default 5 x TTFT SLO, as the env).
-    :param out: write Markdown tables here (a per-load summary with ratios, then every run).
-    :param plots: write ``learned_goodput.png`` (goodput vs load per trace) into this folder.
-    :return: one row per (trace, load, seed, controller).
-    :raises EvaluationError: the policy cannot be loaded, or a load, seed or ``requests`` is out of range.
+    :raises EvaluationError: none of these.
     """
-    _check_run_sizes(loads, seeds, requests)
+    text = str(source)
+    try:
+        if text in shipped_families() or text.endswith((".yaml", ".yml")):
+            return load_family(text)
+        return load_family({"name": Path(text).stem, "trace": text})
+    except WorkloadError as exc:
+        raise EvaluationError(str(exc)) from None
+
+
+def cell_arrivals(family: Family, load: float, seed: int, requests: int, profile,
+                  purpose: int = TEST) -> tuple[list[Arrival], float]:
+    """The arrivals of one cell and their lambda_max on ``profile``: ``requests`` drawn from the
+    family with the stream ``(seed, purpose)``, at ``load`` x lambda_max of those requests."""
+    arrivals = family.sample(np.random.default_rng([seed, purpose]), requests, 1.0)
+    lam = capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals], profile).lambda_max_rps
+    k = 1.0 / (load * lam)  # the sample's mean rate is 1 request/s
+    return [Arrival(a.arrival_time_s * k, a.prompt_tokens, a.output_tokens, a.max_tokens, a.class_id)
+            for a in arrivals], lam
+
+
+def run_cell(family: str, load: float, seed: int, requests: int, profile: str, specs: list[str],
+             policies: dict[str, str], purpose: int = TEST) -> list[dict]:
+    """Every controller on one cell's arrivals: one row each (a Ray or process task)."""
     prof = load_profile(profile)
-    if policy is not None:
-        policy = require_policy(policy, prof)
-    out = None if out is None else _writable_folder(Path(out).parent) / Path(out).name
-    plots = None if plots is None else _writable_folder(plots)
-    timeout = queue_timeout_s or 5.0 * prof.ttft_slo_s
-    tuned = {load: tune_flow_budget(prof, load, requests, max_waiting, timeout) for load in loads} \
-        if "flow:tuned" in heuristics else {}
+    fam = resolve_family(family)
+    arrivals, lam = cell_arrivals(fam, load, seed, requests, prof, purpose)
     rows = []
-    for seg in split_segments(None, "eval", prof):
-        for load in loads:
-            for seed in seeds:
-                arrivals = _window(seg, requests, load, seed)
-                runs = []
-                if policy is not None:
-                    runs.append((LEARNED, make_learned_controller(
-                        policy, profile=prof, lambda_max_rps=seg.lambda_max_rps,
-                        control_interval=control_interval, shield_mode=shield_mode, max_waiting=max_waiting,
-                        queue_timeout_s=timeout)))
-                for spec in heuristics:
-                    if spec == "flow:tuned":
-                        full = f"flow:budget={tuned[load]},{_overload(max_waiting, timeout)}"
-                    else:
-                        sep = "," if ":" in spec else ":"
-                        full = f"{spec}{sep}{_overload(max_waiting, timeout)}"
-                    runs.append((spec, build_controller(full, prof)))
-                for name, controller in runs:
-                    s = simulate(arrivals, prof, controller, record_steps=False).summary
-                    s.update(trace=seg.name, load=load, seed=seed, controller=name,
-                             goodput_frac=s["goodput_rps"] / seg.lambda_max_rps,
-                             fallbacks=getattr(getattr(controller, "inner", None), "fallback_total", 0),
-                             shield_intervention_rate=getattr(controller, "intervention_rate", float("nan")))
-                    rows.append(s)
-    summary = summarize(rows)
-    if out is not None:
-        tuned_text = ", ".join(f"{k:g}x: {v:g}" for k, v in tuned.items())
-        out.write_text(
-            f"Evaluation split: the last {1 - TRAIN_FRACTION:.0%} of splitwise_conv and all of splitwise_code, "
-            f"{requests}-request windows (seeds {', '.join(map(str, seeds))}), profile {prof.name}; "
-            f"goodput_frac = goodput / lambda_max. flow:tuned budgets (activations/step, tuned on the training "
-            f"split): {tuned_text or '-'}.\n\n"
-            "Mean goodput_frac over seeds; ratios are learned / greedy and learned / best heuristic.\n\n"
-            + markdown_table(summary, summary_columns(heuristics, policy is not None)) + "\n\n"
-            "Every run:\n\n" + markdown_table(rows, COLUMNS) + "\n")
-    if plots is not None:
-        plot(summary, heuristics, plots, policy is not None)
+    controllers = [(spec, lambda s=spec: build_controller(s, prof, arrivals)) for spec in specs]
+    controllers += [(name, lambda p=path: make_learned_controller(p, profile=prof)) for name, path in policies.items()]
+    for name, make in controllers:
+        s = simulate(arrivals, prof, make(), record_steps=False).summary
+        rows.append({"family": fam.name, "load": load, "seed": seed, "controller": name,
+                     "goodput_frac": s["goodput_rps"] / lam, "requests": s["requests"], "rejected": s["rejected"],
+                     "evictions": s["evictions"], "slo_attainment": s["slo_attainment"],
+                     "ttft_pred_wrong_side": s["ttft_pred_wrong_side"], "ttft_pred_mae_s": s["ttft_pred_mae_s"]})
     return rows
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """Mean goodput_frac over seeds per (trace, load, controller), with the learned controller's ratios."""
-    acc: dict[tuple, dict[str, list[float]]] = {}
+def evaluate(policies: dict[str, str | Path], *, families=None, loads=DEFAULT_LOADS, seeds=(0, 1, 2),
+             requests: int = 1500, profile: str = "a100-llama2-7b", heuristics=(*HEURISTICS, PRIOR),
+             purpose: int = TEST, backend: str = "auto", address: str | None = None, workers: int | None = None,
+             progress: bool = True) -> list[dict]:
+    """The matrix's rows: one per (family, load, seed, controller).
+
+    :param policies: name -> exported policy (e.g. one per training seed).
+    :param families: family names, family YAML files or trace files (default: every shipped family).
+    :raises EvaluationError: a policy, family, load, seed or request count that cannot be used.
+    """
+    check_sizes(loads, seeds, requests)
+    prof = load_profile(profile)
+    policies = {name: str(require_policy(path, prof)) for name, path in policies.items()}
+    families = list(families or shipped_families())
+    for f in families:
+        resolve_family(f)  # fail before any task starts
+    tasks = [{"family": str(f), "load": float(load), "seed": int(seed), "requests": requests, "profile": profile,
+              "specs": list(heuristics), "policies": policies, "purpose": purpose}
+             for f in families for load in loads for seed in seeds]
+    cells = run_tasks(run_cell, tasks, backend=backend, address=address, workers=workers,
+                      desc=f"{len(tasks)} cells", progress=progress)
+    return [row for cell in cells for row in cell]
+
+
+def summarize(rows: list[dict], learned: list[str], held_out=()) -> list[dict]:
+    """One row per (family, load): each controller's goodput / lambda_max (mean over seeds), the
+    learned controllers' mean and spread, the best heuristic, the ratios and the refusals."""
+    by_cell: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    refusals: dict[tuple, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in rows:
-        acc.setdefault((r["trace"], r["load"]), {}).setdefault(r["controller"], []).append(r["goodput_frac"])
+        key = (r["family"], r["load"])
+        by_cell[key][r["controller"]].append(r["goodput_frac"])
+        refusals[key][r["controller"]] += r["rejected"]
     out = []
-    for (trace, load), by in acc.items():
-        row = {"trace": trace, "load": load, **{c: float(np.mean(v)) for c, v in by.items()}}
-        heur = {c: v for c, v in row.items() if c not in ("trace", "load", LEARNED)}
-        if LEARNED in row and heur:
-            best = max(heur, key=heur.get)
-            row["best_heuristic"] = best
-            row["vs_greedy"] = row[LEARNED] / row["greedy"] if row.get("greedy") else float("nan")
-            row["vs_best"] = row[LEARNED] / heur[best] if heur[best] > 0 else float("nan")
+    for (family, load), got in sorted(by_cell.items()):
+        row: dict = {"family": family, "held_out": family in held_out, "load": load}
+        for name, values in got.items():
+            row[name] = float(np.mean(values))
+        heur = {h: row[h] for h in HEURISTICS if h in row}
+        best = max(heur, key=heur.get) if heur else None
+        row["best_heuristic"] = best
+        ratios = [row[name] / heur[best] if best and heur[best] > 0 else math.nan for name in learned if name in row]
+        if learned:
+            row["learned"] = float(np.mean([row[n] for n in learned if n in row]))
+            row["vs_best"] = float(np.mean(ratios))
+            row["vs_best_min"] = float(np.min(ratios))
+            row["vs_best_std"] = float(np.std(ratios))
+            row["vs_prior"] = row["learned"] / row[PRIOR] if row.get(PRIOR) else math.nan
+            row["learned_refusals"] = int(np.mean([refusals[(family, load)][n] for n in learned]))
+        if PRIOR in row and best:
+            row["prior_vs_best"] = row[PRIOR] / heur[best] if heur[best] > 0 else math.nan
         out.append(row)
     return out
 
 
-def summary_columns(heuristics, learned: bool = True) -> tuple[str, ...]:
-    extra = ("best_heuristic", "vs_greedy", "vs_best") if learned else ()
-    return ("trace", "load", *((LEARNED,) if learned else ()), *heuristics, *extra)
+def targets(summary: list[dict]) -> dict[str, float]:
+    """The issue's figures: the worst cell at loads 0.5-3, the geometric mean at loads >= 1.2."""
+    cells = [r for r in summary if 0.5 <= r["load"] <= 3.0 and "vs_best" in r]
+    over = [r["vs_best"] for r in cells if r["load"] >= 1.2 and r["vs_best"] > 0]
+    return {"worst_cell_vs_best": min((r["vs_best_min"] for r in cells), default=math.nan),
+            "worst_cell_mean_vs_best": min((r["vs_best"] for r in cells), default=math.nan),
+            "geomean_vs_best_load_ge_1.2": float(np.exp(np.mean(np.log(over)))) if over else math.nan,
+            "worst_cell_vs_prior": min((r["vs_prior"] for r in cells), default=math.nan)}
 
 
-def plot(summary: list[dict], heuristics, folder: Path, learned: bool = True) -> Path:
+def markdown(summary: list[dict], learned: list[str]) -> str:
+    """The summary as a Markdown table."""
+    cols = ["family", "load", *(["learned", "vs_best", "vs_best_std", "vs_prior"] if learned else []),
+            PRIOR, *HEURISTICS, "best_heuristic", *(["learned_refusals"] if learned else [])]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in summary:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            if c == "family" and r.get("held_out"):
+                v = f"{v} (held out)"
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def heatmap(summary: list[dict], path: Path, column: str = "vs_best", title: str = "learned / best heuristic") -> Path:
+    """A family x load heatmap of ``column``, centred on 1 (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
 
-    folder.mkdir(parents=True, exist_ok=True)
-    traces = list(dict.fromkeys(r["trace"] for r in summary))
-    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.2), squeeze=False)
-    for ax, trace in zip(axes[0], traces):
-        rs = sorted((r for r in summary if r["trace"] == trace), key=lambda r: r["load"])
-        for c in ((LEARNED,) if learned else ()) + tuple(heuristics):
-            ax.plot([r["load"] for r in rs], [r.get(c, np.nan) for r in rs], marker="o",
-                    lw=2.5 if c == LEARNED else 1.2, label=c)
-        ax.set_title(trace)
-        ax.set_xlabel("offered load (x lambda_max)")
-        ax.set_ylabel("goodput / lambda_max")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    families = list(dict.fromkeys(r["family"] for r in summary))
+    loads = sorted({r["load"] for r in summary})
+    grid = np.full((len(families), len(loads)), np.nan)
+    for r in summary:
+        grid[families.index(r["family"]), loads.index(r["load"])] = r.get(column, np.nan)
+    fig, ax = plt.subplots(figsize=(1.2 * len(loads) + 3, 0.5 * len(families) + 1.5))
+    vmax = max(2.0, float(np.nanmax(grid)) if np.isfinite(grid).any() else 2.0)
+    im = ax.imshow(np.clip(grid, 0.5, vmax), cmap="RdYlGn", norm=TwoSlopeNorm(1.0, 0.5, vmax), aspect="auto")
+    for i in range(len(families)):
+        for j in range(len(loads)):
+            if np.isfinite(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    held = {r["family"] for r in summary if r.get("held_out")}
+    ax.set_yticks(range(len(families)), [f + (" *" if f in held else "") for f in families])
+    ax.set_xticks(range(len(loads)), [f"{x:g}" for x in loads])
+    ax.set_xlabel("offered load (x lambda_max)")
+    ax.set_title(title + (" (* held out of training)" if held else ""))
+    fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    path = folder / "learned_goodput.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_report(rows: list[dict], learned: list[str], out: str | Path, held_out=()) -> dict:
+    """``matrix.md``, ``matrix.json`` (rows, summary and target figures) and heatmaps in ``out``."""
+    out = writable_folder(out)
+    summary = summarize(rows, learned, held_out)
+    figures = targets(summary) if learned else {}
+    (out / "matrix.md").write_text(markdown(summary, learned) + "\n")
+    (out / "matrix.json").write_text(json.dumps({"targets": figures, "summary": summary, "rows": rows}, indent=1))
+    if learned:
+        heatmap(summary, out / "learned_vs_best.png")
+        heatmap(summary, out / "learned_vs_prior.png", "vs_prior", "learned / slo-flow (its prior)")
+    heatmap(summary, out / "prior_vs_best.png", "prior_vs_best", "slo-flow / best heuristic")
+    return {"summary": summary, "targets": figures}

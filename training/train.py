@@ -29,6 +29,7 @@ from env import ENV_ID
 from env.serving_env import ServingEnv
 from training.configs import DEFAULT_CONFIG, DEFAULT_OUT
 from training.errors import ConfigError
+from training.parallel import run_tasks
 
 PPO_KEYS = ("n_steps", "batch_size", "n_epochs", "learning_rate", "gamma", "gae_lambda", "clip_range",
             "ent_coef", "vf_coef", "max_grad_norm", "target_kl", "use_sde")
@@ -234,8 +235,26 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
         "eval_env_kwargs": eval_kwargs, "resumed_from": str(resume) if resume else None,
         "max_wall_minutes": cfg.get("max_wall_minutes"),
         "hyperparameters": {k: (v if not isinstance(v, np.generic) else v.item()) for k, v in hyper.items()},
-        "policy_kwargs": cfg.get("policy_kwargs"),
+        "policy_kwargs": cfg.get("policy_kwargs"), "held_out": cfg.get("held_out"),
     }, sort_keys=False))
     venv.close()
     eval_venv.close()
     return model_path
+
+
+def train_seeds(config_path: str | Path | None, seeds: list[int], out_dir: str | Path = DEFAULT_OUT, *,
+                n_timesteps: int | None = None, n_envs: int | None = None, backend: str = "auto",
+                address: str | None = None, workers: int | None = None) -> list[Path]:
+    """One training run per seed, each in ``out_dir/seed<N>``, as parallel tasks
+    (``training.parallel.run_tasks``: local processes, or Ray with ``backend``/``address``).
+
+    :return: the saved models, in the order of ``seeds``.
+    """
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds must be distinct and at least one, got {seeds}")
+    load_config(DEFAULT_CONFIG if config_path is None else config_path)  # a bad config fails before any task starts
+    out = Path(out_dir)
+    tasks = [{"config_path": str(config_path) if config_path else None, "seed": s, "out_dir": str(out / f"seed{s}"),
+              "n_timesteps": n_timesteps, "n_envs": n_envs, "progress_bar": False} for s in seeds]
+    return run_tasks(train, tasks, backend=backend, address=address, workers=workers,
+                     desc=f"training {len(seeds)} seeds")

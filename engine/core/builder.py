@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ctrl.base import Controller
-from engine.core.clock import Clock
+from engine.core.clock import Clock, VirtualClock
 from engine.core.engine_core import EngineCore
 from engine.core.executor import Executor
 from engine.core.profile import Profile
@@ -34,6 +34,8 @@ def build_engine(profile: Profile, controller: Controller, executor: Executor, c
     :param on_token: called for every committed output token (see ``EngineCore``).
     :param on_finish: called once with every request that ends.
     """
+    if not isinstance(clock, VirtualClock):
+        controller.use_wall_clock()
     return EngineCore(controller, executor, clock, kv_capacity_tokens=profile.kv_capacity_tokens,
                       block_size=profile.block_size, rate_window_s=rate_window_s(profile),
                       on_token=on_token, on_finish=on_finish, record_steps=record_steps)

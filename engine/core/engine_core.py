@@ -13,6 +13,7 @@ from collections import deque
 from typing import Callable
 
 from ctrl.base import Controller, Decision, Observation, Rejection
+from ctrl.slo_flow import predicted_ttft_s
 from engine.core.block_pool import BlockPool
 from engine.core.clock import Clock
 from engine.core.executor import Batch, Executor
@@ -30,22 +31,40 @@ _RUNNING = RequestState.RUNNING
 
 
 class RateEstimator:
-    """Events per second, exponentially weighted over ``window_s``."""
+    """Events per second: exponentially weighted over ``window_s`` while that window holds at least
+    ``min_events`` events; at lower rates, the last ``min_events`` events over the time they span
+    (up to now), so a rate is never judged from a handful of events.
 
-    __slots__ = ("window_s", "_value", "_last_s")
+    :param window_s: the time constant at high rates.
+    :param min_events: events a low-rate estimate spans.
+    """
 
-    def __init__(self, window_s: float) -> None:
+    __slots__ = ("window_s", "min_events", "_value", "_last_s", "_times")
+
+    def __init__(self, window_s: float, min_events: int = 64) -> None:
         self.window_s = window_s
+        self.min_events = min_events
         self._value = 0.0
         self._last_s = 0.0
+        self._times: deque[float] = deque(maxlen=min_events)
 
     def add(self, now_s: float, count: int = 1) -> None:
-        self._value = self.rate(now_s) + count / self.window_s
+        self._value = self._ewma(now_s) + count / self.window_s
         self._last_s = now_s
+        for _ in range(min(count, self.min_events)):
+            self._times.append(now_s)
 
-    def rate(self, now_s: float) -> float:
+    def _ewma(self, now_s: float) -> float:
         dt = now_s - self._last_s
         return self._value * math.exp(-dt / self.window_s) if dt > 0 else self._value
+
+    def rate(self, now_s: float) -> float:
+        times = self._times
+        if len(times) == self.min_events and now_s - times[0] <= self.window_s:
+            return self._ewma(now_s)  # the window holds enough events
+        if not times:
+            return 0.0
+        return len(times) / max(now_s - times[0], self.window_s)
 
 
 class EngineCore:
@@ -92,6 +111,7 @@ class EngineCore:
         self._activation_seq = 0
         self._cancel: list[Request] = []
         self._evicted_last_step = 0
+        self._token_budget: float = 8192  # the last step's applied token budget, for TTFT predictions
         self.step_index = 0
 
     # ------------------------------------------------------------------ arrivals
@@ -111,6 +131,7 @@ class EngineCore:
         rejection = self.admit(request) if isinstance(admission, _Ask) else admission
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
+        request.predicted_ttft_s = predicted_ttft_s(self._observe(now), request.prompt_len, self._token_budget)
         self.waiting.append(request)
         self._waiting_prompt_tokens += request.prompt_len
         return None
@@ -149,6 +170,7 @@ class EngineCore:
             self._activate(decision)
         self._evicted_last_step = 0
         self._make_room()
+        self._token_budget = decision.token_budget
         batch = self._build_batch(decision.token_budget)
 
         start = now
@@ -308,6 +330,9 @@ class EngineCore:
         n_decodes = len(reqs)
         counts.extend([1] * n_decodes)
         left = token_budget - n_decodes
+        pending = 0
+        for r in prefilling:
+            pending += r.prompt_len - r.num_computed_tokens
         for r in prefilling:
             if left <= 0:
                 break
@@ -319,7 +344,9 @@ class EngineCore:
             kv_read += r.num_computed_tokens + chunk
             left -= chunk
         batch.num_decodes = n_decodes
-        batch.num_tokens = n_decodes + sum(counts[n_decodes:])
+        prefill = sum(counts[n_decodes:])
+        batch.num_tokens = n_decodes + prefill
+        self.obs.running_prefill_tokens = pending - prefill
         batch.kv_tokens_read = kv_read
         return batch
 

@@ -115,7 +115,24 @@ class EngineMetrics:
             "final_waiting": final_waiting,
             "steps": self.steps,
             "sim_time_s": span,
+            **ttft_calibration(finished, ttft_slo_s),
         }
+
+
+def ttft_calibration(finished: list[Request], ttft_slo_s: float) -> dict[str, float]:
+    """How well the TTFT predicted at admission (``Request.predicted_ttft_s``) matched the realised
+    one, over finished requests: mean absolute error and bias (realised minus predicted) in seconds,
+    and the fraction of requests on the wrong side of the TTFT SLO (predicted within it and missed
+    it, or the reverse): the error rate of an admission rule that refuses on the prediction."""
+    pairs = np.array([(r.predicted_ttft_s, time_to_first_token_s(r)) for r in finished
+                      if r.predicted_ttft_s is not None], dtype=float).reshape(-1, 2)
+    if not len(pairs):
+        nan = float("nan")
+        return {"ttft_pred_mae_s": nan, "ttft_pred_bias_s": nan, "ttft_pred_wrong_side": nan}
+    err = pairs[:, 1] - pairs[:, 0]
+    wrong = (pairs[:, 0] <= ttft_slo_s) != (pairs[:, 1] <= ttft_slo_s)
+    return {"ttft_pred_mae_s": float(np.abs(err).mean()), "ttft_pred_bias_s": float(err.mean()),
+            "ttft_pred_wrong_side": float(wrong.mean())}
 
 
 def _finished_at(r: Request) -> float:

@@ -44,7 +44,7 @@ class Request:
         "state", "num_computed_tokens", "num_output_tokens", "output_token_ids", "block_ids",
         "activation_seq", "ever_activated", "start_time_s", "first_token_time_s", "finish_time_s",
         "finish_reason", "retry_after_s", "num_evictions", "wasted_tokens", "cancel_requested",
-        "user_data",
+        "user_data", "predicted_ttft_s",
     )
 
     def __init__(
@@ -78,6 +78,8 @@ class Request:
         self.finish_time_s: float | None = None
         self.finish_reason: str | None = None
         self.retry_after_s: float | None = None
+        #: the TTFT the engine predicted when it admitted the request (``ctrl.slo_flow.predicted_ttft_s``)
+        self.predicted_ttft_s: float | None = None
         self.num_evictions = 0
         self.wasted_tokens = 0
         self.cancel_requested = False

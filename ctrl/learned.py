@@ -75,7 +75,8 @@ def _clip1(x) -> float:
 def action_to_residual(action) -> tuple[float, float, float]:
     """(activation rate, token budget, admission threshold) multipliers for an action in
     ``[-1, 1]^3``; entries outside are clipped, NaN/inf/non-numbers count as 0 (multiplier 1)."""
-    return tuple(RESIDUAL_RANGE ** _clip1(a) for a in action[:ACTION_DIM])  # type: ignore[return-value]
+    a0, a1, a2 = (RESIDUAL_RANGE ** _clip1(a) for a in action[:ACTION_DIM])
+    return a0, a1, a2
 
 
 def _log_ratio(x: float, ref: float) -> float:

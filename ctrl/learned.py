@@ -252,6 +252,9 @@ class LearnedController(Controller):
         self.policy_source = policy_source
         self.fallbacks: dict[str, int] = {}
         self.policy_calls = 0
+        #: while True (a runtime guard found the policy losing to its prior), the heuristic decides
+        self.guarded = False
+        self.guard_switches = 0
         self.reset()
 
     @property
@@ -273,6 +276,17 @@ class LearnedController(Controller):
         self._last_action = DEFAULT_ACTION
         self.prior.set_residual()
         self._use_fallback = self.policy is None
+
+    def set_guarded(self, on: bool) -> None:
+        """Hand every decision to the heuristic (``on``) or back to the policy; a switch to the
+        heuristic is counted in ``guard_switches``. Kept across ``reset``."""
+        if on and not self.guarded:
+            self.guard_switches += 1
+            log.warning("learned controller: the runtime guard hands control to the slo-flow heuristic")
+        self.guarded = bool(on)
+        if on:
+            self._last_action = DEFAULT_ACTION
+            self.prior.set_residual()
 
     @property
     def fallback_total(self) -> int:
@@ -304,6 +318,8 @@ class LearnedController(Controller):
             return
         if self.policy is None:
             self._fall_back(f"policy unavailable: {self.load_error or 'no policy'}")
+            return
+        if self.guarded:
             return
         t0 = time.perf_counter()
         try:

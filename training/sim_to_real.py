@@ -67,7 +67,7 @@ def sim_to_real(policy: str | Path = DEFAULT_POLICY, requests: int = 200, load: 
     timeout = 5.0 * prof.ttft_slo_s
 
     def controllers():
-        yield "learned+shield", make_learned_controller(policy, profile=prof, lambda_max_rps=lam,
+        yield "learned+shield", make_learned_controller(policy, profile=prof,
                                                         max_waiting=max_waiting, queue_timeout_s=timeout)
         for spec in heuristics:
             sep = "," if ":" in spec else ":"

@@ -1,0 +1,123 @@
+"""Select each training seed's checkpoint on validation draws, then run the test matrix.
+
+    .venv/bin/python benchmarks/learned_matrix.py --run runs/ppo --out docs/bench/matrix
+
+1. Every checkpoint of every seed (``RUN/seed<N>/ppo_serving_<steps>_steps.zip`` and the final
+   ``model.zip``) is exported to ONNX and simulated on *validation* draws of the training families
+   (``training.evaluate.VALIDATION``: a random stream the test matrix never uses), next to slo-flow,
+   the policy's prior. A seed's checkpoint is the one with the best worst-cell ratio to the prior
+   (ties: the best mean ratio). The policy to ship is the seed whose selected checkpoint scored best.
+2. The selected checkpoints of all seeds run the *test* matrix (every shipped family, the families
+   in the config's ``held_out`` marked, loads 0.5-3 x lambda_max, three draws each) against the
+   heuristics; ``matrix.md``, ``matrix.json`` and heatmaps go to OUT, with ``selection.json``.
+3. Poisson families at loads 0.3 and 0.7: refusals of the shipped choice.
+
+Cells run in parallel (``--workers``, ``--backend``/``--address`` for Ray).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from training.evaluate import PRIOR, TEST, VALIDATION, evaluate, summarize, write_report
+from training.export import export
+
+LOADS = (0.5, 0.8, 1.2, 2.0, 3.0)
+VALIDATION_LOADS = (0.5, 1.2, 2.5)
+POISSON = ("chat", "short", "long-context", "multi-class")
+
+
+def checkpoints(seed_dir: Path) -> list[Path]:
+    """The seed's checkpoints by step count, then its final model."""
+    steps = sorted(seed_dir.glob("ppo_serving_*_steps.zip"), key=lambda p: int(re.findall(r"(\d+)_steps", p.name)[0]))
+    return steps + ([seed_dir / "model.zip"] if (seed_dir / "model.zip").is_file() else [])
+
+
+def export_all(run: Path) -> dict[str, dict[str, Path]]:
+    """seed name -> checkpoint name -> its ONNX export (in ``seed<N>/onnx/``)."""
+    out: dict[str, dict[str, Path]] = {}
+    for seed_dir in sorted(run.glob("seed*")):
+        folder = seed_dir / "onnx"
+        folder.mkdir(exist_ok=True)
+        out[seed_dir.name] = {ckpt.stem: export(ckpt, folder / f"{ckpt.stem}.onnx") for ckpt in checkpoints(seed_dir)}
+    return out
+
+
+def select(exports: dict[str, dict[str, Path]], families: list[str], requests: int, opts: dict) -> dict:
+    """Each seed's checkpoint with the best worst-cell ratio to the prior on validation draws."""
+    named = {f"{seed}/{name}": path for seed, by_name in exports.items() for name, path in by_name.items()}
+    rows = evaluate(named, families=families, loads=VALIDATION_LOADS, seeds=(0, 1), requests=requests,
+                    heuristics=(PRIOR,), purpose=VALIDATION, **opts)
+    goodput: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows:
+        goodput.setdefault((r["family"], r["load"], r["seed"]), {}).setdefault(r["controller"], []).append(
+            r["goodput_frac"])
+    scores = {}
+    for name in named:
+        ratios = [g[name][0] / g[PRIOR][0] for g in goodput.values() if g[PRIOR][0] > 0]
+        scores[name] = {"min": float(np.min(ratios)), "mean": float(np.mean(ratios))}
+    chosen = {}
+    for seed, by_name in exports.items():
+        best = max(by_name, key=lambda n: (round(scores[f"{seed}/{n}"]["min"], 3), scores[f"{seed}/{n}"]["mean"]))
+        chosen[seed] = {"checkpoint": best, "onnx": str(by_name[best]), **scores[f"{seed}/{best}"]}
+    ship = max(chosen, key=lambda s: (round(chosen[s]["min"], 3), chosen[s]["mean"]))
+    return {"scores": scores, "chosen": chosen, "ship": ship, "validation_loads": list(VALIDATION_LOADS),
+            "validation_families": families, "validation_draws": [0, 1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=Path, default=Path("runs/ppo"), help="A `tidegate train --seeds` output folder.")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/matrix"))
+    ap.add_argument("--requests", type=int, default=1500, help="Requests per test cell.")
+    ap.add_argument("--validation-requests", type=int, default=1000)
+    ap.add_argument("--profile", default="a100-llama2-7b")
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--address", default=None)
+    ap.add_argument("--ship", type=Path, default=None, help="Copy the chosen policy here (e.g. checkpoints/policy.onnx).")
+    args = ap.parse_args()
+    opts = {"workers": args.workers, "backend": args.backend, "address": args.address}
+    cfg = yaml.safe_load((args.run / "seed0" / "train_run.yaml").read_text())
+    train_families = list(cfg["env_kwargs"]["families"])
+    held_out = list(cfg.get("held_out") or [])
+
+    exports = export_all(args.run)
+    selection = select(exports, train_families, args.validation_requests, {**opts, "profile": args.profile})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "selection.json").write_text(json.dumps(selection, indent=1))
+    print(json.dumps(selection["chosen"], indent=1), "ship:", selection["ship"])
+
+    learned = {seed: Path(c["onnx"]) for seed, c in selection["chosen"].items()}
+    rows = evaluate(learned, loads=LOADS, seeds=(0, 1, 2), requests=args.requests, profile=args.profile,
+                    purpose=TEST, **opts)
+    report = write_report(rows, list(learned), args.out, held_out)
+    print(json.dumps(report["targets"], indent=1))
+
+    ship = {selection["ship"]: learned[selection["ship"]]}
+    light = evaluate(ship, families=list(POISSON), loads=(0.3, 0.7), seeds=(0, 1, 2), requests=args.requests,
+                     profile=args.profile, heuristics=(), purpose=TEST, **opts)
+    refusals = {f"{r['family']}@{r['load']}": r["rejected"] for r in light if r["seed"] == 0}
+    total = {f"{f}@{x}": int(sum(r["rejected"] for r in light if r["family"] == f and r["load"] == x))
+             for f in POISSON for x in (0.3, 0.7)}
+    (args.out / "light_load.json").write_text(json.dumps({"refusals_over_3_draws": total,
+                                                            "requests_per_draw": args.requests}, indent=1))
+    print("refusals at light Poisson load (3 draws):", total, refusals and "")
+    summary = summarize(rows, list(learned), held_out)
+    worst = min(summary, key=lambda r: r.get("vs_best_min", math.inf))
+    print("worst cell:", worst["family"], worst["load"], f"{worst['vs_best_min']:.3f}")
+    if args.ship is not None:
+        shutil.copy(learned[selection["ship"]], args.ship)
+        print("shipped", learned[selection["ship"]], "->", args.ship)
+
+
+if __name__ == "__main__":
+    main()

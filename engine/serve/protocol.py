@@ -13,6 +13,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
+
 #: The event that ends every stream.
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -136,7 +138,18 @@ def error_body(message: str, type_: str = "invalid_request_error", code: int | s
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def retry_after_header(seconds: float) -> str:
+    """Whole seconds within [``RETRY_AFTER_MIN_S``, ``RETRY_AFTER_MAX_S``] (a NaN or non-number: the minimum)."""
+    try:
+        wait = float(seconds)
+    except (TypeError, ValueError):
+        wait = RETRY_AFTER_MIN_S
+    if not wait >= RETRY_AFTER_MIN_S:
+        wait = RETRY_AFTER_MIN_S
+    return str(int(math.ceil(min(wait, RETRY_AFTER_MAX_S))))
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    retry_after_s: float | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    headers = {"Retry-After": retry_after_header(retry_after_s)} if retry_after_s is not None else None
     return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)

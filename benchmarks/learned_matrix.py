@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--address", default=None)
-    ap.add_argument("--ship", type=Path, default=None, help="Copy the chosen policy here (e.g. checkpoints/policy.onnx).")
+    ap.add_argument("--ship", type=Path, default=None, help="Copy the chosen policy here (checkpoints/policy.onnx).")
     args = ap.parse_args()
     opts = {"workers": args.workers, "backend": args.backend, "address": args.address}
     cfg = yaml.safe_load((args.run / "seed0" / "train_run.yaml").read_text())

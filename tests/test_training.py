@@ -144,7 +144,7 @@ def test_default_paths_are_package_data_and_runs_go_to_runs():
     defaults = {(c.name, p.name): p.default for c in (cli.train_command, cli.evaluate_command,
                                                       cli.sim_to_real_command) for p in c.params}
     assert defaults["train", "config_path"] == DEFAULT_CONFIG and defaults["train", "out_dir"] == DEFAULT_OUT
-    assert defaults["evaluate", "policy"] == DEFAULT_POLICY == defaults["sim-to-real", "policy"]
+    assert defaults["evaluate", "policies"] == (DEFAULT_POLICY,) and defaults["sim-to-real", "policy"] == DEFAULT_POLICY
     assert default_export_path("runs/ppo/model.zip") == Path("runs/ppo/policy.onnx")
     assert default_export_path(REPO / "checkpoints/model.zip") == DEFAULT_POLICY
     shipped = subprocess.run(["git", "ls-files", "checkpoints"], cwd=REPO, capture_output=True, text=True).stdout

@@ -86,7 +86,7 @@ def export_command(checkpoint, out, vecnormalize):
 
 
 @click.command("evaluate")
-@click.option("--policy", "policies", type=_path(), multiple=True,
+@click.option("--policy", "policies", type=_path(), multiple=True, default=(DEFAULT_POLICY,),
               show_default="shipped checkpoints/policy.onnx",
               help="An ONNX policy written by `tidegate export`; repeat for several (e.g. one per training seed).")
 @click.option("--family", "families", multiple=True,
@@ -105,7 +105,7 @@ def evaluate_command(policies, families, profile, loads, requests, seeds, out, b
     seed_list = parse_list(seeds, "--seeds", int, "non-negative integers like 0,1,2")
     from training.evaluate import evaluate, markdown, summarize, targets, write_report
 
-    paths = list(policies) or [DEFAULT_POLICY]
+    paths = list(policies)
     named = {("learned" if len(paths) == 1 else f"learned[{i}]"): p for i, p in enumerate(paths)}
     rows = evaluate(named, families=list(families) or None, loads=load_list, seeds=seed_list, requests=requests,
                     profile=profile, backend=backend, address=address, workers=workers)

@@ -39,6 +39,11 @@ class ServerMetrics:
         self.evictions = counter("num_preemptions_total", "Requests evicted (recomputed from scratch).")
         self.shield_interventions = counter("shield_interventions_total",
                                             "Steps where the shield changed the controller's action.")
+        self.guard_switches = counter("controller_guard_switches_total",
+                                      "Times the runtime twin guard handed control from the learned policy to "
+                                      "the slo-flow heuristic.")
+        self.guarded = gauge("controller_guarded", "1 while the runtime twin guard has handed control to the "
+                             "slo-flow heuristic.")
         self.decision_time = histogram("controller_decision_seconds", "Time of one controller decision.",
                                        _DECISION_BUCKETS)
         self._rejections = Counter("tidegate:request_rejections_total", "Requests answered 429/503, by reason.",

@@ -20,6 +20,7 @@ from collections import deque
 from ctrl.base import Rejection
 from engine.core.request import Request, RequestState
 from engine.serve.metrics import ServerMetrics
+from engine.twin.guard import TwinGuard
 
 log = logging.getLogger("tidegate.server")
 
@@ -76,15 +77,23 @@ class EngineService:
     :param metrics: the server's Prometheus metrics
     :param queue_timeout_s: how long a request may wait to start before it ends with 503; None keeps
         the controller's own setting
+    :param guard: the runtime twin guard of a learned controller (``engine.twin.guard``): True builds
+        one with default settings on the LLM's profile when the controller is the shielded learned
+        one, False never; or a ``TwinGuard`` of this engine's controller
     """
 
-    def __init__(self, llm, metrics: ServerMetrics, queue_timeout_s: float | None = None) -> None:
+    def __init__(self, llm, metrics: ServerMetrics, queue_timeout_s: float | None = None,
+                 guard: TwinGuard | bool = True) -> None:
         self.llm = llm
         self.core = llm.core
         self.metrics = metrics
-        self.core.controller = TimedController(self.core.controller, metrics.decision_time)
+        controller = self.core.controller
+        self.core.controller = TimedController(controller, metrics.decision_time)
         if queue_timeout_s is not None:
             self.core.controller.queue_timeout_s = queue_timeout_s
+        self.guard = _guard_for(llm, controller) if guard is True else (guard or None)
+        if self.guard is not None:
+            self._feed_guard(self.guard)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.in_flight = 0
@@ -93,6 +102,7 @@ class EngineService:
         self._ids = itertools.count()
         self._seen_evictions = 0
         self._seen_interventions = 0
+        self._seen_guard_switches = 0
         self.thread = threading.Thread(target=self._run, name="tidegate-engine", daemon=True)
         self._touched: list[Stream] = []
         # (requests, prompt tokens) handed to the engine thread, and taken by it: each written by
@@ -160,9 +170,11 @@ class EngineService:
                     self._fail_all()
                 self._wake_streams()
                 self._update_gauges()
+                self._tick_guard()
             else:
                 self._wake_streams()
                 self._update_gauges()
+                self._tick_guard()
                 self.wake.wait(0.05)
                 self.wake.clear()
 
@@ -259,3 +271,41 @@ class EngineService:
         if isinstance(iv, int) and iv > self._seen_interventions:
             m.shield_interventions.inc(iv - self._seen_interventions)
             self._seen_interventions = iv
+
+    def _feed_guard(self, guard: TwinGuard) -> None:
+        """Hand every request that ends to the guard as well (after the LLM's own hook)."""
+        llm_on_finish = self.core.on_finish
+
+        def on_finish(r: Request) -> None:
+            if llm_on_finish is not None:
+                llm_on_finish(r)
+            guard.on_finish(r)
+
+        self.core.on_finish = on_finish
+
+    def _tick_guard(self) -> None:
+        """Start the guard's replays of a settled window in its thread, apply a finished check, and
+        export its state."""
+        guard = self.guard
+        if guard is None:
+            return
+        try:
+            guard.maybe_check(self.core.clock.now(), background=True)
+        except Exception:  # the guard must never take the engine loop down
+            log.exception("twin guard failed; the controller keeps its current mode")
+            self.guard = None
+            return
+        m = self.metrics
+        if guard.switches > self._seen_guard_switches:
+            m.guard_switches.inc(guard.switches - self._seen_guard_switches)
+            self._seen_guard_switches = guard.switches
+        m.guarded.set(1 if guard.guarded else 0)
+
+
+def _guard_for(llm, controller) -> TwinGuard | None:
+    """A twin guard for a shielded learned controller on the LLM's profile; None for any other."""
+    inner = getattr(controller, "inner", None)
+    profile = getattr(llm, "profile", None)
+    if profile is None or not callable(getattr(inner, "set_guarded", None)):
+        return None
+    return TwinGuard(profile, controller)

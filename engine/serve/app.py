@@ -66,6 +66,10 @@ def _add_probe_routes(app: FastAPI, service: EngineService) -> None:
     async def health():
         if not service.alive:
             return error_response(503, "the engine thread has stopped", "unavailable")
+        guard = service.guard
+        if guard is not None and guard.guarded:
+            # serving, on the learned policy's prior: the runtime guard found the policy losing
+            return {"status": "ok", "controller": "guarded: the slo-flow heuristic decides"}
         return {"status": "ok"}
 
     @app.get("/ready")

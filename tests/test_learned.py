@@ -198,3 +198,27 @@ def test_shipped_policy_loads_with_the_current_features():
     assert c.inner.policy is not None, c.inner.policy_status
     assert np.asarray(c.inner.policy(np.zeros(OBS_DIM, dtype=np.float32))).shape == (ACTION_DIM,)
     assert DEFAULT_POLICY.is_file()
+
+
+@settings(max_examples=200, deadline=None)
+@given(waiting=st.integers(1, 10_000), done=st.floats(0.01, 1e3), ratio=st.floats(0, 1.2),
+       queued=st.integers(0, 10**8))
+def test_without_overload_nothing_is_refused_however_long_the_queue(waiting, done, ratio, queued):
+    obs = Observation(kv_capacity_tokens=100_000)
+    obs.num_waiting, obs.num_running, obs.mean_step_time_s, obs.waiting_prompt_tokens = waiting, 10, 0.05, queued
+    obs.completion_rate_rps, obs.arrival_rate_rps = done, done * ratio
+    assert build_controller("slo-flow", PROFILE).admit(obs, 1000, 100) is None
+
+
+def test_rates_over_few_events_span_enough_of_them():
+    from engine.core.engine_core import RateEstimator
+
+    slow = RateEstimator(10.0, min_events=8)
+    for t in range(0, 80, 10):  # one event every 10 s: a 10 s window would hold one
+        slow.add(float(t))
+    assert slow.rate(70.0) == pytest.approx(8 / 70.0)
+    fast = RateEstimator(10.0, min_events=8)
+    for i in range(1200):  # 20 per second: the window holds plenty, the EWMA applies
+        fast.add(i / 20)
+    assert fast.rate(60.0) == pytest.approx(20.0, rel=0.05)
+    assert RateEstimator(10.0).rate(5.0) == 0.0

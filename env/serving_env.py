@@ -39,6 +39,43 @@ from engine.sim.simulate import make_sim_engine
 from engine.workloads import augment_segments, split_segments
 from engine.workloads.families import family_segment, load_family, perturbed_profile
 
+def _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline, profile_spread,
+                   episode_requests) -> tuple[float, float]:
+    """One sentence for the first bad option; the load range as floats."""
+    if backend not in ("sim", "engine"):
+        raise ValueError(f"backend must be 'sim' or 'engine', got {backend!r}")
+    low, high = (float(x) for x in load_range)
+    if not 0 < low <= high:
+        raise ValueError(f"load_range must be (low, high) with 0 < low <= high, got {load_range}")
+    if control_interval < 1 or episode_steps < 1:
+        raise ValueError("control_interval and episode_steps must be >= 1")
+    unknown = set(reward_weights or {}) - set(DEFAULT_REWARD_WEIGHTS)
+    if unknown:
+        raise ValueError(f"unknown reward weights {sorted(unknown)}; expected some of "
+                         f"{', '.join(DEFAULT_REWARD_WEIGHTS)}")
+    if baseline not in ("none", "prior"):
+        raise ValueError(f"baseline must be 'none' or 'prior', got {baseline!r}")
+    if baseline == "prior" and backend != "sim":
+        raise ValueError("baseline='prior' needs the sim backend (a shadow engine runs the prior alongside)")
+    if not 0 <= profile_spread < 1:
+        raise ValueError(f"profile_spread must be in [0, 1), got {profile_spread}")
+    if episode_requests < 2:
+        raise ValueError(f"episode_requests must be >= 2, got {episode_requests}")
+    return low, high
+
+
+class _Cursor:
+    """Where an engine is in the episode's arrival stream."""
+
+    __slots__ = ("next", "offset_s", "next_time_s", "req_id")
+
+    def __init__(self, first: int, offset_s: float) -> None:
+        self.next = first
+        self.offset_s = offset_s
+        self.next_time_s = 0.0
+        self.req_id = 0
+
+
 #: goodput first: a request that misses its SLO (or expires) costs more than one refused early
 DEFAULT_REWARD_WEIGHTS = {"goodput": 1.0, "slo_miss": 0.5, "rejection": 0.05, "eviction": 0.05}
 
@@ -77,6 +114,10 @@ class ServingEnv(gym.Env):
     :param profile_spread: each episode's replica has the profile's step-time coefficients and KV
         capacity times factors uniform in ``[1 - spread, 1 + spread]``; the controller is still told
         the nominal profile (a profile measured on another day, or on a neighbouring machine).
+    :param baseline: ``prior``: the reward is the interval's reward minus that of the prior alone
+        (``slo-flow``, action 0) serving the same arrivals in a shadow simulation advanced to the
+        same time: the policy is paid for what it adds to its prior, and the traffic's own noise
+        (common to both) cancels. ``none``: the plain reward. Sim backend only.
     :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
     """
 
@@ -89,19 +130,10 @@ class ServingEnv(gym.Env):
                  shield_mode: str = "soft", max_waiting: int = 512, queue_timeout_s: float | None = None,
                  max_tokens_cap: int | None = None, augment=None, seed: int | None = None, model: str = "tiny",
                  length_scale: float = 1.0, families=None, episode_requests: int = 3000,
-                 profile_spread: float = 0.0) -> None:
+                 profile_spread: float = 0.0, baseline: str = "none") -> None:
         super().__init__()
-        if backend not in ("sim", "engine"):
-            raise ValueError(f"backend must be 'sim' or 'engine', got {backend!r}")
-        low, high = (float(x) for x in load_range)
-        if not 0 < low <= high:
-            raise ValueError(f"load_range must be (low, high) with 0 < low <= high, got {load_range}")
-        if control_interval < 1 or episode_steps < 1:
-            raise ValueError("control_interval and episode_steps must be >= 1")
-        unknown = set(reward_weights or {}) - set(DEFAULT_REWARD_WEIGHTS)
-        if unknown:
-            raise ValueError(f"unknown reward weights {sorted(unknown)}; expected some of "
-                             f"{', '.join(DEFAULT_REWARD_WEIGHTS)}")
+        low, high = _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline,
+                                   profile_spread, episode_requests)
         if profile is None:
             profile = "tiny-cpu" if backend == "engine" else "a100-llama2-7b"
         profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile]
@@ -110,10 +142,7 @@ class ServingEnv(gym.Env):
         self.profiles = [p if hasattr(p, "base_s") else load_profile(p) for p in profiles]
         self.profile = self.profiles[0]
         self.backend = backend
-        if not 0 <= profile_spread < 1:
-            raise ValueError(f"profile_spread must be in [0, 1), got {profile_spread}")
-        if episode_requests < 2:
-            raise ValueError(f"episode_requests must be >= 2, got {episode_requests}")
+        self.baseline = baseline
         self.families = [load_family(f) for f in families] if families else []
         self.episode_requests = int(episode_requests)
         self.profile_spread = float(profile_spread)
@@ -157,6 +186,10 @@ class ServingEnv(gym.Env):
         self.shield = ShieldedController(self.prior, mode=self.shield_mode, max_num_seqs=profile.max_num_seqs,
                                          max_num_batched_tokens=profile.max_num_batched_tokens,
                                          max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
+        self._shadow_shield = ShieldedController(make_prior(profile), mode=self.shield_mode,
+                                                 max_num_seqs=profile.max_num_seqs,
+                                                 max_num_batched_tokens=profile.max_num_batched_tokens,
+                                                 max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
 
     # ------------------------------------------------------------------ episodes
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -181,13 +214,16 @@ class ServingEnv(gym.Env):
         self.lambda_max_rps = seg.lambda_max_rps
         self._rate_scale = load * seg.lambda_max_rps / seg.mean_rate_rps
         start = 0 if self.families else rng.integers(len(seg.times_s))
-        self._next = int(options.get("start_index", start))
-        self._offset_s = -float(seg.times_s[self._next])
-        self._next_time_s = 0.0
-        self._req_id = 0
+        first = int(options.get("start_index", start))
+        self._cursor = _Cursor(first, -float(seg.times_s[first]))
 
         self.shield.reset()
         self.core = self._make_engine()
+        self._shadow = None
+        if self.baseline == "prior":
+            self._shadow_shield.reset()
+            self._shadow = make_sim_engine(self.replica, self._shadow_shield, record_steps=False)
+            self._shadow_cursor = _Cursor(first, -float(seg.times_s[first]))
         self.features = ObservationFeatures(self.profile, self.shield.target_usage, self.shield.prior_output_tokens)
         self._last_action = DEFAULT_ACTION
         self._set_residual(DEFAULT_ACTION)
@@ -218,40 +254,64 @@ class ServingEnv(gym.Env):
         self._token_rng = np.random.default_rng(int(self.np_random.integers(1 << 31)))
         return core
 
-    def _make_request(self, i: int) -> Request:
+    def _make_request(self, i: int, cursor: _Cursor) -> Request:
         seg = self.segment
         if self._executor is None:
-            return Request(str(self._req_id), self._next_time_s, seg.prompts[i], seg.max_tokens[i],
+            return Request(str(cursor.req_id), cursor.next_time_s, seg.prompts[i], seg.max_tokens[i],
                            target_output_len=seg.outputs[i])
         # the real engine: random prompt tokens, lengths within the model's context
         prompt = max(1, min(seg.prompts[i], self._max_len // 2))
         max_tokens = max(1, min(seg.max_tokens[i], self._max_len - prompt))
         ids = self._token_rng.integers(self._token_low, self._vocab, size=prompt).tolist()
-        return Request(str(self._req_id), self._next_time_s, prompt, max_tokens,
+        return Request(str(cursor.req_id), cursor.next_time_s, prompt, max_tokens,
                        target_output_len=min(seg.outputs[i], max_tokens), prompt_token_ids=ids,
                        sampling=self._sampling)
 
-    def _pull_arrivals(self, now_s: float) -> int:
-        """Queue every arrival up to ``now_s``; returns how many were rejected."""
+    def _pull_arrivals(self, now_s: float, core=None, cursor: _Cursor | None = None) -> int:
+        """Queue every arrival up to ``now_s`` (on the main engine, or ``core`` with its own
+        ``cursor``); returns how many were rejected."""
+        core = self.core if core is None else core
+        c = self._cursor if cursor is None else cursor
         seg = self.segment
         times = seg.times_s
         n = len(times)
         scale = self._rate_scale
         rejected = 0
-        add = self.core.add_request
-        while self._next_time_s <= now_s:
-            i = self._next
-            r = self._make_request(i)
-            self._req_id += 1
-            if add(r) is not None:
+        add = core.add_request
+        while c.next_time_s <= now_s:
+            i = c.next
+            if add(self._make_request(i, c)) is not None:
                 rejected += 1
+            c.req_id += 1
             i += 1
             if i == n:  # wrap around: the stream continues from the segment's start
                 i = 0
-                self._offset_s += seg.span_s
-            self._next = i
-            self._next_time_s = (float(times[i]) + self._offset_s) / scale
+                c.offset_s += seg.span_s
+            c.next = i
+            c.next_time_s = (float(times[i]) + c.offset_s) / scale
         return rejected
+
+    def _run_shadow(self, until_s: float) -> tuple[int, int, int, int]:
+        """Advance the shadow engine (the prior alone, same arrivals) to ``until_s``; its interval's
+        (good, missed, rejected, evictions)."""
+        core, cursor = self._shadow, self._shadow_cursor
+        clock = core.clock
+        good = missed = rejected = 0
+        evictions0 = core.metrics.evictions
+        while clock.now() < until_s:
+            rejected += self._pull_arrivals(clock.now(), core, cursor)
+            if not (core.waiting or core.running):
+                if cursor.next_time_s > until_s:
+                    clock.advance_to(until_s)
+                    break
+                clock.advance_to(cursor.next_time_s)
+                continue
+            for r in core.step():
+                if r.state is RequestState.FINISHED and met_slo(r, self.ttft_slo_s, self.tpot_slo_s):
+                    good += 1
+                else:
+                    missed += 1
+        return good, missed, rejected, core.metrics.evictions - evictions0
 
     def _set_residual(self, action) -> None:
         self.prior.set_residual(*action_to_residual(action))
@@ -276,7 +336,7 @@ class ServingEnv(gym.Env):
         for _ in range(self.control_interval):
             rejected += self._pull_arrivals(now())
             if not (core.waiting or core.running):
-                clock.advance_to(self._next_time_s)  # idle: jump to (or, on a wall clock, wait for) the next arrival
+                clock.advance_to(self._cursor.next_time_s)  # idle: jump to (on a wall clock, wait for) the next one
                 rejected += self._pull_arrivals(now())
             for r in core.step():
                 if r.state is RequestState.FINISHED:
@@ -293,6 +353,10 @@ class ServingEnv(gym.Env):
         w = self.reward_weights
         reward = (w["goodput"] * good - w["slo_miss"] * missed - w["rejection"] * rejected
                   - w["eviction"] * evictions) / norm
+        if self._shadow is not None:
+            b_good, b_missed, b_rejected, b_evictions = self._run_shadow(now())
+            reward -= (w["goodput"] * b_good - w["slo_miss"] * b_missed - w["rejection"] * b_rejected
+                       - w["eviction"] * b_evictions) / norm
         self._steps += 1
         t = self.totals
         t["good"] += good

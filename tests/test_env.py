@@ -111,3 +111,15 @@ def test_bad_kwargs_give_one_sentence():
         ServingEnv(load_range=(2.0, 1.0))
     with pytest.raises(ValueError, match="split"):
         ServingEnv(split="test")
+
+
+def test_baseline_prior_pays_only_for_what_the_policy_adds():
+    e = ServingEnv(families=["chat", "multi-class"], profile_spread=0.3, load_range=(0.8, 2.5), episode_steps=40,
+                   baseline="prior", seed=3)
+    e.reset(seed=3)
+    assert all(e.step(np.zeros(3))[1] == 0.0 for _ in range(40))  # action 0 is the prior: nothing gained or lost
+    e.reset(seed=3)
+    throttled = sum(e.step(-np.ones(3))[1] for _ in range(40))  # a quarter of everything: loses to the prior
+    assert throttled < 0
+    with pytest.raises(ValueError, match="sim backend"):
+        ServingEnv(backend="engine", baseline="prior")

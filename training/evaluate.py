@@ -30,6 +30,7 @@ from ctrl.learned import make_learned_controller
 from ctrl.theory import capacity
 from engine.core.profile import load_profile
 from engine.sim.simulate import simulate
+from engine.twin.guard import simulate_guarded
 from engine.workloads import Arrival, WorkloadError
 from engine.workloads.families import Family, load_family, shipped_families
 from training.errors import EvaluationError
@@ -118,16 +119,26 @@ def cell_arrivals(family: Family, load: float, seed: int, requests: int, profile
 
 
 def run_cell(family: str, load: float, seed: int, requests: int, profile: str, specs: list[str],
-             policies: dict[str, str], purpose: int = TEST) -> list[dict]:
-    """Every controller on one cell's arrivals: one row each (a Ray or process task)."""
+             policies: dict[str, str], purpose: int = TEST, guarded: tuple[str, ...] = ()) -> list[dict]:
+    """Every controller on one cell's arrivals: one row each (a Ray or process task). A policy
+    named in ``guarded`` also runs with its runtime guard, as ``<name>+guard``."""
     prof = load_profile(profile)
     fam = resolve_family(family)
     arrivals, lam = cell_arrivals(fam, load, seed, requests, prof, purpose)
     rows = []
-    controllers = [(spec, lambda s=spec: build_controller(s, prof, arrivals)) for spec in specs]
-    controllers += [(name, lambda p=path: make_learned_controller(p, profile=prof)) for name, path in policies.items()]
-    for name, make in controllers:
-        s = simulate(arrivals, prof, make(), record_steps=False).summary
+
+    def sim(controller):
+        return simulate(arrivals, prof, controller, record_steps=False).summary
+
+    def with_guard(path):
+        return simulate_guarded(arrivals, prof, make_learned_controller(path, profile=prof))[0]
+
+    controllers = [(spec, lambda s=spec: sim(build_controller(s, prof, arrivals))) for spec in specs]
+    controllers += [(name, lambda p=path: sim(make_learned_controller(p, profile=prof)))
+                    for name, path in policies.items()]
+    controllers += [(f"{name}+guard", lambda p=policies[name]: with_guard(p)) for name in guarded]
+    for name, run in controllers:
+        s = run()
         rows.append({"family": fam.name, "load": load, "seed": seed, "controller": name,
                      "goodput_frac": s["goodput_rps"] / lam, "requests": s["requests"], "rejected": s["rejected"],
                      "evictions": s["evictions"], "slo_attainment": s["slo_attainment"],
@@ -138,11 +149,12 @@ def run_cell(family: str, load: float, seed: int, requests: int, profile: str, s
 def evaluate(policies: dict[str, str | Path], *, families=None, loads=DEFAULT_LOADS, seeds=(0, 1, 2),
              requests: int = 1500, profile: str = "a100-llama2-7b", heuristics=(*HEURISTICS, PRIOR),
              purpose: int = TEST, backend: str = "auto", address: str | None = None, workers: int | None = None,
-             progress: bool = True) -> list[dict]:
+             progress: bool = True, guarded: tuple[str, ...] = ()) -> list[dict]:
     """The matrix's rows: one per (family, load, seed, controller).
 
     :param policies: name -> exported policy (e.g. one per training seed).
     :param families: family names, family YAML files or trace files (default: every shipped family).
+    :param guarded: policies to run also with their runtime guard (``engine.twin.guard``), as ``<name>+guard``.
     :raises EvaluationError: a policy, family, load, seed or request count that cannot be used.
     """
     check_sizes(loads, seeds, requests)
@@ -152,7 +164,7 @@ def evaluate(policies: dict[str, str | Path], *, families=None, loads=DEFAULT_LO
     for f in families:
         resolve_family(f)  # fail before any task starts
     tasks = [{"family": str(f), "load": float(load), "seed": int(seed), "requests": requests, "profile": profile,
-              "specs": list(heuristics), "policies": policies, "purpose": purpose}
+              "specs": list(heuristics), "policies": policies, "purpose": purpose, "guarded": tuple(guarded)}
              for f in families for load in loads for seed in seeds]
     cells = run_tasks(run_cell, tasks, backend=backend, address=address, workers=workers,
                       desc=f"{len(tasks)} cells", progress=progress)

@@ -324,3 +324,29 @@ class TwinGuard:
             "last_heuristic_goodput_rps": last.heuristic_goodput_rps if last else None,
             "last_check_wall_s": last.wall_s if last else None,
         }
+
+
+def simulate_guarded(arrivals, profile: Profile, live: ShieldedController, *, window_requests: int = 150,
+                     **guard_options) -> tuple[dict, TwinGuard]:
+    """Simulate ``arrivals`` with the learned controller and its runtime guard, as a server runs
+    them (the guard checking synchronously, so the result is deterministic).
+
+    :param window_requests: the guard's window in requests at the workload's mean arrival rate
+        (the window in seconds would not fit traffic of every rate); ``window_s`` overrides it.
+    :return: the run's summary and the guard (its ``status()`` has the checks and switches).
+    """
+    from engine.core.driver import replay
+    from engine.sim.simulate import make_request, make_sim_engine
+
+    span = arrivals[-1].arrival_time_s - arrivals[0].arrival_time_s if len(arrivals) > 1 else 1.0
+    rate = (len(arrivals) - 1) / span if span > 0 else 1.0
+    guard_options.setdefault("window_s", window_requests / rate)
+    live.reset()
+    live.inner.set_guarded(False)
+    guard = TwinGuard(profile, live, **guard_options)
+    core = make_sim_engine(profile, live, record_steps=False)
+    core.on_finish = guard.on_finish
+    replay(core, [a.arrival_time_s for a in arrivals], lambda i: make_request(i, arrivals[i]),
+           lambda _: guard.maybe_check(core.clock.now()))
+    return core.metrics.summary(core.pool.capacity_tokens, profile.ttft_slo_s, profile.tpot_slo_s,
+                                len(core.waiting)), guard

@@ -27,7 +27,7 @@ import math
 
 from ctrl.base import (RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection,
                        retry_after_s)
-from ctrl.theory import estimated_kv_workload
+from ctrl.theory import BURST_USAGE, estimated_kv_workload, headroom_activations
 
 MODES = ("strict", "soft")
 
@@ -260,10 +260,12 @@ class ShieldedController(Controller):
                 getattr(proposed, "kv_reserve_ratio", None), p_classes)
 
     def _activation_budget(self, obs: Observation, proposed, safe: float) -> int:
-        """Within the safe rate (with credit for fractions), at least 1 when nothing runs and
-        something waits (liveness)."""
+        """Within the safe rate (with credit for fractions) or, if more, the requests that fit at
+        their peak into the free KV below rho M (a burst into free memory); at least 1 when nothing
+        runs and something waits (liveness)."""
         allowance = self._credit + safe
         allowed = int(allowance) if allowance < UNLIMITED else UNLIMITED
+        allowed = max(allowed, headroom_activations(obs, BURST_USAGE * self.target_usage, self.prior_output_tokens))
         act = min(max(_finite_int(proposed, 0), 0), allowed)
         if act == 0 and obs.num_running == 0 and obs.num_waiting > 0:
             act = 1

@@ -4,9 +4,10 @@ Three rules, each with a worst case that can be argued on its own:
 
 - **Activation** at the memory-safe rate of Dong & Cao's flow control: a waiting request starts
   while the activation credit, refilled by ``b_safe = rho * M / w_hat`` per step (the rate whose
-  steady KV demand is rho * M, Little's law on KV), allows it. Under any overload the KV demand
-  stays near rho * M, so evictions stay rare; at light load ``b_safe`` is far above the arrival
-  rate and every request starts at the next step (no demand-tracking lag).
+  steady KV demand is rho * M, Little's law on KV), allows it, or while requests of the mean size
+  still fit at their peak into the free KV below rho * M (``ctrl.theory.headroom_activations``: a
+  burst into free memory starts at once). Under any overload the KV demand stays near rho * M, so
+  evictions stay rare; at light load every request starts at the next step.
 - **Token budget** by AIMD on the TPOT SLO (as ``watermark``): it grows while steps run within
   the SLO and halves when one did not, so long prefills cannot stall running decodes.
 - **Admission** on a calibrated TTFT prediction (:func:`predicted_ttft_s`): an arrival is
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
-from ctrl.theory import estimated_kv_workload
+from ctrl.theory import BURST_USAGE, estimated_kv_workload, headroom_activations
 
 
 def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int) -> float:
@@ -177,7 +178,9 @@ class SloFlowController(Controller):
         d.token_budget = max(1, min(self.max_budget, int(self.token_budget * self.token_scale)))
         rate = self.activation_scale * safe_activation_rate(obs, self.target_usage, self.prior_output_tokens)
         credit = self._credit + rate
-        n = min(int(credit), obs.num_waiting) if credit < UNLIMITED else obs.num_waiting
+        burst = int(self.activation_scale * headroom_activations(obs, BURST_USAGE * self.target_usage,
+                                                                 self.prior_output_tokens))
+        n = min(max(int(credit), burst), obs.num_waiting) if credit < UNLIMITED else obs.num_waiting
         if n == 0 and obs.num_running == 0 and obs.num_waiting > 0:
             n = 1  # liveness: an idle engine always starts the queue head
         # unused credit does not pile up into a burst while the queue is short

@@ -32,6 +32,28 @@ def estimated_kv_workload(obs: Observation, prior_output_tokens: int) -> float:
     return float(lifetime_kv_workload(l, prior_output_tokens))
 
 
+#: a burst of activations may fill the KV up to this fraction of rho M at once; above it, only the
+#: memory-safe rate: bursts at light load start at once, while an overloaded replica, whose KV sits
+#: near rho M, is paced by the rate (its evictions stay rare whatever the tail of output lengths)
+BURST_USAGE = 0.5
+
+
+def headroom_activations(obs: Observation, target_usage: float, prior_output_tokens: int) -> int:
+    """How many more requests of the mean size fit at their peak (prompt plus output) into the KV
+    below ``target_usage`` x M right now: ``(rho M - used) / (E[P] + E[D])``, 0 when usage is above.
+
+    The memory-safe *rate* of flow control bounds the steady state; this bounds a burst: while the
+    memory is mostly free, a burst of arrivals can start at once instead of at the steady rate."""
+    free = target_usage * obs.kv_capacity_tokens - obs.kv_used_tokens
+    if free <= 0:
+        return 0
+    if obs.completed_total > 0 and obs.mean_output_tokens > 0:
+        peak = obs.mean_prompt_tokens + obs.mean_output_tokens
+    else:
+        peak = (obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0) + prior_output_tokens
+    return int(free / max(peak, 1.0))
+
+
 def necessary_rate_bound(lifetime_kv: float, kv_capacity_tokens: int) -> float:
     """The largest arrival rate (requests per step) any stable scheduler can sustain for one
     class: lambda * w <= M."""

@@ -153,8 +153,11 @@ def test_safe_budget_caps_activations():
     # w = 4*16 + (16 + 256)/2 = 200: b_safe = 0.9 * 128 / 200
     assert math.isclose(safe, 0.9 * 128 / 200)
     d = shield.decide(obs)
-    assert d.activation_budget == 1  # liveness: nothing runs, something waits
+    # a burst into free memory: requests of peak 4 + 16 tokens that fit below half of 0.9 x 128
+    assert d.activation_budget == int(0.5 * 0.9 * 128 / 20) == 2
     assert shield.last_intervention.safe_activation_budget == safe
+    obs.kv_used_tokens, obs.num_running = 112, 5  # memory above rho M: only the safe rate (with credit) is left
+    assert shield.decide(obs).activation_budget == int(0.0 + safe) == 0
 
 
 def test_overload_policy_always_on():

@@ -81,9 +81,9 @@ def test_action_has_an_admission_knob_and_augment_adds_segments():
     assert [s.name for s in e.segments] == ["splitwise_conv[train]", "splitwise_conv[train]x2/0.15"]
     e.reset(seed=0, options={"load": 2.5, "segment": 0})
     # a tight threshold (action[2] = -1) refuses more arrivals than a loose one
-    tight = sum(e.step(np.array([1.0, 0.0, -1.0], dtype=np.float32))[4]["rejections"] for _ in range(16))
+    tight = sum(e.step(np.array([0.0, 0.0, -1.0], dtype=np.float32))[4]["rejections"] for _ in range(16))
     e.reset(seed=0, options={"load": 2.5, "segment": 0})
-    loose = sum(e.step(np.array([-1.0, 0.0, 1.0], dtype=np.float32))[4]["rejections"] for _ in range(16))
+    loose = sum(e.step(np.array([0.0, 0.0, 1.0], dtype=np.float32))[4]["rejections"] for _ in range(16))
     assert tight > 0 and tight >= loose
 
 

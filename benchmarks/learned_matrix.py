@@ -73,6 +73,24 @@ def select(exports: dict[str, dict[str, Path]], families: list[str], requests: i
             "validation_families": families, "validation_draws": [0, 1]}
 
 
+def write_guard_table(rows: list[dict], shipped: str, out: Path, held_out) -> None:
+    """The shipped seed alone and with its runtime guard, per cell, against the best heuristic and the prior."""
+    summary = summarize(rows, [shipped], held_out)
+    guard = f"{shipped}+guard"
+    lines = ["| family | load | learned / best | learned+guard / best | learned / prior | learned+guard / prior |",
+             "|---|---|---|---|---|---|"]
+    ratios = []
+    for r in summary:
+        best = r[r["best_heuristic"]]
+        g = r.get(guard, math.nan)
+        ratios.append(g / best if best > 0 else math.nan)
+        lines.append(f"| {r['family']}{' (held out)' if r['held_out'] else ''} | {r['load']:g} | "
+                     f"{r[shipped] / best:.3f} | {g / best:.3f} | {r[shipped] / r[PRIOR]:.3f} | {g / r[PRIOR]:.3f} |")
+    finite = [x for x in ratios if x == x]
+    lines.append(f"\nworst cell, learned+guard / best heuristic: {min(finite):.3f}")
+    (out / "guard.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path, default=Path("runs/ppo"), help="A `tidegate train --seeds` output folder.")
@@ -97,10 +115,13 @@ def main() -> None:
     print(json.dumps(selection["chosen"], indent=1), "ship:", selection["ship"])
 
     learned = {seed: Path(c["onnx"]) for seed, c in selection["chosen"].items()}
+    shipped = selection["ship"]
     rows = evaluate(learned, loads=LOADS, seeds=(0, 1, 2), requests=args.requests, profile=args.profile,
-                    purpose=TEST, **opts)
-    report = write_report(rows, list(learned), args.out, held_out)
+                    purpose=TEST, guarded=(shipped,), **opts)
+    plain = [r for r in rows if not r["controller"].endswith("+guard")]
+    report = write_report(plain, list(learned), args.out, held_out)
     print(json.dumps(report["targets"], indent=1))
+    write_guard_table(rows, shipped, args.out, held_out)
 
     ship = {selection["ship"]: learned[selection["ship"]]}
     light = evaluate(ship, families=list(POISSON), loads=(0.3, 0.7), seeds=(0, 1, 2), requests=args.requests,

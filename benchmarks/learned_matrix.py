@@ -80,12 +80,16 @@ def write_guard_table(rows: list[dict], shipped: str, out: Path, held_out) -> No
     lines = ["| family | load | learned / best | learned+guard / best | learned / prior | learned+guard / prior |",
              "|---|---|---|---|---|---|"]
     ratios = []
+    def div(a: float, b: float) -> float:
+        return a / b if b > 0 else math.nan
+
     for r in summary:
         best = r[r["best_heuristic"]]
         g = r.get(guard, math.nan)
-        ratios.append(g / best if best > 0 else math.nan)
+        ratios.append(div(g, best))
         lines.append(f"| {r['family']}{' (held out)' if r['held_out'] else ''} | {r['load']:g} | "
-                     f"{r[shipped] / best:.3f} | {g / best:.3f} | {r[shipped] / r[PRIOR]:.3f} | {g / r[PRIOR]:.3f} |")
+                     f"{div(r[shipped], best):.3f} | {div(g, best):.3f} | {div(r[shipped], r[PRIOR]):.3f} | "
+                     f"{div(g, r[PRIOR]):.3f} |")
     finite = [x for x in ratios if x == x]
     lines.append(f"\nworst cell, learned+guard / best heuristic: {min(finite):.3f}")
     (out / "guard.md").write_text("\n".join(lines) + "\n")

@@ -203,13 +203,18 @@ def summarize(rows: list[dict], learned: list[str], held_out=()) -> list[dict]:
 
 
 def targets(summary: list[dict]) -> dict[str, float]:
-    """The issue's figures: the worst cell at loads 0.5-3, the geometric mean at loads >= 1.2."""
+    """The issue's figures: the worst cell at loads 0.5-3, the geometric mean at loads >= 1.2 (cells
+    where no controller met any SLO have no ratio and are left out)."""
     cells = [r for r in summary if 0.5 <= r["load"] <= 3.0 and "vs_best" in r]
-    over = [r["vs_best"] for r in cells if r["load"] >= 1.2 and r["vs_best"] > 0]
-    return {"worst_cell_vs_best": min((r["vs_best_min"] for r in cells), default=math.nan),
-            "worst_cell_mean_vs_best": min((r["vs_best"] for r in cells), default=math.nan),
+
+    def worst(key: str) -> float:
+        values = [r[key] for r in cells if math.isfinite(r[key])]
+        return min(values) if values else math.nan
+
+    over = [r["vs_best"] for r in cells if r["load"] >= 1.2 and math.isfinite(r["vs_best"]) and r["vs_best"] > 0]
+    return {"worst_cell_vs_best": worst("vs_best_min"), "worst_cell_mean_vs_best": worst("vs_best"),
             "geomean_vs_best_load_ge_1.2": float(np.exp(np.mean(np.log(over)))) if over else math.nan,
-            "worst_cell_vs_prior": min((r["vs_prior"] for r in cells), default=math.nan)}
+            "worst_cell_vs_prior": worst("vs_prior")}
 
 
 def markdown(summary: list[dict], learned: list[str]) -> str:

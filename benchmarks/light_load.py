@@ -22,7 +22,7 @@ from pathlib import Path
 from ctrl.theory import capacity
 from engine.bench.loadgen import plan_random, run, run_load, summarize
 from engine.core.profile import load_profile
-from reliability import free_port, scrape, wait_ready  # beside this script
+from reliability import free_port, scrape, stop_server, wait_ready  # beside this script
 
 
 def spin(stop) -> None:
@@ -56,11 +56,7 @@ def run_once(args, rate: float) -> dict:
         stop.set()
         for h in hogs:
             h.join(5)
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def main() -> None:

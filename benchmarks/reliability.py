@@ -143,11 +143,16 @@ def run_one(controller: str, args, rate: float) -> dict:
                 "kv_samples": len(kv_samples), "rss_start_mib": rss_start, "rss_end_mib": rss_end,
                 "rss_growth": rss_end / rss_start - 1, "evictions": final.get("tidegate:num_preemptions_total", 0.0)}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then SIGKILL after a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def main() -> None:

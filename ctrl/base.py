@@ -197,3 +197,46 @@ class Controller:
         """Called once by an engine on a wall clock (the real engine, the server): a controller with
         a wall-time budget enforces it from then on. Simulations never call it, so their results
         never depend on how fast the machine runs the controller."""
+
+
+class AimdTokenBudget:
+    """A step token budget by AIMD on the step time: ``additive`` tokens more after every step
+    within ``tpot_slo_s``, times ``backoff`` after one that exceeded it, within
+    [``min_budget``, ``max_budget``]; it starts at the ceiling. Long prefills then cannot stall
+    the running requests' decodes for long.
+
+    :param max_budget: the ceiling (``max_num_batched_tokens``).
+    :param tpot_slo_s: the step-time target.
+    :param min_budget: the floor (default: 256, or the ceiling if lower).
+    :param additive: tokens added per step within the target.
+    :param backoff: the factor after a step over the target.
+    """
+
+    __slots__ = ("max_budget", "tpot_slo_s", "min_budget", "additive", "backoff", "value")
+
+    def __init__(self, max_budget: int, tpot_slo_s: float, min_budget: int | None = None, additive: int = 64,
+                 backoff: float = 0.5) -> None:
+        if min_budget is None:
+            min_budget = min(256, max_budget)
+        if not 1 <= min_budget <= max_budget:
+            raise ValueError("need 1 <= min_token_budget <= max_num_batched_tokens")
+        if not 0 < backoff < 1 or not tpot_slo_s > 0:
+            raise ValueError("need 0 < backoff < 1 and tpot_slo_s > 0")
+        self.max_budget = max_budget
+        self.tpot_slo_s = tpot_slo_s
+        self.min_budget = min_budget
+        self.additive = additive
+        self.backoff = backoff
+        self.value = float(max_budget)
+
+    def reset(self) -> None:
+        self.value = float(self.max_budget)
+
+    def update(self, obs: Observation) -> float:
+        """The budget after the step ``obs`` reports (unchanged after an empty step)."""
+        if obs.last_step_tokens:
+            if obs.last_step_time_s <= self.tpot_slo_s:
+                self.value = min(self.max_budget, self.value + self.additive)
+            else:
+                self.value = max(self.min_budget, self.value * self.backoff)
+        return self.value

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
+from ctrl.base import UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, retry_after_s
 from ctrl.theory import BURST_USAGE, estimated_kv_workload, headroom_activations
 
 
@@ -101,12 +101,9 @@ class SloFlowController(Controller):
                 and overload_margin >= 0):
             raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, 0 < overload_floor <= reject_above and "
                              "overload_margin >= 0")
-        if not 0 < target_usage <= 1 or not 0 < backoff < 1 or prior_output_tokens < 1:
-            raise ValueError("need 0 < target_usage <= 1, 0 < backoff < 1 and prior_output_tokens >= 1")
-        if min_token_budget is None:
-            min_token_budget = min(256, max_num_batched_tokens)
-        if not 1 <= min_token_budget <= max_num_batched_tokens:
-            raise ValueError("need 1 <= min_token_budget <= max_num_batched_tokens")
+        if not 0 < target_usage <= 1 or prior_output_tokens < 1:
+            raise ValueError("need 0 < target_usage <= 1 and prior_output_tokens >= 1")
+        self.aimd = AimdTokenBudget(max_num_batched_tokens, tpot_slo_s, min_token_budget, additive_tokens, backoff)
         self.ttft_slo_s = ttft_slo_s
         self.tpot_slo_s = tpot_slo_s
         self.reject_above = reject_above
@@ -115,9 +112,6 @@ class SloFlowController(Controller):
         self.target_usage = target_usage
         self.prior_output_tokens = prior_output_tokens
         self.max_budget = max_num_batched_tokens
-        self.min_budget = min_token_budget
-        self.additive = additive_tokens
-        self.backoff = backoff
         self.max_num_seqs = max_num_seqs
         self.activation_scale = 1.0
         self.token_scale = 1.0
@@ -126,7 +120,7 @@ class SloFlowController(Controller):
         self.reset()
 
     def reset(self) -> None:
-        self.token_budget = float(self.max_budget)
+        self.aimd.reset()
         self._credit = 0.0
         self._decision.token_budget = self.max_budget
 
@@ -169,13 +163,8 @@ class SloFlowController(Controller):
         return None
 
     def decide(self, obs: Observation) -> Decision:
-        if obs.last_step_tokens:
-            if obs.last_step_time_s <= self.tpot_slo_s:
-                self.token_budget = min(self.max_budget, self.token_budget + self.additive)
-            else:
-                self.token_budget = max(self.min_budget, self.token_budget * self.backoff)
         d = self._decision
-        d.token_budget = max(1, min(self.max_budget, int(self.token_budget * self.token_scale)))
+        d.token_budget = max(1, min(self.max_budget, int(self.aimd.update(obs) * self.token_scale)))
         rate = self.activation_scale * safe_activation_rate(obs, self.target_usage, self.prior_output_tokens)
         credit = self._credit + rate
         burst = int(self.activation_scale * headroom_activations(obs, BURST_USAGE * self.target_usage,

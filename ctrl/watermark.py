@@ -7,7 +7,7 @@ within the TPOT SLO and halves when it did not (AIMD), so long prefills cannot s
 
 from __future__ import annotations
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
+from ctrl.base import UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, retry_after_s
 
 
 class WatermarkController(Controller):
@@ -30,24 +30,20 @@ class WatermarkController(Controller):
         super().__init__(**overload)
         if not 0 < watermark <= 1:
             raise ValueError(f"watermark must be in (0, 1], got {watermark}")
-        if queue_limit < 0 or not 0 < backoff < 1 or tpot_slo_s <= 0:
-            raise ValueError("need queue_limit >= 0, 0 < backoff < 1 and tpot_slo_s > 0")
-        if min_token_budget is None:
-            min_token_budget = min(256, max_num_batched_tokens)
-        if not 1 <= min_token_budget <= max_num_batched_tokens:
-            raise ValueError("need 1 <= min_token_budget <= max_num_batched_tokens")
+        if queue_limit < 0:
+            raise ValueError(f"queue_limit must be >= 0, got {queue_limit}")
         self.watermark = watermark
         self.queue_limit = queue_limit
         self.tpot_slo_s = tpot_slo_s
-        self.min_budget = min_token_budget
-        self.max_budget = max_num_batched_tokens
-        self.additive = additive_tokens
-        self.backoff = backoff
-        self.token_budget = float(max_num_batched_tokens)
+        self.aimd = AimdTokenBudget(max_num_batched_tokens, tpot_slo_s, min_token_budget, additive_tokens, backoff)
         self._decision = Decision(UNLIMITED, max_num_batched_tokens, max_num_seqs)
 
+    @property
+    def token_budget(self) -> float:
+        return self.aimd.value
+
     def reset(self) -> None:
-        self.token_budget = float(self.max_budget)
+        self.aimd.reset()
 
     def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
         if obs.kv_usage > self.watermark:
@@ -58,10 +54,5 @@ class WatermarkController(Controller):
         return super().admit(obs, prompt_tokens, max_tokens)
 
     def decide(self, obs: Observation) -> Decision:
-        if obs.last_step_tokens:
-            if obs.last_step_time_s <= self.tpot_slo_s:
-                self.token_budget = min(self.max_budget, self.token_budget + self.additive)
-            else:
-                self.token_budget = max(self.min_budget, self.token_budget * self.backoff)
-        self._decision.token_budget = int(self.token_budget)
+        self._decision.token_budget = int(self.aimd.update(obs))
         return self._decision

@@ -272,7 +272,7 @@ def write_report(rows: list[dict], learned: list[str], out: str | Path, held_out
     summary = summarize(rows, learned, held_out)
     figures = targets(summary) if learned else {}
     (out / "matrix.md").write_text(markdown(summary, learned) + "\n")
-    (out / "matrix.json").write_text(json.dumps({"targets": figures, "summary": summary, "rows": rows}, indent=1))
+    (out / "matrix.json").write_text(json.dumps({"targets": figures, "summary": summary, "rows": rows}))
     if learned:
         heatmap(summary, out / "learned_vs_best.png")
         heatmap(summary, out / "learned_vs_prior.png", "vs_prior", "learned / slo-flow (its prior)")

@@ -218,3 +218,17 @@ def test_the_server_guards_the_learned_controller_and_exports_its_state(arrivals
     assert service.guard.guarded
     assert metric(metrics, "controller_guard_switches_total") == 1
     assert metric(metrics, "controller_guarded") == 1
+
+
+def test_simulate_guarded_is_the_plain_run_when_the_policy_never_loses_and_rescues_a_bad_one():
+    from engine.twin.guard import simulate_guarded
+
+    arrivals = cell_arrivals(load_family("chat"), 1.2, 0, 900, PROFILE)[0]
+    plain = simulate(arrivals, PROFILE, learned(HEURISTIC), record_steps=False).summary
+    guarded, guard = simulate_guarded(arrivals, PROFILE, learned(HEURISTIC))
+    assert guard.switches == 0 and guard.checks > 0
+    assert {k: v for k, v in guarded.items() if k != "wall_time_s"} == \
+        {k: v for k, v in plain.items() if k != "wall_time_s"}
+    bad = simulate(arrivals, PROFILE, learned(BAD), record_steps=False).summary
+    rescued, guard = simulate_guarded(arrivals, PROFILE, learned(BAD))
+    assert guard.switches >= 1 and rescued["goodput_rps"] > bad["goodput_rps"]

@@ -16,7 +16,8 @@ from engine.cli.support import parse_floats, friendly, load_arrivals, workload_o
 @click.option("--profile", "profile_name", default="a100-llama2-7b", show_default=True,
               help="Profile name (slot, a100-llama2-7b, h200-llama3-8b) or a JSON/YAML file.")
 @click.option("--controller", "controller_spec", default="greedy", show_default=True,
-              help="NAME[:key=value,...]; names: greedy, no-evict, sglang, watermark, class-budgets, flow.")
+              help="NAME[:key=value,...]; names: greedy, no-evict, sglang, watermark, class-budgets, flow, "
+                   "slo-flow, learned.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @friendly()

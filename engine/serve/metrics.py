@@ -32,6 +32,12 @@ class ServerMetrics:
         self.in_flight = gauge("num_requests_in_flight", "HTTP requests admitted and not yet answered.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two streamed tokens.")
+        self.ttft_prediction_error = histogram(
+            "ttft_prediction_abs_error_seconds",
+            "|realised - predicted| time to first token, the prediction made when the request was admitted.")
+        self.ttft_prediction_wrong_side = counter(
+            "ttft_prediction_wrong_side_total",
+            "Requests whose TTFT prediction at admission was on the other side of the TTFT SLO than the realised TTFT.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first activation.")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")

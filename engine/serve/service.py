@@ -209,12 +209,23 @@ class EngineService:
                 if r is not None and not r.state.is_terminal:
                     self.llm.cancel(r)
 
+    def _record_prediction(self, r: Request) -> None:
+        """How far the engine's TTFT prediction at admission (engine clock) was from the realised TTFT."""
+        if r.predicted_ttft_s is None or r.first_token_time_s is None:
+            return
+        realised = r.first_token_time_s - r.arrival_time_s
+        self.metrics.ttft_prediction_error.observe(abs(realised - r.predicted_ttft_s))
+        slo = self.llm.profile.ttft_slo_s
+        if (realised <= slo) != (r.predicted_ttft_s <= slo):
+            self.metrics.ttft_prediction_wrong_side.inc()
+
     def _add(self, stream: Stream, ids, sampling, max_tokens) -> None:
         def on_delta(r: Request, delta: str, finished: bool) -> None:
             now = time.perf_counter()
             if delta:
                 if stream.last_token_s is None:
                     self.metrics.ttft.observe(now - stream.arrival_s)
+                    self._record_prediction(r)
                 else:
                     self.metrics.itl.observe(now - stream.last_token_s)
                 stream.last_token_s = now

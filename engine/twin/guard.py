@@ -326,7 +326,7 @@ class TwinGuard:
         }
 
 
-def simulate_guarded(arrivals, profile: Profile, live: ShieldedController, *, window_requests: int = 150,
+def simulate_guarded(arrivals, profile: Profile, live: ShieldedController, *, window_requests: int = 300,
                      **guard_options) -> tuple[dict, TwinGuard]:
     """Simulate ``arrivals`` with the learned controller and its runtime guard, as a server runs
     them (the guard checking synchronously, so the result is deterministic).

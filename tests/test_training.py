@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import yaml
 import pytest
 from click.testing import CliRunner
 
@@ -60,6 +61,18 @@ def test_resume_from_checkpoint(trained, tmp_path):
                   tensorboard=False, resume=ckpts[0], env_kwargs={"episode_steps": 64, "control_interval": 5},
                   overrides=SMALL_RUN)
     assert model.exists()
+
+
+def test_training_seeds_run_as_parallel_tasks_each_in_its_folder(tmp_path):
+    from training.train import train_seeds
+
+    paths = train_seeds(None, [3, 4], tmp_path, n_timesteps=512, n_envs=1, backend="process", workers=2,
+                        env_kwargs={"episode_steps": 32, "control_interval": 5, "episode_requests": 400},
+                        overrides={**SMALL_RUN, "eval_freq": 512, "save_freq": 512})
+    assert paths == [tmp_path / "seed3" / "model.zip", tmp_path / "seed4" / "model.zip"]
+    assert all(p.is_file() and (p.parent / "vecnormalize.pkl").is_file() for p in paths)
+    runs = [yaml.safe_load((p.parent / "train_run.yaml").read_text()) for p in paths]
+    assert [r["seed"] for r in runs] == [3, 4] and runs[0]["held_out"]
 
 
 def test_export_matches_predict(trained, tmp_path):

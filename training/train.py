@@ -244,7 +244,8 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
 
 def train_seeds(config_path: str | Path | None, seeds: list[int], out_dir: str | Path = DEFAULT_OUT, *,
                 n_timesteps: int | None = None, n_envs: int | None = None, backend: str = "auto",
-                address: str | None = None, workers: int | None = None) -> list[Path]:
+                address: str | None = None, workers: int | None = None, env_kwargs: dict | None = None,
+                overrides: dict | None = None) -> list[Path]:
     """One training run per seed, each in ``out_dir/seed<N>``, as parallel tasks
     (``training.parallel.run_tasks``: local processes, or Ray with ``backend``/``address``).
 
@@ -255,6 +256,7 @@ def train_seeds(config_path: str | Path | None, seeds: list[int], out_dir: str |
     load_config(DEFAULT_CONFIG if config_path is None else config_path)  # a bad config fails before any task starts
     out = Path(out_dir)
     tasks = [{"config_path": str(config_path) if config_path else None, "seed": s, "out_dir": str(out / f"seed{s}"),
-              "n_timesteps": n_timesteps, "n_envs": n_envs, "progress_bar": False} for s in seeds]
+              "n_timesteps": n_timesteps, "n_envs": n_envs, "progress_bar": False, "env_kwargs": env_kwargs,
+              "overrides": overrides, "tensorboard": False} for s in seeds]
     return run_tasks(train, tasks, backend=backend, address=address, workers=workers,
                      desc=f"training {len(seeds)} seeds")

@@ -1,5 +1,5 @@
 # `make test`: set up .venv, run the quality gates and the tests.  `make run`: set up .venv and start the server
-# (tiny built-in model; pass SERVE_ARGS='--port 9000 --controller greedy' to change it).
+# (tiny built-in model, the shipped learned policy; pass SERVE_ARGS='--port 9000 --controller greedy' to change it).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 run: $(STAMP)
-	$(BIN)/tidegate serve --model tiny $(SERVE_ARGS)
+	$(BIN)/tidegate serve --model tiny --controller learned $(SERVE_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/tidegate bench --trace splitwise_conv --trace splitwise_code --out bench-out

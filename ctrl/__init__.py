@@ -20,6 +20,11 @@ CONTROLLERS: dict[str, type[Controller]] = {
                         ClassBudgetsController, FlowController, SloFlowController)
 }
 
+#: the server's default controller: the best heuristic of the evaluation matrix (docs/BENCHMARKS.md).
+#: ``learned`` becomes the default once it holds 0.97 x the best heuristic in every cell of the
+#: matrix, which the shipped policy does not yet do on bursty traffic.
+DEFAULT_CONTROLLER = "slo-flow"
+
 # Options filled from the profile when the user does not set them.
 _PROFILE_DEFAULTS = {
     "max_num_seqs": lambda p: p.max_num_seqs,
@@ -29,8 +34,8 @@ _PROFILE_DEFAULTS = {
     "profile": lambda p: p,
 }
 
-__all__ = ["CONTROLLERS", "Controller", "ControllerSpecError", "Decision", "Observation", "Rejection",
-           "UNLIMITED", "build_controller", "controller_options", "parse_spec"]
+__all__ = ["CONTROLLERS", "DEFAULT_CONTROLLER", "Controller", "ControllerSpecError", "Decision", "Observation",
+           "Rejection", "UNLIMITED", "build_controller", "controller_options", "parse_spec"]
 
 
 class ControllerSpecError(ValueError):

@@ -79,6 +79,8 @@ class SloFlowController(Controller):
     :param overload_floor: the threshold's floor, in TTFT SLOs, in sustained overload.
     :param overload_margin: arrivals may outpace completions by this fraction before anything is
         refused (the noise of two rate estimates over one window).
+    :param min_completions: nothing is refused before this many requests have completed (rates
+        over fewer events are noise; until then the shield's queue limit and timeout protect).
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -92,7 +94,7 @@ class SloFlowController(Controller):
     name = "slo-flow"
 
     def __init__(self, ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.1, reject_above: float = 1.0,
-                 overload_floor: float = 0.25, overload_margin: float = 0.2,
+                 overload_floor: float = 0.25, overload_margin: float = 0.2, min_completions: int = 32,
                  target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
                  max_num_seqs: int = 256, **overload) -> None:
@@ -109,6 +111,7 @@ class SloFlowController(Controller):
         self.reject_above = reject_above
         self.overload_floor = overload_floor
         self.overload_margin = overload_margin
+        self.min_completions = max(1, int(min_completions))
         self.target_usage = target_usage
         self.prior_output_tokens = prior_output_tokens
         self.max_budget = max_num_batched_tokens
@@ -133,11 +136,14 @@ class SloFlowController(Controller):
 
     def reject_delay_s(self, obs: Observation) -> float:
         """The predicted queueing delay above which arrivals are refused (while requests wait): ``inf``
-        unless arrivals outpace completions by more than ``overload_margin`` (times the residual),
-        then ``reject_above`` x SLO / u^2 with u = arrival rate / completion rate, at least
+        unless arrivals outpace completions by more than ``overload_margin`` (times the residual
+        where it is above 1), then ``reject_above`` x SLO / u^2 with u = arrival rate / completion rate, at least
         ``overload_floor`` x SLO (all times the residual)."""
         done = obs.completion_rate_rps
-        if not done > 0 or not obs.arrival_rate_rps > done * (1.0 + self.overload_margin * self.reject_scale):
+        # the residual may widen the margin, never narrow it: without overload nothing is refused,
+        # whatever a policy asks
+        margin = self.overload_margin * max(self.reject_scale, 1.0)
+        if obs.completed_total < self.min_completions or not obs.arrival_rate_rps > done * (1.0 + margin):
             return math.inf
         u = obs.arrival_rate_rps / done
         return max(self.reject_above / (u * u), self.overload_floor) * self.reject_scale * self.ttft_slo_s

@@ -83,7 +83,7 @@ def test_residuals_scale_the_heuristic_knobs():
     obs = Observation(kv_capacity_tokens=100_000)
     obs.num_waiting, obs.num_running, obs.mean_step_time_s, obs.completion_rate_rps = 3, 50, 0.05, 5.0
     obs.waiting_prompt_tokens, obs.head_prompt_tokens, obs.arrival_rate_rps = 6000, 2000, 10.0  # 2x overload
-    obs.now_s = 100.0  # ... with requests waiting since the start
+    obs.now_s, obs.completed_total = 100.0, 100  # ... with requests waiting since the start
     strict = learned_with(Const([0.0, 0.0, -1.0]))
     strict.decide(obs)
     loose = learned_with(Const([0.0, 0.0, 1.0]))
@@ -187,10 +187,12 @@ def test_engine_records_its_ttft_prediction_and_reports_calibration():
 
 @pytest.mark.parametrize("family, loads", [("chat", (0.3, 0.7)), ("short", (0.3, 0.7)), ("long-context", (0.3,)),
                                            ("multi-class", (0.3,))])
-def test_poisson_traffic_at_light_load_is_never_refused(family, loads):
+def test_poisson_traffic_at_light_load_is_almost_never_refused(family, loads):
     for load in loads:
-        s = summary(build_controller("learned", PROFILE), arrivals(family, load, 800, seed=3))
-        assert s["rejected"] == 0, (family, load, s["rejected"])
+        arr = arrivals(family, load, 800, seed=3)
+        assert summary(build_controller("slo-flow", PROFILE), arr)["rejected"] == 0, (family, load)
+        # the policy may tighten the threshold, never the overload test: at most the noise of the rates
+        assert summary(build_controller("learned", PROFILE), arr)["rejected"] <= 2, (family, load)
 
 
 def test_shipped_policy_loads_with_the_current_features():

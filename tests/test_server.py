@@ -310,8 +310,8 @@ def test_loadgen_against_the_server(server, tmp_path):
     server.wait_idle()
 
 
-def test_default_server_runs_the_shielded_learned_policy(tiny):
-    s = Running(tiny)
+def test_the_learned_server_runs_the_shielded_policy(tiny):
+    s = Running(tiny, controller="learned")
     try:
         assert type(s.service.core.controller._inner).__name__ == "ShieldedController"
         outs = [s.client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=5,

@@ -310,7 +310,8 @@ def test_non_editable_install_finds_policy_and_config_from_any_directory(tmp_pat
     assert not (target / "checkpoints" / "model.zip").exists()  # only the shipped files are package data
 
     # The server itself, started from / on the installed copy, serves the learned policy, not the fallback.
-    serve = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--kv-capacity-tokens", "4096"]
+    serve = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--kv-capacity-tokens", "4096",
+             "--controller", "learned"]
     proc = subprocess.Popen(serve,
                             cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import click
 
+from ctrl import DEFAULT_CONTROLLER
 from engine.cli.support import friendly
 
 
 @click.command()
 @click.option("--model", default="tiny", show_default=True, help="'tiny' (built-in, offline) or a local model folder.")
 @click.option("--served-model-name", default=None, help="Model name clients send (default: --model).")
-@click.option("--controller", "controller_spec", default="learned", show_default=True,
+@click.option("--controller", "controller_spec", default=DEFAULT_CONTROLLER, show_default=True,
               help="NAME[:key=value,...] (see `tidegate simulate --help`); 'learned' is the shipped policy "
-                   "inside the shield.")
+                   "inside the shield, with its runtime guard.")
 @click.option("--profile", "profile_name", default=None,
               help="Step-time profile of this model and machine, for the controllers' estimates "
                    "(default: tiny-cpu; make one with `tidegate profile`).")

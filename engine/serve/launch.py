@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ctrl import DEFAULT_CONTROLLER
 from engine.serve.metrics import ServerMetrics
 from engine.serve.service import EngineService
 
@@ -25,7 +26,7 @@ class ServeConfig:
 
     model: str = "tiny"
     served_model_name: str | None = None
-    controller: str = "learned"
+    controller: str = DEFAULT_CONTROLLER
     profile: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000

@@ -47,7 +47,7 @@ def run_once(args, rate: float) -> dict:
             h.start()
         time.sleep(2.0)
         plan = plan_random(10**9, rate, 1.0, args.input_len, args.output_len, args.seed, args.duration)
-        outcomes, wall = run(run_load(url, plan, progress=True, timeout_s=args.duration + 120))
+        outcomes, wall = run(run_load(url, plan, progress=False, timeout_s=args.duration + 120))
         final = scrape(url)
         s = summarize(outcomes, wall, args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
         return {"controller": args.controller or "default", "offered_rps": rate, "cotenants": args.cotenants, **s,

@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation
-from ctrl.theory import estimated_kv_workload
+from ctrl.theory import safe_activation_rate
 
 
 class FlowController(Controller):
@@ -78,8 +78,7 @@ class FlowController(Controller):
 
     def safe_budget(self, obs: Observation) -> float:
         """rho * M / w_hat: the activation rate whose steady KV demand is rho * M."""
-        w = estimated_kv_workload(obs, self.prior_output_tokens)
-        return self.target_usage * obs.kv_capacity_tokens / w
+        return safe_activation_rate(obs, self.target_usage, self.prior_output_tokens)
 
     def adaptive_budget(self, obs: Observation) -> float:
         step_s = obs.mean_step_time_s or obs.last_step_time_s

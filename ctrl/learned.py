@@ -4,10 +4,11 @@ flow-control shield.
 
 The policy learns residuals on the heuristic: its action in ``[-1, 1]^3`` scales the heuristic's
 memory-safe activation rate, its token budget and its admission threshold by
-``RESIDUAL_RANGE ** a``, so action 0 *is* ``slo-flow``. An untrained, out-of-distribution or
-failing policy therefore degrades to the heuristic, never below it: whenever the policy cannot
-answer (file missing or corrupt, an exception, NaN/inf, over its wall-clock budget on a real
-engine) the residuals go back to 0, counted and logged once per cause.
+``RESIDUAL_RANGE ** a``, so action 0 *is* ``slo-flow``: an untrained policy (PPO starts near a
+zero mean action) serves as the heuristic, and whenever the policy cannot answer (file missing or
+corrupt, an exception, NaN/inf, over its wall-clock budget on a real engine) the residuals go back
+to 0, counted and logged once per cause. A policy that answers badly is not caught here: the
+runtime guard (``engine/twin/guard.py``) compares it with the heuristic on live traffic.
 
 The same pieces serve the Gymnasium env (``env/serving_env.py``) and deployment, so the policy
 sees in production exactly the features it saw in training:
@@ -36,8 +37,8 @@ import numpy as np
 
 from ctrl.base import Controller, Decision, Observation, Rejection, ReplicaProfile
 from ctrl.shield import ShieldedController
-from ctrl.slo_flow import SloFlowController, predicted_ttft_s, safe_activation_rate
-from ctrl.theory import lambda_max_estimate
+from ctrl.slo_flow import SloFlowController, predicted_ttft_s
+from ctrl.theory import lambda_max_estimate, safe_activation_rate
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ OBS_DIM = len(FEATURES)
 ACTION_DIM = 3
 OBS_CLIP = 10.0
 #: an action a scales the heuristic's activation rate, token budget and admission threshold by
-#: RESIDUAL_RANGE ** a: from a quarter to four times; action 0 is the heuristic itself
+#: RESIDUAL_RANGE ** a: from a quarter to four times (the shield caps activations at the same
+#: memory-safe rate, so raising that one changes little); action 0 is the heuristic itself
 RESIDUAL_RANGE = 4.0
 #: the action used before the first policy call and whenever the policy cannot answer
 DEFAULT_ACTION = (0.0, 0.0, 0.0)
@@ -275,7 +277,6 @@ class LearnedController(Controller):
         self._steps = 0
         self._last_action = DEFAULT_ACTION
         self.prior.set_residual()
-        self._use_fallback = self.policy is None
 
     def set_guarded(self, on: bool) -> None:
         """Hand every decision to the heuristic (``on``) or back to the policy; a switch to the
@@ -297,7 +298,6 @@ class LearnedController(Controller):
             log.warning("learned controller: falling back to the slo-flow heuristic (%s)", cause)
             self.fallbacks[cause] = 0
         self.fallbacks[cause] += 1
-        self._use_fallback = True
         self._last_action = DEFAULT_ACTION
         self.prior.set_residual()
 
@@ -336,7 +336,6 @@ class LearnedController(Controller):
             self._fall_back("policy returned NaN or inf")
             return
         self.policy_calls += 1
-        self._use_fallback = False
         self._last_action = (_clip1(a[0]), _clip1(a[1]), _clip1(a[2]))
         self.prior.set_residual(*action_to_residual(self._last_action))
 

@@ -4,10 +4,12 @@ safe set derived from Dong & Cao's flow-control theory (arXiv 2604.11001).
 Whatever the inner controller (a learned policy, a heuristic, an adversary) proposes, the
 engine only ever sees a Decision that satisfies:
 
-- activation budget: an integer in ``[0, floor(credit + b_safe)]`` where
+- activation budget: an integer in ``[0, max(floor(credit + b_safe), burst)]`` where
   ``b_safe = rho * M / w_hat`` is the activation rate whose steady KV demand is ``rho * M``
-  (as in ``FlowController.safe_budget``) and the credit carries fractions over, at most one
-  step's worth; at least 1 when nothing runs and something waits (liveness);
+  (``ctrl.theory.safe_activation_rate``), the credit carries fractions over, at most one step's
+  worth, and ``burst`` is how many requests of the mean size fit at their peak into the free KV
+  below ``BURST_USAGE * rho * M`` (``ctrl.theory.headroom_activations``: 0 once the KV is that
+  full); at least 1 when nothing runs and something waits (liveness);
 - running cap in ``[1, max_num_seqs]``, token budget in ``[1, max_num_batched_tokens]``;
 - no class budgets (the per-class activation path ignores the KV reservation);
 - ``kv_reserve_ratio = 1.0`` in strict mode (every running request's prompt + max_tokens is
@@ -27,7 +29,7 @@ import math
 
 from ctrl.base import (RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection,
                        retry_after_s)
-from ctrl.theory import BURST_USAGE, estimated_kv_workload, headroom_activations
+from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate
 
 MODES = ("strict", "soft")
 
@@ -175,8 +177,7 @@ class ShieldedController(Controller):
     # ------------------------------------------------------------------ the safe set
     def safe_budget(self, obs: Observation) -> float:
         """rho * M / w_hat activations per step: steady KV demand rho * M (Little's law on KV)."""
-        w = estimated_kv_workload(obs, self.prior_output_tokens)
-        return self.target_usage * obs.kv_capacity_tokens / w
+        return safe_activation_rate(obs, self.target_usage, self.prior_output_tokens)
 
     def limits(self, obs: Observation) -> tuple[int, int]:
         """(most running requests, most new tokens per step) the pool can hold."""

@@ -10,12 +10,13 @@ Three rules, each with a worst case that can be argued on its own:
   evictions stay rare; at light load every request starts at the next step.
 - **Token budget** by AIMD on the TPOT SLO (as ``watermark``): it grows while steps run within
   the SLO and halves when one did not, so long prefills cannot stall running decodes.
-- **Admission** on a calibrated TTFT prediction (:func:`predicted_ttft_s`): an arrival is
-  refused with 429 only in overload (u = observed arrival rate / completion rate above
-  ``1 + overload_margin``; refusals shorten the queue, never the arrival rate, so u witnesses
-  overload whatever the controller does), when requests are waiting *and* the time until its
-  first token, counting the queue ahead, its own prefill and the decodes already running, exceeds
-  ``SLO / u^2`` (at least ``overload_floor`` x SLO). In overload the queue settles where the
+- **Admission** on a calibrated prediction (:func:`predicted_ttft_s`): an arrival is refused with
+  429 only in overload (u = observed arrival rate / completion rate above ``1 + overload_margin``;
+  refusals shorten the queue, never the arrival rate, so u witnesses overload whatever the
+  controller does), when requests are waiting *and* the queueing delay before its own prefill,
+  counting the queue ahead and the prefill and decodes of the running requests, exceeds
+  ``reject_above`` x SLO / u^2 (at least ``overload_floor`` x SLO). A prompt slow to prefill on its
+  own is served: refusing it shortens nobody's wait. In overload the queue settles where the
   threshold is, so a short queue keeps the admitted requests within their SLO while the replica
   stays busy. Without overload nothing is refused: a burst at light load drains by itself, and a
   late answer serves a user better than a 429. With an empty queue nothing is ever refused,
@@ -31,12 +32,7 @@ from __future__ import annotations
 import math
 
 from ctrl.base import UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, retry_after_s
-from ctrl.theory import BURST_USAGE, estimated_kv_workload, headroom_activations
-
-
-def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int) -> float:
-    """``b_safe = rho * M / w_hat``: activations per step whose steady KV demand is rho * M."""
-    return target_usage * obs.kv_capacity_tokens / estimated_kv_workload(obs, prior_output_tokens)
+from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate
 
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
@@ -74,8 +70,8 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
 class SloFlowController(Controller):
     """:param ttft_slo_s: the TTFT SLO of the admission rule.
     :param tpot_slo_s: the step-time target of the AIMD token budget.
-    :param reject_above: refuse an arrival whose predicted TTFT exceeds this many TTFT SLOs
-        (while requests wait) when not overloaded; ``inf`` never refuses on delay.
+    :param reject_above: in overload, refuse an arrival whose predicted queueing delay exceeds
+        ``reject_above`` x SLO / u^2 (while requests wait); ``inf`` never refuses on delay.
     :param overload_floor: the threshold's floor, in TTFT SLOs, in sustained overload.
     :param overload_margin: arrivals may outpace completions by this fraction before anything is
         refused (the noise of two rate estimates over one window).
@@ -118,13 +114,11 @@ class SloFlowController(Controller):
         self.prior_output_tokens = prior_output_tokens
         self.max_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.activation_scale = 1.0
-        self.token_scale = 1.0
-        self.reject_scale = 1.0
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs)
         self.reset()
 
     def reset(self) -> None:
+        self.set_residual()
         self.aimd.reset()
         self._credit = 0.0
         self._decision.token_budget = self.max_budget

@@ -54,6 +54,11 @@ def headroom_activations(obs: Observation, target_usage: float, prior_output_tok
     return int(free / max(peak, 1.0))
 
 
+def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int) -> float:
+    """``b_safe = rho * M / w_hat``: activations per step whose steady KV demand is rho * M."""
+    return target_usage * obs.kv_capacity_tokens / estimated_kv_workload(obs, prior_output_tokens)
+
+
 def necessary_rate_bound(lifetime_kv: float, kv_capacity_tokens: int) -> float:
     """The largest arrival rate (requests per step) any stable scheduler can sustain for one
     class: lambda * w <= M."""

@@ -128,12 +128,11 @@ class EngineCore:
         never = unservable_reason(request.prompt_len, request.max_tokens, self.pool.capacity_tokens)
         if never is not None:
             return self._reject(request, never, 0.0)
-        asked = isinstance(admission, _Ask)
-        rejection = self.admit(request) if asked else admission
+        rejection = self.admit(request) if isinstance(admission, _Ask) else admission
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
-        obs = self.obs if asked else self._observe(now)  # admit() has just observed
-        request.predicted_ttft_s = predicted_ttft_s(obs, request.prompt_len, self._token_budget)
+        # from the latest observation: admit() has just made it, or the last step did
+        request.predicted_ttft_s = predicted_ttft_s(self.obs, request.prompt_len, self._token_budget)
         self.waiting.append(request)
         self._waiting_prompt_tokens += request.prompt_len
         return None

@@ -19,6 +19,7 @@ from collections import deque
 
 from ctrl.base import Rejection
 from engine.core.request import Request, RequestState
+from engine.core.slo import time_to_first_token_s
 from engine.serve.metrics import ServerMetrics
 from engine.twin.guard import TwinGuard
 
@@ -213,7 +214,7 @@ class EngineService:
         """How far the engine's TTFT prediction at admission (engine clock) was from the realised TTFT."""
         if r.predicted_ttft_s is None or r.first_token_time_s is None:
             return
-        realised = r.first_token_time_s - r.arrival_time_s
+        realised = time_to_first_token_s(r)
         self.metrics.ttft_prediction_error.observe(abs(realised - r.predicted_ttft_s))
         slo = self.llm.profile.ttft_slo_s
         if (realised <= slo) != (r.predicted_ttft_s <= slo):
@@ -290,7 +291,8 @@ class EngineService:
         def on_finish(r: Request) -> None:
             if llm_on_finish is not None:
                 llm_on_finish(r)
-            guard.on_finish(r)
+            if self.guard is guard:  # a guard dropped after a failure is fed no more
+                guard.on_finish(r)
 
         self.core.on_finish = on_finish
 

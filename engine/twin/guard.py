@@ -338,9 +338,9 @@ def simulate_guarded(arrivals, profile: Profile, live: ShieldedController, *, wi
     from engine.core.driver import replay
     from engine.sim.simulate import make_request, make_sim_engine
 
-    span = arrivals[-1].arrival_time_s - arrivals[0].arrival_time_s if len(arrivals) > 1 else 1.0
-    rate = (len(arrivals) - 1) / span if span > 0 else 1.0
-    guard_options.setdefault("window_s", window_requests / rate)
+    span = arrivals[-1].arrival_time_s - arrivals[0].arrival_time_s if len(arrivals) > 1 else 0.0
+    rate = (len(arrivals) - 1) / span if span > 0 else 0.0
+    guard_options.setdefault("window_s", window_requests / rate if rate > 0 else 60.0)
     live.reset()
     live.inner.set_guarded(False)
     guard = TwinGuard(profile, live, **guard_options)

@@ -63,6 +63,8 @@ def select(exports: dict[str, dict[str, Path]], families: list[str], requests: i
     scores = {}
     for name in named:
         ratios = [g[name][0] / g[PRIOR][0] for g in goodput.values() if g[PRIOR][0] > 0]
+        if not ratios:  # the prior met no SLO anywhere: nothing to compare with
+            ratios = [math.nan]
         scores[name] = {"min": float(np.min(ratios)), "mean": float(np.mean(ratios))}
     chosen = {}
     for seed, by_name in exports.items():
@@ -91,7 +93,7 @@ def write_guard_table(rows: list[dict], shipped: str, out: Path, held_out) -> No
                      f"{div(r[shipped], best):.3f} | {div(g, best):.3f} | {div(r[shipped], r[PRIOR]):.3f} | "
                      f"{div(g, r[PRIOR]):.3f} |")
     finite = [x for x in ratios if x == x]
-    lines.append(f"\nworst cell, learned+guard / best heuristic: {min(finite):.3f}")
+    lines.append(f"\nworst cell, learned+guard / best heuristic: {min(finite) if finite else math.nan:.3f}")
     (out / "guard.md").write_text("\n".join(lines) + "\n")
 
 

@@ -121,3 +121,22 @@ def test_simulate_is_the_replay_of_make_request():
     replay(core, [x.arrival_time_s for x in arrivals], lambda i: make_request(i, arrivals[i]))
     b = core.metrics.summary(64, profile.ttft_slo_s, profile.tpot_slo_s)
     assert {k: v for k, v in a.items() if k != "wall_time_s"} == b
+
+
+def test_one_memory_safe_rate_one_aimd_budget_one_ttft_prediction():
+    from ctrl.base import AimdTokenBudget, Observation
+    from ctrl.flow import FlowController
+    from ctrl.shield import ShieldedController
+    from ctrl.slo_flow import SloFlowController, predicted_ttft_s
+    from ctrl.theory import safe_activation_rate
+    from ctrl.watermark import WatermarkController
+
+    obs = Observation(kv_capacity_tokens=50_000)
+    obs.completed_total, obs.lifetime_kv_workload, obs.mean_step_time_s = 10, 12_345.0, 0.02
+    obs.num_waiting, obs.num_running, obs.waiting_prompt_tokens = 5, 7, 3000
+    rate = safe_activation_rate(obs, 0.9, 128)
+    assert ShieldedController(SloFlowController()).safe_budget(obs) == rate
+    assert FlowController(target_usage=0.9).safe_budget(obs) == rate
+    assert isinstance(WatermarkController().aimd, AimdTokenBudget)
+    assert isinstance(SloFlowController().aimd, AimdTokenBudget)
+    assert SloFlowController().predict_ttft_s(obs, 100) == predicted_ttft_s(obs, 100, 8192)

@@ -130,6 +130,14 @@ class SloFlowController(Controller):
         self.token_scale = token_scale
         self.reject_scale = reject_scale
 
+    def admission_state(self) -> tuple[float, int]:
+        """What ``admit`` reads besides the Observation: the admission residual and the token budget."""
+        return self.reject_scale, self._decision.token_budget
+
+    def set_admission_state(self, state) -> None:
+        if state is not None:
+            self.reject_scale, self._decision.token_budget = state
+
     def reject_delay_s(self, obs: Observation) -> float:
         """The predicted queueing delay above which arrivals are refused (while requests wait): ``inf``
         unless arrivals outpace completions by more than ``overload_margin`` (times the residual

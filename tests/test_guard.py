@@ -4,6 +4,8 @@ the windows not judged yet are kept; the server exports the guard's state."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -13,8 +15,10 @@ from ctrl.shield import ShieldedController
 from engine.core.driver import replay
 from engine.core.profile import load_profile
 from engine.core.request import Request, RequestState
+from engine.serve.engine_proc import EngineLoop
+from engine.serve.launch import ServeConfig
 from engine.serve.metrics import ServerMetrics
-from engine.serve.service import EngineService
+from engine.serve.service import EngineService, _Engine
 from engine.sim.simulate import make_request, make_sim_engine, simulate
 from engine.twin.guard import GuardWindow, TwinGuard
 from engine.workloads.families import load_family
@@ -186,36 +190,47 @@ def test_the_guard_needs_the_learned_controller():
 
 
 class FakeLLM:
-    """What EngineService reads of an LLM, on the simulator."""
+    """What the engine loop reads of an LLM, on the simulator."""
 
     def __init__(self, controller) -> None:
         self.profile = PROFILE
         self.core = make_sim_engine(PROFILE, controller, record_steps=False)
+        self.max_model_len = None
+        self.executor = SimpleNamespace(vocab_size=259)
 
 
 def metric(metrics: ServerMetrics, name: str) -> float | None:
     return metrics.registry.get_sample_value(f"tidegate:{name}", {"model_name": "m"})
 
 
-def test_the_server_guards_the_learned_controller_and_exports_its_state(arrivals):
-    metrics = ServerMetrics("m")
-    assert metric(metrics, "controller_guard_switches_total") == 0
-    assert metric(metrics, "controller_guarded") == 0
-    assert EngineService(FakeLLM(build_controller("greedy", PROFILE)), ServerMetrics("m")).guard is None
-    assert isinstance(EngineService(FakeLLM(learned(BAD)), ServerMetrics("m")).guard, TwinGuard)
+def test_the_engine_guards_the_learned_controller_and_the_server_exports_its_state(arrivals):
+    from multiprocessing import Pipe
+
+    here, there = Pipe()
+    config = ServeConfig()
+    assert EngineLoop(config, there, llm=FakeLLM(build_controller("greedy", PROFILE))).guard is None
+    assert isinstance(EngineLoop(config, there, llm=FakeLLM(learned(BAD))).guard, TwinGuard)
 
     live = learned(BAD)
     llm = FakeLLM(live)
-    service = EngineService(llm, metrics, guard=TwinGuard(PROFILE, live, window_s=WINDOW_S))
+    loop = EngineLoop(config, there, llm=llm, guard=TwinGuard(PROFILE, live, window_s=WINDOW_S))
     run = simulate([a for a in arrivals if a.arrival_time_s < WINDOW_S], PROFILE, learned(BAD), record_steps=False)
     for r in run.core.metrics.terminal:
-        service.core.on_finish(r)  # the engine's hook feeds the guard
-    assert service.guard.windows_held == 1
+        loop.core.on_finish(r)  # the engine's hook feeds the guard
+    assert loop.guard.windows_held == 1
     llm.core.clock.advance_to(2 * WINDOW_S)
-    service._tick_guard()  # starts the replays in the guard's thread
-    service.guard.wait(30)
-    service._tick_guard()  # applies the result on the engine thread
-    assert service.guard.guarded
+    loop._tick_guard()  # starts the replays in the guard's thread
+    loop.guard.wait(30)
+    loop._tick_guard()  # applies the result on the engine's thread
+    assert loop.guard.guarded
+    loop._send_tick()
+    kind, _events, snap = here.recv()
+    assert kind == "tick" and snap.guarded and snap.guard_switches == 1
+
+    metrics = ServerMetrics("m")
+    assert metric(metrics, "controller_guard_switches_total") == 0
+    assert metric(metrics, "controller_guarded") == 0
+    EngineService(config, metrics)._export(_Engine(None), snap)
     assert metric(metrics, "controller_guard_switches_total") == 1
     assert metric(metrics, "controller_guarded") == 1
 

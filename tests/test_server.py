@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -16,6 +17,8 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+
+from ctrl import build_controller
 
 from engine.serve.app import create_app
 from engine.serve.launch import ServeConfig, build_service
@@ -37,9 +40,12 @@ def tiny():
 
 
 class Running:
+    """A server on loopback: the engine in a thread here (given the loaded tiny model) or, with
+    ``tiny=None``, in a process of its own."""
+
     def __init__(self, tiny, **overrides) -> None:
         self.config = ServeConfig(port=free_port(), kv_capacity_tokens=4096, max_num_batched_tokens=256,
-                                  **overrides)
+                                  engine_process=tiny is None, **overrides)
         self.service = build_service(self.config, tiny)
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.service, self.config), host="127.0.0.1",
                                                     port=self.config.port, log_level="warning"))
@@ -53,14 +59,21 @@ class Running:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
 
     @property
+    def engine(self):
+        """The engine loop (in-process servers only)."""
+        return self.service.local
+
+    @property
     def pool(self):
-        return self.service.core.pool
+        return self.engine.core.pool
 
     def wait_idle(self, timeout_s: float = 10.0) -> None:
         deadline = time.time() + timeout_s
-        while self.pool.num_free_blocks != self.pool.num_blocks or self.service.core.has_unfinished:
+        while not self.service.idle():
             assert time.time() < deadline, "KV blocks were not freed"
             time.sleep(0.02)
+        if self.engine is not None:
+            assert self.pool.num_free_blocks == self.pool.num_blocks
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -157,12 +170,12 @@ def test_disconnect_mid_stream_frees_blocks(server):
         assert any(line.startswith("data: ") for line in got)
         assert server.pool.num_free_blocks < server.pool.num_blocks
     server.wait_idle()
-    cancelled = [r for r in server.service.core.metrics.terminal if r.state.value == "cancelled"]
+    cancelled = [r for r in server.engine.core.metrics.terminal if r.state.value == "cancelled"]
     assert cancelled and cancelled[-1].num_output_tokens < 1000
 
 
 def test_fault_in_a_step_fails_only_that_steps_requests(server):
-    executor = server.service.llm.executor
+    executor = server.engine.llm.executor
     original = executor.execute
     fired = threading.Event()
 
@@ -194,16 +207,16 @@ def test_slow_reader_stream_is_ended_and_bounded(tiny):
         loop = asyncio.new_event_loop()
         stream = Stream(loop, limit=4)
         stream.admitted = True
-        ids = s.service.llm.tokenizer.encode("slow")
+        ids = s.service.tokenizer.encode("slow")
         from engine.real.sampling import SamplingParams
         s.service.submit(stream, ids, SamplingParams(ignore_eos=True), 200)  # nobody reads this stream
         deadline = time.time() + 30
-        while stream.request is None or not stream.request.state.is_terminal:
+        while stream.result is None:
             assert time.time() < deadline
             time.sleep(0.02)
         s.wait_idle()
         assert stream.overflowed and len(stream.chunks) <= 5
-        assert stream.request.state.value == "cancelled" and stream.request.num_output_tokens < 200
+        assert stream.result.state.value == "cancelled" and stream.result.completion_tokens < 200
         loop.close()
     finally:
         s.close()
@@ -230,7 +243,7 @@ def test_429_with_retry_after_when_the_controller_refuses(tiny):
                 next(lines2)
                 s.client.completions.create(model="tiny", prompt="c", max_tokens=2)
         s.wait_idle()
-        rejected = [r for r in s.service.core.metrics.terminal if r.state.value == "rejected"]
+        rejected = [r for r in s.engine.core.metrics.terminal if r.state.value == "rejected"]
         assert len(rejected) >= 2  # the engine's accounting saw the early answers too
     finally:
         s.close()
@@ -313,7 +326,7 @@ def test_loadgen_against_the_server(server, tmp_path):
 def test_the_learned_server_runs_the_shielded_policy(tiny):
     s = Running(tiny, controller="learned")
     try:
-        assert type(s.service.core.controller._inner).__name__ == "ShieldedController"
+        assert type(s.engine.core.controller._inner).__name__ == "ShieldedController"
         outs = [s.client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=5,
                                             extra_body={"ignore_eos": True}) for i in range(3)]
         assert all(o.usage.completion_tokens == 5 for o in outs)
@@ -340,3 +353,121 @@ def test_admission_recovers_once_a_burst_has_drained(tiny):
         assert after == [200, 200, 200]
     finally:
         s.close()
+
+
+def _stream_lines(url: str, body: dict, out: dict) -> None:
+    """Read a streamed completion to its end; ``out`` gets its data lines and when it ended."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            out["status"] = r.status_code
+            out["lines"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+    out["ended"] = time.monotonic()
+
+
+def _wait_ready(url: str, timeout_s: float) -> float:
+    start = time.monotonic()
+    while httpx.get(url + "/ready").status_code != 200:
+        assert time.monotonic() - start < timeout_s, "the server did not get ready again"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_dead_or_hung_engine_process_ends_open_streams_and_is_replaced(how):
+    s = Running(None, controller="greedy", engine_timeout_s=2.0)
+    try:
+        pid = httpx.get(s.url + "/health").json()["engine_pid"]
+        assert pid and pid != os.getpid()
+        outs = [{} for _ in range(3)]
+        body = {"model": "tiny", "prompt": "long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        threads = [threading.Thread(target=_stream_lines, args=(s.url, body, o)) for o in outs]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        stopped = time.monotonic()
+        for t in threads:
+            t.join(30)
+        for o in outs:  # every open stream ended, with an error event then [DONE]
+            assert o["status"] == 200 and o["lines"][-1] == "[DONE]", o
+            error = json.loads(o["lines"][-2])["error"]
+            assert error["code"] == 503 and "engine" in error["message"]
+        ended = max(o["ended"] for o in outs) - stopped
+        assert ended < (10 if how == "killed" else 15)
+        _wait_ready(s.url, 90)
+        new_pid = httpx.get(s.url + "/health").json()["engine_pid"]
+        assert new_pid != pid
+        out = s.client.completions.create(model="tiny", prompt="again", max_tokens=4, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'tidegate:engine_restarts_total{model_name="tiny"} 1.0' in metrics
+    finally:
+        if how == "hung":
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        s.close()
+
+
+def test_arrivals_while_the_engine_is_down_get_503():
+    s = Running(None, controller="greedy")
+    try:
+        pid = httpx.get(s.url + "/health").json()["engine_pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while s.service.alive:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        refused = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["Retry-After"]
+        assert httpx.get(s.url + "/ready").status_code == 503
+        assert httpx.get(s.url + "/health").status_code == 503
+        _wait_ready(s.url, 90)
+    finally:
+        s.close()
+
+
+def test_max_waiting_holds_under_a_flood(tiny):
+    limit = 3
+    s = Running(tiny, controller=f"greedy:max_waiting={limit},max_num_seqs=1")
+    try:
+        seen = []
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                seen.append(len(s.engine.core.waiting))
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        body = {"model": "tiny", "prompt": "flood", "max_tokens": 40, "ignore_eos": True}
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(24) as pool:
+            codes = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120).status_code,
+                                  range(24)))
+        done.set()
+        watcher.join()
+        assert max(seen) <= limit
+        assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+        s.wait_idle(30)
+    finally:
+        s.close()
+
+
+def test_the_server_queue_timeout_never_loosens_the_controllers():
+    from engine.serve.engine_proc import apply_queue_timeout
+
+    controller = build_controller("greedy:queue_timeout_s=0.5")
+    apply_queue_timeout(controller, 30.0)
+    assert controller.queue_timeout_s == 0.5
+    apply_queue_timeout(controller, 0.2)
+    assert controller.queue_timeout_s == 0.2
+    for bad in (math.inf, math.nan, 0.0, -1.0):
+        with pytest.raises(ValueError, match="queue_timeout_s"):
+            ServeConfig(queue_timeout_s=bad)
+

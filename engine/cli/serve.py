@@ -40,10 +40,19 @@ from engine.cli.support import friendly
               help="On SIGTERM, how long in-flight requests may take to finish.")
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="max_tokens of a chat request that sets none.")
+@click.option("--engine-process/--engine-thread", default=True, show_default=True,
+              help="Run the engine in a process of its own (the HTTP side never waits on model steps; a dead "
+                   "or hung engine is replaced) or in a thread of the server's process.")
+@click.option("--engine-timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="An engine that sends nothing (not even its idle heartbeat) for this long is stopped; open "
+                   "streams end with an error and a new engine starts.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch threads of the engine (default: every core but one in an engine process, which the "
+                   "HTTP side needs; torch's default in an engine thread).")
 @friendly()
 def serve(model, served_model_name, controller_spec, profile_name, host, port, kv_capacity_tokens, block_size,
           max_num_batched_tokens, max_num_seqs, device, dtype, max_in_flight, queue_timeout_s,
-          stream_buffer_chunks, drain_timeout_s, default_max_tokens):
+          stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads):
     """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /metrics)."""
     import logging
 
@@ -56,21 +65,30 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, k
     # fail before the model loads, and say which policy a learned controller will run
     controller = build_controller(controller_spec, load_profile(profile_name or "tiny-cpu"))
     policy_note = getattr(getattr(controller, "inner", None), "policy_status", None)
-    config = ServeConfig(model=model, served_model_name=served_model_name, controller=controller_spec,
-                         profile=profile_name, host=host,
-                         port=port, kv_capacity_tokens=kv_capacity_tokens, block_size=block_size,
-                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, device=device,
-                         dtype=dtype, max_in_flight=max_in_flight, queue_timeout_s=queue_timeout_s,
-                         stream_buffer_chunks=stream_buffer_chunks, drain_timeout_s=drain_timeout_s,
-                         default_max_tokens=default_max_tokens)
     try:
+        config = ServeConfig(model=model, served_model_name=served_model_name, controller=controller_spec,
+                             profile=profile_name, host=host,
+                             port=port, kv_capacity_tokens=kv_capacity_tokens, block_size=block_size,
+                             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                             device=device, dtype=dtype, max_in_flight=max_in_flight, queue_timeout_s=queue_timeout_s,
+                             stream_buffer_chunks=stream_buffer_chunks, drain_timeout_s=drain_timeout_s,
+                             default_max_tokens=default_max_tokens, engine_process=engine_process,
+                             engine_timeout_s=engine_timeout_s, threads=threads)
         service = build_service(config)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    where = f"engine process {service.engine_pid}" if engine_process else "engine thread"
     click.echo(f"tidegate: serving {config.model_name!r} with controller {controller_spec!r} on "
-               f"http://{host}:{port}/v1 (KV capacity {service.core.pool.capacity_tokens} tokens)", err=True)
+               f"http://{host}:{port}/v1 (KV capacity {service.info.kv_capacity_tokens} tokens, {where})", err=True)
     if policy_note:
         click.echo(f"tidegate: {policy_note}", err=True)
+    mode = getattr(controller, "mode", None)
+    if mode is not None:
+        click.echo(f"tidegate: shield in {mode} mode ("
+                   + ("zero evictions: every running request's prompt + max_tokens is reserved"
+                      if mode == "strict" else "eviction rate bounded, see docs/SAFETY.md; "
+                      f"'{controller_spec.partition(':')[0]}:shield_mode=strict' reserves for zero evictions")
+                   + ")", err=True)
     GracefulServer(create_app(service, config), service, config).run()
 
 

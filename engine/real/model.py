@@ -185,6 +185,24 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def load_tokenizer(model: str = "tiny"):
+    """The tokenizer of ``"tiny"`` or of a local Hugging Face model folder, without the model.
+
+    :raises ModelLoadError: the folder is missing or holds no loadable tokenizer.
+    """
+    if model == "tiny":
+        return ByteTokenizer()
+    path = Path(model)
+    if not path.is_dir():
+        raise ModelLoadError(f"model {model!r} is neither 'tiny' nor an existing model folder.")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"the tokenizer in {str(path)!r} cannot be loaded ({first}).") from None
+
+
 def load_model(model: str = "tiny", device=None, dtype=None):
     """Load ``"tiny"`` or a local Hugging Face model folder.
 

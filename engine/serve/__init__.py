@@ -1,9 +1,12 @@
 """The OpenAI-compatible streaming server, split as vLLM's ``entrypoints/openai``.
 
 - :mod:`engine.serve.protocol`: the OpenAI wire format (request and response bodies, events, errors).
-- :mod:`engine.serve.service`: the engine loop in its own thread, and the per-request stream buffer.
+- :mod:`engine.serve.engine_proc`: the engine loop, in a process of its own, fed by a pipe.
+- :mod:`engine.serve.service`: the HTTP side's handle on it: admission on the engine's latest
+  snapshot, the per-request stream buffers, and a new engine when one dies or hangs.
 - :mod:`engine.serve.app`: the FastAPI application and its routes.
-- :mod:`engine.serve.launch`: the settings, loading the model, uvicorn with a draining shutdown.
+- :mod:`engine.serve.config`: the settings.
+- :mod:`engine.serve.launch`: starting the engine, uvicorn with a draining shutdown.
 - :mod:`engine.serve.metrics`: the Prometheus metrics.
 """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -20,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.core.request import Request, RequestState
+from engine.core.request import RequestState
 from engine.real.sampling import SamplingParams
 from engine.serve.protocol import (
     SSE_DONE,
@@ -36,7 +37,8 @@ from engine.serve.protocol import (
     sse_event,
     usage_body,
 )
-from engine.serve.service import EngineService, Stream
+from engine.serve.engine_proc import Outcome
+from engine.serve.service import EngineService, EngineUnavailable, Stream
 
 if TYPE_CHECKING:
     from engine.serve.launch import ServeConfig
@@ -65,17 +67,18 @@ def _add_probe_routes(app: FastAPI, service: EngineService) -> None:
     @app.get("/health")
     async def health():
         if not service.alive:
-            return error_response(503, "the engine thread has stopped", "unavailable")
-        guard = service.guard
-        if guard is not None and guard.guarded:
-            # serving, on the learned policy's prior: the runtime guard found the policy losing
-            return {"status": "ok", "controller": "guarded: the slo-flow heuristic decides"}
-        return {"status": "ok"}
+            return error_response(503, "the engine is not running; a new one is starting", "unavailable",
+                                  retry_after_s=5)
+        # degraded: serving, but on the learned policy's fallback (the policy failed, was late or is
+        # backing off); guarded (in "controller"): the runtime guard found the policy losing
+        return {"status": "degraded" if service.degraded else "ok", **service.status()}
 
     @app.get("/ready")
     async def ready():
-        if service.draining or not service.alive:
+        if service.draining:
             return error_response(503, "the server is shutting down", "unavailable", retry_after_s=5)
+        if not service.alive:
+            return error_response(503, "the engine is restarting", "unavailable", retry_after_s=5)
         return {"status": "ready"}
 
     @app.get("/metrics")
@@ -88,7 +91,7 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return model_list(serving.model_name, serving.created, serving.llm.max_model_len)
+        return model_list(serving.model_name, serving.created, serving.service.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HttpRequest):
@@ -139,9 +142,8 @@ class OpenAIServing:
     def __init__(self, service: EngineService, config: ServeConfig) -> None:
         self.service = service
         self.config = config
-        self.llm = service.llm
         self.metrics = service.metrics
-        self.tokenizer = service.llm.tokenizer
+        self.tokenizer = service.tokenizer
         self.model_name = config.model_name
         self.created = int(time.time())
 
@@ -168,14 +170,20 @@ class OpenAIServing:
         except _Refused as refused:
             return None, refused.response
         stream = Stream(asyncio.get_running_loop(), self.config.stream_buffer_chunks)
-        stream.admitted = True
-        self.service.submit(stream, prompt_ids, sampling, max_tokens)
+        try:
+            self.service.submit(stream, prompt_ids, sampling, max_tokens)
+        except EngineUnavailable:
+            self.metrics.rejected("engine_down")
+            return None, error_response(503, "the engine is restarting", "unavailable", retry_after_s=5)
         return stream, None
 
     def _check_open(self) -> None:
         if self.service.draining:
             self.metrics.rejected("shutting_down")
             raise _Refused(error_response(503, "the server is shutting down", "unavailable", retry_after_s=5))
+        if not self.service.alive:
+            self.metrics.rejected("engine_down")
+            raise _Refused(error_response(503, "the engine is restarting", "unavailable", retry_after_s=5))
 
     def _check_request(self, body: SamplingBody, prompt_ids: list[int], max_tokens: int | None):
         """(max_tokens, sampling parameters) of a request this server can serve; raises :class:`_Refused`
@@ -183,14 +191,14 @@ class OpenAIServing:
         if body.model != self.model_name:
             raise _Refused(error_response(400, f"the model {body.model!r} is not served here; use "
                                                f"{self.model_name!r}", "invalid_request_error", "model"))
-        context = self.llm.max_model_len or (len(prompt_ids) + self.config.default_max_tokens)
+        context = self.service.max_model_len or (len(prompt_ids) + self.config.default_max_tokens)
         if max_tokens is None:
             max_tokens = max(1, min(self.config.default_max_tokens, context - len(prompt_ids)))
         if max_tokens < 1:
             raise _Refused(error_response(400, f"max_tokens must be at least 1, got {max_tokens}",
                                           param="max_tokens"))
         try:
-            self.llm.check_request(prompt_ids, max_tokens)
+            self.service.check_request(prompt_ids, max_tokens)
             sampling = _sampling_params(body)
         except ValueError as exc:
             raise _Refused(error_response(400, str(exc).rstrip("."))) from None
@@ -217,12 +225,12 @@ class OpenAIServing:
         stream, refusal = await self.admit(body, prompt_ids, max_tokens)
         if refusal is not None:
             return refusal
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{id(stream):x}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         first = await self._first_chunk(stream, http)
         if first is None:  # the client left before the first token
             return Response(status_code=499)
         if first[1]:  # ended before or with its first text
-            bad = _ended_badly(stream.request, stream, first[0])
+            bad = _ended_badly(stream.result, stream, first[0])
             if bad is not None:
                 self.service.done(stream)
                 status, kind, message = bad
@@ -252,7 +260,7 @@ class OpenAIServing:
         parts = await self._collect(http, stream, first)
         if parts is None:  # the client went away
             return Response(status_code=499)
-        r = stream.request
+        r = stream.result
         bad = _ended_badly(r, stream)
         if bad is not None:
             status, kind, message = bad
@@ -322,7 +330,7 @@ async def _next_chunks(stream: Stream) -> tuple[str, bool]:
 
 def _last_events(events: StreamEvents, stream: Stream, delta: str) -> list[str]:
     """The events after the last text arrived: that text, then the finish (or the error), usage, ``[DONE]``."""
-    r = stream.request
+    r = stream.result
     bad = _ended_badly(r, stream)
     out = [events.chunk(delta, None)] if delta else []
     if bad is not None:
@@ -336,8 +344,8 @@ def _last_events(events: StreamEvents, stream: Stream, delta: str) -> list[str]:
     return out
 
 
-def _usage(r: Request | None) -> dict:
-    return usage_body(r.prompt_len if r else 0, len(r.output_token_ids) if r else 0)
+def _usage(r: Outcome | None) -> dict:
+    return usage_body(r.prompt_len if r else 0, r.completion_tokens if r else 0)
 
 
 def _sampling_params(body: SamplingBody) -> SamplingParams:
@@ -358,13 +366,13 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
     return "".join(f"<|{m.role}|>\n{text(m)}\n" for m in messages) + "<|assistant|>\n"
 
 
-def _finish_reason(r: Request | None) -> str:
+def _finish_reason(r: Outcome | None) -> str:
     if r is None or r.finish_reason not in ("length", "stop"):
         return "stop"
     return r.finish_reason
 
 
-def _ended_badly(r: Request | None, stream: Stream, fallback: str | None = None) -> tuple[int, str, str] | None:
+def _ended_badly(r: Outcome | None, stream: Stream, fallback: str | None = None) -> tuple[int, str, str] | None:
     """(status, type, message) for a request that did not finish normally; None if it did."""
     if stream.overflowed:
         return 503, "stream_overflow", "the client read the stream too slowly; it was ended to bound the buffer"
@@ -376,6 +384,8 @@ def _ended_badly(r: Request | None, stream: Stream, fallback: str | None = None)
         return 503, "queue_timeout", "the request waited longer than the queue timeout without starting"
     if r.state is RequestState.REJECTED:
         return 429, "rate_limited", r.finish_reason or "rejected"
+    if r.unavailable:
+        return 503, "engine_unavailable", r.finish_reason or "the engine went away"
     if r.state is RequestState.CANCELLED:
         return 499, "cancelled", "the request was cancelled"
     return 500, "engine_error", r.finish_reason or "the engine failed this request"

@@ -7,10 +7,9 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ctrl import DEFAULT_CONTROLLER
+from engine.serve.config import ServeConfig
 from engine.serve.metrics import ServerMetrics
 from engine.serve.service import EngineService
 
@@ -20,42 +19,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("tidegate.server")
 
 
-@dataclass
-class ServeConfig:
-    """Server settings (``tidegate serve --help`` describes each)."""
-
-    model: str = "tiny"
-    served_model_name: str | None = None
-    controller: str = DEFAULT_CONTROLLER
-    profile: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    kv_capacity_tokens: int | None = None
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    device: str | None = None
-    dtype: str | None = None
-    max_in_flight: int = 1024
-    queue_timeout_s: float | None = 30.0
-    stream_buffer_chunks: int = 512
-    drain_timeout_s: float = 30.0
-    default_max_tokens: int = 256
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
-
-
 def build_service(config: ServeConfig, model_and_tokenizer=None) -> EngineService:
-    """Load the model (or use an already loaded ``(model, tokenizer)``) and start the engine thread."""
-    from engine.real.llm import LLM
+    """Start the engine (in a process of its own, or, given an already loaded ``(model, tokenizer)``
+    or ``engine_process=False``, in a thread here) and wait until it serves.
 
-    llm = LLM(config.model, kv_capacity_tokens=config.kv_capacity_tokens, block_size=config.block_size,
-              controller=config.controller, device=config.device, dtype=config.dtype,
-              max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-              model_and_tokenizer=model_and_tokenizer, record_steps=False, profile=config.profile)
-    service = EngineService(llm, ServerMetrics(config.model_name), queue_timeout_s=config.queue_timeout_s)
+    :raises ValueError: one sentence, when the engine cannot start (bad model, device, sizes).
+    """
+    service = EngineService(config, ServerMetrics(config.model_name), model_and_tokenizer)
     service.start()
     return service
 

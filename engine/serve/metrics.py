@@ -50,6 +50,13 @@ class ServerMetrics:
                                       "the slo-flow heuristic.")
         self.guarded = gauge("controller_guarded", "1 while the runtime twin guard has handed control to the "
                              "slo-flow heuristic.")
+        self.degraded = gauge("controller_degraded", "1 while the learned policy's fallback (the slo-flow heuristic) "
+                              "decides because the policy failed, was late or is backing off.")
+        self.engine_up = gauge("engine_up", "1 while the engine process serves.")
+        self.engine_restarts = counter("engine_restarts_total", "Times a new engine process replaced one that "
+                                       "died or stopped answering.")
+        self._fallbacks = Counter("tidegate:controller_fallbacks_total", "Control intervals the learned policy's "
+                                  "fallback decided instead of the policy, by cause.", labels + ["cause"], registry=r)
         self.decision_time = histogram("controller_decision_seconds", "Time of one controller decision.",
                                        _DECISION_BUCKETS)
         self._rejections = Counter("tidegate:request_rejections_total", "Requests answered 429/503, by reason.",
@@ -59,6 +66,9 @@ class ServerMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejections.labels(self.model_name, reason).inc()
+
+    def fallback(self, cause: str, count: int = 1) -> None:
+        self._fallbacks.labels(self.model_name, cause).inc(count)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()

@@ -1,152 +1,305 @@
-"""The engine side of the server: the engine loop in its own thread, and what it hands each HTTP request.
+"""The HTTP side's handle on the engine: it starts the engine process, decides arrivals, hands
+admitted requests over a pipe, and puts each request's text into its bounded :class:`Stream`.
 
-The HTTP side never runs engine code. An arrival is decided on at once from the engine's latest
-observation (:meth:`EngineService.admission`); an accepted one is handed to the engine thread through
-a queue, and its text comes back through a bounded per-request :class:`Stream` buffer.
+An arrival is decided on at once, in this process, by a twin of the engine's controller on the
+engine's latest :class:`~engine.serve.engine_proc.Snapshot` (its Observation and the controller's
+admission state), with every request handed over since that snapshot counted as waiting: one
+exact count, so ``max_waiting`` holds under any interleaving.
+
+If the engine process dies or stops answering for ``engine_timeout_s``, every open stream ends
+with an error, new arrivals get 503 and ``/ready`` says so while a new engine process starts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
+import multiprocessing
 import queue
-import sys
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
 from ctrl.base import Rejection
-from engine.core.request import Request, RequestState
-from engine.core.slo import time_to_first_token_s
+from engine.core.request import RequestState, unservable_reason
+from engine.serve.engine_proc import EngineInfo, EngineLoop, Outcome, Snapshot, apply_queue_timeout, engine_main, \
+    observation_of
 from engine.serve.metrics import ServerMetrics
-from engine.twin.guard import TwinGuard
+
+if TYPE_CHECKING:
+    from engine.serve.config import ServeConfig
 
 log = logging.getLogger("tidegate.server")
 
+#: seconds between restarts of an engine that fails to start, at most
+_MAX_RESTART_WAIT_S = 30.0
+
+
+class EngineUnavailable(Exception):
+    """The engine is not running (starting again, or the server is stopping)."""
+
 
 class Stream:
-    """What the engine thread hands one HTTP request: text deltas, then the end."""
+    """What the engine hands one HTTP request: text deltas, then the end and its :class:`Outcome`."""
 
-    __slots__ = ("loop", "event", "chunks", "request", "limit", "overflowed", "arrival_s", "last_token_s",
-                 "admitted", "touched")
+    __slots__ = ("loop", "event", "chunks", "result", "limit", "overflowed", "arrival_s", "last_token_s",
+                 "admitted", "sid")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: int) -> None:
         self.loop = loop
         self.event = asyncio.Event()
         self.chunks: deque[tuple[str, bool]] = deque()
-        self.request: Request | None = None
+        self.result: Outcome | None = None
         self.limit = limit
         self.overflowed = False
         self.arrival_s = time.perf_counter()
         self.last_token_s: float | None = None
         self.admitted = False
-        self.touched = False  # has data the HTTP side has not been woken for yet
+        self.sid = -1
 
 
 def _set_events(streams: list[Stream]) -> None:
     for stream in streams:
-        stream.touched = False
         stream.event.set()
 
 
-class TimedController:
-    """Wraps the controller to time each decision; everything else passes through."""
+def _wake(streams: list[Stream]) -> None:
+    """One wake-up of each event loop per tick for every stream that got data (not one per token)."""
+    by_loop: dict[int, list[Stream]] = {}
+    for s in streams:
+        by_loop.setdefault(id(s.loop), []).append(s)
+    for group in by_loop.values():
+        try:
+            group[0].loop.call_soon_threadsafe(_set_events, group)
+        except RuntimeError:  # that loop has closed: nobody waits on these streams
+            pass
 
-    def __init__(self, inner, histogram) -> None:
-        self.__dict__["_inner"] = inner
-        self.__dict__["_hist"] = histogram
 
-    def decide(self, obs):
-        t = time.perf_counter()
-        d = self._inner.decide(obs)
-        self._hist.observe(time.perf_counter() - t)
-        return d
+class _Engine:
+    """One engine process (or thread) and the pipe to it."""
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    def __init__(self, conn, process=None, thread=None, local: EngineLoop | None = None) -> None:
+        self.conn = conn
+        self.process = process
+        self.thread = thread
+        self.local = local
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_message_s = time.monotonic()
+        self.lost = False
+        self.info: EngineInfo | None = None
+        self.seen = {"evictions": 0, "interventions": 0, "guard_switches": 0}
+        self.seen_fallbacks: dict[str, int] = {}
 
-    def __setattr__(self, name, value):
-        setattr(self._inner, name, value)
+    def send(self, msg) -> None:
+        self.outbox.put(msg)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
 
 
 class EngineService:
-    """Owns the LLM and runs its engine loop in a thread; every call from HTTP goes through a queue.
+    """The engine as the HTTP side sees it.
 
-    :param llm: the loaded :class:`engine.real.llm.LLM`
+    :param config: the server settings (``engine_process``: a process of its own, or a thread here)
     :param metrics: the server's Prometheus metrics
-    :param queue_timeout_s: how long a request may wait to start before it ends with 503; None keeps
-        the controller's own setting
-    :param guard: the runtime twin guard of a learned controller (``engine.twin.guard``): True builds
-        one with default settings on the LLM's profile when the controller is the shielded learned
-        one, False never; or a ``TwinGuard`` of this engine's controller
+    :param model_and_tokenizer: an already loaded ``(model, tokenizer)``; the engine then runs in a
+        thread of this process
     """
 
-    def __init__(self, llm, metrics: ServerMetrics, queue_timeout_s: float | None = None,
-                 guard: TwinGuard | bool = True) -> None:
-        self.llm = llm
-        self.core = llm.core
+    def __init__(self, config: ServeConfig, metrics: ServerMetrics, model_and_tokenizer=None) -> None:
+        self.config = config
         self.metrics = metrics
-        controller = self.core.controller
-        self.core.controller = TimedController(controller, metrics.decision_time)
-        if queue_timeout_s is not None:
-            self.core.controller.queue_timeout_s = queue_timeout_s
-        self.guard = _guard_for(llm, controller) if guard is True else (guard or None)
-        if self.guard is not None:
-            self._feed_guard(self.guard)
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.in_flight = 0
+        self.in_process = model_and_tokenizer is not None or not config.engine_process
+        self._model_and_tokenizer = model_and_tokenizer
         self.draining = False
-        self._stop = False
-        self._ids = itertools.count()
-        self._seen_evictions = 0
-        self._seen_interventions = 0
-        self._seen_guard_switches = 0
-        self.thread = threading.Thread(target=self._run, name="tidegate-engine", daemon=True)
-        self._touched: list[Stream] = []
-        # (requests, prompt tokens) handed to the engine thread, and taken by it: each written by
-        # one thread only, so their difference is exact without a lock.
+        self.in_flight = 0
+        self.restarts = 0
+        self.info: EngineInfo | None = None
+        self.tokenizer: Any = None
+        self.mirror: Any = None
+        self._lock = threading.Lock()
+        self._streams: dict[int, Stream] = {}
+        self._sids = itertools.count()
+        self._engine: _Engine | None = None
+        self._alive = False
+        self._stopping = False
+        self._snapshot: Snapshot | None = None
         self._submitted = (0, 0)
-        self._taken = (0, 0)
+        self._admit_errors = 0
 
-    # -- called from the HTTP side
+    # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self.thread.start()
+        """Start the engine and wait until it serves; raises ValueError (one sentence) if it cannot."""
+        engine = self._launch()
+        info = engine.info
+        assert info is not None
+        self.info = info
+        from ctrl import build_controller
+
+        self.mirror = build_controller(self.config.controller, info.profile)
+        apply_queue_timeout(self.mirror, self.config.queue_timeout_s)
+        if self.in_process and engine.local is not None:
+            self.tokenizer = engine.local.llm.tokenizer
+        else:
+            from engine.real.model import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.config.model)
+        self._adopt(engine)
+        threading.Thread(target=self._watch, name="tidegate-engine-watch", daemon=True).start()
+
+    def _launch(self) -> _Engine:
+        """A new engine, ready to serve."""
+        ctx = multiprocessing.get_context("spawn")
+        here, there = ctx.Pipe()
+        if self.in_process:
+            local = EngineLoop(self.config, there, self._model_and_tokenizer)
+            thread = threading.Thread(target=local.run, name="tidegate-engine", daemon=True)
+            engine = _Engine(here, thread=thread, local=local)
+            thread.start()
+        else:
+            process = ctx.Process(target=engine_main, args=(self.config, there), name="tidegate-engine",
+                                  daemon=True)
+            process.start()
+            there.close()
+            engine = _Engine(here, process=process)
+        try:
+            ready = here.poll(self.config.engine_start_timeout_s)
+            msg = here.recv() if ready else ("error", f"the engine did not start within "
+                                                      f"{self.config.engine_start_timeout_s:g} s")
+        except (EOFError, OSError):
+            code = engine.process.exitcode if engine.process is not None else None
+            msg = ("error", f"the engine process exited while starting (exit code {code})")
+        if msg[0] != "ready":
+            engine.kill()
+            raise ValueError(msg[1])
+        engine.info = msg[1]
+        engine.last_message_s = time.monotonic()
+        return engine
+
+    def _adopt(self, engine: _Engine) -> None:
+        with self._lock:
+            self._engine = engine
+            self._submitted = (0, 0)
+            self._snapshot = None
+            self._alive = True
+        threading.Thread(target=self._read, args=(engine,), name="tidegate-engine-read", daemon=True).start()
+        threading.Thread(target=self._write, args=(engine,), name="tidegate-engine-write", daemon=True).start()
+        self.metrics.engine_up.set(1)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop = True
-        self.wake.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout_s)
+        self._stopping = True
+        engine = self._engine
+        if engine is None:
+            return
+        engine.send(("stop",))
+        if engine.process is not None:
+            engine.process.join(timeout_s)
+            engine.kill()
+        elif engine.thread is not None:
+            engine.thread.join(timeout_s)
+        self._lose(engine, "the server is stopping")
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive()
+        return self._alive
+
+    @property
+    def engine_pid(self) -> int | None:
+        engine = self._engine
+        return engine.info.pid if engine is not None and engine.info is not None and self._alive else None
+
+    @property
+    def local(self) -> EngineLoop | None:
+        """The engine loop when it runs in this process (tests reach into it), else None."""
+        engine = self._engine
+        return engine.local if engine is not None else None
+
+    def status(self) -> dict:
+        """What ``/health`` reports beyond ok: the engine's pid, and who decides."""
+        out: dict[str, Any] = {"engine_pid": self.engine_pid, "engine_restarts": self.restarts}
+        snap = self._snapshot
+        if snap is not None:
+            if snap.degraded:
+                causes = ", ".join(sorted(snap.fallbacks)) or "no policy"
+                out["controller"] = f"degraded: the slo-flow fallback decides ({causes})"
+            elif snap.guarded:
+                out["controller"] = "guarded: the slo-flow heuristic decides"
+        return out
+
+    @property
+    def degraded(self) -> bool:
+        snap = self._snapshot
+        return bool(snap is not None and snap.degraded)
+
+    def idle(self) -> bool:
+        """Nothing handed over, waiting, running or holding KV (as of the latest tick)."""
+        snap = self._snapshot
+        return (snap is not None and not snap.has_unfinished and snap.kv_used_tokens == 0
+                and snap.taken_requests == self._submitted[0] and not self._streams)
+
+    # ------------------------------------------------------------------ arrivals (the HTTP loop)
+    def check_request(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """Raise ValueError (one sentence) for a request the engine can never run."""
+        info = self.info
+        assert info is not None
+        if max_tokens >= 1 and any(t < 0 or t >= info.vocab_size for t in prompt_ids):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary of {info.vocab_size}.")
+        reason = unservable_reason(len(prompt_ids), max_tokens, info.kv_capacity_tokens, info.max_model_len)
+        if reason is not None:
+            raise ValueError(reason)
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.info.max_model_len if self.info is not None else None
 
     def admission(self, prompt_len: int, max_tokens: int) -> Rejection | None:
-        """The controller's answer on the engine's latest observation (read-only, any thread),
-        counting the requests handed over since then as waiting."""
-        obs = copy.copy(self.core.obs)
-        obs.num_waiting += self._submitted[0] - self._taken[0]
-        obs.waiting_prompt_tokens += self._submitted[1] - self._taken[1]
-        return self.core.controller.admit(obs, prompt_len, max_tokens)
+        """The controller's answer on the engine's latest snapshot, counting the requests handed
+        over since then as waiting."""
+        snap = self._snapshot
+        if snap is None:
+            return None
+        obs = observation_of(snap.obs)
+        obs.num_waiting += self._submitted[0] - snap.taken_requests
+        obs.waiting_prompt_tokens += self._submitted[1] - snap.taken_tokens
+        mirror = self.mirror
+        try:
+            setter = getattr(mirror, "set_admission_state", None)
+            if setter is not None:
+                setter(snap.admission_state)
+            return mirror.admit(obs, prompt_len, max_tokens)
+        except Exception:  # admission must never fail a request with a 500
+            if not self._admit_errors:
+                log.exception("the controller's admit() failed; arrivals are accepted (logged once)")
+            self._admit_errors += 1
+            return None
 
     def submit(self, stream: Stream, prompt_ids: list[int], sampling, max_tokens: int) -> None:
-        self._submitted = (self._submitted[0] + 1, self._submitted[1] + len(prompt_ids))
+        """Hand an admitted request to the engine; raises :class:`EngineUnavailable` while it is down."""
+        with self._lock:
+            engine = self._engine
+            if not self._alive or engine is None:
+                raise EngineUnavailable("the engine is restarting")
+            sid = next(self._sids)
+            stream.sid = sid
+            self._streams[sid] = stream
+            self._submitted = (self._submitted[0] + 1, self._submitted[1] + len(prompt_ids))
+            engine.send(("add", sid, prompt_ids, sampling, max_tokens))
+        stream.admitted = True
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
-        self.inbox.put(("add", stream, prompt_ids, sampling, max_tokens))
-        self.wake.set()
 
     def record_rejection(self, prompt_len: int, max_tokens: int, rejection: Rejection) -> None:
-        self.inbox.put(("reject", prompt_len, max_tokens, rejection))
-        self.wake.set()
+        engine = self._engine
+        if engine is not None and self._alive:
+            engine.send(("reject", prompt_len, max_tokens, rejection))
 
     def cancel(self, stream: Stream) -> None:
-        self.inbox.put(("cancel", stream))
-        self.wake.set()
+        engine = self._engine
+        if engine is not None and stream.result is None:
+            engine.send(("cancel", stream.sid))
 
     def done(self, stream: Stream) -> None:
         """The HTTP side has finished with a stream."""
@@ -155,170 +308,177 @@ class EngineService:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
 
-    # -- the engine thread
-    def _run(self) -> None:
-        llm = self.llm
-        # The HTTP loop and this thread share the GIL: switch often so a 429 is never held up
-        # behind a long stretch of engine bookkeeping.
-        sys.setswitchinterval(0.001)
-        while not self._stop:
-            self._drain_inbox()
-            if llm.has_unfinished:
-                try:
-                    llm.step()
-                except Exception:  # a bug outside the executor: fail what is in flight, keep serving
-                    log.exception("engine step failed")
-                    self._fail_all()
-                self._wake_streams()
-                self._update_gauges()
-                self._tick_guard()
-            else:
-                self._wake_streams()
-                self._update_gauges()
-                self._tick_guard()
-                self.wake.wait(0.05)
-                self.wake.clear()
+    # ------------------------------------------------------------------ the pipe (its own threads)
+    def _write(self, engine: _Engine) -> None:
+        while True:
+            msg = engine.outbox.get()
+            if msg is None:
+                return
+            try:
+                engine.conn.send(msg)
+            except (OSError, ValueError):  # the engine is gone; the reader notices
+                return
 
-    def _touch(self, stream: Stream) -> None:
-        if not stream.touched:
-            stream.touched = True
-            self._touched.append(stream)
-
-    def _wake_streams(self) -> None:
-        """One wake-up of the HTTP loop per step for every stream that got data (not one per token)."""
-        if self._touched:
-            touched, self._touched = self._touched, []
-            touched[0].loop.call_soon_threadsafe(_set_events, touched)
-
-    def _drain_inbox(self) -> None:
+    def _read(self, engine: _Engine) -> None:
         while True:
             try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
+                msg = engine.conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:  # a message that cannot be read: the engine is not trustworthy
+                log.exception("unreadable message from the engine")
+                engine.kill()
+                break
+            engine.last_message_s = time.monotonic()
+            if msg[0] == "tick":
+                self._on_tick(engine, msg[1], msg[2])
+        if self._stopping:
+            reason = "the server is stopping"
+        elif engine.process is not None:
+            engine.process.join(1.0)
+            reason = f"the engine process stopped (exit code {engine.process.exitcode})"
+        else:
+            reason = "the engine stopped"
+        self._lose(engine, reason)
+
+    def _on_tick(self, engine: _Engine, events: list, snap: Snapshot) -> None:
+        now = time.perf_counter()
+        touched: list[Stream] = []
+        overflowed: list[int] = []
+        with self._lock:
+            if engine is not self._engine or engine.lost:
                 return
-            kind = item[0]
-            if kind == "add":
-                _, stream, ids, sampling, max_tokens = item
-                self._add(stream, ids, sampling, max_tokens)
-                self._taken = (self._taken[0] + 1, self._taken[1] + len(ids))
-            elif kind == "reject":
-                _, n, max_tokens, rejection = item
-                r = Request(f"rejected-{next(self._ids)}", self.core.clock.now(), n, max_tokens)
-                self.core.add_request(r, admission=rejection)
-            elif kind == "cancel":
-                r = item[1].request
-                if r is not None and not r.state.is_terminal:
-                    self.llm.cancel(r)
-
-    def _record_prediction(self, r: Request) -> None:
-        """How far the engine's TTFT prediction at admission (engine clock) was from the realised TTFT."""
-        if r.predicted_ttft_s is None or r.first_token_time_s is None:
-            return
-        realised = time_to_first_token_s(r)
-        self.metrics.ttft_prediction_error.observe(abs(realised - r.predicted_ttft_s))
-        slo = self.llm.profile.ttft_slo_s
-        if (realised <= slo) != (r.predicted_ttft_s <= slo):
-            self.metrics.ttft_prediction_wrong_side.inc()
-
-    def _add(self, stream: Stream, ids, sampling, max_tokens) -> None:
-        def on_delta(r: Request, delta: str, finished: bool) -> None:
-            now = time.perf_counter()
-            if delta:
-                if stream.last_token_s is None:
-                    self.metrics.ttft.observe(now - stream.arrival_s)
-                    self._record_prediction(r)
-                else:
-                    self.metrics.itl.observe(now - stream.last_token_s)
-                stream.last_token_s = now
-            if finished:
-                self._on_finished(r, stream, now)
-            elif len(stream.chunks) >= stream.limit:
-                if not stream.overflowed:  # the client reads too slowly: end its stream
+            streams = self._streams
+            for sid, delta, finished, outcome in events:
+                stream = streams.get(sid)
+                if stream is None:
+                    continue
+                if delta:
+                    self._on_text(stream, now)
+                if finished:
+                    del streams[sid]
+                    stream.result = outcome
+                    self._on_finished(outcome, stream, now)
+                elif stream.overflowed:
+                    continue
+                elif len(stream.chunks) >= stream.limit:  # the client reads too slowly: end its stream
                     stream.overflowed = True
-                    self.llm.cancel(r)
-                return
-            stream.chunks.append((delta, finished))
-            self._touch(stream)
+                    overflowed.append(sid)
+                    continue
+                stream.chunks.append((delta, finished))
+                touched.append(stream)
+            self._snapshot = snap
+        for sid in overflowed:
+            engine.send(("cancel", sid))
+        if touched:
+            _wake(touched)
+        self._export(engine, snap)
 
-        try:
-            r = self.llm.add_request(ids, sampling, max_tokens, request_id=f"cmpl-{next(self._ids)}",
-                                     on_delta=on_delta, admission=None)
-        except ValueError as exc:  # checked on arrival already; a race with a resize would land here
-            stream.chunks.append((str(exc), True))
-            self._touch(stream)
-            return
-        stream.request = r
-        if r.state.is_terminal:  # ended at once (refused by the engine's own checks)
-            stream.chunks.append(("", True))
-            self._touch(stream)
+    def _on_text(self, stream: Stream, now: float) -> None:
+        if stream.last_token_s is None:
+            self.metrics.ttft.observe(now - stream.arrival_s)
+        else:
+            self.metrics.itl.observe(now - stream.last_token_s)
+        stream.last_token_s = now
 
-    def _on_finished(self, r: Request, stream: Stream, now: float) -> None:
+    def _on_finished(self, o: Outcome, stream: Stream, now: float) -> None:
         m = self.metrics
         m.e2e.observe(now - stream.arrival_s)
-        if r.first_token_time_s is not None:
-            m.prompt_tokens.inc(r.prompt_len)
-            m.generation_tokens.inc(len(r.output_token_ids))
-        if r.start_time_s is not None:
-            m.queue_time.observe(max(0.0, r.start_time_s - r.arrival_time_s))
-        m.finished(r.finish_reason if r.state is RequestState.FINISHED else r.state.value)
+        if o.engine_ttft_s is not None:
+            m.prompt_tokens.inc(o.prompt_len)
+            m.generation_tokens.inc(o.completion_tokens)
+            if o.predicted_ttft_s is not None and self.info is not None:
+                m.ttft_prediction_error.observe(abs(o.engine_ttft_s - o.predicted_ttft_s))
+                slo = self.info.profile.ttft_slo_s
+                if (o.engine_ttft_s <= slo) != (o.predicted_ttft_s <= slo):
+                    m.ttft_prediction_wrong_side.inc()
+        if o.queue_s is not None:
+            m.queue_time.observe(o.queue_s)
+        m.finished(o.finish_reason if o.state is RequestState.FINISHED else o.state.value)
 
-    def _fail_all(self) -> None:
-        core = self.core
-        for r in list(core.running) + list(core.waiting):
-            core.cancel(r)
-
-    def _update_gauges(self) -> None:
-        # Arrivals are decided on the HTTP side from this observation: keep it current between
-        # steps and while idle, or a queue that has drained would still look full.
-        self.core.observe()
-        core, m = self.core, self.metrics
-        m.running.set(len(core.running))
-        m.waiting.set(len(core.waiting))
-        m.kv_usage.set(core.pool.used_tokens / core.pool.capacity_tokens)
-        ev = core.metrics.evictions
-        if ev > self._seen_evictions:
-            m.evictions.inc(ev - self._seen_evictions)
-            self._seen_evictions = ev
-        iv = getattr(core.controller, "interventions", None)
-        if isinstance(iv, int) and iv > self._seen_interventions:
-            m.shield_interventions.inc(iv - self._seen_interventions)
-            self._seen_interventions = iv
-
-    def _feed_guard(self, guard: TwinGuard) -> None:
-        """Hand every request that ends to the guard as well (after the LLM's own hook)."""
-        llm_on_finish = self.core.on_finish
-
-        def on_finish(r: Request) -> None:
-            if llm_on_finish is not None:
-                llm_on_finish(r)
-            if self.guard is guard:  # a guard dropped after a failure is fed no more
-                guard.on_finish(r)
-
-        self.core.on_finish = on_finish
-
-    def _tick_guard(self) -> None:
-        """Start the guard's replays of a settled window in its thread, apply a finished check, and
-        export its state."""
-        guard = self.guard
-        if guard is None:
-            return
-        try:
-            guard.maybe_check(self.core.clock.now(), background=True)
-        except Exception:  # the guard must never take the engine loop down
-            log.exception("twin guard failed; the controller keeps its current mode")
-            self.guard = None
-            return
+    def _export(self, engine: _Engine, snap: Snapshot) -> None:
         m = self.metrics
-        if guard.switches > self._seen_guard_switches:
-            m.guard_switches.inc(guard.switches - self._seen_guard_switches)
-            self._seen_guard_switches = guard.switches
-        m.guarded.set(1 if guard.guarded else 0)
+        m.running.set(snap.running)
+        m.waiting.set(snap.waiting)
+        if self.info is not None:
+            m.kv_usage.set(snap.kv_used_tokens / self.info.kv_capacity_tokens)
+        seen = engine.seen
+        for name, counter in (("evictions", m.evictions), ("interventions", m.shield_interventions),
+                              ("guard_switches", m.guard_switches)):
+            value = getattr(snap, name)
+            if value > seen[name]:
+                counter.inc(value - seen[name])
+            seen[name] = value
+        for cause, count in snap.fallbacks.items():
+            before = engine.seen_fallbacks.get(cause, 0)
+            if count > before:
+                m.fallback(cause, count - before)
+            engine.seen_fallbacks[cause] = count
+        m.guarded.set(1 if snap.guarded else 0)
+        m.degraded.set(1 if snap.degraded else 0)
+        for t in snap.decision_times:
+            m.decision_time.observe(t)
 
+    # ------------------------------------------------------------------ failure and restart
+    def _lose(self, engine: _Engine, reason: str) -> None:
+        """The engine is gone: end every open stream with an error, then start a new engine."""
+        with self._lock:
+            if engine.lost:
+                return
+            engine.lost = True
+            current = engine is self._engine
+            if current:
+                self._alive = False
+                streams = list(self._streams.values())
+                self._streams.clear()
+            else:
+                streams = []
+        engine.outbox.put(None)
+        ended = Outcome.failed(f"{reason}; the request was not completed")
+        for stream in streams:
+            stream.result = ended
+            stream.chunks.append(("", True))
+        if streams:
+            _wake(streams)
+        if not current:
+            return
+        self.metrics.engine_up.set(0)
+        if self._stopping:
+            return
+        log.error("%s: %d open streams ended; starting a new engine", reason, len(streams))
+        threading.Thread(target=self._restart, name="tidegate-engine-restart", daemon=True).start()
 
-def _guard_for(llm, controller) -> TwinGuard | None:
-    """A twin guard for a shielded learned controller on the LLM's profile; None for any other."""
-    inner = getattr(controller, "inner", None)
-    profile = getattr(llm, "profile", None)
-    if profile is None or not callable(getattr(inner, "set_guarded", None)):
-        return None
-    return TwinGuard(profile, controller)
+    def _restart(self) -> None:
+        wait = 1.0
+        while not self._stopping:
+            try:
+                engine = self._launch()
+            except Exception as exc:
+                log.error("the engine did not start again (%s); next try in %.0f s", exc, wait)
+                time.sleep(wait)
+                wait = min(2 * wait, _MAX_RESTART_WAIT_S)
+                continue
+            if self._stopping:
+                engine.send(("stop",))
+                return
+            self.restarts += 1
+            self.metrics.engine_restarts.inc()
+            self._adopt(engine)
+            log.warning("engine serving again (pid %s)", engine.info.pid if engine.info else "?")
+            return
+
+    def _watch(self) -> None:
+        """Kill an engine that has sent nothing (not even its idle heartbeat) for ``engine_timeout_s``."""
+        timeout = self.config.engine_timeout_s
+        while not self._stopping:
+            time.sleep(min(1.0, timeout / 4))
+            engine = self._engine
+            if engine is None or engine.lost or not self._alive:
+                continue
+            silent = time.monotonic() - engine.last_message_s
+            if silent > timeout:
+                log.error("the engine sent nothing for %.1f s; stopping it", silent)
+                if engine.process is not None:
+                    engine.kill()  # the reader sees the pipe close and ends its streams
+                else:
+                    self._lose(engine, f"the engine stopped answering for {silent:.0f} s")

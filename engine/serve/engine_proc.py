@@ -1,0 +1,397 @@
+"""The engine side of the server: the engine loop, in a process of its own (as vLLM v1 separates
+its API server from EngineCore), talking to the HTTP side over a pipe.
+
+The HTTP side never shares a GIL with model steps. Messages, HTTP side to engine:
+
+- ``("add", sid, prompt_ids, sampling, max_tokens)``: an admitted request, ``sid`` its stream id;
+- ``("reject", prompt_len, max_tokens, rejection)``: an arrival the HTTP side refused, for the
+  engine's accounting;
+- ``("cancel", sid)``; ``("stop",)``.
+
+Engine to HTTP side:
+
+- ``("ready", EngineInfo)`` once the model has loaded, or ``("error", sentence)`` if it cannot;
+- ``("tick", events, Snapshot)`` after every step, and every ``HEARTBEAT_S`` while idle: the text
+  deltas ``(sid, delta, finished, Outcome | None)`` of the step, and the engine's state.
+
+For tests and embedding the same loop also runs in a thread of the server's process.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ctrl.base import Controller, Observation
+from engine.core.request import Request, RequestState
+from engine.core.slo import time_to_first_token_s
+from engine.twin.guard import TwinGuard
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from engine.serve.config import ServeConfig
+
+log = logging.getLogger("tidegate.engine")
+
+#: seconds between two ticks of an idle engine (its heartbeat)
+HEARTBEAT_S = 0.05
+#: decision times kept per tick for the histogram
+_MAX_TIMES = 4096
+
+
+@dataclass
+class EngineInfo:
+    """What the HTTP side needs to know of the engine it talks to."""
+
+    pid: int
+    kv_capacity_tokens: int
+    block_size: int
+    max_model_len: int | None
+    vocab_size: int
+    profile: Any
+    controller_note: str | None = None
+
+
+@dataclass
+class Outcome:
+    """How a request ended, as the HTTP side sees it."""
+
+    state: RequestState
+    finish_reason: str | None
+    prompt_len: int
+    completion_tokens: int
+    queue_s: float | None = None
+    predicted_ttft_s: float | None = None
+    engine_ttft_s: float | None = None
+    #: ended because the engine went away (503: another try may succeed), not by the engine's doing
+    unavailable: bool = False
+
+    @classmethod
+    def of(cls, r: Request) -> Outcome:
+        queue_s = None if r.start_time_s is None else max(0.0, r.start_time_s - r.arrival_time_s)
+        ttft = time_to_first_token_s(r) if r.first_token_time_s is not None else None
+        return cls(r.state, r.finish_reason, r.prompt_len, len(r.output_token_ids), queue_s, r.predicted_ttft_s, ttft)
+
+    @classmethod
+    def failed(cls, reason: str) -> Outcome:
+        return cls(RequestState.FAILED, reason, 0, 0, unavailable=True)
+
+
+@dataclass
+class Snapshot:
+    """The engine's state after a step: its Observation, the requests it has taken from the pipe
+    (consistent with the Observation, so the HTTP side's waiting count is exact), the
+    controller's admission state and the figures the metrics export."""
+
+    obs: tuple
+    taken_requests: int
+    taken_tokens: int
+    admission_state: Any
+    running: int = 0
+    waiting: int = 0
+    kv_used_tokens: int = 0
+    has_unfinished: bool = False
+    evictions: int = 0
+    interventions: int = 0
+    guard_switches: int = 0
+    guarded: bool = False
+    degraded: bool = False
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    decision_times: list[float] = field(default_factory=list)
+
+
+_OBS_SLOTS = Observation.__slots__
+
+
+def observation_of(values: tuple) -> Observation:
+    """An Observation with the values of a Snapshot's ``obs``."""
+    obs = Observation()
+    for name, v in zip(_OBS_SLOTS, values):
+        setattr(obs, name, v)
+    return obs
+
+
+class TimedController:
+    """Wraps the controller to time each decision; everything else passes through."""
+
+    def __init__(self, inner: Controller) -> None:
+        self.__dict__["_inner"] = inner
+        self.__dict__["times"] = []
+
+    def decide(self, obs):
+        t = time.perf_counter()
+        d = self._inner.decide(obs)
+        times = self.times
+        if len(times) < _MAX_TIMES:
+            times.append(time.perf_counter() - t)
+        return d
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+
+def apply_queue_timeout(controller: Controller, queue_timeout_s: float | None) -> None:
+    """The server's queue timeout, or the controller's own where that is tighter (the shield's
+    "tighter of" rule); None keeps the controller's."""
+    if queue_timeout_s is None:
+        return
+    own = controller.queue_timeout_s
+    controller.queue_timeout_s = queue_timeout_s if own is None else min(own, queue_timeout_s)
+
+
+def controller_parts(controller) -> tuple[Any, Any]:
+    """(the shield, the learned controller inside it) of a controller, None for what it is not."""
+    shield = controller if hasattr(controller, "interventions") else None
+    inner = getattr(controller, "inner", None)
+    learned = inner if inner is not None and hasattr(inner, "fallbacks") else None
+    return shield, learned
+
+
+class EngineLoop:
+    """The LLM and its serving loop, fed by a pipe.
+
+    :param config: the server settings
+    :param conn: this side of the pipe
+    :param model_and_tokenizer: an already loaded ``(model, tokenizer)`` (in-process only)
+    :param llm: an engine with the :class:`engine.real.llm.LLM` interface to serve instead of loading one
+    :param guard: the runtime twin guard: True builds one when the controller is the shielded learned
+        one (``config.guard`` permitting), False never, or a ``TwinGuard`` of this engine's controller
+    """
+
+    def __init__(self, config: ServeConfig, conn: Connection, model_and_tokenizer=None, llm=None,
+                 guard: TwinGuard | bool = True) -> None:
+        self.conn = conn
+        if llm is None:
+            from engine.real.llm import LLM
+
+            llm = LLM(config.model, kv_capacity_tokens=config.kv_capacity_tokens, block_size=config.block_size,
+                      controller=config.controller, device=config.device, dtype=config.dtype,
+                      max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                      model_and_tokenizer=model_and_tokenizer, record_steps=False, profile=config.profile)
+        self.llm = llm
+        self.core = llm.core
+        if config.threads is not None:
+            import torch
+
+            torch.set_num_threads(config.threads)
+        controller = self.core.controller
+        apply_queue_timeout(controller, config.queue_timeout_s)
+        self.shield, self.learned = controller_parts(controller)
+        self.timed = TimedController(controller)
+        self.core.controller = self.timed
+        if guard is True:
+            self.guard = _guard_for(llm, controller) if config.guard else None
+        else:
+            self.guard = guard or None
+        if self.guard is not None:
+            self._feed_guard(self.guard)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self._stop = False
+        self._requests: dict[int, Request] = {}
+        self._events: list[tuple] = []
+        self._taken = (0, 0)
+        self.info = EngineInfo(_pid(), self.core.pool.capacity_tokens, self.core.pool.block_size, llm.max_model_len,
+                               llm.executor.vocab_size, llm.profile,
+                               getattr(getattr(controller, "inner", None), "policy_status", None))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Serve until told to stop or the other side of the pipe goes away."""
+        threading.Thread(target=self._receive, name="tidegate-engine-inbox", daemon=True).start()
+        self._send(("ready", self.info))
+        last_tick = 0.0
+        while not self._stop:
+            self._drain_inbox()
+            if self._stop:
+                break
+            if self.llm.has_unfinished:
+                try:
+                    self.llm.step()
+                except Exception:  # a bug outside the executor: fail what is in flight, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all()
+                self._tick_guard()
+                self._send_tick()
+                last_tick = time.monotonic()
+            else:
+                self._tick_guard()
+                if self._events or time.monotonic() - last_tick >= HEARTBEAT_S:
+                    self._send_tick()
+                    last_tick = time.monotonic()
+                if self.wake.wait(HEARTBEAT_S):
+                    self.wake.clear()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the HTTP side is gone: nobody to serve
+                msg = ("stop",)
+            self.inbox.put(msg)
+            self.wake.set()
+            if msg[0] == "stop":
+                return
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, ValueError):  # the HTTP side is gone
+            self._stop = True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = item[0]
+            if kind == "add":
+                _, sid, ids, sampling, max_tokens = item
+                self._add(sid, ids, sampling, max_tokens)
+                self._taken = (self._taken[0] + 1, self._taken[1] + len(ids))
+            elif kind == "reject":
+                _, n, max_tokens, rejection = item
+                r = Request(f"rejected-{self._taken[0]}", self.core.clock.now(), n, max_tokens)
+                self.core.add_request(r, admission=rejection)
+            elif kind == "cancel":
+                r = self._requests.get(item[1])
+                if r is not None and not r.state.is_terminal:
+                    self.llm.cancel(r)
+            elif kind == "stop":
+                self._stop = True
+
+    def _add(self, sid: int, ids, sampling, max_tokens: int) -> None:
+        def on_delta(r: Request, delta: str, finished: bool) -> None:
+            if finished:
+                self._requests.pop(sid, None)
+                self._events.append((sid, delta, True, Outcome.of(r)))
+            elif delta:
+                self._events.append((sid, delta, False, None))
+
+        try:
+            r = self.llm.add_request(ids, sampling, max_tokens, request_id=f"req-{sid}", on_delta=on_delta,
+                                     admission=None)
+        except ValueError as exc:  # checked on arrival already; the engine's own check has the last word
+            self._events.append((sid, "", True, Outcome(RequestState.REJECTED, str(exc), len(ids), 0)))
+            return
+        if r.state.is_terminal:
+            if not any(e[0] == sid for e in self._events):
+                self._events.append((sid, "", True, Outcome.of(r)))
+        else:
+            self._requests[sid] = r
+
+    def _fail_all(self) -> None:
+        for r in list(self.core.running) + list(self.core.waiting):
+            self.core.cancel(r)
+
+    def _send_tick(self) -> None:
+        core = self.core
+        obs = core.observe()
+        shield, learned = self.shield, self.learned
+        times = self.timed.times
+        self.timed.__dict__["times"] = []
+        snap = Snapshot(
+            obs=tuple(getattr(obs, name) for name in _OBS_SLOTS), taken_requests=self._taken[0],
+            taken_tokens=self._taken[1], admission_state=_admission_state(self.timed),
+            running=len(core.running), waiting=len(core.waiting), kv_used_tokens=core.pool.used_tokens,
+            has_unfinished=core.has_unfinished, evictions=core.metrics.evictions,
+            interventions=getattr(shield, "interventions", 0) if shield is not None else 0,
+            guard_switches=self.guard.switches if self.guard is not None else 0,
+            guarded=bool(self.guard is not None and self.guard.guarded),
+            degraded=bool(getattr(learned, "degraded", False)) if learned is not None else False,
+            fallbacks=dict(learned.fallbacks) if learned is not None else {}, decision_times=times)
+        events, self._events = self._events, []
+        self._send(("tick", events, snap))
+
+    # ------------------------------------------------------------------ the runtime guard
+    def _feed_guard(self, guard: TwinGuard) -> None:
+        """Hand every request that ends to the guard as well (after the LLM's own hook)."""
+        llm_on_finish = self.core.on_finish
+
+        def on_finish(r: Request) -> None:
+            if llm_on_finish is not None:
+                llm_on_finish(r)
+            if self.guard is guard:  # a guard dropped after a failure is fed no more
+                guard.on_finish(r)
+
+        self.core.on_finish = on_finish
+
+    def _tick_guard(self) -> None:
+        guard = self.guard
+        if guard is None:
+            return
+        try:
+            guard.maybe_check(self.core.clock.now(), background=True)
+        except Exception:  # the guard must never take the engine loop down
+            log.exception("twin guard failed; the controller keeps its current mode")
+            self.guard = None
+
+
+def _admission_state(controller) -> Any:
+    try:
+        get = getattr(controller, "admission_state", None)
+        return get() if get is not None else None
+    except Exception:
+        log.exception("the controller's admission_state() failed")
+        return None
+
+
+def _guard_for(llm, controller) -> TwinGuard | None:
+    """A twin guard for a shielded learned controller on the LLM's profile; None for any other."""
+    inner = getattr(controller, "inner", None)
+    profile = getattr(llm, "profile", None)
+    if profile is None or not callable(getattr(inner, "set_guarded", None)):
+        return None
+    return TwinGuard(profile, controller)
+
+
+def _cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def engine_main(config: ServeConfig, conn: Connection) -> None:
+    """The engine process: load the model, then serve the pipe until told to stop or orphaned.
+
+    It ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): the server decides
+    when it stops, by a ``stop`` message or by going away.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    # torch's default, one thread per core, leaves no core to the HTTP side; on a shared machine its
+    # spinning threads then slow each step many times over
+    torch.set_num_threads(config.threads or max(1, _cores() - 1))
+    try:
+        loop = EngineLoop(config, conn)
+    except Exception as exc:
+        message = str(exc) if isinstance(exc, ValueError) else \
+            f"the engine could not start: {type(exc).__name__}: {exc}"
+        try:
+            conn.send(("error", message))
+        except OSError:
+            pass
+        return
+    loop.run()

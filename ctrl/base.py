@@ -58,6 +58,7 @@ class Observation:
         self.block_size = block_size
         self.num_waiting = 0
         self.num_running = 0
+        #: tokens waiting requests must prefill (an evicted request's kept output included)
         self.waiting_prompt_tokens = 0
         self.head_prompt_tokens = 0
         self.arrival_rate_rps = 0.0
@@ -74,7 +75,7 @@ class Observation:
         self.mean_output_tokens = 0.0
         self.lifetime_kv_workload = 0.0
         self.mean_step_time_s = 0.0
-        #: prompt tokens of running requests still to prefill (after the last step)
+        #: tokens of running requests still to prefill, prompt or re-prefilled output (after the last step)
         self.running_prefill_tokens = 0
 
     @property
@@ -83,6 +84,38 @@ class Observation:
 
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+    def copy(self, into: Observation | None = None) -> Observation:
+        """A copy of every field, written into ``into`` when given (no allocation) or a new Observation.
+
+        One plain assignment per slot, many times faster than ``copy.copy``: the shield hands its
+        inner controller a copy at every step and every arrival."""
+        o = Observation.__new__(Observation) if into is None else into
+        o.now_s = self.now_s
+        o.step_index = self.step_index
+        o.kv_used_tokens = self.kv_used_tokens
+        o.kv_capacity_tokens = self.kv_capacity_tokens
+        o.block_size = self.block_size
+        o.num_waiting = self.num_waiting
+        o.num_running = self.num_running
+        o.waiting_prompt_tokens = self.waiting_prompt_tokens
+        o.head_prompt_tokens = self.head_prompt_tokens
+        o.arrival_rate_rps = self.arrival_rate_rps
+        o.completion_rate_rps = self.completion_rate_rps
+        o.last_step_time_s = self.last_step_time_s
+        o.last_step_tokens = self.last_step_tokens
+        o.ttft_recent_s = self.ttft_recent_s
+        o.tpot_recent_s = self.tpot_recent_s
+        o.evictions_total = self.evictions_total
+        o.evicted_last_step = self.evicted_last_step
+        o.rejections_total = self.rejections_total
+        o.completed_total = self.completed_total
+        o.mean_prompt_tokens = self.mean_prompt_tokens
+        o.mean_output_tokens = self.mean_output_tokens
+        o.lifetime_kv_workload = self.lifetime_kv_workload
+        o.mean_step_time_s = self.mean_step_time_s
+        o.running_prefill_tokens = self.running_prefill_tokens
+        return o
 
 
 class Decision:
@@ -197,6 +230,15 @@ class Controller:
         """Called once by an engine on a wall clock (the real engine, the server): a controller with
         a wall-time budget enforces it from then on. Simulations never call it, so their results
         never depend on how fast the machine runs the controller."""
+
+    def admission_state(self):
+        """What ``admit`` reads besides the Observation and the constructor's options, as a small
+        picklable value (None: nothing). A server that decides arrivals in another process copies it
+        from the engine's controller into its own twin of the controller after every step."""
+        return None
+
+    def set_admission_state(self, state) -> None:
+        """Take a value ``admission_state()`` returned on a twin of this controller."""
 
 
 class AimdTokenBudget:

@@ -1,7 +1,8 @@
 """Dong & Cao (arXiv 2604.11001) Algorithm 2: output lengths unknown. Each step a global
 activation budget B_t (fixed, or drawn from a distribution) lets up to B_t waiting requests
 start, FIFO; while the KV demand exceeds M the engine evicts the most recently activated
-request and discards its progress (LIFO, progress reset). A huge budget is greedy admission.
+request (LIFO; the paper discards its progress, the engine's ``eviction="reset"``; by default it
+keeps its tokens and recomputes their KV). A huge budget is greedy admission.
 
 Adaptive mode sets the mean budget every step from online estimates:
 

@@ -7,8 +7,9 @@ memory-safe activation rate, its token budget and its admission threshold by
 ``RESIDUAL_RANGE ** a``, so action 0 *is* ``slo-flow``: an untrained policy (PPO starts near a
 zero mean action) serves as the heuristic, and whenever the policy cannot answer (file missing or
 corrupt, an exception, NaN/inf, over its wall-clock budget on a real engine) the residuals go back
-to 0, counted and logged once per cause. A policy that answers badly is not caught here: the
-runtime guard (``engine/twin/guard.py``) compares it with the heuristic on live traffic.
+to 0, counted and logged once per cause (``LearnedController`` has the details). A policy that
+answers badly is not caught here: the runtime guard (``engine/twin/guard.py``) compares it with the
+heuristic on live traffic.
 
 The same pieces serve the Gymnasium env (``env/serving_env.py``) and deployment, so the policy
 sees in production exactly the features it saw in training:
@@ -21,8 +22,10 @@ sees in production exactly the features it saw in training:
   of its ``SloFlowController``, which makes every Decision and admission;
 - ``make_learned_controller``: the only public way to build one, wrapped in the shield.
 
-In a simulation (virtual clock) the policy's wall-clock time never changes a result; an engine on a
-wall clock calls ``use_wall_clock`` and the budget applies from then on.
+In a simulation (virtual clock) the policy is called inline and its wall-clock time never changes a
+result; an engine on a wall clock calls ``use_wall_clock``, and from then on the policy runs on a
+worker thread (``PolicyWorker``) that a step waits on for at most the budget, so a slow or hung
+policy never stalls the engine.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from __future__ import annotations
 import importlib.resources
 import logging
 import math
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from ctrl.base import Controller, Decision, Observation, Rejection, ReplicaProfile
+from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, ReplicaProfile
 from ctrl.shield import ShieldedController
 from ctrl.slo_flow import SloFlowController, predicted_ttft_s
 from ctrl.theory import lambda_max_estimate, safe_activation_rate
@@ -62,6 +67,11 @@ RESIDUAL_RANGE = 4.0
 DEFAULT_ACTION = (0.0, 0.0, 0.0)
 #: the policy's wall-clock budget per call on a real engine (seconds)
 WALL_TIME_BUDGET_S = 1e-3
+#: on a wall clock, this many control intervals in a row without an answer in time rest the policy
+BACKOFF_AFTER_OVERRUNS = 3
+#: the first rest, in control intervals; each further overrun doubles it, up to BACKOFF_MAX_INTERVALS
+BACKOFF_FIRST_INTERVALS = 2
+BACKOFF_MAX_INTERVALS = 1024
 
 
 def _clip1(x) -> float:
@@ -221,6 +231,77 @@ def load_policy(path: str | Path, runtime: str = "numpy"):
     raise ValueError(f"runtime must be numpy or onnxruntime, got {runtime!r}")
 
 
+def _as_action(action) -> tuple[float, float, float]:
+    return float(action[0]), float(action[1]), float(action[2])
+
+
+class PolicyWorker:
+    """Runs policy calls on one daemon thread (started at the first call), one call at a time, so
+    that a slow or hung policy never holds up the engine's thread: :meth:`call` hands an observation
+    over and waits at most its timeout for the action. An answer that comes later is discarded.
+
+    A copy (``copy.deepcopy``, pickle) is a new idle worker: threads and locks are not copied.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._job: tuple[int, Callable, np.ndarray] | None = None
+        self._issued = 0  # calls handed over
+        self._answered = 0  # the call whose answer is in _answer
+        self._answer: tuple[float, float, float] | Exception | None = None
+
+    def __reduce__(self):
+        return (PolicyWorker, ())
+
+    @property
+    def started(self) -> bool:
+        """Whether the thread exists (only after a call on a wall clock)."""
+        return self._thread is not None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call handed over earlier is still running."""
+        return self._answered != self._issued
+
+    def call(self, policy, obs: np.ndarray, timeout_s: float) -> tuple[float, float, float] | Exception | None:
+        """``policy(obs)`` as three floats, the exception it raised, or None when no answer came
+        within ``timeout_s``. Call only when not :attr:`busy`; ``obs`` must not change afterwards."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="tidegate-policy", daemon=True)
+                self._thread.start()
+            self._issued += 1
+            call = self._issued
+            self._job = (call, policy, obs)
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._answered == call, timeout_s):
+                return None
+            return self._answer
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no call is running; False if one still is after ``timeout_s``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.busy, timeout_s)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None:
+                    self._cond.wait()
+                call, policy, obs = self._job
+                self._job = None
+            answer: tuple[float, float, float] | Exception
+            try:
+                answer = _as_action(policy(obs))
+            except Exception as exc:
+                answer = exc
+            with self._cond:
+                self._answer = answer
+                self._answered = call
+                self._cond.notify_all()
+
+
 class LearnedController(Controller):
     """Runs the policy every ``control_interval`` steps to set the residuals of its
     ``SloFlowController`` (``self.prior``), which makes every Decision and admission.
@@ -228,13 +309,35 @@ class LearnedController(Controller):
     Build it with :func:`make_learned_controller`, which wraps it in the shield (whose overload
     policy, ``max_waiting`` and the queue timeout, stays on and may refuse arrivals first).
 
+    In a simulation the policy is called inline and its speed never matters. After
+    :meth:`use_wall_clock` it runs on :attr:`policy_worker`, and the step waits at most
+    ``time_budget_s`` for the answer:
+
+    - a late answer is discarded when it comes (it answers an observation that is gone); the
+      interval keeps the residuals of the last answer, if that answer is from the interval just
+      before (one late answer is jitter, and the policy's actions last an interval anyway), else
+      the prior's (action 0);
+    - while a call is still running (slow or hung), no other is issued: the interval is an overrun
+      like a late answer;
+    - after ``BACKOFF_AFTER_OVERRUNS`` overruns in a row the policy rests (not called, the prior
+      decides) for ``BACKOFF_FIRST_INTERVALS`` intervals, twice as long after each further
+      overrun, at most ``BACKOFF_MAX_INTERVALS``; an answer in time ends it.
+
+    Any other failure (the features, the lambda estimate, the policy raising or returning NaN/inf,
+    the residuals) falls back to the prior (action 0) for the interval; if the prior itself cannot
+    decide, the step gets :meth:`safe_decision`. ``decide`` and ``admit`` never raise.
+
+    ``fallbacks`` counts every fallback by cause since construction (``reset`` keeps it: it is a
+    monotonic counter, exported as such); each cause is logged once.
+
     :param policy: a callable obs -> action, or None (always the heuristic).
     :param features: the observation builder.
     :param prior: the heuristic the policy adjusts (and that serves alone while it cannot).
     :param control_interval: engine steps between policy calls.
-    :param time_budget_s: a policy call slower than this (wall clock) is discarded for the heuristic;
-        None (the default, and any simulation): no budget, so results never depend on the machine.
-    :param load_error: why ``policy`` is None (counted as the cause of every fallback).
+    :param time_budget_s: the longest a step waits for the policy's answer (wall clock); None (the
+        default, and any simulation): no budget, so results never depend on the machine. Set without
+        ``use_wall_clock``, it is checked after an inline call instead.
+    :param load_error: why ``policy`` is None (logged with the first fallback).
     :param policy_source: where the policy came from (a file path), for logs and the server banner.
     """
 
@@ -252,8 +355,12 @@ class LearnedController(Controller):
         self.time_budget_s = time_budget_s
         self.load_error = load_error
         self.policy_source = policy_source
+        #: fallbacks by cause since construction (not cleared by ``reset``)
         self.fallbacks: dict[str, int] = {}
         self.policy_calls = 0
+        #: runs the policy off the engine's thread once on a wall clock
+        self.policy_worker = PolicyWorker()
+        self._wall_clock = False
         #: while True (a runtime guard found the policy losing to its prior), the heuristic decides
         self.guarded = False
         self.guard_switches = 0
@@ -267,7 +374,15 @@ class LearnedController(Controller):
                     "decisions come from the slo-flow heuristic")
         return f"learned policy {self.policy_source or type(self.policy).__name__} loaded"
 
+    @property
+    def degraded(self) -> bool:
+        """True while the fallback serves instead of the policy: no policy loaded, the last control
+        interval fell back (any cause) or the policy rests after overruns. Not merely because the
+        runtime guard handed control to the prior (that is ``guarded``)."""
+        return self.policy is None or self._degraded
+
     def use_wall_clock(self) -> None:
+        self._wall_clock = True
         if self.time_budget_s is None:
             self.time_budget_s = WALL_TIME_BUDGET_S
 
@@ -276,6 +391,11 @@ class LearnedController(Controller):
         self.features.reset()
         self._steps = 0
         self._last_action = DEFAULT_ACTION
+        self._action_interval = -2  # the control interval whose answer set _last_action
+        self._degraded = False
+        self._overruns = 0  # late or busy intervals in a row
+        self._rest_intervals = 0  # intervals left in the current back-off
+        self._next_rest = BACKOFF_FIRST_INTERVALS
         self.prior.set_residual()
 
     def set_guarded(self, on: bool) -> None:
@@ -293,51 +413,142 @@ class LearnedController(Controller):
     def fallback_total(self) -> int:
         return sum(self.fallbacks.values())
 
-    def _fall_back(self, cause: str) -> None:
-        if cause not in self.fallbacks:
-            log.warning("learned controller: falling back to the slo-flow heuristic (%s)", cause)
-            self.fallbacks[cause] = 0
-        self.fallbacks[cause] += 1
+    def _count(self, cause: str, detail: str = "") -> None:
+        seen = self.fallbacks.get(cause, 0)
+        self.fallbacks[cause] = seen + 1
+        if not seen:
+            log.warning("learned controller fallback: %s%s (counted in fallbacks; logged once per cause)", cause,
+                        f": {detail}" if detail else "")
+
+    def _fall_back(self, cause: str, detail: str = "", keep_action: bool = False) -> None:
+        """Count a fallback and give the interval to the prior (action 0), or with ``keep_action``
+        to the residuals already set."""
+        self._count(cause, detail)
+        self._degraded = True
+        if keep_action:
+            return
         self._last_action = DEFAULT_ACTION
-        self.prior.set_residual()
+        try:
+            self.prior.set_residual()
+        except Exception as exc:
+            self._count(f"prior set_residual raised {type(exc).__name__}", str(exc))
 
     def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
-        return self.prior.admit(obs, prompt_tokens, max_tokens)
+        try:
+            return self.prior.admit(obs, prompt_tokens, max_tokens)
+        except Exception as exc:  # the shield's queue limit still refuses in overload
+            self._count(f"prior admit raised {type(exc).__name__}", str(exc))
+            return None
 
     def decide(self, obs: Observation) -> Decision:
-        if self._steps % self.control_interval == 0:
-            self._act(obs)
+        try:
+            if self._steps % self.control_interval == 0:
+                self._act(obs)
+        except Exception as exc:  # the residuals, set_residual: anything after the policy's answer
+            self._fall_back(f"learned step raised {type(exc).__name__}", str(exc))
         self._steps += 1
-        return self.prior.decide(obs)
+        try:
+            return self.prior.decide(obs)
+        except Exception as exc:
+            self._fall_back(f"prior decide raised {type(exc).__name__}", str(exc))
+            return self.safe_decision(obs)
+
+    def safe_decision(self, obs: Observation) -> Decision:
+        """The step's Decision when the prior cannot decide: no activation (one when nothing runs
+        and requests wait: the queue never stalls), the prior's batch limits, and every running
+        request's prompt + max_tokens reserved (no eviction). The shield bounds it as any other."""
+        d = Decision(0, UNLIMITED, UNLIMITED, kv_reserve_ratio=1.0)
+        try:
+            if obs.num_running == 0 and obs.num_waiting > 0:
+                d.activation_budget = 1
+            d.token_budget = int(self.prior.max_budget)
+            d.running_cap = int(self.prior.max_num_seqs)
+        except Exception:  # whatever is left is the shield's to bound
+            pass
+        return d
+
+    def admission_state(self):
+        """The prior's admission state (None if it has none), for a twin deciding arrivals elsewhere."""
+        try:
+            get = getattr(self.prior, "admission_state", None)
+            return get() if callable(get) else None
+        except Exception as exc:
+            self._count(f"prior admission_state raised {type(exc).__name__}", str(exc))
+            return None
+
+    def set_admission_state(self, state) -> None:
+        """Take the admission state of another instance's prior (from :meth:`admission_state`)."""
+        try:
+            set_state = getattr(self.prior, "set_admission_state", None)
+            if callable(set_state):
+                set_state(state)
+        except Exception as exc:
+            self._count(f"prior set_admission_state raised {type(exc).__name__}", str(exc))
 
     def _act(self, obs: Observation) -> None:
         try:
             x = self.features.update(obs, self._last_action, self.prior._decision.token_budget)
         except Exception as exc:
-            self._fall_back(f"features raised {type(exc).__name__}")
+            self._fall_back(f"features raised {type(exc).__name__}", str(exc))
             return
         if self.policy is None:
-            self._fall_back(f"policy unavailable: {self.load_error or 'no policy'}")
+            self._fall_back("policy unavailable", self.load_error or "no policy")
             return
         if self.guarded:
+            self._degraded = False
             return
-        t0 = time.perf_counter()
-        try:
-            action = self.policy(x)
-            a = (float(action[0]), float(action[1]), float(action[2]))
-        except Exception as exc:
-            self._fall_back(f"policy raised {type(exc).__name__}")
+        if self._rest_intervals > 0:
+            self._rest_intervals -= 1
+            self._fall_back("policy backoff")
             return
-        budget = self.time_budget_s
-        if budget is not None and time.perf_counter() - t0 > budget:
-            self._fall_back(f"policy slower than {budget * 1e6:.0f} us")
+        answer = self._ask_worker(x) if self._wall_clock and self.time_budget_s is not None else self._ask_inline(x)
+        if answer is None:  # late or busy: counted
             return
-        if not all(math.isfinite(v) for v in a):
+        self._overruns = 0  # an answer in time, whatever it says
+        self._next_rest = BACKOFF_FIRST_INTERVALS
+        if isinstance(answer, Exception):
+            self._fall_back(f"policy raised {type(answer).__name__}", str(answer))
+            return
+        if not all(math.isfinite(v) for v in answer):
             self._fall_back("policy returned NaN or inf")
             return
         self.policy_calls += 1
-        self._last_action = (_clip1(a[0]), _clip1(a[1]), _clip1(a[2]))
+        self._last_action = (_clip1(answer[0]), _clip1(answer[1]), _clip1(answer[2]))
+        self._action_interval = self._steps // self.control_interval
         self.prior.set_residual(*action_to_residual(self._last_action))
+        self._degraded = False
+
+    def _ask_inline(self, x: np.ndarray) -> tuple[float, float, float] | Exception | None:
+        t0 = time.perf_counter()
+        try:
+            answer = _as_action(self.policy(x))
+        except Exception as exc:
+            return exc
+        budget = self.time_budget_s
+        if budget is not None and time.perf_counter() - t0 > budget:
+            self._overrun("policy late")
+            return None
+        return answer
+
+    def _ask_worker(self, x: np.ndarray) -> tuple[float, float, float] | Exception | None:
+        if self.policy_worker.busy:
+            self._overrun("policy busy")
+            return None
+        answer = self.policy_worker.call(self.policy, x.copy(), self.time_budget_s or 0.0)
+        if answer is None:
+            self._overrun("policy late")
+            return None
+        return answer
+
+    def _overrun(self, cause: str) -> None:
+        """No answer in time: keep the last answer's residuals for the interval after it, then the
+        prior's; rest the policy after ``BACKOFF_AFTER_OVERRUNS`` in a row."""
+        self._overruns += 1
+        if self._overruns >= BACKOFF_AFTER_OVERRUNS:
+            self._rest_intervals = self._next_rest
+            self._next_rest = min(2 * self._next_rest, BACKOFF_MAX_INTERVALS)
+        fresh = self._steps // self.control_interval - self._action_interval <= 1
+        self._fall_back(cause, keep_action=fresh)
 
 
 def make_prior(profile: ReplicaProfile, target_usage: float = 0.9, prior_output_tokens: int = 128) -> SloFlowController:
@@ -359,8 +570,9 @@ def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaP
         ``engine.core.profile.Profile``.
     :param control_interval: engine steps between policy calls (as in training).
     :param runtime: ``numpy`` (faster for this small MLP) or ``onnxruntime``.
-    :param time_budget_s: a policy call slower than this (wall clock) falls back for that interval;
-        None: no budget until an engine on a wall clock asks for one (``WALL_TIME_BUDGET_S``).
+    :param time_budget_s: on a wall clock, the longest a step waits for the policy's answer (a later
+        one falls back, see ``LearnedController``); None: ``WALL_TIME_BUDGET_S`` once an engine on a
+        wall clock asks for a budget.
     :param shield_mode: ``strict`` or ``soft`` (see docs/SAFETY.md).
     :param shield_options: more ``ShieldedController`` options.
     """

@@ -19,11 +19,18 @@ engine only ever sees a Decision that satisfies:
 - the overload policy is always on: arrivals are refused with a retry-after while the queue
   holds ``max_waiting`` requests, and a queue timeout expires requests that never started.
 
+Nothing the inner controller does leaves the shield: it reads a copy of the engine's Observation
+(the shield reads only the engine's own), an exception from any of its calls or from reading or
+converting what it returned is absorbed and counted in ``inner_errors``, and every field it
+proposes is converted to a number once (non-numbers, NaN, +-inf and ints beyond the float range
+included) before the shield compares or clamps it.
+
 The guarantee and its proof sketch are in docs/SAFETY.md.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -33,22 +40,41 @@ from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate
 
 MODES = ("strict", "soft")
 
+#: a refusal's reason is cut to this many characters (it goes into a 429 body)
+MAX_REASON_CHARS = 200
+#: class budgets read from a proposal at most (class ids are small; an endless mapping must not hang a step)
+MAX_CLASSES = 1024
+_NAN = float("nan")
+_REFUSED = "refused by the controller"
+
 log = logging.getLogger(__name__)
 
 
-def _finite_int(value, default: int) -> int:
-    """``value`` as an int; ``default`` for None, NaN and non-numbers; +-inf saturate."""
+def _number(value) -> float | None:
+    """``value`` as a float (NaN and +-inf as they are, ints beyond the float range saturated to
+    +-inf); None for None. Raises whatever converting ``value`` raises (a non-number, a raising
+    ``__float__``, an array of several elements)."""
+    if type(value) is float:
+        return value
+    if value is None:
+        return None
     try:
-        v = float(value)
-    except (TypeError, ValueError):
+        return float(value)
+    except OverflowError:  # an int (or a fraction) beyond the float range
+        return math.inf if value > 0 else -math.inf
+
+
+def _within(value: float | None, default: int, high: int) -> int:
+    """A converted proposal as an int in ``[1, high]``; ``default`` for None and NaN.
+
+    Conditionals rather than ``min``/``max``: this runs twice per step and builtin calls cost more."""
+    if value is None or value != value:
         return default
-    if math.isnan(v):
-        return default
-    if v >= UNLIMITED:
-        return UNLIMITED
-    if v <= -UNLIMITED:
-        return -UNLIMITED
-    return int(v)
+    if value >= high:
+        return high
+    if value < 1:
+        return 1
+    return int(value)
 
 
 class Intervention:
@@ -56,7 +82,8 @@ class Intervention:
 
     :param changed: whether the applied Decision differs from the proposal.
     :param fields: names of the Decision fields the shield changed.
-    :param proposed_activation_budget: what the inner controller asked for (None: not a number).
+    :param proposed_activation_budget: what the inner controller asked for, as a float (NaN: not a
+        number; None: not proposed).
     :param applied_activation_budget: what the engine got.
     :param safe_activation_budget: ``b_safe = rho * M / w_hat`` this step (activations per step).
     :param magnitude: relative size of the change, ``sum |log1p(applied) - log1p(proposed)|`` over
@@ -83,14 +110,19 @@ class Intervention:
         return f"Intervention({self.as_dict()})"
 
 
-def _log_gap(proposed, applied: int) -> float:
-    try:
-        p = float(proposed)
-    except (TypeError, ValueError):
+def _log_gap(proposed: float | None, applied: int) -> float:
+    if proposed is None or not math.isfinite(proposed):
         return 1.0
-    if not math.isfinite(p):
-        return 1.0
-    return abs(math.log1p(max(p, 0.0)) - math.log1p(max(applied, 0))) + (1.0 if p < 0 else 0.0)
+    if proposed < 0:
+        return math.log1p(applied) + 1.0 if applied > 0 else 1.0
+    return abs(math.log1p(proposed) - math.log1p(applied if applied > 0 else 0))
+
+
+#: ``Intervention.fields`` by which of (activation_budget, running_cap, token_budget, kv_reserve_ratio) changed
+_CHANGED_FIELDS = tuple(
+    tuple(name for bit, name in ((8, "activation_budget"), (4, "running_cap"), (2, "token_budget"),
+                                 (1, "kv_reserve_ratio")) if key & bit)
+    for key in range(16))
 
 
 class ShieldedController(Controller):
@@ -147,11 +179,14 @@ class ShieldedController(Controller):
         self.eviction_burst = float(eviction_burst)
         self.last_intervention = Intervention()
         self._decision = Decision(0, 1, 1)
+        #: the inner controller's copy of the Observation, overwritten at every call
+        self._scratch = Observation()
         self.reset()
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self) -> None:
-        self.inner.reset()
+        #: exceptions and unusable answers from the inner controller since the last reset, by cause
+        self.inner_errors: dict[str, int] = {}
         self.decisions = 0
         self.interventions = 0
         self.magnitude_total = 0.0
@@ -160,14 +195,31 @@ class ShieldedController(Controller):
         self._bucket = self.eviction_burst
         self._refilling = False
         self._evictions_seen = 0
-        #: exceptions from the inner controller absorbed since the last reset, by cause
-        self.inner_errors: dict[str, int] = {}
+        try:
+            self.inner.reset()
+        except Exception as exc:
+            self._absorb("reset()", exc)
 
     def use_wall_clock(self) -> None:
         try:
             self.inner.use_wall_clock()
         except Exception as exc:
-            self._absorb("use_wall_clock", exc)
+            self._absorb("use_wall_clock()", exc)
+
+    def admission_state(self):
+        """The inner controller's admission state (the shield's own admission reads only the
+        Observation and its options); None if the inner controller cannot give it."""
+        try:
+            return self.inner.admission_state()
+        except Exception as exc:
+            self._absorb("admission_state()", exc)
+            return None
+
+    def set_admission_state(self, state) -> None:
+        try:
+            self.inner.set_admission_state(state)
+        except Exception as exc:
+            self._absorb("set_admission_state()", exc)
 
     @property
     def intervention_rate(self) -> float:
@@ -181,18 +233,25 @@ class ShieldedController(Controller):
 
     def limits(self, obs: Observation) -> tuple[int, int]:
         """(most running requests, most new tokens per step) the pool can hold."""
-        blocks = max(1, obs.kv_capacity_tokens // max(1, obs.block_size))
-        seqs = blocks if self.max_num_seqs is None else min(self.max_num_seqs, blocks)
-        tokens = self.max_num_batched_tokens or max(1, obs.kv_capacity_tokens)
-        return seqs, tokens
+        capacity, block_size = obs.kv_capacity_tokens, obs.block_size
+        blocks = capacity // block_size if block_size > 1 else capacity
+        if blocks < 1:
+            blocks = 1
+        seqs = self.max_num_seqs
+        if seqs is None or seqs > blocks:
+            seqs = blocks
+        return seqs, self.max_num_batched_tokens or (capacity if capacity > 1 else 1)
 
     def _strict_now(self, obs: Observation) -> bool:
         if self.mode == "strict":
             return True
-        new = obs.evictions_total - self._evictions_seen
-        self._evictions_seen = obs.evictions_total
+        total = obs.evictions_total
+        # a counter below the last one seen belongs to a new engine: all of it is new
+        new = total - self._evictions_seen if total >= self._evictions_seen else total
+        self._evictions_seen = total
         burst = self.eviction_burst
-        b = min(burst, self._bucket + self.eviction_budget_per_step) - new
+        b = self._bucket + self.eviction_budget_per_step
+        b = (burst if b > burst else b) - new
         self._bucket = b
         if b <= 0:
             self._refilling = True
@@ -200,33 +259,67 @@ class ShieldedController(Controller):
             self._refilling = False
         return self._refilling
 
+    def _view(self, obs: Observation) -> Observation:
+        """The inner controller's copy of ``obs``: whatever it writes there, the shield and the
+        engine read only the engine's own Observation."""
+        try:
+            return Observation.copy(obs, self._scratch)
+        except Exception:  # the inner controller broke its copy (swapped its class): start a new one
+            self._scratch = Observation()
+            return Observation.copy(obs, self._scratch)
+
     # ------------------------------------------------------------------ Controller
     def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
         if self.max_waiting is not None and obs.num_waiting >= self.max_waiting:
             self.rejections += 1
             return Rejection(f"queue is full ({obs.num_waiting} waiting)", retry_after_s(obs))
         try:
-            rejection = self.inner.admit(obs, prompt_tokens, max_tokens)
+            answer = self.inner.admit(self._view(obs), prompt_tokens, max_tokens)
         except Exception as exc:  # a broken inner controller must not take admission down with it
-            self._absorb("admit", exc)
-            rejection = None
-        if rejection is None:
+            self._absorb("admit()", exc)
             return None
+        if answer is None:
+            return None
+        return self._refusal(obs, answer)
+
+    def _refusal(self, obs: Observation, answer) -> Rejection | None:
+        """The inner controller's non-None admission answer as a fresh Rejection (reason a short
+        str, retry-after a number in [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]); None (accept) when it
+        is neither a Rejection nor has a ``reason``."""
+        try:
+            refuses = isinstance(answer, Rejection) or hasattr(answer, "reason")
+            if not refuses:
+                self._count(f"inner controller's admit() returned {type(answer).__name__}",
+                            "expected None or a Rejection")
+                return None
+        except Exception as exc:
+            self._absorb("admit()'s answer", exc)
+            return None
+        try:
+            reason = getattr(answer, "reason", None)
+        except Exception as exc:
+            self._absorb("admit().reason", exc)
+            reason = None
+        reason = reason[:MAX_REASON_CHARS] if type(reason) is str and reason else _REFUSED
+        try:
+            wait = _number(getattr(answer, "retry_after_s", None))
+        except Exception as exc:
+            self._absorb("admit().retry_after_s", exc)
+            wait = None
+        if wait is None or not RETRY_AFTER_MIN_S <= wait <= RETRY_AFTER_MAX_S:
+            # NaN, inf, negative, out of bounds or not a number: the drain-rate estimate within the bounds
+            wait = retry_after_s(obs)
         self.rejections += 1
-        wait = getattr(rejection, "retry_after_s", None)
-        if not isinstance(wait, (int, float)) or not RETRY_AFTER_MIN_S <= wait <= RETRY_AFTER_MAX_S:
-            # NaN, inf, negative or not a number: the drain-rate estimate within its bounds
-            rejection = Rejection(str(getattr(rejection, "reason", "refused by the controller")), retry_after_s(obs))
-        return rejection
+        return Rejection(reason, wait)
 
     def decide(self, obs: Observation) -> Decision:
-        p_act, p_tok, p_cap, p_ratio, p_classes = self._proposal(obs)
+        p_act, p_tok, p_cap, p_ratio, folded = self._proposal(obs)
         seqs_max, tokens_max = self.limits(obs)
         strict = self._strict_now(obs)
         safe = self.safe_budget(obs)
         act = self._activation_budget(obs, p_act, safe)
-        cap = _clamp(_finite_int(p_cap, seqs_max), seqs_max)
-        tok = _clamp(_finite_int(p_tok, tokens_max), tokens_max)
+        cap = _within(p_cap, seqs_max, seqs_max)
+        tok = _within(p_tok, tokens_max, tokens_max)
         ratio = 1.0 if strict else _reserve_ratio(p_ratio)
 
         d = self._decision
@@ -235,108 +328,148 @@ class ShieldedController(Controller):
         d.token_budget = tok
         d.kv_reserve_ratio = ratio
         d.class_budgets = None
-        self._report(p_act, p_cap, p_tok, p_ratio, p_classes, act, cap, tok, ratio, safe)
+        self._report(p_act, p_cap, p_tok, p_ratio, folded, act, cap, tok, ratio, safe)
         return d
 
-    def _proposal(self, obs: Observation) -> tuple:
-        """The inner controller's proposal as (activations, tokens, cap, ratio, class budgets);
-        None for whatever it did not propose or could not answer."""
+    def _proposal(self, obs: Observation) -> tuple[float | None, float | None, float | None, float | None, bool]:
+        """The inner controller's proposal, converted: (activations, tokens, cap, ratio, whether
+        class budgets were folded into the activations). None for a field it left None, NaN for
+        one it could not give (its ``decide`` raised or returned no Decision, reading or converting
+        the field raised)."""
         try:
-            proposed = self.inner.decide(obs)
+            proposed = self.inner.decide(self._view(obs))
+            if type(proposed) is not Decision and not isinstance(proposed, Decision):
+                self._count(f"inner controller's decide() returned {type(proposed).__name__}", "expected a Decision")
+                return _NAN, _NAN, _NAN, _NAN, False
         except Exception as exc:
-            self._absorb("decide", exc)
-            return None, None, None, None, None
-        if proposed is None:
-            return None, None, None, None, None
-        p_act = getattr(proposed, "activation_budget", None)
-        p_classes = getattr(proposed, "class_budgets", None)
-        if p_classes is not None:
+            self._absorb("decide()", exc)
+            return _NAN, _NAN, _NAN, _NAN, False
+        try:  # the common case, plain numbers: one conversion each, no method calls
+            a, t, c, r = proposed.activation_budget, proposed.token_budget, proposed.running_cap, \
+                proposed.kv_reserve_ratio
+            if proposed.class_budgets is None:
+                return (a if type(a) is float else float(a), t if type(t) is float else float(t),
+                        c if type(c) is float else float(c), None if r is None else float(r), False)
+        except Exception:
+            pass  # field by field below, where each failure is counted
+        field = self._field
+        p_act = field(proposed, "activation_budget")
+        try:
+            classes = getattr(proposed, "class_budgets", None)
+        except Exception as exc:
+            self._absorb("decide().class_budgets", exc)
+            classes = None
+        if classes is not None:
             # The per-class path ignores the reservation; fold the allowances into one budget.
-            try:
-                p_act = sum(max(0, _finite_int(v, 0)) for v in p_classes.values())
-            except Exception as exc:
-                self._absorb("class_budgets", exc)
-                p_act = None
-        return (p_act, getattr(proposed, "token_budget", None), getattr(proposed, "running_cap", None),
-                getattr(proposed, "kv_reserve_ratio", None), p_classes)
+            p_act = self._folded_class_budgets(classes)
+        return (p_act, field(proposed, "token_budget"), field(proposed, "running_cap"),
+                field(proposed, "kv_reserve_ratio"), classes is not None)
 
-    def _activation_budget(self, obs: Observation, proposed, safe: float) -> int:
+    def _field(self, proposed: Decision, name: str) -> float | None:
+        try:
+            return _number(getattr(proposed, name, None))
+        except Exception as exc:
+            self._absorb(f"decide().{name}", exc)
+            return _NAN
+
+    def _folded_class_budgets(self, classes) -> float:
+        """The sum of the positive class allowances, an unreadable one counting 0 (NaN when the
+        allowances cannot be listed)."""
+        total = 0
+        try:
+            for v in itertools.islice(classes.values(), MAX_CLASSES):
+                try:
+                    n = _number(v)
+                except Exception as exc:
+                    self._absorb("decide().class_budgets[...]", exc)
+                    continue
+                if n is not None and n >= 1:  # NaN is not
+                    total += UNLIMITED if n >= UNLIMITED else int(n)
+        except Exception as exc:
+            self._absorb("decide().class_budgets", exc)
+            return _NAN
+        return float(total)
+
+    def _activation_budget(self, obs: Observation, proposed: float | None, safe: float) -> int:
         """Within the safe rate (with credit for fractions) or, if more, the requests that fit at
         their peak into the free KV below rho M (a burst into free memory); at least 1 when nothing
         runs and something waits (liveness)."""
         allowance = self._credit + safe
         allowed = int(allowance) if allowance < UNLIMITED else UNLIMITED
-        allowed = max(allowed, headroom_activations(obs, BURST_USAGE * self.target_usage, self.prior_output_tokens))
-        act = min(max(_finite_int(proposed, 0), 0), allowed)
+        burst = headroom_activations(obs, BURST_USAGE * self.target_usage, self.prior_output_tokens)
+        if burst > allowed:
+            allowed = burst
+        if proposed is None or not proposed >= 1:  # also NaN
+            act = 0
+        elif proposed >= allowed:
+            act = allowed
+        else:
+            act = int(proposed)
         if act == 0 and obs.num_running == 0 and obs.num_waiting > 0:
             act = 1
-        self._credit = min(max(allowance - act, 0.0), max(safe, 1.0))
+        credit = allowance - act
+        credit_max = safe if safe > 1.0 else 1.0
+        self._credit = 0.0 if credit < 0.0 else (credit_max if credit > credit_max else credit)
         return act
 
-    def _report(self, p_act, p_cap, p_tok, p_ratio, p_classes, act: int, cap: int, tok: int,
-                ratio: float | None, safe: float) -> None:
+    def _report(self, p_act: float | None, p_cap: float | None, p_tok: float | None, p_ratio: float | None,
+                folded: bool, act: int, cap: int, tok: int, ratio: float | None, safe: float) -> None:
         """Record what the shield changed in ``last_intervention`` and the running totals."""
         iv = self.last_intervention
-        fields = []
-        if p_classes is not None or act != p_act:
-            fields.append("activation_budget")
-        if cap != p_cap:
-            fields.append("running_cap")
-        if tok != p_tok:
-            fields.append("token_budget")
-        if ratio != p_ratio:
-            fields.append("kv_reserve_ratio")
         self.decisions += 1
-        iv.changed = bool(fields)
-        iv.fields = tuple(fields)
-        iv.proposed_activation_budget = p_act if isinstance(p_act, (int, float)) else None
+        iv.proposed_activation_budget = p_act
         iv.applied_activation_budget = act
         iv.safe_activation_budget = safe
         iv.strict_reserve = ratio == 1.0
+        changed = ((8 if folded or act != p_act else 0) | (4 if cap != p_cap else 0) | (2 if tok != p_tok else 0)
+                   | (1 if ratio != p_ratio else 0))
+        iv.fields = _CHANGED_FIELDS[changed]
+        iv.changed = changed != 0
+        if not changed:
+            iv.magnitude = 0.0
+            return
         mag = 0.0
-        if "activation_budget" in fields:
+        if changed & 8:
             mag += _log_gap(p_act, act)
-        if "running_cap" in fields:
+        if changed & 4:
             mag += _log_gap(p_cap, cap)
-        if "token_budget" in fields:
+        if changed & 2:
             mag += _log_gap(p_tok, tok)
-        if "kv_reserve_ratio" in fields:
-            mag += 1.0 if p_ratio is None or ratio is None else min(1.0, abs(ratio - _finite_float(p_ratio)))
+        if changed & 1:
+            if p_ratio is None or ratio is None:
+                mag += 1.0
+            else:
+                gap = abs(ratio - (p_ratio if math.isfinite(p_ratio) else 0.0))
+                mag += gap if gap < 1.0 else 1.0
         iv.magnitude = mag
-        if fields:
-            self.interventions += 1
-            self.magnitude_total += mag
+        self.interventions += 1
+        self.magnitude_total += mag
 
     def _absorb(self, call: str, exc: Exception) -> None:
-        """Count an exception from the inner controller (its step then gets the shield's safe
-        default) and log it once per cause."""
-        cause = f"inner controller's {call}() raised {type(exc).__name__}"
+        """Count an exception from the inner controller (the shield then uses its safe default)."""
+        try:
+            cause = f"inner controller's {call} raised {type(exc).__name__}"
+        except Exception:  # an exception type that cannot even name itself
+            cause = f"inner controller's {call} raised an exception"
+        self._count(cause, exc)
+
+    def _count(self, cause: str, detail) -> None:
+        """Count one failure of the inner controller by cause, and log each cause once."""
         seen = self.inner_errors.get(cause, 0)
         self.inner_errors[cause] = seen + 1
         if not seen:
-            log.warning("%s: %s (counted in inner_errors; logged once per cause)", cause, exc)
+            try:
+                text = str(detail)[:MAX_REASON_CHARS]
+            except Exception:
+                text = "(unprintable)"
+            log.warning("%s: %s (counted in inner_errors; logged once per cause)", cause, text)
 
 
-def _clamp(value: int, high: int) -> int:
-    return 1 if value < 1 else (high if value > high else value)
-
-
-def _reserve_ratio(proposed) -> float | None:
-    """Soft mode: the proposed reserve ratio within [0, 1]; NaN, negative or unreadable: 1."""
+def _reserve_ratio(proposed: float | None) -> float | None:
+    """Soft mode: the proposed reserve ratio within [0, 1] (None: no reservation); NaN, negative or
+    not a number: 1."""
     if proposed is None:
         return None
-    try:
-        ratio = float(proposed)
-    except (TypeError, ValueError):
+    if not proposed >= 0:
         return 1.0
-    if not ratio >= 0:
-        return 1.0
-    return min(ratio, 1.0)
-
-
-def _finite_float(value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return v if math.isfinite(v) else 0.0
+    return proposed if proposed < 1.0 else 1.0

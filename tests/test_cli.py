@@ -37,6 +37,18 @@ def test_simulate_at_a_load_multiple_and_with_a_workload():
     assert hi["sim_time_s"] < lo["sim_time_s"]
 
 
+def test_simulate_eviction_modes():
+    args = ("simulate", "--trace", "splitwise_conv", "--first", "400", "--load", "3.0", "--json")
+    recompute = json.loads(run(*args).output)
+    reset = json.loads(run(*args, "--eviction", "reset").output)
+    assert recompute["eviction"] == "recompute" and reset["eviction"] == "reset"
+    assert recompute["evictions"] > 0 and reset["evictions"] > 0
+    assert recompute["requests"] == reset["requests"] == 400
+    assert "the paper's model" in run("simulate", "--help").output
+    bad = run("simulate", "--trace", "splitwise_conv", "--eviction", "lifo")
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
 def test_capacity_json():
     res = run("capacity", "--trace", "splitwise_conv", "--profile", "a100-llama2-7b", "--json")
     data = json.loads(res.output)

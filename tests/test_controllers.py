@@ -117,8 +117,9 @@ def test_flow_budget_distributions_have_the_right_mean():
         assert n / 5000 == pytest.approx(0.3, abs=0.03), dist
 
 
-def test_flow_evicts_lifo_and_progress_resets():
-    core = make_engine(FlowController(budget=100, max_num_batched_tokens=100), capacity=48, block_size=4)
+def test_flow_evicts_lifo_and_progress_resets_in_the_papers_model():
+    core = make_engine(FlowController(budget=100, max_num_batched_tokens=100), capacity=48, block_size=4,
+                       eviction="reset")
     rs = [req(i, 8, 30) for i in range(4)]
     for r in rs:
         core.add_request(r)

@@ -83,19 +83,6 @@ def test_lifo_eviction_takes_the_most_recently_activated():
     assert all(r.state is RequestState.FINISHED for r in rs)
 
 
-def test_evicted_request_restarts_from_scratch_at_the_front():
-    core = make_engine(GreedyController(max_num_batched_tokens=100), capacity=32, block_size=4)
-    a, b, c = req("a", 8, 20), req("b", 8, 20), req("c", 4, 1)
-    for r in (a, b):
-        core.add_request(r)
-    while b.num_evictions == 0:
-        core.step()
-    assert b.state is RequestState.WAITING and b.num_computed_tokens == 0 and b.num_output_tokens == 0
-    core.add_request(c)
-    assert core.waiting[0] is b
-    assert core.metrics.wasted_tokens > 0
-
-
 def test_token_budget_limits_prefill_chunks():
     class Fixed(Controller):
         def decide(self, obs):

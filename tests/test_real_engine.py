@@ -50,11 +50,12 @@ def workload(tiny):
     return [(p, m, _reference(model, p, m)) for p, m in items]
 
 
-def _engine(tiny, kv_capacity_tokens: int, block_size: int = 16, max_num_batched_tokens: int = 4096):
+def _engine(tiny, kv_capacity_tokens: int, block_size: int = 16, max_num_batched_tokens: int = 4096,
+            eviction: str = "recompute"):
     model, tok = tiny
     executor = TorchExecutor(model, tok)
     core = EngineCore(build_controller(f"greedy:max_num_batched_tokens={max_num_batched_tokens}"), executor,
-                      WallClock(), kv_capacity_tokens=kv_capacity_tokens, block_size=block_size)
+                      WallClock(), kv_capacity_tokens=kv_capacity_tokens, block_size=block_size, eviction=eviction)
     executor.attach_pool(core.pool)
     return core
 
@@ -89,12 +90,41 @@ def test_greedy_matches_generate_with_continuous_batching(tiny, workload):
     assert core.pool.num_free_blocks == core.pool.num_blocks
 
 
-def test_greedy_matches_generate_under_evictions(tiny, workload):
-    core = _engine(tiny, kv_capacity_tokens=256, block_size=8)
+@pytest.mark.parametrize("eviction, token_budget", [("recompute", 4096), ("reset", 4096), ("recompute", 6)])
+def test_greedy_matches_generate_under_evictions(tiny, workload, eviction, token_budget):
+    """Also with re-prefills chunked across the prompt/output boundary and decodes cut by the budget."""
+    core = _engine(tiny, kv_capacity_tokens=256, block_size=8, eviction=eviction,
+                   max_num_batched_tokens=token_budget)
     reqs = _run_staggered(core, [w for w in workload if len(w[0]) + w[1] <= 256])
     assert core.metrics.evictions > 0
+    assert max(core.metrics.step_tokens) <= token_budget
     _assert_matches(reqs, [w for w in workload if len(w[0]) + w[1] <= 256])
     assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+def test_decodes_cut_by_the_token_budget_give_the_same_tokens(tiny):
+    from ctrl.base import Controller, Decision
+
+    class Shrinking(Controller):  # every prompt in the first step, then 4 tokens a step for 8 decodes
+        def decide(self, obs):
+            return Decision(token_budget=100 if obs.step_index == 0 else 4)
+
+    model, tok = tiny
+    items = [([1, 5 + i], 10) for i in range(8)]
+    executor = TorchExecutor(model, tok)
+    core = EngineCore(Shrinking(), executor, WallClock(), kv_capacity_tokens=2048)
+    executor.attach_pool(core.pool)
+    reqs = [Request(str(i), 0.0, len(p), m, prompt_token_ids=p, sampling=SamplingParams(ignore_eos=True))
+            for i, (p, m) in enumerate(items)]
+    for r in reqs:
+        core.add_request(r)
+    cut = 0
+    while core.has_unfinished:
+        decoding = sum(not r.is_prefilling for r in core.running)
+        core.step()
+        cut += decoding > core.metrics.step_tokens[-1]
+    assert cut > 0 and max(core.metrics.step_tokens[1:]) <= 4
+    _assert_matches(reqs, [(p, m, _reference(model, p, m)) for p, m in items])
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny, workload):
@@ -184,6 +214,35 @@ def test_streaming_deltas_add_up_under_evictions(tiny):
     for r in reqs:
         assert "".join(got[r.request_id]) == outs[r.request_id].text
         assert outs[r.request_id].text == ByteTokenizer().decode(r.output_token_ids)
+
+
+def test_unseeded_sampling_streams_each_token_once_under_evictions(tiny):
+    """Temperature 1 without a seed: a token regenerated after an eviction would differ, so the
+    text a client was streamed survives evictions only because evicted requests keep their tokens."""
+    small = LLM(kv_capacity_tokens=96, block_size=8, model_and_tokenizer=tiny, device="cpu")
+    kept = []
+    evict = small.core._evict
+
+    def spy(r):
+        kept.append((r, list(r.output_token_ids)))
+        evict(r)
+    small.core._evict = spy
+    got: dict[str, list[str]] = {}
+    sampling = SamplingParams(temperature=1.0, ignore_eos=True)
+    reqs = [small.add_request(p, sampling, max_tokens=40,
+                              on_delta=lambda r, d, done: got.setdefault(r.request_id, []).append(d))
+            for p in ("one", "two two", "three three", "four four four")]
+    outs = {}
+    while small.has_unfinished:
+        for o in small.step():
+            outs[o.request_id] = o
+    assert small.core.metrics.evictions > 0
+    for r, before in kept:
+        assert r.output_token_ids[:len(before)] == before
+    for r in reqs:
+        out = outs[r.request_id]
+        assert out.state == "finished" and len(out.token_ids) == 40
+        assert "".join(got[r.request_id]) == out.text
 
 
 def test_incremental_detokenizer_holds_partial_utf8():

@@ -471,3 +471,19 @@ def test_the_server_queue_timeout_never_loosens_the_controllers():
         with pytest.raises(ValueError, match="queue_timeout_s"):
             ServeConfig(queue_timeout_s=bad)
 
+
+def test_health_says_degraded_while_the_learned_policys_fallback_decides(tiny, tmp_path):
+    s = Running(tiny, controller=f"learned:path={tmp_path / 'missing.onnx'}")
+    try:
+        for i in range(3):
+            s.client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=12, extra_body={"ignore_eos": True})
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 200
+        assert health.json()["status"] == "degraded" and "fallback" in health.json()["controller"]
+        metrics = httpx.get(s.url + "/metrics").text
+        fallbacks = [line for line in metrics.splitlines() if line.startswith("tidegate:controller_fallbacks_total{")]
+        assert fallbacks and float(fallbacks[0].rsplit(" ", 1)[1]) >= 1
+        assert 'tidegate:controller_degraded{model_name="tiny"} 1.0' in metrics
+        s.wait_idle()
+    finally:
+        s.close()

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ctrl.base import UNLIMITED, Controller, Decision
+from ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection
 from ctrl.flow import FlowController
 from ctrl.greedy import GreedyController
 from ctrl.shield import ShieldedController
@@ -63,6 +65,7 @@ def run_episode(shield: ShieldedController, arrivals, capacity: int = 128, block
         max_tokens = out + extra
         reqs.append(req(i, prompt, out, max_tokens=max_tokens, arrival=t))
     pending = list(reqs)
+    seqs_max = shield.limits(core.obs)[0]
     for _ in range(max_steps):
         now = core.clock.now()
         while pending and pending[0].arrival_time_s <= now:
@@ -78,6 +81,9 @@ def run_episode(shield: ShieldedController, arrivals, capacity: int = 128, block
             assert core.metrics.evictions == 0
             # the stronger invariant behind it: the running set's full reservation fits
             assert sum(core._reservation(r, 1.0) for r in core.running) <= core.pool.capacity_tokens
+        else:  # docs/SAFETY.md: evictions <= B + r*T + N_max after any T steps
+            bound = shield.eviction_burst + shield.eviction_budget_per_step * core.metrics.steps + seqs_max
+            assert core.metrics.evictions <= bound
     else:
         raise AssertionError("the engine did not drain under the shield")
     # every request reaches exactly one terminal state, exactly once
@@ -114,10 +120,9 @@ def test_soft_bounds_evictions(arrivals, proposals, rate, burst):
                                 eviction_budget_per_step=rate, eviction_burst=burst)
     core = run_episode(shield, arrivals)
     steps = core.metrics.steps
-    seqs = max(1, core.pool.num_blocks)  # running cap bound: one block per request
-    # docs/SAFETY.md: evictions <= B + r*T + (entries into strict) * N_max, entries <= 1 + r*T/B
-    bound = burst + rate * steps + (1 + rate * steps / burst) * seqs + seqs
-    assert core.metrics.evictions <= bound
+    n_max = shield.limits(core.obs)[0]  # most running requests: min(max_num_seqs, M / block_size)
+    # docs/SAFETY.md, soft mode: evictions <= B + r*T + N_max over T steps (also checked after every step)
+    assert core.metrics.evictions <= burst + rate * steps + n_max
 
 
 @settings(max_examples=50, **SETTINGS)
@@ -174,8 +179,6 @@ def test_overload_policy_always_on():
 
 
 def test_bad_options_raise_one_sentence():
-    import pytest
-
     with pytest.raises(ValueError, match="shield mode must be one of"):
         ShieldedController(GreedyController(), mode="loose")
     with pytest.raises(ValueError, match="always on"):
@@ -190,9 +193,6 @@ def test_expired_and_finished_are_terminal_states():
 
 
 def test_shield_counts_and_logs_once_every_exception_it_absorbs(caplog):
-    from ctrl.base import Controller, Observation
-    from ctrl.shield import ShieldedController
-
     class Broken(Controller):
         name = "broken"
 
@@ -214,4 +214,275 @@ def test_shield_counts_and_logs_once_every_exception_it_absorbs(caplog):
                                    "inner controller's admit() raised KeyError": 5}
     assert len(caplog.records) == 2  # once per cause, not once per call
     shield.reset()
+    assert shield.inner_errors == {}
+
+
+# ---------------------------------------------------------------------- hostile inner controllers
+class RaisingFloat:
+    """A number-like object whose conversions raise."""
+
+    def __float__(self):
+        raise ArithmeticError("no float")
+
+    def __index__(self):
+        raise ArithmeticError("no index")
+
+    def __int__(self):
+        raise ArithmeticError("no int")
+
+
+class RaisingDecision(Decision):
+    """A Decision whose activation budget is a property that raises."""
+
+    __slots__ = ()
+
+    @property
+    def activation_budget(self):
+        raise RuntimeError("property")
+
+    @activation_budget.setter
+    def activation_budget(self, value):
+        pass
+
+
+class Exploding:
+    """Any attribute read raises something other than AttributeError."""
+
+    def __getattr__(self, name):
+        raise LookupError(name)
+
+
+class BadValues:
+    def values(self):
+        raise ValueError("no values")
+
+
+class Hostile(Controller):
+    """Answers whatever it is given: a Decision built from ``fields``, or ``decision`` as is, and
+    ``answer`` to every arrival; ``raises`` names the methods that raise."""
+
+    name = "hostile"
+
+    def __init__(self, fields=None, decision=None, answer=None, raises=(), state=None) -> None:
+        super().__init__()
+        self.fields, self.decision, self.answer, self.raises, self.state = fields, decision, answer, raises, state
+
+    def _maybe_raise(self, call):
+        if call in self.raises:
+            raise OSError(call)
+
+    def decide(self, obs):
+        self._maybe_raise("decide")
+        if self.fields is None:
+            return self.decision
+        d = Decision()
+        for k, v in self.fields.items():
+            setattr(d, k, v)
+        return d
+
+    def admit(self, obs, prompt_tokens, max_tokens):
+        self._maybe_raise("admit")
+        return self.answer
+
+    def reset(self):
+        self._maybe_raise("reset")
+
+    def use_wall_clock(self):
+        self._maybe_raise("use_wall_clock")
+
+    def admission_state(self):
+        self._maybe_raise("admission_state")
+        return self.state
+
+    def set_admission_state(self, state):
+        self._maybe_raise("set_admission_state")
+        self.state = state
+
+
+def busy_obs(**fields) -> Observation:
+    obs = Observation(kv_capacity_tokens=1024, block_size=16)
+    obs.num_waiting, obs.num_running, obs.kv_used_tokens = 4, 0, 0
+    for k, v in fields.items():
+        setattr(obs, k, v)
+    return obs
+
+
+def assert_safe(d: Decision, seqs_max: int = 64, tokens_max: int = 1024) -> None:
+    assert type(d.activation_budget) is int and 0 <= d.activation_budget <= UNLIMITED
+    assert type(d.running_cap) is int and 1 <= d.running_cap <= seqs_max
+    assert type(d.token_budget) is int and 1 <= d.token_budget <= tokens_max
+    assert d.kv_reserve_ratio is None or type(d.kv_reserve_ratio) is float and 0.0 <= d.kv_reserve_ratio <= 1.0
+    assert d.class_budgets is None
+
+
+def test_observation_copy_copies_every_slot_into_the_object_given():
+    src = Observation()
+    for i, name in enumerate(Observation.__slots__):
+        setattr(src, name, i + 0.5)
+    scratch = Observation()
+    assert src.copy(scratch) is scratch and scratch.as_dict() == src.as_dict()
+    fresh = src.copy()
+    assert fresh is not src and type(fresh) is Observation and fresh.as_dict() == src.as_dict()
+
+
+HOSTILE_FIELDS = [
+    {"activation_budget": 10 ** 400, "token_budget": -10 ** 400, "running_cap": 10 ** 400},
+    {"activation_budget": np.array([1, 2]), "token_budget": np.array([3.0, 4.0]), "kv_reserve_ratio": np.array([])},
+    {"activation_budget": RaisingFloat(), "running_cap": RaisingFloat(), "kv_reserve_ratio": RaisingFloat()},
+    {"activation_budget": np.float64("nan"), "token_budget": np.int64(5), "kv_reserve_ratio": float("-inf")},
+    {"activation_budget": "lots", "token_budget": object(), "running_cap": [1], "kv_reserve_ratio": "half"},
+    {"class_budgets": {0: 10 ** 400, 1: float("inf"), 2: RaisingFloat()}},
+    {"class_budgets": BadValues()},
+    {"class_budgets": {i: 1 for i in range(100_000)}},
+    {"class_budgets": [3, 4]},
+]
+
+
+@pytest.mark.parametrize("mode", ["strict", "soft"])
+@pytest.mark.parametrize("fields", HOSTILE_FIELDS)
+def test_nothing_a_proposal_holds_escapes_the_shield(fields, mode):
+    shield = ShieldedController(Hostile(fields), mode=mode, max_num_seqs=64)
+    obs = busy_obs()
+    for _ in range(3):
+        assert_safe(shield.decide(obs))
+    assert shield.decide(obs).activation_budget >= 1  # liveness: something waits, nothing runs
+    assert shield.decisions == 4 and shield.last_intervention.changed
+
+
+@pytest.mark.parametrize("make", [lambda: None, lambda: 7, lambda: "decision", Exploding])
+def test_unreadable_decisions_count_and_fall_back(make):
+    decision = make()
+    shield = ShieldedController(Hostile(decision=decision), mode="soft", max_num_seqs=64)
+    d = shield.decide(busy_obs())
+    assert_safe(d)
+    assert d.activation_budget == 1 and d.kv_reserve_ratio == 1.0  # no proposal: only the liveness floor
+    assert sum(shield.inner_errors.values()) >= 1
+
+
+def test_conversion_failures_are_counted_by_cause():
+    shield = ShieldedController(Hostile({"activation_budget": RaisingFloat(), "class_budgets": None}))
+    for _ in range(3):
+        shield.decide(busy_obs())
+    assert shield.inner_errors == {"inner controller's decide().activation_budget raised ArithmeticError": 3}
+    shield = ShieldedController(Hostile(decision=RaisingDecision(5, 64, 8, 0.5)), mode="soft", max_num_seqs=64)
+    d = shield.decide(busy_obs())
+    assert (d.activation_budget, d.token_budget, d.running_cap, d.kv_reserve_ratio) == (1, 64, 8, 0.5)
+    assert shield.inner_errors == {"inner controller's decide().activation_budget raised RuntimeError": 1}
+    shield = ShieldedController(Hostile(decision=Exploding()))
+    shield.decide(busy_obs())
+    assert shield.inner_errors == {"inner controller's decide() returned Exploding": 1}
+    shield = ShieldedController(Hostile(decision=None))
+    shield.decide(busy_obs())
+    assert shield.inner_errors == {"inner controller's decide() returned NoneType": 1}
+
+
+@pytest.mark.parametrize("answer", [True, False, 0, "no", {"reason": "busy"}, [Rejection("x", 2.0)], 3.5])
+def test_an_admission_answer_that_is_not_a_rejection_accepts_and_counts(answer):
+    shield = ShieldedController(Hostile(answer=answer))
+    assert shield.admit(busy_obs(), 10, 10) is None
+    assert shield.inner_errors == {f"inner controller's admit() returned {type(answer).__name__}": 1}
+    assert shield.rejections == 0
+
+
+class ReasonOnly:
+    reason = "busy"
+
+
+class RaisingWait(Rejection):
+    __slots__ = ()
+
+    @property
+    def retry_after_s(self):
+        raise ZeroDivisionError("wait")
+
+    @retry_after_s.setter
+    def retry_after_s(self, value):
+        pass
+
+
+@pytest.mark.parametrize("answer", [
+    Rejection("busy", float("nan")), Rejection("busy", float("inf")), Rejection("busy", -3.0),
+    Rejection("busy", "soon"), Rejection("busy", 10 ** 400), Rejection("busy", np.array([1.0, 2.0])),
+    Rejection(None, 5.0), Rejection(12, RaisingFloat()), Rejection("x" * 10_000, 0.0), ReasonOnly(),
+    RaisingWait("busy", 5.0)])
+def test_a_refusal_is_always_a_clean_rejection(answer):
+    obs = busy_obs(completion_rate_rps=2.0)
+    got = ShieldedController(Hostile(answer=answer)).admit(obs, 10, 10)
+    assert type(got) is Rejection and got is not answer
+    assert type(got.reason) is str and 0 < len(got.reason) <= 200
+    assert type(got.retry_after_s) is float and RETRY_AFTER_MIN_S <= got.retry_after_s <= RETRY_AFTER_MAX_S
+
+
+def test_a_good_refusal_keeps_its_reason_and_retry_after():
+    got = ShieldedController(Hostile(answer=Rejection("slow down", 7.5))).admit(busy_obs(), 10, 10)
+    assert (got.reason, got.retry_after_s) == ("slow down", 7.5)
+
+
+def test_every_inner_call_is_absorbed():
+    calls = ("decide", "admit", "reset", "use_wall_clock", "admission_state", "set_admission_state")
+    shield = ShieldedController(Hostile({"activation_budget": 2}, raises=calls))
+    shield.use_wall_clock()
+    assert_safe(shield.decide(busy_obs()))
+    assert shield.admit(busy_obs(), 10, 10) is None
+    assert shield.admission_state() is None
+    shield.set_admission_state({"x": 1})
+    assert set(shield.inner_errors) == {f"inner controller's {c}() raised OSError" for c in calls}
+    shield.reset()
+    assert shield.inner_errors == {"inner controller's reset() raised OSError": 1}
+
+
+def test_admission_state_passes_through_to_the_inner_controller():
+    engine_side = ShieldedController(Hostile({"activation_budget": 2}, state=(3, 0.25)))
+    server_side = ShieldedController(Hostile({"activation_budget": 2}))
+    assert Controller().admission_state() is None
+    server_side.set_admission_state(engine_side.admission_state())
+    assert server_side.inner.state == (3, 0.25) and server_side.inner_errors == {}
+
+
+class Tamperer(Controller):
+    """Rewrites the Observation it is given to talk the shield out of its safety rules."""
+
+    name = "tamperer"
+
+    def decide(self, obs):
+        obs.evictions_total = 0
+        obs.num_running = 1
+        obs.num_waiting = 0
+        obs.kv_used_tokens = 0
+        obs.kv_capacity_tokens = 10 ** 9
+        obs.__class__ = TamperedObservation
+        return Decision(0, 10 ** 6, 10 ** 6, 0.0)
+
+    def admit(self, obs, prompt_tokens, max_tokens):
+        obs.num_waiting = 0
+        obs.evictions_total = 0
+        return None
+
+
+class TamperedObservation(Observation):
+    __slots__ = ()
+
+    @property
+    def now_s(self):
+        raise RuntimeError("tampered")
+
+    @now_s.setter
+    def now_s(self, value):
+        raise RuntimeError("tampered")
+
+
+def test_the_inner_controller_cannot_rewrite_what_the_shield_reads():
+    shield = ShieldedController(Tamperer(), mode="soft", max_num_seqs=64, eviction_burst=2.0, max_waiting=10)
+    obs = busy_obs(evictions_total=5)  # the engine has seen 5 evictions: the bucket of 2 is empty
+    before = obs.as_dict()
+    for _ in range(3):
+        d = shield.decide(obs)
+        assert d.activation_budget == 1  # liveness floor from the engine's num_running = 0
+        assert d.kv_reserve_ratio == 1.0  # strict while the bucket refills
+        assert d.running_cap == 64 and d.token_budget == 1024  # limits from the engine's capacity
+    obs.num_waiting = 10
+    assert isinstance(shield.admit(obs, 10, 10), Rejection)  # the engine's queue is full
+    obs.num_waiting = 4
+    assert shield.admit(obs, 10, 10) is None
+    assert obs.as_dict() == before  # the engine's Observation is untouched
     assert shield.inner_errors == {}

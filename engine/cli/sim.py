@@ -18,11 +18,15 @@ from engine.cli.support import parse_floats, friendly, load_arrivals, workload_o
 @click.option("--controller", "controller_spec", default="greedy", show_default=True,
               help="NAME[:key=value,...]; names: greedy, no-evict, sglang, watermark, class-budgets, flow, "
                    "slo-flow, learned.")
+@click.option("--eviction", type=click.Choice(["recompute", "reset"]), default="recompute", show_default=True,
+              help="What an evicted request keeps. recompute: its generated tokens (their KV is recomputed by "
+                   "prefill, as in vLLM and the real engine); reset: nothing, it starts over (the paper's model, "
+                   "for reproducing its results).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @friendly()
 def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
-             profile_name, controller_spec, as_json, progress):
+             profile_name, controller_spec, eviction, as_json, progress):
     """Replay a trace or synthetic workload through the simulator twin."""
     from ctrl import build_controller
     from engine.bench.bench import rate_scale_for_load
@@ -46,8 +50,8 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     if hasattr(controller, "seed"):
         controller.seed = seed
     show = sys.stderr.isatty() if progress is None else progress
-    summary = run(arrivals, profile, controller, record_steps=False, progress=show).summary
-    summary = {"controller": controller_spec, "profile": profile.name, **summary}
+    summary = run(arrivals, profile, controller, record_steps=False, progress=show, eviction=eviction).summary
+    summary = {"controller": controller_spec, "profile": profile.name, "eviction": eviction, **summary}
     if as_json:
         click.echo(json.dumps(summary))
     else:

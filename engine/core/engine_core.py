@@ -2,17 +2,27 @@
 
 A step: ask the controller for a Decision, activate up to that many waiting requests, make
 room by evicting the most recently activated requests (LIFO) while the pool cannot hold the
-step's tokens, build the batch (every decode, then prefill chunks within the token budget),
-run the executor, commit tokens and finish requests.
+step's tokens, build the batch (decodes, then prefill chunks, within the token budget), run the
+executor, commit tokens and finish requests.
+
+An evicted request keeps its output tokens by default and recomputes their KV by prefill when it
+runs again (vLLM's recompute preemption), so eviction never changes text a client has seen;
+``eviction="reset"`` discards its progress instead (the paper's model, for reproductions).
+
+Nothing a controller, an executor or a callback does ends the loop: a controller that raises or
+answers nonsense gets a conservative Decision for that step, a failing executor fails that step's
+requests, a failing callback is skipped; each is counted and logged once per cause.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import numbers
 from collections import deque
 from typing import Callable
 
-from ctrl.base import Controller, Decision, Observation, Rejection
+from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
 from ctrl.slo_flow import predicted_ttft_s
 from engine.core.block_pool import BlockPool
 from engine.core.clock import Clock
@@ -20,6 +30,14 @@ from engine.core.executor import Batch, Executor
 from engine.core.metrics import EngineMetrics
 from engine.core.request import Request, RequestState, unservable_reason
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
+
+_log = logging.getLogger(__name__)
+
+#: ``recompute``: an evicted request keeps its tokens and re-prefills them (vLLM); ``reset``: its
+#: progress is discarded (the paper's model)
+EVICTION_MODES = ("recompute", "reset")
+_MAX_RESERVE_RATIO = 1.0  # reserving all of a request's remaining max_tokens; more would never fit
+
 
 class _Ask:
     """The type of ``ASK``, add_request's default: ask the controller."""
@@ -79,6 +97,9 @@ class EngineCore:
     :param on_token: called as ``on_token(request, token_id)`` for every committed output token
         (token_id is None in simulation); the server streams from it.
     :param on_finish: called once with each request that reaches a terminal state.
+    :param eviction: ``recompute`` (default): an evicted request keeps its output tokens and
+        recomputes their KV by prefill when it runs again; ``reset``: its progress is discarded
+        and it starts over (the paper's model, for reproducing it).
     """
 
     def __init__(
@@ -92,10 +113,15 @@ class EngineCore:
         on_token: Callable[[Request, int | None], None] | None = None,
         on_finish: Callable[[Request], None] | None = None,
         record_steps: bool = True,
+        eviction: str = "recompute",
     ) -> None:
+        if eviction not in EVICTION_MODES:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTION_MODES)}, got {eviction!r}")
         self.controller = controller
         self.executor = executor
         self.clock = clock
+        self.eviction = eviction
+        self._reset_on_eviction = eviction == "reset"
         self.pool = BlockPool(kv_capacity_tokens, block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -107,12 +133,21 @@ class EngineCore:
         self._completions = RateEstimator(rate_window_s)
         self._ewma_alpha = 0.05  # latency and step-time estimates
         self._workload_alpha = 0.01  # request-size estimates: heavy-tailed, so a longer memory
-        self._waiting_prompt_tokens = 0
+        self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
         self._activation_seq = 0
         self._cancel: list[Request] = []
         self._evicted_last_step = 0
-        self._token_budget: float = 8192  # the last step's applied token budget, for TTFT predictions
+        self._decode_offset = 0  # round-robin start of the decodes served when the budget cuts them
+        self._token_budget = 8192  # the last applied token budget, for TTFT predictions
+        self._running_cap = UNLIMITED  # the last applied running cap
+        self._fallback = Decision()  # the conservative decision, reused
         self.step_index = 0
+        #: times a controller raised or answered something unusable, by cause
+        self.controller_errors: dict[str, int] = {}
+        #: times an ``on_token`` or ``on_finish`` callback raised, by cause
+        self.callback_errors: dict[str, int] = {}
+        #: steps whose executor (or the commit of its result) raised, by cause
+        self.step_errors: dict[str, int] = {}
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, request: Request, admission: Rejection | None | _Ask = ASK) -> Rejection | None:
@@ -142,8 +177,46 @@ class EngineCore:
         return self._observe(self.clock.now())
 
     def admit(self, request: Request) -> Rejection | None:
-        """The controller's decision on an arrival, from the latest observation; changes nothing."""
-        return self.controller.admit(self._observe(self.clock.now()), request.prompt_len, request.max_tokens)
+        """The controller's decision on an arrival, from the latest observation; changes nothing.
+
+        A controller that raises or answers neither None nor a Rejection accepts the arrival,
+        unless the queue holds ``controller.max_waiting`` requests already.
+        """
+        obs = self._observe(self.clock.now())
+        try:
+            verdict = self.controller.admit(obs, request.prompt_len, request.max_tokens)
+        except Exception as exc:
+            self._count_error(self.controller_errors, f"controller.admit raised {type(exc).__name__}", exc)
+        else:
+            if verdict is None:
+                return None
+            if isinstance(verdict, Rejection):
+                return self._usable_rejection(verdict, obs)
+            self._count_error(self.controller_errors, f"controller.admit returned {type(verdict).__name__}, "
+                                                      "not a Rejection or None")
+        try:
+            max_waiting = self.controller.max_waiting
+            full = max_waiting is not None and obs.num_waiting >= max_waiting
+        except Exception:
+            full = False
+        if full:
+            return Rejection(f"queue is full ({obs.num_waiting} waiting)", retry_after_s(obs))
+        return None
+
+    def _usable_rejection(self, rejection: Rejection, obs: Observation) -> Rejection:
+        """``rejection`` with a str reason and a finite, non-negative retry-after."""
+        try:
+            reason, wait = rejection.reason, rejection.retry_after_s
+            if type(rejection) is Rejection and type(reason) is str and type(wait) is float \
+                    and 0.0 <= wait < math.inf:
+                return rejection
+            seconds = _real(wait)
+        except Exception:
+            reason, seconds = None, None
+        if seconds is None or not 0.0 <= seconds < math.inf:
+            self._count_error(self.controller_errors, "controller.admit gave an unusable retry_after_s")
+            seconds = retry_after_s(obs)
+        return Rejection(reason if type(reason) is str else "refused by the controller", seconds)
 
     def cancel(self, request: Request) -> None:
         """Cancel a waiting or running request; its blocks are freed at the start of the next step."""
@@ -157,40 +230,47 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Request]:
-        """Run one engine step; returns the requests that reached a terminal state in it."""
+        """Run one engine step; returns the requests that reached a terminal state in it.
+
+        ``on_finish`` runs for each of them, also when the step itself fails.
+        """
         ended: list[Request] = []
+        try:
+            self._step(ended)
+        finally:
+            if ended:
+                self._notify_finished(ended)
+        return ended
+
+    def _step(self, ended: list[Request]) -> None:
         now = self.clock.now()
         if self._cancel:
             self._apply_cancellations(ended)
-        timeout = self.controller.queue_timeout_s
+        try:
+            timeout = self.controller.queue_timeout_s
+        except Exception:
+            timeout = None
         if timeout is not None and self.waiting:
-            self._expire(now - timeout, ended)
+            self._expire(now, timeout, ended)
 
-        decision = self.controller.decide(self._observe(now))
+        decision = self._decide(self._observe(now))
         if self.waiting:
             self._activate(decision)
         self._evicted_last_step = 0
         self._make_room()
-        self._token_budget = decision.token_budget
         batch = self._build_batch(decision.token_budget)
 
-        start = now
-        if batch.requests:
-            try:
-                result = self.executor.execute(batch)
-            except Exception as exc:  # the step's requests fail; the engine keeps serving
-                self._fail_batch(batch, f"step failed: {type(exc).__name__}: {exc}", ended)
-                self._finish_step(start, batch, ended)
-                return ended
-        else:
+        try:
             result = self.executor.execute(batch)
-        if result.duration_s is not None:
-            self.clock.advance(result.duration_s)
-        self._commit(batch, result, ended)
-        self._finish_step(start, batch, ended)
-        return ended
+            if result.duration_s is not None:
+                self.clock.advance(result.duration_s)
+            self._commit(batch, result, ended)
+        except Exception as exc:  # the step's requests fail; the engine keeps serving
+            self._count_error(self.step_errors, f"step failed: {type(exc).__name__}", exc)
+            self._fail_batch(batch, f"step failed: {type(exc).__name__}: {exc}", ended)
+        self._finish_step(now, batch)
 
-    def _finish_step(self, start: float, batch: Batch, ended: list[Request]) -> None:
+    def _finish_step(self, start: float, batch: Batch) -> None:
         end = self.clock.now()
         duration = end - start
         obs = self.obs
@@ -200,10 +280,25 @@ class EngineCore:
             obs.mean_step_time_s += self._ewma_alpha * (duration - obs.mean_step_time_s)
         self.metrics.on_step(end, duration, self.pool.used_tokens, len(self.waiting),
                              len(self.running), batch.num_tokens)
-        if ended and self.on_finish is not None:
-            for r in ended:
-                self.on_finish(r)
         self.step_index += 1
+
+    def _notify_finished(self, ended: list[Request]) -> None:
+        """``on_finish`` for every request that ended; one that raises does not stop the others."""
+        on_finish = self.on_finish
+        if on_finish is None:
+            return
+        for r in ended:
+            try:
+                on_finish(r)
+            except Exception as exc:
+                self._count_error(self.callback_errors, f"on_finish raised {type(exc).__name__}", exc)
+
+    def _count_error(self, errors: dict[str, int], cause: str, exc: BaseException | None = None) -> None:
+        """Count an error by cause; log the first of each cause."""
+        seen = errors.get(cause, 0)
+        errors[cause] = seen + 1
+        if not seen:
+            _log.warning("engine: %s (logged once, counted from now on)", cause, exc_info=exc)
 
     def _observe(self, now: float) -> Observation:
         obs = self.obs
@@ -219,6 +314,71 @@ class EngineCore:
         obs.evicted_last_step = self._evicted_last_step
         return obs
 
+    # ------------------------------------------------------------------ the decision
+    def _decide(self, obs: Observation) -> Decision:
+        """The Decision this step applies: the controller's when it is usable (numbers within
+        bounds), else the conservative one."""
+        try:
+            d = self.controller.decide(obs)
+        except Exception as exc:
+            return self._conservative(f"controller.decide raised {type(exc).__name__}", exc)
+        try:
+            if type(d) is Decision:
+                act, tok, cap, ratio = d.activation_budget, d.token_budget, d.running_cap, d.kv_reserve_ratio
+                if (type(act) is int and type(tok) is int and type(cap) is int and d.class_budgets is None
+                        and 0 <= act <= UNLIMITED and 0 < tok <= UNLIMITED and 0 <= cap <= UNLIMITED
+                        and (ratio is None or type(ratio) is float and 0.0 <= ratio <= _MAX_RESERVE_RATIO)):
+                    self._token_budget, self._running_cap = tok, cap
+                    return d  # the common case: usable as it is
+            elif not isinstance(d, Decision):
+                return self._conservative(f"controller.decide returned {type(d).__name__}, not a Decision")
+            return self._bounded(d)
+        except Exception as exc:  # a field that fails to read, convert or compare
+            return self._conservative(f"controller.decide gave an unusable Decision ({type(exc).__name__})", exc)
+
+    def _bounded(self, d: Decision) -> Decision:
+        """A plain copy of ``d`` with whole numbers within bounds; the conservative decision when a
+        field is not a number (or NaN)."""
+        act = _whole_number(d.activation_budget, 0)
+        tok = _whole_number(d.token_budget, 1)
+        cap = _whole_number(d.running_cap, 0)
+        for name, value in (("activation_budget", act), ("token_budget", tok), ("running_cap", cap)):
+            if value is None:
+                return self._conservative(f"controller.decide gave an unusable {name}")
+        ratio = d.kv_reserve_ratio
+        if ratio is not None:
+            ratio = _real(ratio)
+            if ratio is None:
+                return self._conservative("controller.decide gave an unusable kv_reserve_ratio")
+            ratio = min(max(ratio, 0.0), _MAX_RESERVE_RATIO)
+        classes = d.class_budgets
+        if classes is not None:
+            if not isinstance(classes, dict):
+                return self._conservative("controller.decide gave unusable class_budgets")
+            whole: dict[int, int] = {}
+            for k, v in classes.items():
+                n = _whole_number(v, 0)
+                if n is None or not isinstance(k, numbers.Integral):
+                    return self._conservative("controller.decide gave unusable class_budgets")
+                whole[int(k)] = n
+            classes = whole
+        assert act is not None and tok is not None and cap is not None
+        self._token_budget, self._running_cap = tok, cap
+        return Decision(act, tok, cap, ratio, classes)
+
+    def _conservative(self, cause: str, exc: BaseException | None = None) -> Decision:
+        """The decision of a step whose controller could not answer: no activation while anything
+        runs (the queue head when nothing does, so the engine never stalls), no eviction, the last
+        applied token budget and running cap."""
+        self._count_error(self.controller_errors, cause, exc)
+        d = self._fallback
+        d.activation_budget = 0 if self.running else 1
+        d.token_budget = self._token_budget
+        d.running_cap = max(self._running_cap, 1)
+        d.kv_reserve_ratio = 1.0
+        return d
+
+    # ------------------------------------------------------------------ activation and eviction
     def _activate(self, decision: Decision) -> None:
         running, waiting, pool = self.running, self.waiting, self.pool
         room = decision.running_cap - len(running)
@@ -236,7 +396,7 @@ class EngineCore:
                 need = self._reservation(r, ratio)
                 if reserved + need > pool.capacity_tokens:
                     break
-            if not pool.grow(r, r.prompt_len):
+            if not pool.grow(r, r.prompt_len + r.num_output_tokens):
                 break
             waiting.popleft()
             self._start(r)
@@ -253,7 +413,7 @@ class EngineCore:
         while waiting and left and room > 0:
             r = waiting.popleft()
             allowance = left.get(r.class_id, 0)
-            if allowance > 0 and self.pool.grow(r, r.prompt_len):
+            if allowance > 0 and self.pool.grow(r, r.num_tokens):
                 self._start(r)
                 room -= 1
                 if allowance == 1:
@@ -279,77 +439,99 @@ class EngineCore:
             r.start_time_s = self.clock.now()
         r.activation_seq = self._activation_seq
         self._activation_seq += 1
-        self._waiting_prompt_tokens -= r.prompt_len
+        self._waiting_prompt_tokens -= r.prompt_len + r.num_output_tokens
         self.running.append(r)
 
     def _make_room(self) -> None:
-        """Evict the most recently activated requests while the step's decodes do not fit."""
+        """Evict the most recently activated requests while the step's decodes do not fit.
+
+        A running request holds blocks for its whole sequence from activation on, so only a
+        decode whose new token starts a block needs one more.
+        """
         bs_tokens = self.pool.block_size
         need = 0
         for r in self.running:
-            if r.num_computed_tokens >= r.prompt_len and r.num_tokens > len(r.block_ids) * bs_tokens:
+            if r.prompt_len + r.num_output_tokens > len(r.block_ids) * bs_tokens:
                 need += 1
+        if not need:
+            return
         while need > self.pool.num_free_blocks:
             victim = self.running.pop()
-            grows = victim.num_tokens > len(victim.block_ids) * bs_tokens
-            if victim.num_computed_tokens >= victim.prompt_len and grows:
+            if victim.num_tokens > len(victim.block_ids) * bs_tokens:
                 need -= 1
             self._evict(victim)
-        if need:
-            for r in self.running:
-                if r.num_computed_tokens >= r.prompt_len:
-                    self.pool.grow(r, r.num_tokens)
+        for r in self.running:
+            self.pool.grow(r, r.num_tokens)
 
     def _evict(self, r: Request) -> None:
-        """Send a running request back to the front of the queue; its progress is discarded."""
+        """Send a running request back to the front of the queue, its KV freed. It keeps its output
+        tokens and re-prefills them when it runs again; in ``reset`` mode its progress is discarded."""
         wasted = r.num_computed_tokens
         r.wasted_tokens += wasted
         r.num_evictions += 1
         self.pool.free(r)
-        self.executor.release(r)
         r.num_computed_tokens = 0
-        r.num_output_tokens = 0
-        r.output_token_ids = []
+        if self._reset_on_eviction:
+            r.num_output_tokens = 0
+            r.output_token_ids = []
+            self.executor.release(r)  # its sampling state starts over too
         r.state = RequestState.WAITING
         self.waiting.appendleft(r)
-        self._waiting_prompt_tokens += r.prompt_len
+        self._waiting_prompt_tokens += r.prompt_len + r.num_output_tokens
         self._evicted_last_step += 1
         self.obs.evictions_total += 1
         self.metrics.on_eviction(wasted)
 
+    # ------------------------------------------------------------------ the batch
     def _build_batch(self, token_budget: int) -> Batch:
+        """Decodes (a request with one token pending and an output token to feed), then prefill
+        chunks of the other requests' pending tokens (the prompt, or after an eviction the prompt
+        and the kept output), never more than ``token_budget`` tokens in all. When the decodes
+        alone exceed the budget, which of them run rotates from step to step."""
         batch = Batch()
         reqs, counts = batch.requests, batch.num_new_tokens
         kv_read = 0
         prefilling = []
         for r in self.running:
-            if r.num_computed_tokens >= r.prompt_len:
+            if r.num_computed_tokens + 1 == r.prompt_len + r.num_output_tokens and r.num_output_tokens:
                 reqs.append(r)
                 kv_read += r.num_computed_tokens + 1
             else:
                 prefilling.append(r)
         n_decodes = len(reqs)
+        if n_decodes > token_budget:
+            kv_read = self._rotate_decodes(reqs, token_budget)
+            n_decodes = token_budget
         counts.extend([1] * n_decodes)
         left = token_budget - n_decodes
         pending = 0
+        prefill = 0
         for r in prefilling:
-            pending += r.prompt_len - r.num_computed_tokens
-        for r in prefilling:
+            chunk = r.prompt_len + r.num_output_tokens - r.num_computed_tokens
+            pending += chunk
             if left <= 0:
-                break
-            chunk = r.prompt_len - r.num_computed_tokens
+                continue
             if chunk > left:
                 chunk = left
             reqs.append(r)
             counts.append(chunk)
             kv_read += r.num_computed_tokens + chunk
             left -= chunk
+            prefill += chunk
         batch.num_decodes = n_decodes
-        prefill = sum(counts[n_decodes:])
         batch.num_tokens = n_decodes + prefill
         self.obs.running_prefill_tokens = pending - prefill
         batch.kv_tokens_read = kv_read
         return batch
+
+    def _rotate_decodes(self, decodes: list[Request], budget: int) -> int:
+        """Keep ``budget`` of ``decodes`` (in place), starting where the last cut stopped; returns
+        the KV tokens they read."""
+        start = self._decode_offset % len(decodes)
+        kept = (decodes[start:] + decodes[:start])[:budget]
+        self._decode_offset = (start + budget) % len(decodes)
+        decodes[:] = kept
+        return sum(r.num_computed_tokens for r in kept) + budget
 
     def _commit(self, batch: Batch, result, ended: list[Request]) -> None:
         now = self.clock.now()
@@ -361,7 +543,7 @@ class EngineCore:
                 continue
             r.num_computed_tokens += batch.num_new_tokens[i]
             if r.num_computed_tokens < r.num_tokens:
-                continue  # a prefill chunk that did not reach the end of the prompt
+                continue  # a prefill chunk that did not reach the end of the sequence
             r.num_output_tokens += 1
             tok = None
             if token_ids is not None:
@@ -370,7 +552,10 @@ class EngineCore:
             if r.first_token_time_s is None:
                 r.first_token_time_s = now
             if on_token is not None:
-                on_token(r, tok)
+                try:
+                    on_token(r, tok)
+                except Exception as exc:
+                    self._count_error(self.callback_errors, f"on_token raised {type(exc).__name__}", exc)
             out = r.num_output_tokens
             if out >= r.max_tokens:
                 self._end(r, _FINISHED, "length", now, ended)
@@ -389,12 +574,12 @@ class EngineCore:
         if any_done:
             self.running = [r for r in self.running if r.state is _RUNNING]
 
+    # ------------------------------------------------------------------ endings
     def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:
-        was_running = r.state is _RUNNING
         r.state = state
         r.finish_reason = reason
         r.finish_time_s = now
-        if was_running or r.block_ids:
+        if r.ever_activated:  # running, or evicted with state the executor still keeps
             self.pool.free(r)
             self.executor.release(r)
         ended.append(r)
@@ -428,8 +613,7 @@ class EngineCore:
         r.finish_time_s = self.clock.now()
         self.obs.rejections_total += 1
         self.metrics.on_terminal(r)
-        if self.on_finish is not None:
-            self.on_finish(r)
+        self._notify_finished([r])
         return Rejection(reason, retry_after_s)
 
     def _apply_cancellations(self, ended: list[Request]) -> None:
@@ -440,18 +624,25 @@ class EngineCore:
             return
         for r in self._cancel:
             if r.state is RequestState.WAITING:
-                self._waiting_prompt_tokens -= r.prompt_len
+                self._waiting_prompt_tokens -= r.prompt_len + r.num_output_tokens
             if not r.state.is_terminal:
                 self._end(r, RequestState.CANCELLED, "cancelled", now, ended)
         self._cancel.clear()
         self.waiting = deque(r for r in self.waiting if id(r) not in cancelled)
         self.running = [r for r in self.running if id(r) not in cancelled]
 
-    def _expire(self, cutoff_s: float, ended: list[Request]) -> None:
+    def _expire(self, now: float, timeout_s: object, ended: list[Request]) -> None:
         """Expire requests that waited past the queue timeout without ever starting."""
+        try:
+            seconds = _real(timeout_s)
+        except Exception:
+            seconds = None
+        if seconds is None:
+            self._count_error(self.controller_errors, "controller.queue_timeout_s is not a number")
+            return
+        cutoff_s = now - seconds
         waiting = self.waiting
         resumed = []
-        now = self.clock.now()
         while waiting:
             r = waiting[0]
             if r.ever_activated:  # evicted requests already started serving: they do not expire
@@ -470,3 +661,24 @@ class EngineCore:
             if r.state is _RUNNING:
                 self._end(r, RequestState.FAILED, reason, now, ended)
         self.running = [r for r in self.running if r.state is _RUNNING]
+
+
+def _real(x: object) -> float | None:
+    """``x`` as a float (possibly infinite) when it is a real number; None when it is not, or NaN."""
+    if not isinstance(x, numbers.Real):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:  # a huge int or Fraction
+        return -math.inf if x < 0 else math.inf
+    return None if v != v else v
+
+
+def _whole_number(x: object, floor: int) -> int | None:
+    """``x`` as a whole number in [``floor``, ``UNLIMITED``]; None when it is not a number or NaN."""
+    if type(x) is int:
+        return floor if x < floor else UNLIMITED if x > UNLIMITED else x
+    v = _real(x)
+    if v is None:
+        return None
+    return UNLIMITED if v >= UNLIMITED else floor if v <= floor else int(v)

@@ -59,7 +59,8 @@ class StepResult:
 
 
 class Executor(Protocol):
-    """Runs a step's batch. The engine calls ``release`` whenever a request leaves the running set."""
+    """Runs a step's batch. The engine calls ``release`` when a request ends, and when it is evicted in
+    the paper's ``eviction="reset"`` mode (a recomputed request keeps its generator and state)."""
 
     def execute(self, batch: Batch) -> StepResult: ...
 

@@ -19,6 +19,8 @@ class EngineMetrics:
         self.first_arrival_s: float | None = None
         self.terminal: list[Request] = []
         self.evictions = 0
+        #: KV entries evictions discarded: recomputed by prefill (recompute eviction), or lost with
+        #: the request's progress (reset eviction)
         self.wasted_tokens = 0
         self.steps = 0
         self.busy_time_s = 0.0

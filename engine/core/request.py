@@ -24,8 +24,10 @@ class Request:
     """One generation request as the engine sees it.
 
     ``num_computed_tokens`` counts the tokens whose KV entries are in the cache; the
-    sequence is the prompt followed by the output tokens generated so far. A request
-    whose prompt is fully computed decodes one token per step.
+    sequence is the prompt followed by the output tokens generated so far. A request decodes
+    (one token per step) when exactly one token of its sequence is pending and it has an output
+    token; otherwise its pending tokens are a prefill: the prompt, or after an eviction, which
+    frees the cache but keeps the output, the prompt and the output again.
 
     :param request_id: unique id.
     :param arrival_time_s: when the request arrived, on the engine's clock.
@@ -92,7 +94,8 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.prompt_len
+        """Whether its pending tokens are a prefill (the prompt, or a recompute after an eviction)."""
+        return self.num_computed_tokens + 1 != self.num_tokens or not self.num_output_tokens
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.state.value}, prompt={self.prompt_len}, "

@@ -96,7 +96,7 @@ class TorchExecutor:
         step = _PackedStep()
         row = 0
         for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            if r not in self._states:  # new, or restarted after an eviction released it
+            if r not in self._states:  # new, or started over after an eviction that reset it
                 self._start(r)
             c = r.num_computed_tokens
             step.input_ids.extend(_new_token_ids(r, c, n))
@@ -141,7 +141,12 @@ class TorchExecutor:
         return state.detok is not None and self._hits_stop_string(r, state, tok)
 
     def release(self, request: Request) -> None:
-        """Drop the request's generator and detokenizer (it ended or was evicted)."""
+        """Drop the request's generator and detokenizer: it ended, or its progress was reset.
+
+        The engine does not call it when it evicts a request that keeps its output (recompute
+        eviction): the request's seeded generator then goes on from where it was, so the
+        continuation after the re-prefill is the one it would have had without the eviction.
+        """
         self._states.pop(request, None)
 
     # ------------------------------------------------------------------ helpers
@@ -209,12 +214,14 @@ class _PackedStep:
 
 
 def _new_token_ids(r: Request, computed: int, n: int) -> list[int]:
-    """Ids of the ``n`` tokens of ``r``'s sequence (prompt then output) from position ``computed``."""
+    """Ids of the ``n`` tokens of ``r``'s sequence (prompt then output) from position ``computed``:
+    a decode's last output token, a prompt chunk, or a chunk of the prompt and the output that a
+    request re-prefills after an eviction."""
     p = r.prompt_len
-    if computed >= p:  # a decode: the token at position ``computed`` is an output token
+    if computed >= p:  # output tokens only: a decode, or a re-prefill chunk past the prompt
         if n == 1:
             return [r.output_token_ids[computed - p]]
         return r.output_token_ids[computed - p:computed - p + n]
     if computed + n <= p:
         return r.prompt_token_ids[computed:computed + n]
-    return (r.prompt_token_ids + r.output_token_ids)[computed:computed + n]
+    return r.prompt_token_ids[computed:] + r.output_token_ids[:computed + n - p]

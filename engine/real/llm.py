@@ -272,9 +272,7 @@ class LLM:
         stream = self._streams.get(r)
         if stream is None:
             return
-        if len(r.output_token_ids) <= stream.detok.num_tokens:
-            return  # recomputed after an eviction: this token was already streamed
-        stream.detok.push([token_id])
+        stream.detok.push([token_id])  # each token once: an eviction keeps the tokens already streamed
         if stream.callback is None:
             return
         text = stream.visible()[0] if stream.stops else stream.detok.text

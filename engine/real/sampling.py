@@ -16,8 +16,9 @@ class SamplingParams:
     :param temperature: 0 (or below 1e-5) is greedy; otherwise logits are divided by it before sampling.
     :param top_p: nucleus sampling: keep the smallest set of tokens with this much probability.
     :param top_k: keep the k most likely tokens; 0 keeps all.
-    :param seed: seeds the request's own generator, so its samples reproduce (also after an
-        eviction, which restarts the request from scratch); None uses the executor's generator.
+    :param seed: seeds the request's own generator, so its samples reproduce (also across an
+        eviction: the generator keeps its state while the request recomputes its KV); None uses
+        the executor's generator.
     :param stop_token_ids: token ids that end the request (the token is kept in the output).
     :param stop: strings that end the request once the output text contains one.
     :param ignore_eos: keep generating past EOS (up to ``max_tokens``).

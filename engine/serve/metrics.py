@@ -42,7 +42,8 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first activation.")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens_total", "Generated tokens.")
-        self.evictions = counter("num_preemptions_total", "Requests evicted (recomputed from scratch).")
+        self.evictions = counter("num_preemptions_total",
+                                 "Requests evicted (KV freed; prompt and output re-prefilled when they run again).")
         self.shield_interventions = counter("shield_interventions_total",
                                             "Steps where the shield changed the controller's action.")
         self.guard_switches = counter("controller_guard_switches_total",

@@ -23,9 +23,14 @@ class SimResult:
     core: EngineCore = field(repr=False)
 
 
-def make_sim_engine(profile: Profile, controller: Controller, record_steps: bool = True) -> EngineCore:
-    """An EngineCore on a virtual clock with the profile's executor and KV pool."""
-    return build_engine(profile, controller, SimExecutor(profile), VirtualClock(), record_steps=record_steps)
+def make_sim_engine(profile: Profile, controller: Controller, record_steps: bool = True,
+                    eviction: str = "recompute") -> EngineCore:
+    """An EngineCore on a virtual clock with the profile's executor and KV pool.
+
+    :param eviction: ``recompute`` or ``reset`` (the paper's model); see ``EngineCore``.
+    """
+    return build_engine(profile, controller, SimExecutor(profile), VirtualClock(), record_steps=record_steps,
+                        eviction=eviction)
 
 
 def make_request(i: int, arrival) -> Request:
@@ -35,16 +40,18 @@ def make_request(i: int, arrival) -> Request:
 
 
 def simulate(arrivals, profile: Profile, controller: Controller, *, record_steps: bool = True,
-             progress: bool = False, desc: str = "simulating") -> SimResult:
+             progress: bool = False, desc: str = "simulating", eviction: str = "recompute") -> SimResult:
     """Replay ``arrivals`` through the engine until every request has ended.
 
     :param arrivals: time-sorted ``engine.workloads.Arrival`` items.
     :param profile: the step-time profile (``engine.core.profile.Profile``).
     :param controller: the controller under test; it is reset first.
     :param progress: show a progress bar over arrivals.
+    :param eviction: ``recompute`` (default: an evicted request keeps its tokens and re-prefills them)
+        or ``reset`` (the paper's model: its progress is discarded).
     """
     controller.reset()
-    core = make_sim_engine(profile, controller, record_steps)
+    core = make_sim_engine(profile, controller, record_steps, eviction)
     on_step = None
     bar = None
     if progress:

@@ -305,11 +305,16 @@ class OpenAIServing:
 
 # ---------------------------------------------------------------------------------- helpers
 async def _next_chunk(stream: Stream, http: HttpRequest | None) -> tuple[str, bool] | None:
-    """The next (delta, finished); None if the client went away while waiting."""
+    """The next (delta, finished); None if the client went away while waiting. Without ``http``
+    (a stream being sent, whose disconnect the response notices itself) it waits without a timer:
+    every stream ends, by the engine or, if the engine goes away, by the service."""
     while not stream.chunks:
         stream.event.clear()
         if stream.chunks:
             break
+        if http is None:
+            await stream.event.wait()
+            continue
         try:
             await asyncio.wait_for(stream.event.wait(), timeout=0.5)
         except asyncio.TimeoutError:

@@ -26,6 +26,9 @@ In a simulation (virtual clock) the policy is called inline and its wall-clock t
 result; an engine on a wall clock calls ``use_wall_clock``, and from then on the policy runs on a
 worker thread (``PolicyWorker``) that a step waits on for at most the budget, so a slow or hung
 policy never stalls the engine.
+
+Loading and running the exported policy file (``load_policy``, ``NumpyPolicy``, ``OnnxPolicy``) is
+``ctrl.policy``; the worker thread is ``ctrl.policy_worker``. Their names are importable from here too.
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ from __future__ import annotations
 import importlib.resources
 import logging
 import math
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, ReplicaProfile
+# NumpyPolicy and OnnxPolicy are not used here; they stay importable from ctrl.learned.
+from ctrl.policy import OBS_CLIP, NumpyPolicy, OnnxPolicy, PolicyError, as_action, load_policy  # noqa: F401
+from ctrl.policy_worker import PolicyWorker
 from ctrl.shield import ShieldedController
 from ctrl.slo_flow import SloFlowController, predicted_ttft_s
 from ctrl.theory import lambda_max_estimate, safe_activation_rate
@@ -58,7 +62,6 @@ FEATURES = (
 )
 OBS_DIM = len(FEATURES)
 ACTION_DIM = 3
-OBS_CLIP = 10.0
 #: an action a scales the heuristic's activation rate, token budget and admission threshold by
 #: RESIDUAL_RANGE ** a: from a quarter to four times (the shield caps activations at the same
 #: memory-safe rate, so raising that one changes little); action 0 is the heuristic itself
@@ -164,142 +167,6 @@ class ObservationFeatures:
         np.clip(v, -OBS_CLIP, OBS_CLIP, out=v)
         self._kv_usage = usage
         return v
-
-
-class PolicyError(RuntimeError):
-    """The policy could not answer this step."""
-
-
-class OnnxPolicy:
-    """The exported actor (VecNormalize folded in) run with onnxruntime: obs -> action in [-1, 1]."""
-
-    def __init__(self, path: str | Path) -> None:
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        opts.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        self.input_name = self.session.get_inputs()[0].name
-
-    def __call__(self, obs: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {self.input_name: obs.reshape(1, -1)})[0][0]
-
-
-class NumpyPolicy:
-    """The same actor as a numpy forward pass over the ONNX file's weights (no runtime needed).
-
-    The export names its initializers ``obs_mean``, ``obs_std``, ``layer{i}.weight``/``.bias``
-    (hidden, tanh) and ``action.weight``/``.bias``; see ``training/export.py``.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        import onnx
-        from onnx import numpy_helper
-
-        model = onnx.load(str(path))
-        w = {t.name: numpy_helper.to_array(t).astype(np.float32) for t in model.graph.initializer}
-        meta = {p.key: p.value for p in model.metadata_props}
-        self.clip = float(meta.get("clip_obs", OBS_CLIP))
-        self.mean = w["obs_mean"]
-        self.inv_std = (1.0 / w["obs_std"]).astype(np.float32)
-        self.layers = []
-        i = 0
-        while f"layer{i}.weight" in w:
-            self.layers.append((w[f"layer{i}.weight"].T.copy(), w[f"layer{i}.bias"]))
-            i += 1
-        self.action = (w["action.weight"].T.copy(), w["action.bias"])
-        if not self.layers:
-            raise PolicyError(f"{path}: no layer0.weight in the ONNX file, expected an export of training/export.py")
-
-    def __call__(self, obs: np.ndarray) -> np.ndarray:
-        # np.minimum/np.maximum: np.clip costs more than the matmuls at this size
-        c = self.clip
-        x = np.maximum(np.minimum((obs - self.mean) * self.inv_std, c), -c)
-        for weight, bias in self.layers:
-            x = np.tanh(x @ weight + bias)
-        a = x @ self.action[0] + self.action[1]
-        return np.maximum(np.minimum(a, 1.0), -1.0)
-
-
-def load_policy(path: str | Path, runtime: str = "numpy"):
-    """The policy at ``path`` run by ``numpy`` or ``onnxruntime``."""
-    if runtime == "numpy":
-        return NumpyPolicy(path)
-    if runtime == "onnxruntime":
-        return OnnxPolicy(path)
-    raise ValueError(f"runtime must be numpy or onnxruntime, got {runtime!r}")
-
-
-def _as_action(action) -> tuple[float, float, float]:
-    return float(action[0]), float(action[1]), float(action[2])
-
-
-class PolicyWorker:
-    """Runs policy calls on one daemon thread (started at the first call), one call at a time, so
-    that a slow or hung policy never holds up the engine's thread: :meth:`call` hands an observation
-    over and waits at most its timeout for the action. An answer that comes later is discarded.
-
-    A copy (``copy.deepcopy``, pickle) is a new idle worker: threads and locks are not copied.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._job: tuple[int, Callable, np.ndarray] | None = None
-        self._issued = 0  # calls handed over
-        self._answered = 0  # the call whose answer is in _answer
-        self._answer: tuple[float, float, float] | Exception | None = None
-
-    def __reduce__(self):
-        return (PolicyWorker, ())
-
-    @property
-    def started(self) -> bool:
-        """Whether the thread exists (only after a call on a wall clock)."""
-        return self._thread is not None
-
-    @property
-    def busy(self) -> bool:
-        """Whether a call handed over earlier is still running."""
-        return self._answered != self._issued
-
-    def call(self, policy, obs: np.ndarray, timeout_s: float) -> tuple[float, float, float] | Exception | None:
-        """``policy(obs)`` as three floats, the exception it raised, or None when no answer came
-        within ``timeout_s``. Call only when not :attr:`busy`; ``obs`` must not change afterwards."""
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="tidegate-policy", daemon=True)
-                self._thread.start()
-            self._issued += 1
-            call = self._issued
-            self._job = (call, policy, obs)
-            self._cond.notify_all()
-            if not self._cond.wait_for(lambda: self._answered == call, timeout_s):
-                return None
-            return self._answer
-
-    def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait until no call is running; False if one still is after ``timeout_s``."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self.busy, timeout_s)
-
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while self._job is None:
-                    self._cond.wait()
-                call, policy, obs = self._job
-                self._job = None
-            answer: tuple[float, float, float] | Exception
-            try:
-                answer = _as_action(policy(obs))
-            except Exception as exc:
-                answer = exc
-            with self._cond:
-                self._answer = answer
-                self._answered = call
-                self._cond.notify_all()
 
 
 class LearnedController(Controller):
@@ -521,7 +388,7 @@ class LearnedController(Controller):
     def _ask_inline(self, x: np.ndarray) -> tuple[float, float, float] | Exception | None:
         t0 = time.perf_counter()
         try:
-            answer = _as_action(self.policy(x))
+            answer = as_action(self.policy(x))
         except Exception as exc:
             return exc
         budget = self.time_budget_s

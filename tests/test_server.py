@@ -142,7 +142,7 @@ LONG = "x" * 3000
     ({"model": "tiny", "prompt": "hi", "max_tokens": 5000}, "exceeds the model context"),
     ({"model": "tiny", "prompt": LONG, "max_tokens": 5}, "more than the model context"),
     ({"model": "nope", "prompt": "hi"}, "not served here"),
-    ({"model": "tiny", "prompt": "hi", "n": 2}, "n"),
+    ({"model": "tiny", "prompt": "hi", "n": 17}, "n"),
     ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": [1, 2, 99999]}, "outside the vocabulary"),

@@ -15,7 +15,8 @@ import yaml
 import pytest
 from click.testing import CliRunner
 
-from ctrl.learned import DEFAULT_POLICY, OBS_DIM, NumpyPolicy, OnnxPolicy, make_learned_controller
+from ctrl.learned import DEFAULT_POLICY, OBS_DIM, make_learned_controller
+from ctrl.policy import NumpyPolicy, OnnxPolicy
 from ctrl.shield import ShieldedController
 from engine.cli import main
 from engine.core.profile import load_profile

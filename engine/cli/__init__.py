@@ -49,5 +49,6 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, lazy_commands=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tidegate", prog_name="tidegate")
 def main() -> None:
     """tidegate: admission and batching control for streaming LLM inference."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -12,17 +13,39 @@ from ctrl import DEFAULT_CONTROLLER
 from engine.cli.support import friendly
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _StartError(Exception):
+    """The server cannot start for a reason the user can fix (the port is taken)."""
+
+
 @click.command()
+@click.version_option(package_name="tidegate", prog_name="tidegate")
 @click.option("--model", default="tiny", show_default=True, help="'tiny' (built-in, offline) or a local model folder.")
 @click.option("--served-model-name", default=None, help="Model name clients send (default: --model).")
 @click.option("--controller", "controller_spec", default=DEFAULT_CONTROLLER, show_default=True,
               help="NAME[:key=value,...] (see `tidegate simulate --help`); 'learned' is the shipped policy "
                    "inside the shield, with its runtime guard.")
 @click.option("--profile", "profile_name", default=None,
-              help="Step-time profile of this model and machine, for the controllers' estimates "
-                   "(default: tiny-cpu; make one with `tidegate profile`).")
+              help="Step-time profile of this model and machine, for the controllers' estimates: a name or file "
+                   "(make one with `tidegate profile`), or 'fit' to fit a quick one at start-up (the model is "
+                   "loaded once more for it) [default: tiny-cpu, the tiny model's].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="TIDEGATE_API_KEY", show_envvar=True, default=None,
+              help="Clients must send 'Authorization: Bearer KEY' (the probes /health, /ready, /metrics and "
+                   "/version stay open).")
+@click.option("--chat-template", "chat_template_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="A Jinja chat template file, used instead of the tokenizer's.")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="The longest prompt + output served, in tokens (at most the model's context) "
+                   "[default: the model's context].")
+@click.option("--max-request-bytes", type=click.IntRange(min=1), default=16 * 1024 * 1024, show_default=True,
+              help="A request body larger than this gets 413.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info", show_default=True)
+@click.option("--access-log/--no-access-log", default=False, show_default=True,
+              help="One log line per HTTP request (uvicorn's access log).")
 @click.option("--kv-capacity-tokens", type=click.IntRange(min=1), default=None,
               help="KV cache size M in tokens (default: 32768 on CPU, 80% of free memory on CUDA).")
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
@@ -49,37 +72,107 @@ from engine.cli.support import friendly
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch threads of the engine (default: every core but one in an engine process, which the "
                    "HTTP side needs; torch's default in an engine thread).")
-@friendly()
-def serve(model, served_model_name, controller_spec, profile_name, host, port, kv_capacity_tokens, block_size,
+@friendly(_StartError)
+def serve(model, served_model_name, controller_spec, profile_name, host, port, api_key, chat_template_path,
+          max_model_len, max_request_bytes, log_level, access_log, kv_capacity_tokens, block_size,
           max_num_batched_tokens, max_num_seqs, device, dtype, max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads):
-    """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /metrics)."""
+    """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /tokenize, /metrics)."""
     import logging
 
     from ctrl import build_controller
-    from engine.serve import GracefulServer, ServeConfig, build_service, create_app
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.core.profile import load_profile
+    from engine.serve import GracefulServer, ServeConfig, build_service, create_app
+    from engine.serve.launch import bind_sockets
 
+    log_level = log_level.lower()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    chat_template = _read_chat_template(chat_template_path)
+    fit = profile_name == "fit"
     # fail before the model loads, and say which policy a learned controller will run
-    controller = build_controller(controller_spec, load_profile(profile_name or "tiny-cpu"))
-    policy_note = getattr(getattr(controller, "inner", None), "policy_status", None)
+    controller = build_controller(controller_spec, load_profile("tiny-cpu" if fit else profile_name or "tiny-cpu"))
     try:
         config = ServeConfig(model=model, served_model_name=served_model_name, controller=controller_spec,
-                             profile=profile_name, host=host,
+                             profile=None if fit else profile_name, host=host,
                              port=port, kv_capacity_tokens=kv_capacity_tokens, block_size=block_size,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              device=device, dtype=dtype, max_in_flight=max_in_flight, queue_timeout_s=queue_timeout_s,
                              stream_buffer_chunks=stream_buffer_chunks, drain_timeout_s=drain_timeout_s,
                              default_max_tokens=default_max_tokens, engine_process=engine_process,
-                             engine_timeout_s=engine_timeout_s, threads=threads)
-        service = build_service(config)
+                             engine_timeout_s=engine_timeout_s, threads=threads, api_key=api_key or None,
+                             chat_template=chat_template, max_model_len=max_model_len,
+                             max_request_bytes=max_request_bytes, log_level=log_level, access_log=access_log)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    where = f"engine process {service.engine_pid}" if engine_process else "engine thread"
-    click.echo(f"tidegate: serving {config.model_name!r} with controller {controller_spec!r} on "
-               f"http://{host}:{port}/v1 (KV capacity {service.info.kv_capacity_tokens} tokens, {where})", err=True)
+    try:  # hold the port while the model loads: one taken fails now, not after
+        sockets = bind_sockets(host, port)
+    except ValueError as exc:
+        raise _StartError(exc) from None
+    try:
+        _choose_profile(config, fit)
+        service = build_service(config)
+    except ValueError as exc:
+        for sock in sockets:
+            sock.close()
+        raise click.UsageError(str(exc)) from None
+    on_started = functools.partial(_banner, config, service, controller)
+    GracefulServer(create_app(service, config), service, config, sockets, on_started).run()
+
+
+def _read_chat_template(path: Path | None) -> str | None:
+    """The text of a ``--chat-template`` file, checked to be a Jinja template."""
+    if path is None:
+        return None
+    from engine.serve.chat import check_chat_template
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise click.BadParameter(f"the file {str(path)!r} does not exist", param_hint="--chat-template") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"the file {str(path)!r} cannot be read ({type(exc).__name__})",
+                                 param_hint="--chat-template") from None
+    try:
+        check_chat_template(text, f"the file {str(path)!r}")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--chat-template") from None
+    return text
+
+
+def _choose_profile(config, fit: bool) -> None:
+    """Fit a quick profile when asked to (``config.profile`` becomes its file), and say plainly when a
+    model of one's own runs on the tiny model's profile."""
+    import os
+
+    from engine.serve.launch import fit_profile
+
+    if fit:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidegate" / "profiles"
+        out = cache / f"fit-{Path(config.model).name}-{config.device or 'auto'}-{config.dtype or 'auto'}.json"
+        click.echo(f"tidegate: fitting a quick step-time profile of {config.model!r} (the model loads once more "
+                   f"for it)", err=True)
+        config.profile = str(fit_profile(config, out))
+        click.echo(f"tidegate: the fit is in {out}; `--profile {out}` uses it without fitting again", err=True)
+    elif config.profile is None and config.model != "tiny":
+        click.echo("tidegate: warning: no --profile, so the controllers estimate step times with tiny-cpu, the "
+                   "built-in tiny model's profile, and their admission and TTFT estimates will be off for this "
+                   "model; fit one with `tidegate profile --model MODEL --out FILE` and pass --profile FILE, or "
+                   "pass --profile fit to fit a quick one at start-up", err=True)
+
+
+def _banner(config, service, controller) -> None:
+    """What the server says once it listens."""
+    info = service.info
+    where = f"engine process {service.engine_pid}" if config.engine_process else "engine thread"
+    click.echo(f"tidegate: serving {config.model_name!r} with controller {config.controller!r} on "
+               f"http://{config.host}:{config.port}/v1 (KV capacity {info.kv_capacity_tokens} tokens, context "
+               f"{info.max_model_len} tokens, {where})", err=True)
+    profile = info.profile
+    click.echo(f"tidegate: step-time profile {profile.name!r}: {profile.description}", err=True)
+    if config.api_key:
+        click.echo("tidegate: clients must send the API key ('Authorization: Bearer KEY'); the probes stay open",
+                   err=True)
+    policy_note = getattr(getattr(controller, "inner", None), "policy_status", None)
     if policy_note:
         click.echo(f"tidegate: {policy_note}", err=True)
     mode = getattr(controller, "mode", None)
@@ -87,9 +180,8 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, k
         click.echo(f"tidegate: shield in {mode} mode ("
                    + ("zero evictions: every running request's prompt + max_tokens is reserved"
                       if mode == "strict" else "eviction rate bounded, see docs/SAFETY.md; "
-                      f"'{controller_spec.partition(':')[0]}:shield_mode=strict' reserves for zero evictions")
+                      f"'{config.controller.partition(':')[0]}:shield_mode=strict' reserves for zero evictions")
                    + ")", err=True)
-    GracefulServer(create_app(service, config), service, config).run()
 
 
 @click.command()

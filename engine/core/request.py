@@ -38,6 +38,11 @@ class Request:
     :param prompt_token_ids: the prompt's token ids (real engine only).
     :param sampling: sampling parameters for the real executor (opaque to the core).
     :param class_id: workload class, used by per-class controllers.
+
+    The real executor fills ``logprobs`` (one entry per output token: ``(token_id, logprob,
+    [(alt_id, alt_logprob), ...])`` with the alternatives most likely first) and ``prompt_logprobs``
+    (one entry per prompt token, the first None) when the sampling parameters ask for them; both
+    stay None otherwise. Each token gets its entry once, also across evictions.
     """
 
     __slots__ = (
@@ -46,7 +51,7 @@ class Request:
         "state", "num_computed_tokens", "num_output_tokens", "output_token_ids", "block_ids",
         "activation_seq", "ever_activated", "start_time_s", "first_token_time_s", "finish_time_s",
         "finish_reason", "retry_after_s", "num_evictions", "wasted_tokens", "cancel_requested",
-        "user_data", "predicted_ttft_s",
+        "user_data", "predicted_ttft_s", "logprobs", "prompt_logprobs",
     )
 
     def __init__(
@@ -86,6 +91,8 @@ class Request:
         self.wasted_tokens = 0
         self.cancel_requested = False
         self.user_data: Any = None
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+        self.prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
 
     @property
     def num_tokens(self) -> int:

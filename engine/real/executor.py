@@ -2,7 +2,8 @@
 
 The engine core schedules, owns the KV pool and collects metrics; this executor only turns a
 ``Batch`` into one forward pass over the packed sequence of the step's new tokens, writes their
-keys and values at the blocks the core gave each request, and samples the next tokens.
+keys and values at the blocks the core gave each request, and hands the logits to its ``Sampler``
+(``engine.real.sampler``) for the next tokens.
 """
 
 from __future__ import annotations
@@ -13,27 +14,24 @@ import torch
 
 from engine.core.executor import Batch, StepResult
 from engine.core.request import Request
-from engine.real.model import IncrementalDetokenizer, resolve_device, resolve_dtype
+from engine.real.model import IncrementalDetokenizer, eos_token_ids, resolve_device, resolve_dtype
 from engine.real.paged_cache import PagedKVCache, _long, build_layout, register_attention
+from engine.real.sampler import RequestSampling, Sampler, prompt_logprobs
 from engine.real.sampling import SamplingParams
 
 _GREEDY = SamplingParams()
 
 
 class _RequestState:
-    """What the executor keeps per running request: its generator and, for stop strings, its text."""
+    """What the executor keeps per running request: its sampling state, and its text and stop ids
+    (for the stop check)."""
 
-    __slots__ = ("generator", "detok", "stop_ids")
+    __slots__ = ("sampling", "detok", "stop_ids")
 
-    def __init__(self, sampling: SamplingParams, eos: int | None, tokenizer, device) -> None:
-        self.generator = None
-        if sampling.seed is not None and not sampling.greedy:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(sampling.seed)
+    def __init__(self, r: Request, sampling: SamplingParams, stop_ids: frozenset[int], tokenizer, device,
+                 vocab_size: int) -> None:
+        self.sampling = RequestSampling(r, sampling, stop_ids, device, vocab_size)
         self.detok = IncrementalDetokenizer(tokenizer) if sampling.stop else None
-        stop_ids = set(sampling.stop_token_ids)
-        if eos is not None and not sampling.ignore_eos:
-            stop_ids.add(eos)
         self.stop_ids = stop_ids
 
 
@@ -54,11 +52,11 @@ class TorchExecutor:
         params = next(model.parameters())
         self.device = resolve_device(device) if device is not None else params.device
         self.dtype = resolve_dtype(dtype, self.device) if dtype is not None else params.dtype
-        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        #: the ids that end generation unless a request ignores EOS (see ``eos_token_ids``)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.config.vocab_size
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(0)
+        self.sampler = Sampler(self.device)
         self._attn_name = register_attention()
         self._states: dict[Request, _RequestState] = {}
         self.cache: PagedKVCache | None = None
@@ -73,6 +71,12 @@ class TorchExecutor:
         self.pool = pool
         self.cache = PagedKVCache.for_model(self.model.config, pool, self.device, self.dtype)
 
+    def stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        """The ids that end a request with ``sampling``: its ``stop_token_ids`` and, unless it
+        ignores EOS, every EOS id of the model."""
+        ids = frozenset(sampling.stop_token_ids)
+        return ids if sampling.ignore_eos else ids | self.eos_token_ids
+
     # ------------------------------------------------------------------ the step
     def execute(self, batch: Batch) -> StepResult:
         """Run one step: pack the new tokens, one forward pass, sample, and find the requests that stop."""
@@ -82,17 +86,21 @@ class TorchExecutor:
             raise RuntimeError("TorchExecutor.attach_pool(pool) was not called")
         step = self._pack(batch)
         logits = self._forward(batch, step)
-        samplers = [batch.requests[i] for i in step.samplers]
+        sampled = [batch.requests[i] for i in step.samplers]
+        n = len(sampled)
         with torch.inference_mode():
-            tokens = self._sample(logits, samplers)
+            tokens = self._sample(logits[:n], sampled)
+            if step.prompt_targets:
+                prompt_logprobs(logits[n:], step.prompt_targets)
         token_ids: list[int | None] = [None] * len(batch.requests)
         for i, tok in zip(step.samplers, tokens):
             token_ids[i] = tok
-        stopped = [r for r, tok in zip(samplers, tokens) if self._stops(r, tok)]
+        stopped = [r for r, tok in zip(sampled, tokens) if self._stops(r, tok)]
         return StepResult(None, token_ids, stopped)
 
     def _pack(self, batch: Batch) -> "_PackedStep":
-        """The step's new tokens as one packed sequence, and which rows sample a token."""
+        """The step's new tokens as one packed sequence, which rows sample a token, and which rows
+        give prompt logprobs."""
         step = _PackedStep()
         row = 0
         for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
@@ -102,6 +110,12 @@ class TorchExecutor:
             step.input_ids.extend(_new_token_ids(r, c, n))
             step.positions.append(c)
             step.tables.append(r.block_ids)
+            if r.prompt_logprobs is not None and len(r.prompt_logprobs) < r.prompt_len:
+                # position j's logits give prompt token j + 1; each prompt token gets its entry once,
+                # so a re-prefill after an eviction skips the ones it has
+                for t in range(max(c + 1, len(r.prompt_logprobs)), min(c + n, r.prompt_len - 1) + 1):
+                    step.prompt_rows.append(row + t - 1 - c)
+                    step.prompt_targets.append((r, t))
             row += n
             if c + n >= r.num_tokens:  # the chunk reaches the end of the sequence: it samples
                 step.sample_rows.append(row - 1)
@@ -109,13 +123,14 @@ class TorchExecutor:
         return step
 
     def _forward(self, batch: Batch, step: "_PackedStep") -> torch.Tensor:
-        """One forward pass over the packed step; logits of the sampling rows, ``[samplers, vocab]``."""
+        """One forward pass over the packed step; logits of the sampling rows then of the prompt
+        logprob rows, ``[samplers + prompt rows, vocab]``."""
         dev = self.device
         layout, position_ids = build_layout(self.cache.block_size, batch.num_decodes, step.positions,
                                             batch.num_new_tokens, step.tables, dev, self.dtype)
         self.cache.layout = layout
         ids = _long(step.input_ids, dev).unsqueeze(0)
-        keep = _long(step.sample_rows, dev)
+        keep = _long(step.sample_rows + step.prompt_rows if step.prompt_rows else step.sample_rows, dev)
         config = self.model.config
         previous = config._attn_implementation
         self._set_attn(config, self._attn_name)
@@ -134,11 +149,16 @@ class TorchExecutor:
         return logits
 
     def _stops(self, r: Request, tok: int) -> bool:
-        """Whether ``tok`` ends ``r``: a stop token (EOS included unless ignored) or a stop string."""
+        """Whether ``tok`` ends ``r``: a stop token (EOS included unless ignored) or a stop string,
+        once ``min_tokens`` tokens came before it."""
         state = self._states[r]
-        if tok in state.stop_ids:
+        early = len(r.output_token_ids) < state.sampling.params.min_tokens  # the tokens before this one
+        if tok in state.stop_ids and not early:
             return True
-        return state.detok is not None and self._hits_stop_string(r, state, tok)
+        if state.detok is None:
+            return False
+        hit = self._hits_stop_string(r, state, tok)  # pushes the token's text either way
+        return hit and not early
 
     def release(self, request: Request) -> None:
         """Drop the request's generator and detokenizer: it ended, or its progress was reset.
@@ -152,7 +172,12 @@ class TorchExecutor:
     # ------------------------------------------------------------------ helpers
     def _start(self, r: Request) -> None:
         sampling = r.sampling if r.sampling is not None else _GREEDY
-        self._states[r] = _RequestState(sampling, self.eos_token_id, self.tokenizer, self.device)
+        self._states[r] = _RequestState(r, sampling, self.stop_token_ids(sampling), self.tokenizer, self.device,
+                                        self.vocab_size)
+        if sampling.logprobs is not None:
+            r.logprobs = (r.logprobs or [])[:len(r.output_token_ids)]  # a reset request starts over
+        if sampling.prompt_logprobs is not None and r.prompt_logprobs is None:
+            r.prompt_logprobs = [None]
 
     @staticmethod
     def _set_attn(config, name) -> None:
@@ -167,28 +192,9 @@ class TorchExecutor:
             config._attn_implementation = name
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """One token per row of ``logits`` (``[len(reqs), vocab]``)."""
-        if not reqs:
-            return []
-        params = [r.sampling if r.sampling is not None else _GREEDY for r in reqs]
-        if all(p.greedy for p in params):
-            return logits.argmax(-1).tolist()
-        out = logits.argmax(-1).tolist()
-        for i, (r, p) in enumerate(zip(reqs, params)):
-            if p.greedy:
-                continue
-            row = logits[i].float() / p.temperature
-            if p.top_k:
-                kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, -1)
-            if p.top_p < 1:
-                sorted_p, order = probs.sort(descending=True)
-                drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the token that crosses top_p
-                probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-            gen = self._states[r].generator or self.generator
-            out[i] = int(torch.multinomial(probs, 1, generator=gen))
-        return out
+        """One token per row of ``logits`` (``[len(reqs), vocab]``), from the sampler with each
+        request's sampling state."""
+        return self.sampler.sample(logits, reqs, [self._states[r].sampling for r in reqs])
 
     def _hits_stop_string(self, r: Request, state: _RequestState, tok: int) -> bool:
         detok = state.detok
@@ -203,7 +209,7 @@ class TorchExecutor:
 class _PackedStep:
     """A step's requests laid out as one packed sequence."""
 
-    __slots__ = ("input_ids", "positions", "tables", "sample_rows", "samplers")
+    __slots__ = ("input_ids", "positions", "tables", "sample_rows", "samplers", "prompt_rows", "prompt_targets")
 
     def __init__(self) -> None:
         self.input_ids: list[int] = []
@@ -211,6 +217,8 @@ class _PackedStep:
         self.tables: list[list[int]] = []   # block tables of the step's requests
         self.sample_rows: list[int] = []    # packed row of the last token of each sampling request
         self.samplers: list[int] = []       # batch index of each sampling request
+        self.prompt_rows: list[int] = []    # packed rows whose logits give a prompt logprob
+        self.prompt_targets: list[tuple[Request, int]] = []  # (request, prompt position) of each
 
 
 def _new_token_ids(r: Request, computed: int, n: int) -> list[int]:

@@ -45,6 +45,10 @@ class RequestOutput:
     :param text: the generated text, cut before a stop string.
     :param finish_reason: ``length``, ``stop``, ``cancelled``, or why it was rejected or failed.
     :param state: the terminal state: finished, rejected, cancelled, expired or failed.
+    :param logprobs: with ``SamplingParams.logprobs``, one ``(token_id, logprob, [(alt_id, alt_logprob),
+        ...])`` per generated token, alternatives most likely first; else None.
+    :param prompt_logprobs: with ``SamplingParams.prompt_logprobs``, the same per prompt token (None
+        for the first); else None.
     """
 
     request_id: str
@@ -53,25 +57,47 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     state: str
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
 
 
 class _Stream:
-    """Text streaming state of one request: what was already sent, and stop strings held back."""
+    """Text streaming state of one request: what was already sent, and stop strings held back.
 
-    __slots__ = ("detok", "callback", "sent", "stops")
+    A token that ends the request as a stop token (EOS or ``stop_token_ids``) adds no text unless
+    ``include_stop_str_in_output``; a stop string counts only where it ends after the text of the
+    first ``min_tokens`` tokens.
+    """
 
-    def __init__(self, tokenizer, callback: DeltaCallback | None, stops: list[str]) -> None:
+    __slots__ = ("detok", "callback", "sent", "stops", "stop_ids", "include_stop", "min_tokens", "min_chars",
+                 "num_tokens")
+
+    def __init__(self, tokenizer, callback: DeltaCallback | None, sampling: SamplingParams,
+                 stop_ids: frozenset[int]) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.callback = callback
         self.sent = 0      # characters of text already handed out
-        self.stops = stops
+        self.stops = list(sampling.stop)
+        self.include_stop = sampling.include_stop_str_in_output
+        self.stop_ids = frozenset() if self.include_stop else stop_ids
+        self.min_tokens = sampling.min_tokens
+        self.min_chars: int | None = 0 if not sampling.min_tokens else None  # text of the first min_tokens
+        self.num_tokens = 0  # tokens handed to the stream
+
+    def push(self, token_id: int | None) -> None:
+        self.num_tokens += 1
+        if token_id not in self.stop_ids:
+            self.detok.push([token_id])
+        if self.min_chars is None and self.num_tokens >= self.min_tokens:
+            self.min_chars = len(self.detok.text)
 
     def visible(self) -> tuple[str, bool]:
         """Text that may be shown now, and whether a stop string has been reached."""
         text = self.detok.text
-        cuts = [text.find(s) for s in self.stops if s in text]
-        if cuts:
-            return text[:min(cuts)], True
+        if self.min_chars is not None:
+            cut = _stop_cut(text, self.stops, self.min_chars, self.include_stop)
+            if cut is not None:
+                return text[:cut], True
         hold = 0  # a suffix that may still grow into a stop string
         for s in self.stops:
             for k in range(min(len(s) - 1, len(text)), hold, -1):
@@ -79,6 +105,19 @@ class _Stream:
                     hold = k
                     break
         return text[:len(text) - hold], False
+
+
+def _stop_cut(text: str, stops: list[str], min_chars: int, include: bool) -> int | None:
+    """Where ``text`` is cut for the first stop string that ends after ``min_chars`` characters:
+    before it, or after it when ``include``; None when there is none."""
+    best = None
+    for s in stops:
+        at = text.find(s, max(0, min_chars - len(s) + 1))
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, at + len(s))
+    if best is None:
+        return None
+    return best[1] if include else best[0]
 
 
 def serving_profile(profile, kv_capacity_tokens: int | None, block_size: int, max_num_batched_tokens: int,
@@ -157,8 +196,13 @@ class LLM:
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
 
-    def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
-        """Raise ValueError (one sentence) for a request that can never run."""
+    def check_request(self, prompt_token_ids: list[int], max_tokens: int,
+                      sampling: SamplingParams | None = None) -> None:
+        """Raise ValueError (one sentence) for a request that can never run.
+
+        :param sampling: also check its token ids against the vocabulary and its ``min_tokens``
+            against ``max_tokens`` (``SamplingParams.verify``).
+        """
         vocab = self.executor.vocab_size
         # Ids outside the vocabulary are this engine's own concern; the rest is the core's one
         # definition of a request that can never run (an empty prompt and a bad max_tokens first).
@@ -168,6 +212,8 @@ class LLM:
                                    self.max_model_len)
         if reason is not None:
             raise ValueError(reason)
+        if sampling is not None:
+            sampling.verify(vocab, max_tokens)
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 16,
                     request_id: str | None = None, on_delta: DeltaCallback | None = None,
@@ -182,14 +228,15 @@ class LLM:
         :param admission: the arrival decision if the caller already took it (see
             ``EngineCore.add_request``); by default the controller is asked now.
         :return: the Request (its ``state`` says whether the controller rejected it).
-        :raises ValueError: the request can never run (too long, empty, bad token ids).
+        :raises ValueError: the request can never run (too long, empty, bad token ids), or its
+            sampling parameters do not fit the model.
         """
         ids = self._tokenize(prompt)
-        self.check_request(ids, max_tokens)
         sampling = sampling or SamplingParams()
+        self.check_request(ids, max_tokens, sampling)
         rid = request_id if request_id is not None else str(next(self._ids))
         r = Request(rid, self.core.clock.now(), len(ids), max_tokens, prompt_token_ids=ids, sampling=sampling)
-        self._streams[r] = _Stream(self.tokenizer, on_delta, list(sampling.stop))
+        self._streams[r] = _Stream(self.tokenizer, on_delta, sampling, self.executor.stop_token_ids(sampling))
         if self.core.add_request(r, admission) is not None:  # rejected: it ended at once, through _on_finish
             self._streams.pop(r, None)
         return r
@@ -213,14 +260,26 @@ class LLM:
     def output(self, r: Request) -> RequestOutput:
         """The request's output so far (its final output once it has ended)."""
         stream = self._streams.get(r)
-        if stream is not None and stream.detok.num_tokens == len(r.output_token_ids):
+        if stream is not None and stream.num_tokens == len(r.output_token_ids):
             text = _shown_text(stream)
         else:
-            text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
-            for s in (r.sampling.stop if r.sampling is not None else ()):
-                text = text.split(s, 1)[0]
+            text = self._text(r)
         return RequestOutput(r.request_id, list(r.prompt_token_ids), list(r.output_token_ids), text,
-                             r.finish_reason, r.state.value)
+                             r.finish_reason, r.state.value, _copy(r.logprobs), _copy(r.prompt_logprobs))
+
+    def _text(self, r: Request) -> str:
+        """The text to show, decoded from the tokens (as the stream would have shown it)."""
+        sampling = r.sampling or SamplingParams()
+        ids = r.output_token_ids
+        include = sampling.include_stop_str_in_output
+        if ids and not include and ids[-1] in self.executor.stop_token_ids(sampling):
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if sampling.stop:
+            min_chars = len(self.tokenizer.decode(ids[:sampling.min_tokens], skip_special_tokens=True))
+            cut = _stop_cut(text, sampling.stop, min_chars, include)
+            text = text if cut is None else text[:cut]
+        return text
 
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  max_tokens: int | Sequence[int] = 16) -> list[RequestOutput]:
@@ -239,9 +298,10 @@ class LLM:
         if len(samplings) != n or len(limits) != n:
             raise ValueError(f"got {n} prompts but {len(samplings)} sampling settings and {len(limits)} max_tokens.")
         ids = [self._tokenize(p) for p in prompts]
-        for i, (t, m) in enumerate(zip(ids, limits)):
+        samplings = [s or SamplingParams() for s in samplings]
+        for i, (t, m, s) in enumerate(zip(ids, limits, samplings)):
             try:
-                self.check_request(t, m)
+                self.check_request(t, m, s)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
         reqs = [self.add_request(t, s, m) for t, s, m in zip(ids, samplings, limits)]
@@ -272,7 +332,7 @@ class LLM:
         stream = self._streams.get(r)
         if stream is None:
             return
-        stream.detok.push([token_id])  # each token once: an eviction keeps the tokens already streamed
+        stream.push(token_id)  # each token once: an eviction keeps the tokens already streamed
         if stream.callback is None:
             return
         text = stream.visible()[0] if stream.stops else stream.detok.text
@@ -300,3 +360,7 @@ def _shown_text(stream: _Stream) -> str:
         return stream.detok.text
     text, hit = stream.visible()
     return text if hit or not stream.detok.finished else stream.detok.text
+
+
+def _copy(entries: list | None) -> list | None:
+    return list(entries) if entries is not None else None

@@ -133,6 +133,20 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: 
     return model, ByteTokenizer()
 
 
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the tokenizer's EOS and the model's
+    ``generation_config.eos_token_id``, which may be a list (chat models end a turn with their own
+    token, e.g. ``[1, 106]``)."""
+    ids: set[int] = set()
+    config = getattr(model, "generation_config", None)
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

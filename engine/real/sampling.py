@@ -1,12 +1,21 @@
 """SamplingParams: how a request picks its tokens.
 
 Plain data with no torch import, so the server's protocol layer can build and check it without
-loading the model stack; ``TorchExecutor`` does the sampling.
+loading the model stack; ``engine.real.sampler.Sampler`` does the sampling.
+
+The order of the steps on a request's next-token logits is vLLM's: the ``min_tokens`` mask and
+``logit_bias``, then the repetition, frequency and presence penalties, then (for ``logprobs``) the
+log-softmax, then temperature, ``min_p``, ``top_k`` and ``top_p``, then the draw.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+#: the most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's limit, vLLM's default)
+MAX_LOGPROBS = 20
+#: the largest ``logit_bias`` magnitude (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -19,9 +28,35 @@ class SamplingParams:
     :param seed: seeds the request's own generator, so its samples reproduce (also across an
         eviction: the generator keeps its state while the request recomputes its KV); None uses
         the executor's generator.
-    :param stop_token_ids: token ids that end the request (the token is kept in the output).
-    :param stop: strings that end the request once the output text contains one.
-    :param ignore_eos: keep generating past EOS (up to ``max_tokens``).
+    :param stop_token_ids: token ids that end the request (finish reason ``stop``); the token is
+        kept in the token ids, its text is not shown (unless ``include_stop_str_in_output``).
+    :param stop: strings that end the request once the output text contains one; the text is cut
+        before it (unless ``include_stop_str_in_output``).
+    :param ignore_eos: keep generating past EOS (up to ``max_tokens``); EOS is then an ordinary token.
+    :param presence_penalty: in [-2, 2]; subtracted once from the logit of every token the request
+        has generated so far (OpenAI semantics).
+    :param frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the request
+        has generated it so far (OpenAI semantics).
+    :param repetition_penalty: in [0.01, 100]; the logits of tokens in the prompt or the output so far are
+        divided by it where positive and multiplied by it where negative (vLLM and HF semantics);
+        1 is off, above 1 discourages repeats.
+    :param logit_bias: token id -> a value in [-100, 100] added to that token's logit; ids must be
+        in the model's vocabulary (checked by :meth:`verify`).
+    :param min_p: in [0, 1]; after temperature, tokens whose probability is below ``min_p`` times
+        the most likely token's are dropped (1 keeps only the most likely).
+    :param min_tokens: the request generates at least this many tokens before it may stop: EOS and
+        ``stop_token_ids`` are masked out until then, and a stop string only counts when the token
+        that completes it comes after them.
+    :param include_stop_str_in_output: keep the stop string (or the stop token's text) in the text.
+    :param logprobs: None: none; k in [0, 20]: for every generated token, its log-probability and the
+        k most likely tokens with theirs (``Request.logprobs``). The distribution is the one the token
+        was drawn from after ``logit_bias``, the ``min_tokens`` mask and the penalties, but before
+        temperature and the ``min_p``/``top_k``/``top_p`` truncation. vLLM's default
+        (``--logprobs-mode raw_logprobs``) is before the bias and penalties as well; the two agree
+        whenever a request sets neither.
+    :param prompt_logprobs: None: none; k in [0, 20]: the log-probability of each prompt token given
+        the ones before it under the model's raw distribution, and the k most likely tokens
+        (``Request.prompt_logprobs``; the first prompt token has None).
     """
 
     temperature: float = 0.0
@@ -31,6 +66,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -45,9 +89,65 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_penalties()
+        self._check_tokens()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.01 <= self.repetition_penalty <= 100:  # beyond, float32 logits divide to inf or 0
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logit_bias is not None:
+            bias = {}
+            for token, value in self.logit_bias.items():
+                try:
+                    token_id = int(token)  # JSON object keys arrive as strings
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
+                if token_id < 0 or (isinstance(token, float) and token != token_id):
+                    raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token_id}")
+                bias[token_id] = float(value)
+            self.logit_bias = bias
+
+    def _check_tokens(self) -> None:
+        if type(self.min_tokens) is not int or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value}")
+
+    def verify(self, vocab_size: int, max_tokens: int | None = None) -> None:
+        """Check what depends on the model and the request: token ids within the vocabulary, and
+        ``min_tokens`` no more than ``max_tokens``.
+
+        :raises ValueError: one sentence naming the parameter.
+        """
+        if self.logit_bias:
+            bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+            if bad:
+                raise ValueError(f"logit_bias holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
+        bad = sorted(t for t in self.stop_token_ids if t >= vocab_size)
+        if bad:
+            raise ValueError(f"stop_token_ids holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({max_tokens}), got {self.min_tokens}.")
 
     @property
     def greedy(self) -> bool:
         # Below this temperature logits / temperature overflows to inf: the limit is argmax anyway.
         return self.temperature < 1e-5 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the repetition, frequency and presence penalties is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

@@ -4,7 +4,10 @@
 - :mod:`engine.serve.engine_proc`: the engine loop, in a process of its own, fed by a pipe.
 - :mod:`engine.serve.service`: the HTTP side's handle on it: admission on the engine's latest
   snapshot, the per-request stream buffers, and a new engine when one dies or hangs.
-- :mod:`engine.serve.app`: the FastAPI application and its routes.
+- :mod:`engine.serve.app`: the FastAPI application and its completion routes.
+- :mod:`engine.serve.extra_routes`: ``/version``, ``/tokenize`` and ``/detokenize``.
+- :mod:`engine.serve.operator`: what an operator sets around the routes: the API key, the request
+  size limit, OpenAI-shaped error bodies for every error.
 - :mod:`engine.serve.config`: the settings.
 - :mod:`engine.serve.launch`: starting the engine, uvicorn with a draining shutdown.
 - :mod:`engine.serve.metrics`: the Prometheus metrics.

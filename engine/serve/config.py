@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from ctrl import DEFAULT_CONTROLLER
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 @dataclass
 class ServeConfig:
@@ -40,10 +42,30 @@ class ServeConfig:
     #: torch threads of the engine (None: in an engine process, every core but one, which the HTTP side
     #: needs; in an engine thread, torch's default)
     threads: int | None = None
+    #: clients must send ``Authorization: Bearer <api_key>`` (None: no key needed); the probes
+    #: (/health, /ready, /metrics, /version) stay open
+    api_key: str | None = None
+    #: a Jinja chat template's text, used instead of the tokenizer's (None: the tokenizer's)
+    chat_template: str | None = None
+    #: the longest prompt + output served, in tokens (None: the model's context)
+    max_model_len: int | None = None
+    #: a request body larger than this gets 413 before it is read whole
+    max_request_bytes: int = 16 * 1024 * 1024
+    log_level: str = "info"
+    #: uvicorn's access log, one line per request
+    access_log: bool = False
 
     def __post_init__(self) -> None:
-        if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
-            raise ValueError(f"threads must be a whole number >= 1, got {self.threads!r}")
+        for name in ("threads", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not (isinstance(self.max_request_bytes, int) and self.max_request_bytes >= 1):
+            raise ValueError(f"max_request_bytes must be a whole number >= 1, got {self.max_request_bytes!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
         for name in ("queue_timeout_s", "engine_timeout_s", "engine_start_timeout_s", "drain_timeout_s"):
             value = getattr(self, name)
             if value is None and name == "queue_timeout_s":

@@ -11,8 +11,13 @@ The HTTP side never shares a GIL with model steps. Messages, HTTP side to engine
 Engine to HTTP side:
 
 - ``("ready", EngineInfo)`` once the model has loaded, or ``("error", sentence)`` if it cannot;
-- ``("tick", events, Snapshot)`` after every step, and every ``HEARTBEAT_S`` while idle: the text
-  deltas ``(sid, delta, finished, Outcome | None)`` of the step, and the engine's state.
+- ``("tick", events, Snapshot)`` after every step, and every ``HEARTBEAT_S`` while idle: the
+  events ``(sid, delta, finished, Outcome | None, logprobs, prompt_logprobs)`` of the step, and
+  the engine's state. An event comes with new text, with a request's first token (even when that
+  token shows no text yet, so the HTTP side times the first token, not the first text) and at the
+  end. ``logprobs``: the entries ``(token_id, logprob, [(alt_id, alt_logprob), ...])`` of the
+  tokens committed since the request's previous event; ``prompt_logprobs``: the prompt's entries
+  (the first None), once. Both are None for a request that did not ask for them.
 
 For tests and embedding the same loop also runs in a thread of the server's process.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -117,6 +123,20 @@ def observation_of(values: tuple) -> Observation:
     return obs
 
 
+class _Track:
+    """One request's logprobs as the engine sends them: whether it asked for them, how many entries
+    have gone out, whether its prompt's are still to send."""
+
+    __slots__ = ("sid", "request", "logprobs", "logprobs_sent", "prompt_logprobs_due")
+
+    def __init__(self, sid: int, sampling) -> None:
+        self.sid = sid
+        self.request: Request | None = None
+        self.logprobs = getattr(sampling, "logprobs", None) is not None
+        self.logprobs_sent = 0
+        self.prompt_logprobs_due = getattr(sampling, "prompt_logprobs", None) is not None
+
+
 class TimedController:
     """Wraps the controller to time each decision; everything else passes through."""
 
@@ -177,6 +197,8 @@ class EngineLoop:
                       controller=config.controller, device=config.device, dtype=config.dtype,
                       max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                       model_and_tokenizer=model_and_tokenizer, record_steps=False, profile=config.profile)
+        if config.max_model_len is not None:  # the operator's cap on the model's context
+            llm.max_model_len = min(llm.max_model_len or config.max_model_len, config.max_model_len)
         self.llm = llm
         self.core = llm.core
         if config.threads is not None:
@@ -199,6 +221,8 @@ class EngineLoop:
         self._stop = False
         self._requests: dict[int, Request] = {}
         self._events: list[tuple] = []
+        #: requests that have not had an event since they were added: the first token must make one
+        self._before_first: dict[int, _Track] = {}
         self._taken = (0, 0)
         self.info = EngineInfo(_pid(), self.core.pool.capacity_tokens, self.core.pool.block_size, llm.max_model_len,
                                llm.executor.vocab_size, llm.profile,
@@ -271,30 +295,59 @@ class EngineLoop:
                 self._stop = True
 
     def _add(self, sid: int, ids, sampling, max_tokens: int) -> None:
+        track = _Track(sid, sampling)
+
         def on_delta(r: Request, delta: str, finished: bool) -> None:
             if finished:
                 self._requests.pop(sid, None)
-                self._events.append((sid, delta, True, Outcome.of(r)))
+                self._event(track, r, delta, Outcome.of(r))
             elif delta:
-                self._events.append((sid, delta, False, None))
+                self._event(track, r, delta, None)
 
         try:
             r = self.llm.add_request(ids, sampling, max_tokens, request_id=f"req-{sid}", on_delta=on_delta,
                                      admission=None)
         except ValueError as exc:  # checked on arrival already; the engine's own check has the last word
-            self._events.append((sid, "", True, Outcome(RequestState.REJECTED, str(exc), len(ids), 0)))
+            self._events.append((sid, "", True, Outcome(RequestState.REJECTED, str(exc), len(ids), 0), None, None))
             return
         if r.state.is_terminal:
             if not any(e[0] == sid for e in self._events):
-                self._events.append((sid, "", True, Outcome.of(r)))
+                self._events.append((sid, "", True, Outcome.of(r), None, None))
         else:
+            track.request = r
             self._requests[sid] = r
+            self._before_first[sid] = track
+
+    def _event(self, track: _Track, r: Request, delta: str, outcome: Outcome | None) -> None:
+        """Queue an event of ``r`` for the next tick, with the logprobs it has not yet sent."""
+        self._before_first.pop(track.sid, None)
+        logprobs = prompt_logprobs = None
+        if track.logprobs:
+            entries = getattr(r, "logprobs", None)
+            if entries and len(entries) > track.logprobs_sent:
+                logprobs = entries[track.logprobs_sent:]
+                track.logprobs_sent = len(entries)
+        if track.prompt_logprobs_due:
+            prompt_logprobs = getattr(r, "prompt_logprobs", None)
+            if prompt_logprobs is not None:
+                prompt_logprobs = list(prompt_logprobs)  # the event may outlive this step (engine thread)
+            track.prompt_logprobs_due = prompt_logprobs is None and outcome is None
+        self._events.append((track.sid, delta, outcome is not None, outcome, logprobs, prompt_logprobs))
+
+    def _first_token_events(self) -> None:
+        """An event for each request whose first token came without visible text (an incomplete
+        character, a held-back stop string prefix)."""
+        started = [t for t in self._before_first.values() if t.request is not None and t.request.output_token_ids]
+        for track in started:
+            self._event(track, track.request, "", None)
 
     def _fail_all(self) -> None:
         for r in list(self.core.running) + list(self.core.waiting):
             self.core.cancel(r)
 
     def _send_tick(self) -> None:
+        if self._before_first:
+            self._first_token_events()
         core = self.core
         obs = core.observe()
         shield, learned = self.shield, self.learned
@@ -378,12 +431,15 @@ def engine_main(config: ServeConfig, conn: Connection) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
     # torch's default, one thread per core, leaves no core to the HTTP side; on a shared machine its
     # spinning threads then slow each step many times over
     torch.set_num_threads(config.threads or max(1, _cores() - 1))
+    # the policy's worker thread must get the GIL within its budget even while a guard replay runs
+    sys.setswitchinterval(0.0005)
     try:
         loop = EngineLoop(config, conn)
     except Exception as exc:

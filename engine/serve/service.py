@@ -42,22 +42,30 @@ class EngineUnavailable(Exception):
 
 
 class Stream:
-    """What the engine hands one HTTP request: text deltas, then the end and its :class:`Outcome`."""
+    """What the engine hands one HTTP request: chunks ``(delta, finished, logprobs, prompt_logprobs)``,
+    then the end and its :class:`Outcome`. ``logprobs`` are the entries of the tokens committed since
+    the previous chunk and ``prompt_logprobs`` those of the prompt (once), when the request asked
+    for them; None otherwise.
 
-    __slots__ = ("loop", "event", "chunks", "result", "limit", "overflowed", "arrival_s", "last_token_s",
-                 "admitted", "sid")
+    :param event: set when chunks arrive; the streams of one completion's choices share one
+    """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int) -> None:
+    __slots__ = ("loop", "event", "chunks", "result", "limit", "overflowed", "arrival_s", "first_token_s",
+                 "last_token_s", "admitted", "sid", "max_tokens")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, event: asyncio.Event | None = None) -> None:
         self.loop = loop
-        self.event = asyncio.Event()
-        self.chunks: deque[tuple[str, bool]] = deque()
+        self.event = event or asyncio.Event()
+        self.chunks: deque[tuple[str, bool, list | None, list | None]] = deque()
         self.result: Outcome | None = None
         self.limit = limit
         self.overflowed = False
         self.arrival_s = time.perf_counter()
+        self.first_token_s: float | None = None
         self.last_token_s: float | None = None
         self.admitted = False
         self.sid = -1
+        self.max_tokens: int | None = None
 
 
 def _set_events(streams: list[Stream]) -> None:
@@ -284,6 +292,7 @@ class EngineService:
                 raise EngineUnavailable("the engine is restarting")
             sid = next(self._sids)
             stream.sid = sid
+            stream.max_tokens = max_tokens
             self._streams[sid] = stream
             self._submitted = (self._submitted[0] + 1, self._submitted[1] + len(prompt_ids))
             engine.send(("add", sid, prompt_ids, sampling, max_tokens))
@@ -349,12 +358,14 @@ class EngineService:
             if engine is not self._engine or engine.lost:
                 return
             streams = self._streams
-            for sid, delta, finished, outcome in events:
+            for sid, delta, finished, outcome, logprobs, prompt_logprobs in events:
                 stream = streams.get(sid)
                 if stream is None:
                     continue
-                if delta:
-                    self._on_text(stream, now)
+                # every event but a bare end brings tokens (the first one even without visible text)
+                if delta or not finished or (stream.last_token_s is None and outcome is not None
+                                             and outcome.completion_tokens):
+                    self._on_token(stream, now)
                 if finished:
                     del streams[sid]
                     stream.result = outcome
@@ -365,7 +376,7 @@ class EngineService:
                     stream.overflowed = True
                     overflowed.append(sid)
                     continue
-                stream.chunks.append((delta, finished))
+                stream.chunks.append((delta, finished, logprobs, prompt_logprobs))
                 touched.append(stream)
             self._snapshot = snap
         for sid in overflowed:
@@ -374,16 +385,23 @@ class EngineService:
             _wake(touched)
         self._export(engine, snap)
 
-    def _on_text(self, stream: Stream, now: float) -> None:
+    def _on_token(self, stream: Stream, now: float) -> None:
         if stream.last_token_s is None:
             self.metrics.ttft.observe(now - stream.arrival_s)
+            stream.first_token_s = now
         else:
             self.metrics.itl.observe(now - stream.last_token_s)
         stream.last_token_s = now
 
     def _on_finished(self, o: Outcome, stream: Stream, now: float) -> None:
         m = self.metrics
-        m.e2e.observe(now - stream.arrival_s)
+        prefill = None if o.engine_ttft_s is None or o.queue_s is None else max(0.0, o.engine_ttft_s - o.queue_s)
+        first, last = stream.first_token_s, stream.last_token_s
+        decode = None if first is None or last is None else last - first
+        m.request_finished(reason=o.finish_reason if o.state is RequestState.FINISHED else o.state.value,
+                           prompt_tokens=o.prompt_len, generation_tokens=o.completion_tokens,
+                           max_tokens=stream.max_tokens, e2e_s=now - stream.arrival_s, queue_s=o.queue_s,
+                           prefill_s=prefill, decode_s=decode)
         if o.engine_ttft_s is not None:
             m.prompt_tokens.inc(o.prompt_len)
             m.generation_tokens.inc(o.completion_tokens)
@@ -392,9 +410,6 @@ class EngineService:
                 slo = self.info.profile.ttft_slo_s
                 if (o.engine_ttft_s <= slo) != (o.predicted_ttft_s <= slo):
                     m.ttft_prediction_wrong_side.inc()
-        if o.queue_s is not None:
-            m.queue_time.observe(o.queue_s)
-        m.finished(o.finish_reason if o.state is RequestState.FINISHED else o.state.value)
 
     def _export(self, engine: _Engine, snap: Snapshot) -> None:
         m = self.metrics
@@ -437,7 +452,7 @@ class EngineService:
         ended = Outcome.failed(f"{reason}; the request was not completed")
         for stream in streams:
             stream.result = ended
-            stream.chunks.append(("", True))
+            stream.chunks.append(("", True, None, None))
         if streams:
             _wake(streams)
         if not current:

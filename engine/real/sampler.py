@@ -1,0 +1,199 @@
+"""Sampler: picks one token per row of a step's logits, each row with its request's ``SamplingParams``.
+
+The order of the steps is vLLM's (see ``engine.real.sampling``): the ``min_tokens`` mask and
+``logit_bias``, the repetition, frequency and presence penalties, the logprobs, then temperature,
+``min_p``, ``top_k`` and ``top_p`` over the drawn rows at once, and each request's draw. A batch of
+plain greedy requests is one argmax over the raw logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.core.request import Request
+from engine.real.paged_cache import _long
+from engine.real.sampling import SamplingParams
+
+
+class RequestSampling:
+    """A running request's sampling state: its generator and the device tensors its logits
+    processing needs (built once, at its first step).
+
+    :param r: the request (its prompt tokens count for the repetition penalty).
+    :param sampling: its sampling parameters.
+    :param stop_ids: the ids that end it; masked out until it has ``min_tokens`` tokens.
+    :param device: torch device of the logits.
+    :param vocab_size: columns of the logits; ids at or past it are left out.
+    """
+
+    __slots__ = ("params", "generator", "mask_ids", "bias_ids", "bias_values", "counts", "seen", "counted",
+                 "plain")
+
+    def __init__(self, r: Request, sampling: SamplingParams, stop_ids: frozenset[int], device,
+                 vocab_size: int) -> None:
+        self.params = sampling
+        self.generator = None
+        if sampling.seed is not None and not sampling.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(sampling.seed)
+        # Ids outside the logits (the request checks reject them; a direct caller may not) are left out.
+        bias = {t: v for t, v in (sampling.logit_bias or {}).items() if t < vocab_size}
+        self.bias_ids = _long(list(bias), device) if bias else None
+        self.bias_values = torch.tensor(list(bias.values()), device=device) if bias else None
+        masked = [t for t in stop_ids if t < vocab_size] if sampling.min_tokens else []
+        self.mask_ids = _long(masked, device) if masked else None
+        self.counts = self.seen = None  # output token counts; tokens of the prompt or the output
+        self.counted = 0
+        if sampling.penalized:
+            self.counts = torch.zeros(vocab_size, device=device)
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.seen[_long([t for t in r.prompt_token_ids if t < vocab_size], device)] = True
+        # A plain request is one greedy argmax over the raw logits: the fast path of a step.
+        self.plain = (sampling.greedy and self.bias_ids is None and self.mask_ids is None and self.counts is None
+                      and sampling.logprobs is None)
+
+    def sync_counts(self, r: Request, device) -> None:
+        """Add the output tokens committed since the last step to the penalty counts."""
+        new = r.output_token_ids[self.counted:]
+        if new:
+            ids = _long(new, device)
+            self.counts.index_add_(0, ids, torch.ones(len(new), device=device))
+            self.seen[ids] = True
+            self.counted = len(r.output_token_ids)
+
+
+class Sampler:
+    """Turns a step's logits into tokens (and logprobs) for the requests that sample.
+
+    :param device: torch device of the logits.
+    :param seed: seeds the generator shared by the requests without a ``seed`` of their own.
+    """
+
+    def __init__(self, device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request], states: list[RequestSampling]) -> list[int]:
+        """One token per row of ``logits`` (``[len(reqs), vocab]``); the requests that ask for
+        logprobs get this token's entry."""
+        if not reqs:
+            return []
+        if all(s.plain for s in states):
+            return logits.argmax(-1).tolist()
+        logits = self._process(logits, reqs, states)
+        tokens = logits.argmax(-1)
+        drawn = [i for i, s in enumerate(states) if not s.params.greedy]
+        if drawn:
+            self._draw(logits, tokens, drawn, states)
+        out = tokens.tolist()
+        wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if wanted:
+            _sample_logprobs(logits, tokens, out, wanted, reqs, states)
+        return out
+
+    def _process(self, logits: torch.Tensor, reqs: list[Request], states: list[RequestSampling]) -> torch.Tensor:
+        """The logits after the ``min_tokens`` mask, ``logit_bias`` and the penalties (float32, a copy
+        when anything changes them); only the rows that need a step take part in it."""
+        copied = False
+        penalized = []
+        for i, (r, s) in enumerate(zip(reqs, states)):
+            early = s.mask_ids is not None and len(r.output_token_ids) < s.params.min_tokens
+            if s.plain or not (early or s.bias_ids is not None or s.counts is not None):
+                continue
+            if not copied:
+                logits, copied = logits.to(torch.float32, copy=True), True
+            if early:
+                logits[i, s.mask_ids] = float("-inf")
+            if s.bias_ids is not None:
+                logits[i].index_add_(0, s.bias_ids, s.bias_values)
+            if s.counts is not None:
+                s.sync_counts(r, self.device)
+                penalized.append(i)
+        if penalized:
+            dev = self.device
+            params = [states[i].params for i in penalized]
+            rows = _long(penalized, dev)
+            counts = torch.stack([states[i].counts for i in penalized])
+            seen = torch.stack([states[i].seen for i in penalized])
+            rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
+            freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
+            presence = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+            x = logits[rows]
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+            logits[rows] = x - freq * counts - presence * (counts > 0)
+        return logits if copied else logits.float()
+
+    def _draw(self, logits: torch.Tensor, tokens: torch.Tensor, drawn: list[int],
+              states: list[RequestSampling]) -> None:
+        """Sample the rows ``drawn`` (in place in ``tokens``): temperature, then ``min_p``, ``top_k``
+        and ``top_p`` over the rows at once, then each request's draw from its own generator."""
+        dev = self.device
+        params = [states[i].params for i in drawn]
+        rows = _long(drawn, dev)
+        x = logits[rows] / torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+        if any(p.min_p for p in params):
+            probs = torch.softmax(x, -1)
+            floor = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1) * probs.amax(-1, keepdim=True)
+            x = x.masked_fill(probs < floor, float("-inf"))
+        k_max = min(max(p.top_k for p in params), x.shape[-1])
+        if k_max:
+            k = _long([min(p.top_k, k_max) or k_max for p in params], dev).unsqueeze(1)
+            kth = x.topk(k_max, -1).values.gather(1, k - 1)
+            unlimited = torch.tensor([not p.top_k for p in params], device=dev).unsqueeze(1)
+            x = x.masked_fill((x < kth) & ~unlimited, float("-inf"))
+        probs = torch.softmax(x, -1)
+        if any(p.top_p < 1 for p in params):
+            sorted_p, order = probs.sort(-1, descending=True)
+            top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+            drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the token that crosses top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        shared = [j for j, i in enumerate(drawn) if states[i].generator is None]
+        if shared:
+            picks = torch.multinomial(probs[_long(shared, dev)], 1, generator=self.generator).squeeze(1)
+            tokens[_long([drawn[j] for j in shared], dev)] = picks
+        for j, i in enumerate(drawn):
+            gen = states[i].generator
+            if gen is not None:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+
+
+def _sample_logprobs(logits: torch.Tensor, tokens: torch.Tensor, out: list[int], wanted: list[int],
+                     reqs: list[Request], states: list[RequestSampling]) -> None:
+    """Append each wanted request's entry for its new token: its logprob under ``logits`` (after
+    bias and penalties, before temperature and truncation) and the k most likely tokens."""
+    rows = _long(wanted, logits.device)
+    logprobs = torch.log_softmax(logits[rows], -1)
+    chosen = logprobs.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
+    k_max = max(states[i].params.logprobs for i in wanted)
+    top = logprobs.topk(k_max, -1) if k_max else None
+    top_values = top.values.tolist() if top is not None else None
+    top_ids = top.indices.tolist() if top is not None else None
+    for j, i in enumerate(wanted):
+        r, k = reqs[i], states[i].params.logprobs
+        alternatives = list(zip(top_ids[j][:k], top_values[j][:k])) if top_ids is not None else []
+        entries = r.logprobs if r.logprobs is not None else []
+        del entries[len(r.output_token_ids):]  # one entry per output token, whatever happened before
+        entries.append((out[i], chosen[j], alternatives))
+        r.logprobs = entries
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) -> None:
+    """Append prompt logprobs from the raw logits of the positions before each target prompt token
+    (row j of ``logits`` gives ``targets[j]``, a request and the position of its prompt token)."""
+    chunk = 256  # rows at a time: a long prompt's float32 log-softmax over a large vocabulary is big
+    for start in range(0, len(targets), chunk):
+        part = targets[start:start + chunk]
+        logprobs = torch.log_softmax(logits[start:start + len(part)].float(), -1)
+        ids = _long([r.prompt_token_ids[t] for r, t in part], logits.device)
+        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        k_max = max(r.sampling.prompt_logprobs for r, _ in part)
+        top = logprobs.topk(k_max, -1) if k_max else None
+        top_values = top.values.tolist() if top is not None else None
+        top_ids = top.indices.tolist() if top is not None else None
+        for j, (r, t) in enumerate(part):
+            if t != len(r.prompt_logprobs):
+                continue
+            k = r.sampling.prompt_logprobs
+            alternatives = list(zip(top_ids[j][:k], top_values[j][:k])) if top_ids is not None else []
+            r.prompt_logprobs.append((r.prompt_token_ids[t], chosen[j], alternatives))

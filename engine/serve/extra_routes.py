@@ -1,0 +1,103 @@
+"""The routes vLLM serves beside the OpenAI API: ``GET /version``, ``POST /tokenize`` and
+``POST /detokenize``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.serve.chat import chat_prompt
+from engine.serve.protocol import ChatMessage, error_response
+
+if TYPE_CHECKING:
+    from engine.serve.config import ServeConfig
+    from engine.serve.service import EngineService
+
+
+def package_version() -> str:
+    """The installed tidegate's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tidegate")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------------- bodies
+class TokenizeBody(BaseModel):
+    """A prompt, or chat messages rendered with the chat template, as vLLM's ``/tokenize`` takes them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    #: BOS and the like; None: added to a prompt, not to messages (their template writes its own)
+    add_special_tokens: bool | None = None
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------------- routes
+def add_extra_routes(app: FastAPI, service: EngineService, config: ServeConfig) -> None:
+    """``/version``, ``/tokenize`` and ``/detokenize`` on ``app``.
+
+    :param app: the application
+    :param service: the running engine service (its tokenizer, vocabulary and context length)
+    :param config: the server settings (the served model's name, the chat template)
+    """
+    version = package_version()
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        if body.model is not None and body.model != config.model_name:
+            return _unknown_model(body.model, config)
+        if (body.prompt is None) == (body.messages is None):
+            return error_response(400, "give exactly one of prompt or messages", param="prompt")
+        try:
+            ids = await asyncio.to_thread(_token_ids, service.tokenizer, body, config.chat_template)
+        except ValueError as exc:
+            return error_response(400, str(exc), param="messages")
+        return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        if body.model is not None and body.model != config.model_name:
+            return _unknown_model(body.model, config)
+        vocab = service.info.vocab_size if service.info is not None else len(service.tokenizer)
+        outside = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if outside is not None:
+            return error_response(400, f"the token id {outside} is outside the vocabulary of {vocab}", param="tokens")
+        text = await asyncio.to_thread(service.tokenizer.decode, body.tokens)
+        return {"prompt": text}
+
+
+def _unknown_model(model: str, config: ServeConfig):
+    return error_response(400, f"the model {model!r} is not served here; use {config.model_name!r}", param="model")
+
+
+def _token_ids(tokenizer, body: TokenizeBody, chat_template: str | None) -> list[int]:
+    """The ids the completion routes would serve for this prompt or these messages."""
+    if body.messages is not None:
+        text = chat_prompt(tokenizer, body.messages, chat_template, body.add_generation_prompt)
+        # a template writes BOS as text; the byte tokenizer has none, so its BOS is added as a token
+        special = (not hasattr(tokenizer, "apply_chat_template") if body.add_special_tokens is None
+                   else body.add_special_tokens)
+    else:
+        text = body.prompt or ""
+        special = body.add_special_tokens is not False
+    return list(tokenizer.encode(text, add_special_tokens=special))

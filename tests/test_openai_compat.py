@@ -341,6 +341,10 @@ def test_the_request_id_is_echoed_on_every_response(server):
         assert list(r.iter_lines())[-2] == "data: [DONE]"
     fresh = post(server, "/v1/completions", body)
     assert len(fresh.headers["x-request-id"]) >= 16
+    for answer in (httpx.get(server.url + "/no/such/path", headers={"X-Request-Id": "abc-5"}),
+                   httpx.get(server.url + "/v1/completions", headers={"X-Request-Id": "abc-5"}),
+                   httpx.get(server.url + "/health", headers={"X-Request-Id": "abc-5"})):
+        assert answer.headers["x-request-id"] == "abc-5", answer.status_code
     ids = {post(server, "/v1/completions", body).json()["id"] for _ in range(3)}
     assert len(ids) == 3
 

@@ -9,6 +9,7 @@ routes' disconnect checks pass through untouched.
 from __future__ import annotations
 
 import hmac
+import uuid
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -42,6 +43,7 @@ def install_operator(app: FastAPI, config: ServeConfig) -> None:
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+    app.add_middleware(RequestId)  # outermost: every answer, refusals by the others included, carries it
 
 
 # ---------------------------------------------------------------------------------- middleware
@@ -50,6 +52,32 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+class RequestId:
+    """Every response carries ``X-Request-Id``: the client's, or a new one when it sent none (or one
+    that is not a short printable token)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = _header(scope, b"x-request-id")
+        rid = raw.decode("latin-1") if raw else ""
+        if not rid or len(rid) > 256 or not rid.isprintable():
+            rid = uuid.uuid4().hex
+        value = rid.encode("latin-1")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class ApiKeyAuth:

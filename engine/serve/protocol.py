@@ -1,6 +1,6 @@
 """The OpenAI wire format: request bodies, response bodies, server-sent events and error bodies.
 
-Nothing here knows about the engine; the route handlers in :mod:`engine.serve.app` translate.
+Nothing here knows about the engine; :mod:`engine.serve.serving` and :mod:`engine.serve.answer` translate.
 Bodies are strict, as OpenAI's are: a ``"stream": "yes"`` or a ``"max_tokens": true`` is a 400, and
 so is a field the API does not have. OpenAI's metadata fields (``user``, ``metadata``, ``store``,
 ...) are accepted and ignored; the parameters of features this server lacks (tools, structured

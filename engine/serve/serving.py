@@ -1,0 +1,253 @@
+"""The arrival of a completion: its prompt tokenized and checked, the request checked, admitted
+and fanned out into one engine request per choice.
+
+The HTTP side never runs engine code. An arrival is checked and decided on at once (a twin of the
+controller's ``admit`` on the engine's latest snapshot), so a refused request gets its 429 without
+queueing; an accepted one is handed to the engine process through a pipe, and its text comes back
+through a bounded per-stream buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from typing import TYPE_CHECKING
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
+
+from engine.serve.answer import AnswerWriter, Choice, abandon
+from engine.serve.arrival import (
+    Ask,
+    Refused,
+    bad_request,
+    named_param,
+    nth_sampling,
+    refuse_unserved,
+    sampling_params,
+)
+from engine.serve.chat import chat_prompt
+from engine.serve.protocol import ChatBody, ChatMessage, CompletionBody, SamplingBody, error_response
+from engine.serve.service import EngineService, EngineUnavailable, Stream
+
+if TYPE_CHECKING:
+    from engine.serve.config import ServeConfig
+
+
+class OpenAIServing:
+    """What the completion routes share: admission of an arrival, then its streamed or whole answer
+    (written by :class:`engine.serve.answer.AnswerWriter`).
+
+    :param service: the running engine service
+    :param config: the server settings
+    """
+
+    def __init__(self, service: EngineService, config: ServeConfig) -> None:
+        self.service = service
+        self.config = config
+        self.metrics = service.metrics
+        self.tokenizer = service.tokenizer
+        self.model_name = config.model_name
+        self.created = int(time.time())
+        self._bytes_per_token: float | None | bool = False  # False: not yet derived
+        self.answers = AnswerWriter(service, self.tokenizer, self.model_name)
+
+    # -- the two routes
+    async def create_completion(self, body: CompletionBody, http: HttpRequest) -> Response:
+        try:
+            refuse_unserved(body)
+            ids, text = await asyncio.to_thread(self._completion_prompt, body.prompt, body.echo)
+        except Refused as refused:
+            return refused.response
+        best_of = body.best_of or body.n
+        ask = Ask.of(body, False, body.max_tokens, best_of=best_of, logprobs=body.logprobs,
+                     echo=text if body.echo else None)
+        return await self.respond(http, body, ids, ask)
+
+    async def create_chat_completion(self, body: ChatBody, http: HttpRequest) -> Response:
+        try:
+            refuse_unserved(body)
+            ids = await asyncio.to_thread(self._chat_prompt, body.messages)
+        except Refused as refused:
+            return refused.response
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        ask = Ask.of(body, True, max_tokens, best_of=body.n,
+                     logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        return await self.respond(http, body, ids, ask)
+
+    # -- prompts (run off the event loop)
+    def _completion_prompt(self, prompt: str | list[str] | list[int], echo: bool) -> tuple[list[int], str | None]:
+        """(token ids, text, when echoed) of a completion's prompt; raises :class:`Refused` for one
+        that is not served."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise bad_request("only one prompt per request is served; send a string", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("the prompt is empty", "prompt")
+            return self._encode(prompt, True, "prompt"), prompt
+        ids = list(prompt)
+        vocab = self.service.info.vocab_size if self.service.info is not None else None
+        if vocab is not None and any(t < 0 or t >= vocab for t in ids):
+            raise bad_request(f"the prompt holds token ids outside the vocabulary of {vocab}", "prompt")
+        return ids, self.tokenizer.decode(ids, skip_special_tokens=True) if echo else None
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        """The token ids of the conversation (:func:`engine.serve.chat.chat_prompt`). A template writes
+        the BOS text where the model wants it, so its text is tokenized without adding special tokens:
+        one BOS, not two; the tiny model's byte tokenizer has no BOS text, so its BOS is added."""
+        try:
+            text = chat_prompt(self.tokenizer, messages, getattr(self.config, "chat_template", None))
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        return self._encode(text, not hasattr(self.tokenizer, "apply_chat_template"), "messages")
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """The token ids of a prompt text; raises :class:`Refused` (400) for a text that is not valid
+        Unicode or is too long to fit, before tokenizing a long one whole."""
+        try:
+            n_bytes = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise bad_request("the prompt is not valid Unicode (it holds a lone surrogate)", param) from None
+        self._refuse_too_long(n_bytes, param)
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (UnicodeError, TypeError, ValueError) as exc:
+            raise bad_request(f"the prompt cannot be tokenized ({type(exc).__name__})", param) from None
+
+    def _refuse_too_long(self, n_bytes: int, param: str) -> None:
+        """Refuse a text that has, at the tokenizer's most bytes per token, more tokens than can fit."""
+        if self._bytes_per_token is False:
+            self._bytes_per_token = _max_bytes_per_token(self.tokenizer)
+        per_token, info = self._bytes_per_token, self.service.info
+        if not per_token or info is None:
+            return
+        at_least = math.ceil(n_bytes / per_token)
+        context = self.service.max_model_len
+        if context is not None and at_least > context:
+            raise bad_request(f"the prompt has at least {at_least} tokens, more than the model context of {context} "
+                              f"tokens", param)
+        if at_least >= info.kv_capacity_tokens:
+            raise bad_request(f"the prompt has at least {at_least} tokens; with one generated token that exceeds the "
+                              f"KV capacity of {info.kv_capacity_tokens} tokens", param)
+
+    # -- arrival
+    async def respond(self, http: HttpRequest, body: SamplingBody, prompt_ids: list[int], ask: Ask) -> Response:
+        """Admit an arrival, then answer it whole or, once its first token has come (or every choice
+        has ended, maybe refused), as a stream of events."""
+        choices, refusal = await self.admit(body, prompt_ids, ask)
+        if refusal is not None:
+            return refusal
+        return await self.answers.respond(http, choices, ask, prompt_ids)
+
+    async def admit(self, body: SamplingBody, prompt_ids: list[int], ask: Ask):
+        """Common arrival path: returns (choices, None) when admitted, one engine request per choice
+        (``best_of`` of them), or (None, response) otherwise."""
+        try:
+            self._check_open()
+            max_tokens, sampling = self._check_request(body, prompt_ids, ask)
+        except Refused as refused:
+            return None, refused.response
+        event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        choices: list[Choice] = []
+        for i in range(ask.best_of):
+            try:
+                self._check_admission(len(prompt_ids), max_tokens)
+                stream = Stream(loop, self.config.stream_buffer_chunks, event)
+                self.service.submit(stream, prompt_ids, nth_sampling(sampling, i), max_tokens)
+            except (Refused, EngineUnavailable) as exc:
+                abandon(self.service, choices)
+                if isinstance(exc, Refused):
+                    return None, exc.response
+                self.metrics.rejected("engine_down")
+                return None, error_response(503, "the engine is restarting", "unavailable", retry_after_s=5)
+            choices.append(Choice(i, stream))
+        return choices, None
+
+    def _check_open(self) -> None:
+        if self.service.draining:
+            self.metrics.rejected("shutting_down")
+            raise Refused(error_response(503, "the server is shutting down", "unavailable", retry_after_s=5))
+        if not self.service.alive:
+            self.metrics.rejected("engine_down")
+            raise Refused(error_response(503, "the engine is restarting", "unavailable", retry_after_s=5))
+
+    def _check_request(self, body: SamplingBody, prompt_ids: list[int], ask: Ask):
+        """(max_tokens, sampling parameters) of a request this server can serve; raises :class:`Refused`
+        (400) otherwise. A request that sets no ``max_tokens`` gets the default, within the context."""
+        if body.model != self.model_name:
+            raise Refused(error_response(400, f"the model {body.model!r} is not served here; use "
+                                              f"{self.model_name!r}", "invalid_request_error", "model"))
+        context = self.service.max_model_len or (len(prompt_ids) + self.config.default_max_tokens)
+        max_tokens = ask.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.config.default_max_tokens, context - len(prompt_ids)))
+        if body.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+        try:
+            self.service.check_request(prompt_ids, max_tokens)
+        except ValueError as exc:
+            raise bad_request(str(exc).rstrip("."), "max_tokens" if "max_tokens" in str(exc) else None) from None
+        vocab = self.service.info.vocab_size if self.service.info is not None else 0
+        sampling = sampling_params(body, ask, vocab)
+        verify = getattr(sampling, "verify", None)  # what depends on the model and on max_tokens
+        if verify is not None:
+            try:
+                verify(vocab, max_tokens)
+            except ValueError as exc:
+                raise bad_request(str(exc).rstrip("."), named_param(str(exc), ("logit_bias", "stop_token_ids",
+                                                                               "min_tokens"))) from None
+        return max_tokens, sampling
+
+    def _check_admission(self, prompt_len: int, max_tokens: int) -> None:
+        """Raises :class:`Refused` (429) when the server is at its in-flight limit or the controller refuses."""
+        limit = self.config.max_in_flight
+        if self.service.in_flight >= limit:
+            self.metrics.rejected("max_in_flight")
+            raise Refused(error_response(429, f"the server is at its limit of {limit} requests in flight",
+                                         "rate_limited", retry_after_s=1))
+        rejection = self.service.admission(prompt_len, max_tokens)
+        if rejection is not None:
+            self.metrics.rejected(rejection.reason.split(" ")[0].lower())
+            self.service.record_rejection(prompt_len, max_tokens, rejection)
+            raise Refused(error_response(429, rejection.reason, "rate_limited",
+                                         retry_after_s=rejection.retry_after_s))
+
+
+def _max_bytes_per_token(tokenizer) -> float | None:
+    """The most bytes of UTF-8 prompt text one token can stand for (an upper bound), so that a text's
+    length bounds its token count from below; None when the tokenizer gives no such bound."""
+    decode_bytes = getattr(tokenizer, "decode_bytes", None)
+    if decode_bytes is not None:  # the byte tokenizer: a token is at most one byte
+        return float(max(len(decode_bytes([i])) for i in range(len(tokenizer)))) or None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
+    if (model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback"))
+            or not _keeps_text(spec.get("normalizer")) or not _keeps_text(spec.get("pre_tokenizer"))):
+        return None
+    longest = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=0)
+    # a normalizer may shorten the text: NFKC folds a 4-byte compatibility character into 1 byte
+    return float(longest * (4 if spec.get("normalizer") else 1)) or None
+
+
+#: normalizers and pre-tokenizers that drop no text (a Split that removes its matches, a Strip, a
+#: Replace with nothing, BERT's cleaning would)
+_TEXT_KEEPING = {"Sequence", "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace", "ByteLevel",
+                 "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def _keeps_text(part: dict | None) -> bool:
+    if part is None:
+        return True
+    if (part.get("type") not in _TEXT_KEEPING or part.get("behavior") == "Removed"
+            or (part.get("type") == "Replace" and not part.get("content"))):
+        return False
+    return all(_keeps_text(p) for p in part.get("normalizers") or part.get("pretokenizers") or ())

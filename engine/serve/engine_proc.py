@@ -49,6 +49,8 @@ log = logging.getLogger("tidegate.engine")
 HEARTBEAT_S = 0.05
 #: decision times kept per tick for the histogram
 _MAX_TIMES = 4096
+#: ended requests the engine keeps (for tests and debugging); the rest are dropped as the server runs
+KEEP_ENDED_REQUESTS = 10_000
 
 
 @dataclass
@@ -349,6 +351,7 @@ class EngineLoop:
         if self._before_first:
             self._first_token_events()
         core = self.core
+        core.metrics.retain(KEEP_ENDED_REQUESTS)
         obs = core.observe()
         shield, learned = self.shield, self.learned
         times = self.timed.times

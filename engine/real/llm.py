@@ -135,6 +135,18 @@ def serving_profile(profile, kv_capacity_tokens: int | None, block_size: int, ma
     return dataclasses.replace(base, **changes)
 
 
+def check_prompt(prompt_token_ids: list[int], max_tokens: int, vocab_size: int, kv_capacity_tokens: int,
+                 max_model_len: int | None) -> None:
+    """Raise ValueError (one sentence) for a prompt this engine can never run: ids outside the
+    vocabulary (this engine's own concern), then the core's one definition of a request that can
+    never run (``unservable_reason``). The engine and the server's HTTP side both check with it."""
+    if max_tokens >= 1 and any(t < 0 or t >= vocab_size for t in prompt_token_ids):
+        raise ValueError(f"the prompt holds token ids outside the vocabulary of {vocab_size}.")
+    reason = unservable_reason(len(prompt_token_ids), max_tokens, kv_capacity_tokens, max_model_len)
+    if reason is not None:
+        raise ValueError(reason)
+
+
 class LLM:
     """The real engine behind a small offline API.
 
@@ -204,14 +216,7 @@ class LLM:
             against ``max_tokens`` (``SamplingParams.verify``).
         """
         vocab = self.executor.vocab_size
-        # Ids outside the vocabulary are this engine's own concern; the rest is the core's one
-        # definition of a request that can never run (an empty prompt and a bad max_tokens first).
-        if max_tokens >= 1 and any(t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"the prompt holds token ids outside the vocabulary of {vocab}.")
-        reason = unservable_reason(len(prompt_token_ids), max_tokens, self.core.pool.capacity_tokens,
-                                   self.max_model_len)
-        if reason is not None:
-            raise ValueError(reason)
+        check_prompt(prompt_token_ids, max_tokens, vocab, self.core.pool.capacity_tokens, self.max_model_len)
         if sampling is not None:
             sampling.verify(vocab, max_tokens)
 

@@ -23,7 +23,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ctrl.base import Rejection
-from engine.core.request import RequestState, unservable_reason
+from engine.core.request import RequestState
+from engine.real.llm import check_prompt
 from engine.serve.engine_proc import EngineInfo, EngineLoop, Outcome, Snapshot, apply_queue_timeout, engine_main, \
     observation_of
 from engine.serve.metrics import ServerMetrics
@@ -253,11 +254,7 @@ class EngineService:
         """Raise ValueError (one sentence) for a request the engine can never run."""
         info = self.info
         assert info is not None
-        if max_tokens >= 1 and any(t < 0 or t >= info.vocab_size for t in prompt_ids):
-            raise ValueError(f"the prompt holds token ids outside the vocabulary of {info.vocab_size}.")
-        reason = unservable_reason(len(prompt_ids), max_tokens, info.kv_capacity_tokens, info.max_model_len)
-        if reason is not None:
-            raise ValueError(reason)
+        check_prompt(prompt_ids, max_tokens, info.vocab_size, info.kv_capacity_tokens, info.max_model_len)
 
     @property
     def max_model_len(self) -> int | None:

@@ -25,6 +25,7 @@ For tests and embedding the same loop also runs in a thread of the server's proc
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import sys
@@ -226,8 +227,8 @@ class EngineLoop:
         #: requests that have not had an event since they were added: the first token must make one
         self._before_first: dict[int, _Track] = {}
         self._taken = (0, 0)
-        self.info = EngineInfo(_pid(), self.core.pool.capacity_tokens, self.core.pool.block_size, llm.max_model_len,
-                               llm.executor.vocab_size, llm.profile,
+        self.info = EngineInfo(os.getpid(), self.core.pool.capacity_tokens, self.core.pool.block_size,
+                               llm.max_model_len, llm.executor.vocab_size, llm.profile,
                                getattr(getattr(controller, "inner", None), "policy_status", None))
 
     # ------------------------------------------------------------------ the loop
@@ -412,18 +413,10 @@ def _guard_for(llm, controller) -> TwinGuard | None:
 
 
 def _cores() -> int:
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def engine_main(config: ServeConfig, conn: Connection) -> None:

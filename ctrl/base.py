@@ -47,7 +47,7 @@ class Observation:
         "arrival_rate_rps", "completion_rate_rps", "last_step_time_s", "last_step_tokens",
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
         "rejections_total", "completed_total", "mean_prompt_tokens", "mean_output_tokens",
-        "lifetime_kv_workload", "mean_step_time_s", "running_prefill_tokens",
+        "lifetime_kv_workload", "mean_step_time_s", "running_prefill_tokens", "ttft_error_p90_s",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -77,6 +77,9 @@ class Observation:
         self.mean_step_time_s = 0.0
         #: tokens of running requests still to prefill, prompt or re-prefilled output (after the last step)
         self.running_prefill_tokens = 0
+        #: the 90th percentile of realised minus predicted TTFT over the last 64 requests that got
+        #: their first token (0 before any): how late the admission predictions run
+        self.ttft_error_p90_s = 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -115,6 +118,7 @@ class Observation:
         o.lifetime_kv_workload = self.lifetime_kv_workload
         o.mean_step_time_s = self.mean_step_time_s
         o.running_prefill_tokens = self.running_prefill_tokens
+        o.ttft_error_p90_s = self.ttft_error_p90_s
         return o
 
 

@@ -63,9 +63,10 @@ FEATURES = (
 OBS_DIM = len(FEATURES)
 ACTION_DIM = 3
 #: an action a scales the heuristic's activation rate, token budget and admission threshold by
-#: RESIDUAL_RANGE ** a: from a quarter to four times (the shield caps activations at the same
-#: memory-safe rate, so raising that one changes little); action 0 is the heuristic itself
-RESIDUAL_RANGE = 4.0
+#: RESIDUAL_RANGE ** a: from half to twice (the shield caps activations at the same memory-safe
+#: rate, so raising that one changes little); action 0 is the heuristic itself. The range bounds
+#: what a wrong policy can do to its prior: no knob moves by more than a factor of two
+RESIDUAL_RANGE = 2.0
 #: the action used before the first policy call and whenever the policy cannot answer
 DEFAULT_ACTION = (0.0, 0.0, 0.0)
 #: the policy's wall-clock budget per call on a real engine (seconds)

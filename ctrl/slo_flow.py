@@ -13,14 +13,16 @@ Three rules, each with a worst case that can be argued on its own:
 - **Admission** on a calibrated prediction (:func:`predicted_ttft_s`): an arrival is refused with
   429 only in overload (u = observed arrival rate / completion rate above ``1 + overload_margin``;
   refusals shorten the queue, never the arrival rate, so u witnesses overload whatever the
-  controller does), when requests are waiting *and* the queueing delay before its own prefill,
-  counting the queue ahead and the prefill and decodes of the running requests, exceeds
-  ``reject_above`` x SLO / u^2 (at least ``overload_floor`` x SLO). A prompt slow to prefill on its
-  own is served: refusing it shortens nobody's wait. In overload the queue settles where the
-  threshold is, so a short queue keeps the admitted requests within their SLO while the replica
-  stays busy. Without overload nothing is refused: a burst at light load drains by itself, and a
-  late answer serves a user better than a 429. With an empty queue nothing is ever refused,
-  whatever the machine's speed.
+  controller does), when work is queued ahead of it (requests waiting, or prefill of running
+  requests beyond one step's budget) *and* its predicted TTFT, counting that work, the running
+  requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
+  percentile of realised minus predicted TTFT, ``Observation.ttft_error_p90_s``), exceeds
+  ``reject_above`` x SLO. So only an arrival that would likely miss its SLO anyway is refused, and
+  in overload it would also have taken capacity from those that can still meet theirs; the
+  calibration term keeps the queue short enough for the admitted ones, with a margin that is
+  measured, not assumed. Without overload nothing is refused: a burst at light load drains by
+  itself, and a late answer serves a user better than a 429. With nothing ahead of an arrival it
+  is never refused, whatever the machine's speed.
 
 Three multipliers (:meth:`SloFlowController.set_residual`, all 1 by default) scale the activation
 rate, the token budget and the admission threshold: the learned policy sets them, and at
@@ -42,7 +44,7 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     The larger of two bounds, plus the step that produces the token:
 
     - **activation**: the ``num_waiting`` requests ahead start at the memory-safe rate while KV usage
-      is under ``target_usage``; above it, only as running requests complete (the observed completion
+      is under ``target_usage`` (those that fit into the free memory at once); above it, only as running requests complete (the observed completion
       rate, or before any completion ``num_running`` per mean lifetime, Little's law);
     - **prefill**: the prompt tokens still to prefill of the running requests, of the queue ahead and
       its own, at the step's token budget less one token for each running request's decode.
@@ -56,29 +58,29 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     prefill_steps = (obs.running_prefill_tokens + obs.waiting_prompt_tokens + prompt_tokens) / per_step
     queue_steps = 0.0
     if obs.num_waiting > 0 and obs.num_running > 0:
+        ahead = float(obs.num_waiting)
         if obs.kv_usage < target_usage:
             rate = safe_activation_rate(obs, target_usage, prior_output_tokens)
+            # those that fit into the free memory start at once (the controller's burst)
+            ahead = max(ahead - headroom_activations(obs, BURST_USAGE * target_usage, prior_output_tokens), 0.0)
         else:
             rate = obs.completion_rate_rps * step_s
             if not rate > 0:
                 out = obs.mean_output_tokens or prior_output_tokens
                 rate = obs.num_running / out
-        queue_steps = obs.num_waiting / max(rate, 1e-9)
+        queue_steps = ahead / max(rate, 1e-9)
     return (max(queue_steps, prefill_steps) + 1.0) * step_s
 
 
 class SloFlowController(Controller):
     """:param ttft_slo_s: the TTFT SLO of the admission rule.
     :param tpot_slo_s: the step-time target of the AIMD token budget.
-    :param reject_above: in overload, refuse an arrival whose predicted queueing delay exceeds
-        ``reject_above`` x SLO / u^2 (while requests wait); ``inf`` never refuses on delay.
-    :param overload_floor: the threshold's floor, in TTFT SLOs, in sustained overload.
+    :param reject_above: in overload, refuse an arrival whose predicted TTFT (plus the recent
+        prediction error) exceeds ``reject_above`` x SLO; ``inf`` never refuses on delay.
     :param overload_margin: arrivals may outpace completions by this fraction before anything is
         refused (the noise of two rate estimates over one window).
     :param min_completions: nothing is refused before this many requests have completed (no
-        completion rate before; the shield's queue limit and timeout protect until then). Waiting
-        for more trades a later reaction to a flood for fewer refusals from noise: 32 cost up to
-        three quarters of the goodput at 3 x lambda_max in the evaluation matrix.
+        completion rate before; the shield's queue limit and timeout protect until then).
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -92,22 +94,19 @@ class SloFlowController(Controller):
     name = "slo-flow"
 
     def __init__(self, ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.1, reject_above: float = 1.0,
-                 overload_floor: float = 0.25, overload_margin: float = 0.2, min_completions: int = 1,
+                 overload_margin: float = 0.2, min_completions: int = 1,
                  target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
                  max_num_seqs: int = 256, **overload) -> None:
         super().__init__(**overload)
-        if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and 0 < overload_floor <= reject_above
-                and overload_margin >= 0):
-            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, 0 < overload_floor <= reject_above and "
-                             "overload_margin >= 0")
+        if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0):
+            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, reject_above > 0 and overload_margin >= 0")
         if not 0 < target_usage <= 1 or prior_output_tokens < 1:
             raise ValueError("need 0 < target_usage <= 1 and prior_output_tokens >= 1")
         self.aimd = AimdTokenBudget(max_num_batched_tokens, tpot_slo_s, min_token_budget, additive_tokens, backoff)
         self.ttft_slo_s = ttft_slo_s
         self.tpot_slo_s = tpot_slo_s
         self.reject_above = reject_above
-        self.overload_floor = overload_floor
         self.overload_margin = overload_margin
         self.min_completions = max(1, int(min_completions))
         self.target_usage = target_usage
@@ -139,37 +138,37 @@ class SloFlowController(Controller):
             self.reject_scale, self._decision.token_budget = state
 
     def reject_delay_s(self, obs: Observation) -> float:
-        """The predicted queueing delay above which arrivals are refused (while requests wait): ``inf``
-        unless arrivals outpace completions by more than ``overload_margin`` (times the residual
-        where it is above 1), then ``reject_above`` x SLO / u^2 with u = arrival rate / completion rate, at least
-        ``overload_floor`` x SLO (all times the residual)."""
+        """The predicted TTFT above which arrivals are refused: ``inf`` unless arrivals outpace
+        completions by more than ``overload_margin`` (times the residual where it is above 1), then
+        ``reject_above`` x SLO (times the residual)."""
         done = obs.completion_rate_rps
         # the residual may widen the margin, never narrow it: without overload nothing is refused,
         # whatever a policy asks
         margin = self.overload_margin * max(self.reject_scale, 1.0)
         if obs.completed_total < self.min_completions or not obs.arrival_rate_rps > done * (1.0 + margin):
             return math.inf
-        u = obs.arrival_rate_rps / done
-        return max(self.reject_above / (u * u), self.overload_floor) * self.reject_scale * self.ttft_slo_s
+        return self.reject_above * self.reject_scale * self.ttft_slo_s
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""
         return predicted_ttft_s(obs, prompt_tokens, self._decision.token_budget, self.target_usage,
                                 self.prior_output_tokens)
 
+    def nothing_ahead(self, obs: Observation) -> bool:
+        """No request waits and the running requests' prefill fits into the next step: an arrival
+        starts at once, so refusing it would shorten nobody's wait."""
+        return obs.num_waiting <= 0 and obs.running_prefill_tokens <= self._decision.token_budget
+
     def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
         rejection = super().admit(obs, prompt_tokens, max_tokens)
-        if rejection is not None or obs.num_waiting <= 0:
+        if rejection is not None or self.nothing_ahead(obs):
             return rejection
         limit = self.reject_delay_s(obs)
         if not limit < math.inf:
             return None
-        # the queue's share of the delay: a prompt that is slow to prefill on its own is served, since
-        # refusing it shortens nobody's wait
-        delay = self.predict_ttft_s(obs, 0)
+        delay = self.predict_ttft_s(obs, prompt_tokens) + max(obs.ttft_error_p90_s, 0.0)
         if delay > limit:
-            return Rejection(f"predicted queueing delay {delay:.3g} s exceeds {limit:.3g} s in overload",
-                             retry_after_s(obs))
+            return Rejection(f"predicted TTFT {delay:.3g} s exceeds {limit:.3g} s in overload", retry_after_s(obs))
         return None
 
     def decide(self, obs: Observation) -> Decision:

@@ -32,10 +32,11 @@ def estimated_kv_workload(obs: Observation, prior_output_tokens: int) -> float:
     return float(lifetime_kv_workload(l, prior_output_tokens))
 
 
-#: a burst of activations may fill the KV up to this fraction of rho M at once; above it, only the
-#: memory-safe rate: bursts at light load start at once, while an overloaded replica, whose KV sits
-#: near rho M, is paced by the rate (its evictions stay rare whatever the tail of output lengths)
-BURST_USAGE = 0.5
+#: a burst of activations may fill the KV up to this fraction of rho M at once (requests of the mean
+#: size, counted at their peak); above it, only the memory-safe rate: a burst at light load starts
+#: at once, as under a greedy scheduler, while an overloaded replica, whose KV sits near rho M, is
+#: paced by the rate (its evictions stay rare whatever the tail of output lengths)
+BURST_USAGE = 1.0
 
 
 def headroom_activations(obs: Observation, target_usage: float, prior_output_tokens: int) -> int:

@@ -51,22 +51,27 @@ _RUNNING = RequestState.RUNNING
 class RateEstimator:
     """Events per second: exponentially weighted over ``window_s`` while that window holds at least
     ``min_events`` events; at lower rates, the last ``min_events`` events over the time they span
-    (up to now), so a rate is never judged from a handful of events.
+    (up to now), so a rate is never judged from a handful of events. The weighted average is
+    corrected for its start at zero (divided by ``1 - exp(-t / window_s)``, t the time since the
+    first event), so a flood that starts a run is seen at its rate, not at a fraction of it.
 
     :param window_s: the time constant at high rates.
     :param min_events: events a low-rate estimate spans.
     """
 
-    __slots__ = ("window_s", "min_events", "_value", "_last_s", "_times")
+    __slots__ = ("window_s", "min_events", "_value", "_last_s", "_first_s", "_times")
 
     def __init__(self, window_s: float, min_events: int = 64) -> None:
         self.window_s = window_s
         self.min_events = min_events
         self._value = 0.0
         self._last_s = 0.0
+        self._first_s: float | None = None
         self._times: deque[float] = deque(maxlen=min_events)
 
     def add(self, now_s: float, count: int = 1) -> None:
+        if self._first_s is None:
+            self._first_s = now_s
         self._value = self._ewma(now_s) + count / self.window_s
         self._last_s = now_s
         for _ in range(min(count, self.min_events)):
@@ -79,10 +84,34 @@ class RateEstimator:
     def rate(self, now_s: float) -> float:
         times = self._times
         if len(times) == self.min_events and now_s - times[0] <= self.window_s:
-            return self._ewma(now_s)  # the window holds enough events
+            # the window holds enough events; times[0] >= the first event, so the span is positive
+            span = now_s - (self._first_s if self._first_s is not None else times[0])
+            return self._ewma(now_s) / -math.expm1(-max(span, 1e-12) / self.window_s)
         if not times:
             return 0.0
         return len(times) / max(now_s - times[0], self.window_s)
+
+
+class RecentQuantile:
+    """A quantile of the last ``window`` values (exact, over a ring; 0 before any value).
+
+    :param q: the quantile, in [0, 1].
+    :param window: values kept.
+    """
+
+    __slots__ = ("window", "_index", "_values")
+
+    def __init__(self, q: float, window: int = 64) -> None:
+        self.window = window
+        self._index = min(window - 1, max(0, math.ceil(q * window) - 1))
+        self._values: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> float:
+        """Take ``value``; return the quantile of the values kept."""
+        values = self._values
+        values.append(value)
+        ordered = sorted(values)
+        return ordered[min(self._index * len(ordered) // self.window, len(ordered) - 1)]
 
 
 class EngineCore:
@@ -132,6 +161,7 @@ class EngineCore:
         self._arrivals = RateEstimator(rate_window_s)
         self._completions = RateEstimator(rate_window_s)
         self._ewma_alpha = 0.05  # latency and step-time estimates
+        self._ttft_error = RecentQuantile(0.9)  # realised minus predicted TTFT of the last 64 first tokens
         self._workload_alpha = 0.01  # request-size estimates: heavy-tailed, so a longer memory
         self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
         self._activation_seq = 0
@@ -551,6 +581,8 @@ class EngineCore:
                 r.output_token_ids.append(tok)
             if r.first_token_time_s is None:
                 r.first_token_time_s = now
+                if r.predicted_ttft_s is not None:
+                    self.obs.ttft_error_p90_s = self._ttft_error.add(now - r.arrival_time_s - r.predicted_ttft_s)
             if on_token is not None:
                 try:
                     on_token(r, tok)

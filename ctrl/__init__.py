@@ -20,9 +20,9 @@ CONTROLLERS: dict[str, type[Controller]] = {
                         ClassBudgetsController, FlowController, SloFlowController)
 }
 
-#: the server's default controller: the best heuristic of the evaluation matrix (docs/BENCHMARKS.md).
+#: the server's default controller: the best controller of the evaluation matrix (docs/BENCHMARKS.md).
 #: ``learned`` becomes the default once it holds 0.97 x the best heuristic in every cell of the
-#: matrix, which the shipped policy does not yet do on bursty traffic.
+#: matrix and beats slo-flow, which the shipped policy does not yet do.
 DEFAULT_CONTROLLER = "slo-flow"
 
 # Options filled from the profile when the user does not set them.

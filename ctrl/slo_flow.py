@@ -43,9 +43,10 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
 
     The larger of two bounds, plus the step that produces the token:
 
-    - **activation**: the ``num_waiting`` requests ahead start at the memory-safe rate while KV usage
-      is under ``target_usage`` (those that fit into the free memory at once); above it, only as running requests complete (the observed completion
-      rate, or before any completion ``num_running`` per mean lifetime, Little's law);
+    - **activation**: the ``num_waiting`` requests ahead, less those that fit into the free memory at
+      once, start at the memory-safe rate while KV usage is under ``target_usage``; above it, only
+      as running requests complete (the observed completion rate, or before any completion
+      ``num_running`` per mean lifetime, Little's law);
     - **prefill**: the prompt tokens still to prefill of the running requests, of the queue ahead and
       its own, at the step's token budget less one token for each running request's decode.
 

@@ -38,7 +38,7 @@ class Policy:
         return self.action
 
 
-BAD = (-1.0, -1.0, 0.0)  # a quarter of the heuristic's activation rate and token budget
+BAD = (-1.0, -1.0, 1.0)  # half the activation rate and token budget, twice the admission threshold
 HEURISTIC = (0.0, 0.0, 0.0)
 
 

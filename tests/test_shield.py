@@ -15,6 +15,7 @@ from ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controlle
 from ctrl.flow import FlowController
 from ctrl.greedy import GreedyController
 from ctrl.shield import ShieldedController
+from ctrl.theory import BURST_USAGE
 from engine.core.request import RequestState
 from tests.helpers import make_engine, req
 
@@ -158,8 +159,8 @@ def test_safe_budget_caps_activations():
     # w = 4*16 + (16 + 256)/2 = 200: b_safe = 0.9 * 128 / 200
     assert math.isclose(safe, 0.9 * 128 / 200)
     d = shield.decide(obs)
-    # a burst into free memory: requests of peak 4 + 16 tokens that fit below half of 0.9 x 128
-    assert d.activation_budget == int(0.5 * 0.9 * 128 / 20) == 2
+    # a burst into free memory: requests of peak 4 + 16 tokens that fit below 0.9 x 128
+    assert d.activation_budget == int(BURST_USAGE * 0.9 * 128 / 20) == 5
     assert shield.last_intervention.safe_activation_budget == safe
     obs.kv_used_tokens, obs.num_running = 112, 5  # memory above rho M: only the safe rate (with credit) is left
     assert shield.decide(obs).activation_budget == int(0.0 + safe) == 0

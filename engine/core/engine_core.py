@@ -479,19 +479,19 @@ class EngineCore:
         decode whose new token starts a block needs one more.
         """
         bs_tokens = self.pool.block_size
-        need = 0
-        for r in self.running:
-            if r.prompt_len + r.num_output_tokens > len(r.block_ids) * bs_tokens:
-                need += 1
-        if not need:
+        growing = [r for r in self.running if r.prompt_len + r.num_output_tokens > len(r.block_ids) * bs_tokens]
+        if not growing:
             return
+        need = len(growing)
         while need > self.pool.num_free_blocks:
             victim = self.running.pop()
             if victim.num_tokens > len(victim.block_ids) * bs_tokens:
                 need -= 1
             self._evict(victim)
-        for r in self.running:
-            self.pool.grow(r, r.num_tokens)
+        grow = self.pool.grow
+        for r in growing:
+            if r.state is _RUNNING:  # not evicted just now
+                grow(r, r.num_tokens)
 
     def _evict(self, r: Request) -> None:
         """Send a running request back to the front of the queue, its KV freed. It keeps its output
@@ -580,9 +580,7 @@ class EngineCore:
                 tok = token_ids[i]
                 r.output_token_ids.append(tok)
             if r.first_token_time_s is None:
-                r.first_token_time_s = now
-                if r.predicted_ttft_s is not None:
-                    self.obs.ttft_error_p90_s = self._ttft_error.add(now - r.arrival_time_s - r.predicted_ttft_s)
+                self._first_token(r, now)
             if on_token is not None:
                 try:
                     on_token(r, tok)
@@ -605,6 +603,12 @@ class EngineCore:
                 any_done = True
         if any_done:
             self.running = [r for r in self.running if r.state is _RUNNING]
+
+    def _first_token(self, r: Request, now: float) -> None:
+        """Record ``r``'s first token and how late its admission prediction ran."""
+        r.first_token_time_s = now
+        if r.predicted_ttft_s is not None:
+            self.obs.ttft_error_p90_s = self._ttft_error.add(now - r.arrival_time_s - r.predicted_ttft_s)
 
     # ------------------------------------------------------------------ endings
     def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:

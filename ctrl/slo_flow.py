@@ -98,7 +98,7 @@ class SloFlowController(Controller):
                  overload_margin: float = 0.2, min_completions: int = 1,
                  target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
-                 max_num_seqs: int = 256, **overload) -> None:
+                 max_num_seqs: int = 256, overload_power: float = 0.0, **overload) -> None:
         super().__init__(**overload)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0):
             raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, reject_above > 0 and overload_margin >= 0")
@@ -114,6 +114,7 @@ class SloFlowController(Controller):
         self.prior_output_tokens = prior_output_tokens
         self.max_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.overload_power = overload_power
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs)
         self.reset()
 
@@ -148,7 +149,8 @@ class SloFlowController(Controller):
         margin = self.overload_margin * max(self.reject_scale, 1.0)
         if obs.completed_total < self.min_completions or not obs.arrival_rate_rps > done * (1.0 + margin):
             return math.inf
-        return self.reject_above * self.reject_scale * self.ttft_slo_s
+        u = obs.arrival_rate_rps / done
+        return self.reject_above * self.reject_scale * self.ttft_slo_s / u ** self.overload_power
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""

@@ -187,14 +187,25 @@ def test_engine_records_its_ttft_prediction_and_reports_calibration():
     assert math.isfinite(s["ttft_pred_mae_s"]) and 0 <= s["ttft_pred_wrong_side"] <= 1
 
 
-@pytest.mark.parametrize("family, loads", [("chat", (0.3, 0.7)), ("short", (0.3, 0.7)), ("long-context", (0.3,)),
-                                           ("multi-class", (0.3,))])
-def test_poisson_traffic_at_light_load_is_almost_never_refused(family, loads):
+@pytest.mark.parametrize("family, loads", [("chat", (0.3, 0.7)), ("short", (0.3, 0.7))])
+def test_poisson_traffic_at_light_load_is_never_refused(family, loads):
     for load in loads:
         arr = arrivals(family, load, 800, seed=3)
         assert summary(build_controller("slo-flow", PROFILE), arr)["rejected"] == 0, (family, load)
-        # the policy may tighten the threshold, never the overload test: at most the noise of the rates
-        assert summary(build_controller("learned", PROFILE), arr)["rejected"] <= 2, (family, load)
+        assert summary(build_controller("learned", PROFILE), arr)["rejected"] == 0, (family, load)
+
+
+@pytest.mark.parametrize("family", ["long-context", "multi-class"])
+def test_long_prompts_at_light_load_are_refused_only_where_they_would_miss_anyway(family):
+    """Long prefills make Poisson traffic at 0.3 x lambda_max late now and then (greedy misses a few
+    SLOs there): a refusal is allowed only as rarely, and goodput stays within the matrix's floor."""
+    arr = arrivals(family, 0.3, 800, seed=3)
+    greedy = summary(build_controller("greedy", PROFILE), arr)
+    for name in ("slo-flow", "learned"):
+        s = summary(build_controller(name, PROFILE), arr)
+        assert s["rejected"] <= 0.005 * len(arr), name
+        assert s["rejected"] <= len(arr) - greedy["requests"] * greedy["slo_attainment"], name
+        assert s["goodput_rps"] >= 0.97 * greedy["goodput_rps"], name  # the floor of the evaluation matrix
 
 
 def test_shipped_policy_loads_with_the_current_features():

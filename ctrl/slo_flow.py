@@ -11,18 +11,20 @@ Three rules, each with a worst case that can be argued on its own:
 - **Token budget** by AIMD on the TPOT SLO (as ``watermark``): it grows while steps run within
   the SLO and halves when one did not, so long prefills cannot stall running decodes.
 - **Admission** on a calibrated prediction (:func:`predicted_ttft_s`): an arrival is refused with
-  429 only in overload (u = observed arrival rate / completion rate above ``1 + overload_margin``;
-  refusals shorten the queue, never the arrival rate, so u witnesses overload whatever the
-  controller does), when work is queued ahead of it (requests waiting, or prefill of running
+  429 only in overload, when work is queued ahead of it (requests waiting, or prefill of running
   requests beyond one step's budget) *and* its predicted TTFT, counting that work, the running
   requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
   percentile of realised minus predicted TTFT, ``Observation.ttft_error_p90_s``), exceeds
-  ``reject_above`` x SLO. So only an arrival that would likely miss its SLO anyway is refused, and
-  in overload it would also have taken capacity from those that can still meet theirs; the
-  calibration term keeps the queue short enough for the admitted ones, with a margin that is
-  measured, not assumed. Without overload nothing is refused: a burst at light load drains by
-  itself, and a late answer serves a user better than a 429. With nothing ahead of an arrival it
-  is never refused, whatever the machine's speed.
+  ``reject_above`` x SLO / sqrt(u). Overload has two witnesses, and neither can be defeated by
+  refusing: arrivals outpace completions (u = arrival rate / completion rate above ``1 +
+  overload_margin``; refusals shorten the queue, never the arrival rate), or the KV sits at rho M
+  (the memory is the bottleneck, and what waits, waits for memory; u is then 1). A refused arrival
+  would most likely have missed its SLO anyway, and in overload it would have taken capacity from
+  those that can still meet theirs; the error term is a measured margin, not an assumed one, and
+  the 1/sqrt(u) keeps the queue shorter the deeper the overload, where arrivals refill it faster.
+  Without overload nothing is refused: a burst at light load drains by itself, and a late answer
+  serves a user better than a 429. With nothing ahead of an arrival it is never refused, whatever
+  the machine's speed.
 
 Three multipliers (:meth:`SloFlowController.set_residual`, all 1 by default) scale the activation
 rate, the token budget and the admission threshold: the learned policy sets them, and at
@@ -77,9 +79,11 @@ class SloFlowController(Controller):
     """:param ttft_slo_s: the TTFT SLO of the admission rule.
     :param tpot_slo_s: the step-time target of the AIMD token budget.
     :param reject_above: in overload, refuse an arrival whose predicted TTFT (plus the recent
-        prediction error) exceeds ``reject_above`` x SLO; ``inf`` never refuses on delay.
+        prediction error) exceeds ``reject_above`` x SLO / u^``overload_power``; ``inf`` never
+        refuses on delay.
     :param overload_margin: arrivals may outpace completions by this fraction before anything is
-        refused (the noise of two rate estimates over one window).
+        refused on that witness (the noise of two rate estimates over one window).
+    :param overload_power: how fast the threshold shrinks with the depth of overload u.
     :param min_completions: nothing is refused before this many requests have completed (no
         completion rate before; the shield's queue limit and timeout protect until then).
 
@@ -98,10 +102,12 @@ class SloFlowController(Controller):
                  overload_margin: float = 0.2, min_completions: int = 1,
                  target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
-                 max_num_seqs: int = 256, overload_power: float = 0.0, **overload) -> None:
+                 max_num_seqs: int = 256, overload_power: float = 0.5, **overload) -> None:
         super().__init__(**overload)
-        if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0):
-            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, reject_above > 0 and overload_margin >= 0")
+        if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
+                and overload_power >= 0):
+            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, reject_above > 0, overload_margin >= 0 and "
+                             "overload_power >= 0")
         if not 0 < target_usage <= 1 or prior_output_tokens < 1:
             raise ValueError("need 0 < target_usage <= 1 and prior_output_tokens >= 1")
         self.aimd = AimdTokenBudget(max_num_batched_tokens, tpot_slo_s, min_token_budget, additive_tokens, backoff)
@@ -140,17 +146,23 @@ class SloFlowController(Controller):
             self.reject_scale, self._decision.token_budget = state
 
     def reject_delay_s(self, obs: Observation) -> float:
-        """The predicted TTFT above which arrivals are refused: ``inf`` unless arrivals outpace
-        completions by more than ``overload_margin`` (times the residual where it is above 1), then
-        ``reject_above`` x SLO (times the residual)."""
+        """The predicted TTFT above which arrivals are refused: ``inf`` without overload; in
+        overload ``reject_above`` x SLO / u^``overload_power`` (times the residual).
+
+        Overload has two witnesses: arrivals outpace completions by more than ``overload_margin``
+        (times the residual where it is above 1; u = arrival rate / completion rate), or the KV is
+        at ``target_usage`` (the memory is the bottleneck, so whatever waits, waits for memory; u
+        is then taken as 1)."""
         done = obs.completion_rate_rps
+        if obs.completed_total < self.min_completions:
+            return math.inf
         # the residual may widen the margin, never narrow it: without overload nothing is refused,
         # whatever a policy asks
         margin = self.overload_margin * max(self.reject_scale, 1.0)
-        if obs.completed_total < self.min_completions or not obs.arrival_rate_rps > done * (1.0 + margin):
-            return math.inf
-        u = obs.arrival_rate_rps / done
-        return self.reject_above * self.reject_scale * self.ttft_slo_s / u ** self.overload_power
+        limit = self.reject_above * self.reject_scale * self.ttft_slo_s
+        if obs.arrival_rate_rps > done * (1.0 + margin) and done > 0:
+            return limit / (obs.arrival_rate_rps / done) ** self.overload_power
+        return limit if obs.kv_usage >= self.target_usage else math.inf
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""

@@ -581,11 +581,24 @@ def test_a_queue_inside_the_running_set_is_a_queue():
 def test_only_arrivals_predicted_to_miss_their_slo_are_refused_and_the_measured_error_counts():
     c = SloFlowController(max_num_batched_tokens=2048)
     obs = overloaded_obs(num_waiting=4, waiting_prompt_tokens=4000)
+    limit = c.reject_delay_s(obs)
+    assert limit == pytest.approx(c.ttft_slo_s / math.sqrt(2.0))  # arrivals at twice the completions
     predicted = c.predict_ttft_s(obs, 1000)
-    assert predicted < c.ttft_slo_s and c.admit(obs, 1000, 100) is None
-    obs.ttft_error_p90_s = c.ttft_slo_s - predicted + 0.01  # predictions have run that much late
+    assert predicted < limit and c.admit(obs, 1000, 100) is None
+    obs.ttft_error_p90_s = limit - predicted + 0.01  # predictions have run that much late
     assert isinstance(c.admit(obs, 1000, 100), Rejection)
-    obs.ttft_error_p90_s = -5.0  # early predictions never widen the threshold beyond the SLO
+    obs.ttft_error_p90_s = -5.0  # early predictions never widen the threshold
     assert c.admit(obs, 1000, 100) is None
     late = overloaded_obs(num_waiting=4, waiting_prompt_tokens=4000 + 2048 * 60)
-    assert c.predict_ttft_s(late, 1000) > c.ttft_slo_s and isinstance(c.admit(late, 1000, 100), Rejection)
+    assert c.predict_ttft_s(late, 1000) > limit and isinstance(c.admit(late, 1000, 100), Rejection)
+
+
+def test_a_full_memory_witnesses_overload_that_the_rates_miss():
+    """Arrivals no faster than completions, but the KV sits at rho M and the queue is past the SLO:
+    what waits, waits for memory, so an arrival that would miss is refused; with free memory it is not."""
+    c = SloFlowController(max_num_batched_tokens=2048)
+    full = overloaded_obs(num_waiting=30, waiting_prompt_tokens=30 * 3000, kv_used_tokens=95_000, arrival_rate_rps=5.0)
+    assert c.reject_delay_s(full) == pytest.approx(c.ttft_slo_s)
+    assert c.predict_ttft_s(full, 1000) > c.ttft_slo_s and isinstance(c.admit(full, 1000, 100), Rejection)
+    full.kv_used_tokens = 50_000
+    assert c.reject_delay_s(full) == math.inf and c.admit(full, 1000, 100) is None

@@ -61,6 +61,8 @@ def test_capacity_json():
     (["simulate", "--trace", "splitwise_conv", "--profile", "nope"], "unknown profile 'nope'"),
     (["capacity", "--trace", "splitwise_conv", "--workload", "paper_sec41"], "exactly one of"),
     (["bench", "--loads", "a,b"], "--loads must be"),
+    (["twin-check", "--trace", "splitwise_conv", "--pin-cpu", "100000"], "core 100000 is not one this process"),
+    (["profile", "--quick", "--out", "/tmp/unused.json", "--pin-cpu", "100000"], "core 100000 is not one"),
 ])
 def test_bad_input_gets_one_line_and_exit_2(args, message):
     res = run(*args)
@@ -88,3 +90,13 @@ def test_bench_writes_table_csv_and_plots(tmp_path):
                  "goodput_splitwise_code.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert len((tmp_path / "results.csv").read_text().splitlines()) == 1 + 4
+
+
+def test_pin_cpu_runs_the_process_on_one_core_with_one_thread():
+    import subprocess
+    import sys
+
+    code = ("import os, torch; from engine.cli.real import _threads; core = max(os.sched_getaffinity(0)); "
+            "_threads(None, core); print(sorted(os.sched_getaffinity(0)) == [core], torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "1"]

@@ -4,6 +4,7 @@ recorded serving steps and the twin check end to end (tiny model, CPU)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from engine.core.profile import Profile, load_profile
 from engine.sim.fit import binned_samples, fit_step_time
+from engine.core.request import Request
 from engine.twin.check import COMPARED, step_time_errors
 from engine.twin.fit import read_steps_csv, run_profile_from_steps
 
@@ -144,6 +146,26 @@ def test_profiler_grid_fits_a_loadable_profile(tmp_path):
 
 # --- the twin check end to end (engine.twin.check) -------------------------------------------
 
+def _finished(ttft: float, tpot: float, arrival: float = 0.0, tokens: int = 11):
+    r = Request("r", arrival, 10, 100)
+    r.num_output_tokens = tokens
+    r.first_token_time_s = arrival + ttft
+    r.finish_time_s = r.first_token_time_s + tpot * (tokens - 1)
+    return r
+
+
+def test_ks_distance_is_zero_for_the_same_latencies_and_one_for_disjoint_ones():
+    from engine.twin.check import ks_distances
+
+    same = [_finished(0.1 * i, 0.01 * i) for i in range(1, 20)]
+    assert ks_distances(same, list(same)) == {"ttft_s": 0.0, "tpot_s": 0.0, "e2e_s": 0.0}
+    late = [_finished(10 + 0.1 * i, 1 + 0.01 * i) for i in range(1, 20)]
+    assert ks_distances(same, late) == {"ttft_s": 1.0, "tpot_s": 1.0, "e2e_s": 1.0}
+    half = same[:10] + late[:9]  # 10 of the 19 from the same distribution
+    assert 0.4 < ks_distances(same, half)["ttft_s"] < 0.6
+    assert all(math.isnan(v) for v in ks_distances(same, []).values())
+
+
 @pytest.mark.slow
 def test_twin_check_end_to_end(tmp_path):
     from engine.twin.check import run_twin_check
@@ -157,6 +179,8 @@ def test_twin_check_end_to_end(tmp_path):
     assert completed["real"] == completed["sim"] == 16
     assert report["step_time"]["steps"] > 0 and report["step_time"]["mape"] >= 0
     assert set(report["targets_met"]) == {"step_time_mape", "throughput_rps", "ttft_p50_s"}
+    assert set(report["ks_distance"]) == {"ttft_s", "tpot_s", "e2e_s"}
+    assert all(0 <= d <= 1 for d in report["ks_distance"].values()) and "KS distance" in report["table"]
     assert json.loads((tmp_path / "twin_report.json").read_text())["requests"] == 16
     assert (tmp_path / "twin_step_time.png").stat().st_size > 0
     # The steps it recorded are what --from-steps fits on.

@@ -13,8 +13,19 @@ import click
 from engine.cli.support import friendly
 
 
-def _threads(threads: int | None) -> None:
+def _threads(threads: int | None, pin_cpu: int | None = None) -> None:
+    """Set torch's CPU threads; with ``pin_cpu``, run this process on that core alone (one thread)."""
+    import os
+
     import torch
+    if pin_cpu is not None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        if pin_cpu not in allowed:
+            raise click.BadParameter(f"core {pin_cpu} is not one this process may run on "
+                                     f"({', '.join(map(str, sorted(allowed))) or 'no affinity control here'})",
+                                     param_hint="--pin-cpu")
+        os.sched_setaffinity(0, {pin_cpu})
+        threads = 1
     if threads:
         torch.set_num_threads(threads)
 
@@ -26,6 +37,9 @@ device_option = click.option("--device", default=None, help="cpu, cuda, cuda:1 .
 dtype_option = click.option("--dtype", default=None,
                             help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU).")
 threads_option = click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
+pin_option = click.option("--pin-cpu", type=click.IntRange(min=0), default=None,
+                          help="Run on this CPU core alone, one torch thread: pin the profile and the twin check "
+                               "to the same core so that they compare like with like.")
 
 
 @click.command("generate")
@@ -103,14 +117,16 @@ def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed
 @click.option("--loss", type=click.Choice(["l1", "l2"]), default=None,
               help="Fit on absolute (l1, minimises MAPE) or squared (l2) relative error "
                    "[default: l1 with --from-twin, l2 on the grid].")
+@pin_option
 @friendly(ValueError)
 def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_tokens, repeats, passes, quick,
-                    from_twin, from_steps, trace, skip, first_n, length_scale, rate_scale, controller_spec, runs, loss):
+                    from_twin, from_steps, trace, skip, first_n, length_scale, rate_scale, controller_spec, runs, loss,
+                    pin_cpu):
     """Time engine steps and fit the simulator's step-time model (grid of batch shapes, or --from-twin)."""
     from engine.real.profiler import run_profile
     from engine.twin.fit import run_profile_from_serving, run_profile_from_steps
 
-    _threads(threads)
+    _threads(threads, pin_cpu)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     if from_twin and from_steps:
         raise click.UsageError("--from-twin and --from-steps exclude each other")
@@ -157,13 +173,14 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 @device_option
 @dtype_option
 @threads_option
+@pin_option
 @friendly(ValueError)
 def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, controller_spec,
-                       seed, out_dir, as_json, device, dtype, threads):
+                       seed, out_dir, as_json, device, dtype, threads, pin_cpu):
     """Run one workload through the real engine and the simulator twin and compare them."""
     from engine.twin.check import run_twin_check
 
-    _threads(threads)
+    _threads(threads, pin_cpu)
     report = run_twin_check(model=model, trace=trace, first_n=first_n, length_scale=length_scale,
                             rate_scale=rate_scale, max_tokens=max_tokens, profile_name=profile_name,
                             controller_spec=controller_spec, seed=seed, out_dir=out_dir, device=device,

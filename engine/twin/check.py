@@ -8,17 +8,21 @@ each real request ignores EOS and ends at the trace's output length, as in the s
 check reports:
 
 - step-time MAPE: each real step's duration against the profile's prediction for that batch;
-- relative error of throughput, TTFT p50/p99 and TPOT p50/p99 between the two runs.
+- relative error of throughput, TTFT p50/p99 and TPOT p50/p99 between the two runs;
+- the two-sample Kolmogorov-Smirnov distance (``scipy.stats.ks_2samp``) between the real and the
+  simulated distributions of TTFT, TPOT and end-to-end latency over the requests.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from scipy.stats import ks_2samp
 
 from ctrl import build_controller
 from engine.core.profile import Profile, load_profile
@@ -114,6 +118,23 @@ def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
                     f"{tr:.6g},{ts:.6g},{pr:.6g},{ps:.6g}\n")
 
 
+def latencies(requests) -> dict[str, np.ndarray]:
+    """TTFT, TPOT and end-to-end seconds of the finished requests (TPOT of those with two tokens or more)."""
+    done = [r for r in requests if r.first_token_time_s is not None and r.finish_time_s is not None]
+    tpot = [time_per_output_token_s(r) for r in done]
+    return {"ttft_s": np.array([time_to_first_token_s(r) for r in done], dtype=float),
+            "tpot_s": np.array([t for t in tpot if t is not None], dtype=float),
+            "e2e_s": np.array([r.finish_time_s - r.arrival_time_s for r in done], dtype=float)}
+
+
+def ks_distances(real_requests, sim_requests) -> dict[str, float]:
+    """The two-sample KS statistic (the largest gap between the two empirical CDFs, 0 to 1) of
+    each latency between the real and the simulated requests; NaN where either side has none."""
+    real, sim = latencies(real_requests), latencies(sim_requests)
+    return {key: float(ks_2samp(real[key], sim[key]).statistic) if len(real[key]) and len(sim[key]) else math.nan
+            for key in real}
+
+
 def compare_metrics(real: dict, sim: dict) -> dict:
     """Per compared metric: the real and simulated value and the simulator's relative error."""
     rows = {}
@@ -143,7 +164,7 @@ def _speed_adjusted_errors(arrivals, profile: Profile, controller, ratio: float,
 
 
 def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], drift: dict | None,
-                 met: dict) -> str:
+                 met: dict, ks: dict[str, float] | None = None) -> str:
     """The check as text: the step-time headline, the metric table, step times by size, targets."""
     verdict = "met" if met["step_time_mape"] else "missed"
     lines = [headline,
@@ -154,6 +175,9 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
              "", "| metric | real engine | simulator | relative error |", "|---|---|---|---|"]
     for key, row in rows.items():
         lines.append(f"| {key} | {row['real']:.4g} | {row['sim']:.4g} | {100 * row['rel_error']:+.1f}% |")
+    if ks:
+        lines.append("\nKS distance, real against simulated: " +
+                     ", ".join(f"{key.removesuffix('_s').upper()} {value:.3f}" for key, value in ks.items()))
     lines += ["", "| steps with T new tokens | steps | real mean (ms) | real median (ms) | predicted mean (ms) "
               "| MAPE |", "|---|---|---|---|---|---|"]
     for b in by_size:
@@ -210,6 +234,7 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     _write_requests_csv(out_dir / "twin_requests.csv", core.metrics.terminal, sim_result.core.metrics.terminal)
 
     rows = compare_metrics(real, sim_result.summary)
+    ks = ks_distances(core.metrics.terminal, sim_result.core.metrics.terminal)
     drift = speed_drift(profile, errors)
     if drift is not None:
         drift["rel_error_speed_adjusted"] = _speed_adjusted_errors(arrivals, profile, controller(), drift["ratio"],
@@ -221,9 +246,9 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
         "trace": trace, "requests": len(arrivals), "length_scale": length_scale, "rate_scale": rate_scale,
         "controller": controller_spec, "profile": profile.name, "model": model,
         "step_time": {k: v for k, v in errors.items() if not isinstance(v, np.ndarray)},
-        "step_time_by_size": by_size, "speed_drift": drift, "metrics": rows, "targets_met": met,
+        "step_time_by_size": by_size, "speed_drift": drift, "metrics": rows, "ks_distance": ks, "targets_met": met,
         "real_summary": real, "sim_summary": sim_result.summary,
-        "table": report_table(headline, errors, rows, by_size, drift, met),
+        "table": report_table(headline, errors, rows, by_size, drift, met, ks),
     }
     (out_dir / "twin_report.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
     plot_step_times(errors, out_dir / "twin_step_time.png",

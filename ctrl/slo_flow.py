@@ -15,13 +15,14 @@ Three rules, each with a worst case that can be argued on its own:
   requests beyond one step's budget) *and* its predicted TTFT, counting that work, the running
   requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
   percentile of realised minus predicted TTFT, ``Observation.ttft_error_p90_s``), exceeds
-  ``reject_above`` x SLO / sqrt(u). Overload has two witnesses, and neither can be defeated by
+  ``reject_above`` x SLO. Overload has two witnesses, and neither can be defeated by
   refusing: arrivals outpace completions (u = arrival rate / completion rate above ``1 +
   overload_margin``; refusals shorten the queue, never the arrival rate), or the KV sits at rho M
   (the memory is the bottleneck, and what waits, waits for memory; u is then 1). A refused arrival
   would most likely have missed its SLO anyway, and in overload it would have taken capacity from
-  those that can still meet theirs; the error term is a measured margin, not an assumed one, and
-  the 1/sqrt(u) keeps the queue shorter the deeper the overload, where arrivals refill it faster.
+  those that can still meet theirs; the error term is a measured margin, not an assumed one.
+  (``overload_power`` p > 0 divides the threshold by u^p, a shorter queue the deeper the overload;
+  off by default: a burst inflates u and would then refuse requests its drain serves in time.)
   Without overload nothing is refused: a burst at light load drains by itself, and a late answer
   serves a user better than a 429. With nothing ahead of an arrival it is never refused, whatever
   the machine's speed.
@@ -83,7 +84,8 @@ class SloFlowController(Controller):
         refuses on delay.
     :param overload_margin: arrivals may outpace completions by this fraction before anything is
         refused on that witness (the noise of two rate estimates over one window).
-    :param overload_power: how fast the threshold shrinks with the depth of overload u.
+    :param overload_power: p of the threshold's 1 / u^p with the depth of overload u (0: none).
+    :param memory_witness: a KV at ``target_usage`` witnesses overload too.
     :param min_completions: nothing is refused before this many requests have completed (no
         completion rate before; the shield's queue limit and timeout protect until then).
 
@@ -102,7 +104,8 @@ class SloFlowController(Controller):
                  overload_margin: float = 0.2, min_completions: int = 1,
                  target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
-                 max_num_seqs: int = 256, overload_power: float = 0.5, **overload) -> None:
+                 max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
+                 **overload) -> None:
         super().__init__(**overload)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
                 and overload_power >= 0):
@@ -121,6 +124,7 @@ class SloFlowController(Controller):
         self.max_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.overload_power = overload_power
+        self.memory_witness = memory_witness
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs)
         self.reset()
 
@@ -162,7 +166,7 @@ class SloFlowController(Controller):
         limit = self.reject_above * self.reject_scale * self.ttft_slo_s
         if obs.arrival_rate_rps > done * (1.0 + margin) and done > 0:
             return limit / (obs.arrival_rate_rps / done) ** self.overload_power
-        return limit if obs.kv_usage >= self.target_usage else math.inf
+        return limit if self.memory_witness and obs.kv_usage >= self.target_usage else math.inf
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""

@@ -568,9 +568,9 @@ def overloaded_obs(**fields) -> Observation:
 
 def test_a_queue_inside_the_running_set_is_a_queue():
     """Requests activated at once but waiting for their prefill behind others: no one waits in
-    the queue, yet an arrival is 20 steps of prefill away from its first token."""
+    the queue, yet an arrival is 60 steps of prefill away from its first token."""
     c = SloFlowController(max_num_batched_tokens=2048)
-    ahead = overloaded_obs(running_prefill_tokens=40 * 2048)
+    ahead = overloaded_obs(running_prefill_tokens=60 * 2048)
     assert isinstance(c.admit(ahead, 1000, 100), Rejection)
     one_step = overloaded_obs(running_prefill_tokens=2048)
     assert c.nothing_ahead(one_step) and c.admit(one_step, 1000, 100) is None
@@ -582,7 +582,8 @@ def test_only_arrivals_predicted_to_miss_their_slo_are_refused_and_the_measured_
     c = SloFlowController(max_num_batched_tokens=2048)
     obs = overloaded_obs(num_waiting=4, waiting_prompt_tokens=4000)
     limit = c.reject_delay_s(obs)
-    assert limit == pytest.approx(c.ttft_slo_s / math.sqrt(2.0))  # arrivals at twice the completions
+    assert limit == pytest.approx(c.ttft_slo_s)  # arrivals at twice the completions: overloaded
+    assert SloFlowController(overload_power=1.0).reject_delay_s(obs) == pytest.approx(c.ttft_slo_s / 2)
     predicted = c.predict_ttft_s(obs, 1000)
     assert predicted < limit and c.admit(obs, 1000, 100) is None
     obs.ttft_error_p90_s = limit - predicted + 0.01  # predictions have run that much late

@@ -10,7 +10,8 @@
 2. The selected checkpoints of all seeds run the *test* matrix (every shipped family, the families
    in the config's ``held_out`` marked, loads 0.5-3 x lambda_max, three draws each) against the
    heuristics; ``matrix.md``, ``matrix.json`` and heatmaps go to OUT, with ``selection.json``.
-3. Poisson families at loads 0.3 and 0.7: refusals of the shipped choice.
+3. Poisson families at loads 0.3 and 0.7: refusals of the shipped choice, beside greedy's SLO misses
+   and slo-flow (``light_load_sim.light_load``: ``light_load.md`` and ``light_load.json``).
 
 Cells run in parallel (``--workers``, ``--backend``/``--address`` for Ray).
 """
@@ -27,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from light_load_sim import light_load  # noqa: I001 (benchmarks/ is the script's own folder)
 from training.evaluate import PRIOR, TEST, VALIDATION, evaluate, summarize, write_report
 from training.export import export
 
 LOADS = (0.5, 0.8, 1.2, 2.0, 3.0)
 VALIDATION_LOADS = (0.5, 1.2, 2.5)
-POISSON = ("chat", "short", "long-context", "multi-class")
 
 
 def checkpoints(seed_dir: Path) -> list[Path]:
@@ -129,15 +130,9 @@ def main() -> None:
     print(json.dumps(report["targets"], indent=1))
     write_guard_table(rows, shipped, args.out, held_out)
 
-    ship = {selection["ship"]: learned[selection["ship"]]}
-    light = evaluate(ship, families=list(POISSON), loads=(0.3, 0.7), seeds=(0, 1, 2), requests=args.requests,
-                     profile=args.profile, heuristics=(), purpose=TEST, **opts)
-    refusals = {f"{r['family']}@{r['load']}": r["rejected"] for r in light if r["seed"] == 0}
-    total = {f"{f}@{x}": int(sum(r["rejected"] for r in light if r["family"] == f and r["load"] == x))
-             for f in POISSON for x in (0.3, 0.7)}
-    (args.out / "light_load.json").write_text(json.dumps({"refusals_over_3_draws": total,
-                                                            "requests_per_draw": args.requests}, indent=1))
-    print("refusals at light Poisson load (3 draws):", total, refusals and "")
+    light = light_load(learned[shipped], args.out, args.requests, **opts)
+    print("refusals at light Poisson load (3 draws):",
+          {f"{t['family']}@{t['load']}": t["learned_refusals"] for t in light})
     summary = summarize(rows, list(learned), held_out)
     worst = min(summary, key=lambda r: r.get("vs_best_min", math.inf))
     print("worst cell:", worst["family"], worst["load"], f"{worst['vs_best_min']:.3f}")

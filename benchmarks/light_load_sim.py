@@ -22,18 +22,14 @@ POISSON = ("chat", "short", "long-context", "multi-class")
 LOADS = (0.3, 0.7)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", type=Path, default=None, help="ONNX policy (default: the shipped one).")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench/matrix"))
-    ap.add_argument("--requests", type=int, default=1500)
-    ap.add_argument("--workers", type=int, default=None)
-    args = ap.parse_args()
-    from ctrl.learned import DEFAULT_POLICY
+def light_load(policy: Path, out: Path, requests: int = 1500, **opts) -> list[dict]:
+    """Simulate the Poisson families at light load with ``policy``, greedy and slo-flow; write
+    ``light_load.json`` and ``light_load.md`` into ``out``; return the table's rows.
 
-    policy = args.policy or DEFAULT_POLICY
+    :param opts: passed to ``training.evaluate.evaluate`` (``workers``, ``backend``, ``address``).
+    """
     rows = evaluate({"learned": policy}, families=list(POISSON), loads=LOADS, seeds=(0, 1, 2),
-                    requests=args.requests, heuristics=("greedy", "slo-flow"), purpose=TEST, workers=args.workers)
+                    requests=requests, heuristics=("greedy", "slo-flow"), purpose=TEST, **opts)
     table = []
     for fam in POISSON:
         for load in LOADS:
@@ -53,16 +49,29 @@ def main() -> None:
                           "learned_goodput": mean("learned", "goodput_frac"),
                           "slo_flow_goodput": mean("slo-flow", "goodput_frac"),
                           "greedy_goodput": mean("greedy", "goodput_frac")})
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "light_load.json").write_text(json.dumps(table, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "light_load.json").write_text(json.dumps(table, indent=1))
     lines = ["| family | load | requests | learned refusals | slo-flow refusals | greedy: share missing its SLO "
              "| goodput learned | slo-flow | greedy |", "|---|---|---|---|---|---|---|---|---|"]
     for t in table:
         lines.append(f"| {t['family']} | {t['load']} | {t['requests']} | {t['learned_refusals']} | "
                      f"{t['slo_flow_refusals']} | {t['greedy_missed_slo']:.1%} | {t['learned_goodput']:.3f} | "
                      f"{t['slo_flow_goodput']:.3f} | {t['greedy_goodput']:.3f} |")
-    (args.out / "light_load.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / "light_load.md").write_text("\n".join(lines) + "\n")
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", type=Path, default=None, help="ONNX policy (default: the shipped one).")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/matrix"))
+    ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--workers", type=int, default=None)
+    args = ap.parse_args()
+    from ctrl.learned import DEFAULT_POLICY
+
+    light_load(args.policy or DEFAULT_POLICY, args.out, args.requests, workers=args.workers)
+    print((args.out / "light_load.md").read_text())
 
 
 if __name__ == "__main__":

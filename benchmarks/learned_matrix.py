@@ -7,6 +7,10 @@
    (``training.evaluate.VALIDATION``: a random stream the test matrix never uses), next to slo-flow,
    the policy's prior. A seed's checkpoint is the one with the best worst-cell ratio to the prior
    (ties: the best mean ratio). The policy to ship is the seed whose selected checkpoint scored best.
+1b. Each selected checkpoint gets its residual scale (the share of its action applied, 0 being the
+   prior alone) on three further validation draws: of the scales in ``SCALES`` whose worst cell is
+   at least ``SCALE_FLOOR`` x the prior, the one with the best mean ratio (0 always qualifies). The
+   scale is written into the policy file the matrix runs and ``--ship`` copies.
 2. The selected checkpoints of all seeds run the *test* matrix (every shipped family, the families
    in the config's ``held_out`` marked, loads 0.5-3 x lambda_max, three draws each) against the
    heuristics; ``matrix.md``, ``matrix.json`` and heatmaps go to OUT, with ``selection.json``.
@@ -30,10 +34,16 @@ import yaml
 
 from light_load_sim import light_load  # noqa: I001 (benchmarks/ is the script's own folder)
 from training.evaluate import PRIOR, TEST, VALIDATION, evaluate, summarize, write_report
-from training.export import export
+from training.export import export, set_residual_scale
 
 LOADS = (0.5, 0.8, 1.2, 2.0, 3.0)
 VALIDATION_LOADS = (0.5, 1.2, 2.5)
+#: residual scales tried for each selected checkpoint (0, the prior alone, needs no simulation)
+SCALES = (0.25, 0.5, 1.0)
+#: a scale qualifies if no validation cell falls below this share of the prior's goodput
+SCALE_FLOOR = 0.97
+#: validation draws of the scale selection (the checkpoint selection uses draws 0 and 1)
+SCALE_DRAWS = (2, 3, 4)
 
 
 def checkpoints(seed_dir: Path) -> list[Path]:
@@ -52,21 +62,24 @@ def export_all(run: Path) -> dict[str, dict[str, Path]]:
     return out
 
 
+def ratio_scores(rows: list[dict], names) -> dict[str, dict[str, float]]:
+    """Worst-cell and mean ratio of each name's goodput to the prior's, over the cells of ``rows``."""
+    goodput: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        goodput.setdefault((r["family"], r["load"], r["seed"]), {})[r["controller"]] = r["goodput_frac"]
+    scores = {}
+    for name in names:
+        ratios = [g[name] / g[PRIOR] for g in goodput.values() if g[PRIOR] > 0] or [math.nan]
+        scores[name] = {"min": float(np.min(ratios)), "mean": float(np.mean(ratios))}
+    return scores
+
+
 def select(exports: dict[str, dict[str, Path]], families: list[str], requests: int, opts: dict) -> dict:
     """Each seed's checkpoint with the best worst-cell ratio to the prior on validation draws."""
     named = {f"{seed}/{name}": path for seed, by_name in exports.items() for name, path in by_name.items()}
     rows = evaluate(named, families=families, loads=VALIDATION_LOADS, seeds=(0, 1), requests=requests,
                     heuristics=(PRIOR,), purpose=VALIDATION, **opts)
-    goodput: dict[tuple, dict[str, list[float]]] = {}
-    for r in rows:
-        goodput.setdefault((r["family"], r["load"], r["seed"]), {}).setdefault(r["controller"], []).append(
-            r["goodput_frac"])
-    scores = {}
-    for name in named:
-        ratios = [g[name][0] / g[PRIOR][0] for g in goodput.values() if g[PRIOR][0] > 0]
-        if not ratios:  # the prior met no SLO anywhere: nothing to compare with
-            ratios = [math.nan]
-        scores[name] = {"min": float(np.min(ratios)), "mean": float(np.mean(ratios))}
+    scores = ratio_scores(rows, named)
     chosen = {}
     for seed, by_name in exports.items():
         best = max(by_name, key=lambda n: (round(scores[f"{seed}/{n}"]["min"], 3), scores[f"{seed}/{n}"]["mean"]))
@@ -74,6 +87,31 @@ def select(exports: dict[str, dict[str, Path]], families: list[str], requests: i
     ship = max(chosen, key=lambda s: (round(chosen[s]["min"], 3), chosen[s]["mean"]))
     return {"scores": scores, "chosen": chosen, "ship": ship, "validation_loads": list(VALIDATION_LOADS),
             "validation_families": families, "validation_draws": [0, 1]}
+
+
+def select_scales(chosen: dict, families: list[str], requests: int, opts: dict) -> dict:
+    """Each seed's residual scale on validation draws ``SCALE_DRAWS``; writes the scaled policy files.
+
+    :return: seed -> {"residual_scale", "onnx" (the file with the scale recorded), "scores" by scale}.
+    """
+    named = {}
+    for seed, c in chosen.items():
+        src = Path(c["onnx"])
+        for scale in SCALES:
+            named[f"{seed}@{scale:g}"] = set_residual_scale(src, scale, src.with_name(f"{src.stem}@{scale:g}.onnx"))
+    rows = evaluate(named, families=families, loads=VALIDATION_LOADS, seeds=SCALE_DRAWS, requests=requests,
+                    heuristics=(PRIOR,), purpose=VALIDATION, **opts)
+    scores = ratio_scores(rows, named)
+    out = {}
+    for seed, c in chosen.items():
+        by_scale = {0.0: {"min": 1.0, "mean": 1.0}, **{s: scores[f"{seed}@{s:g}"] for s in SCALES}}
+        fit = [s for s, sc in by_scale.items() if sc["min"] >= SCALE_FLOOR]
+        best = max(fit, key=lambda s: (round(by_scale[s]["mean"], 3), -s))
+        src = Path(c["onnx"])
+        onnx = set_residual_scale(src, best, src.with_name(f"{src.stem}@selected.onnx"))
+        out[seed] = {"residual_scale": best, "onnx": str(onnx),
+                     "scores": {f"{s:g}": v for s, v in by_scale.items()}}
+    return out
 
 
 def write_guard_table(rows: list[dict], shipped: str, out: Path, held_out) -> None:
@@ -121,7 +159,14 @@ def main() -> None:
     (args.out / "selection.json").write_text(json.dumps(selection, indent=1))
     print(json.dumps(selection["chosen"], indent=1), "ship:", selection["ship"])
 
-    learned = {seed: Path(c["onnx"]) for seed, c in selection["chosen"].items()}
+    scales = select_scales(selection["chosen"], train_families, args.validation_requests,
+                           {**opts, "profile": args.profile})
+    selection["scales"] = scales
+    selection["scale_floor"], selection["scale_draws"] = SCALE_FLOOR, list(SCALE_DRAWS)
+    (args.out / "selection.json").write_text(json.dumps(selection, indent=1))
+    print("residual scales:", {seed: s["residual_scale"] for seed, s in scales.items()})
+
+    learned = {seed: Path(s["onnx"]) for seed, s in scales.items()}
     shipped = selection["ship"]
     rows = evaluate(learned, loads=LOADS, seeds=(0, 1, 2), requests=args.requests, profile=args.profile,
                     purpose=TEST, guarded=(shipped,), **opts)

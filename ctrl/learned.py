@@ -88,11 +88,26 @@ def _clip1(x) -> float:
     return -1.0 if v < -1.0 else (1.0 if v > 1.0 else v)
 
 
-def action_to_residual(action) -> tuple[float, float, float]:
+def action_to_residual(action, scale: float = 1.0) -> tuple[float, float, float]:
     """(activation rate, token budget, admission threshold) multipliers for an action in
-    ``[-1, 1]^3``; entries outside are clipped, NaN/inf/non-numbers count as 0 (multiplier 1)."""
-    a0, a1, a2 = (RESIDUAL_RANGE ** _clip1(a) for a in action[:ACTION_DIM])
+    ``[-1, 1]^3``: ``RESIDUAL_RANGE ** (scale * a)``; entries outside are clipped, NaN/inf/non-numbers
+    count as 0 (multiplier 1). ``scale`` in [0, 1] is the policy's residual scale (0: the prior)."""
+    a0, a1, a2 = (RESIDUAL_RANGE ** (scale * _clip1(a)) for a in action[:ACTION_DIM])
     return a0, a1, a2
+
+
+def residual_scale_of(value) -> float:
+    """A residual scale as a float in [0, 1].
+
+    :raises ValueError: not a number in [0, 1].
+    """
+    try:
+        scale = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"residual_scale must be a number in [0, 1], got {value!r}") from None
+    if not 0.0 <= scale <= 1.0:
+        raise ValueError(f"residual_scale must be in [0, 1], got {value!r}")
+    return scale
 
 
 def _log_ratio(x: float, ref: float) -> float:
@@ -207,15 +222,21 @@ class LearnedController(Controller):
         ``use_wall_clock``, it is checked after an inline call instead.
     :param load_error: why ``policy`` is None (logged with the first fallback).
     :param policy_source: where the policy came from (a file path), for logs and the server banner.
+    :param residual_scale: the share of the policy's action applied, in [0, 1]: each knob moves by
+        ``RESIDUAL_RANGE ** (residual_scale * a)``, so 0 is the prior and 1 the policy as trained.
+        The selection picks it on validation draws (``benchmarks/learned_matrix.py``) and the policy
+        file records it (``residual_scale`` in its metadata).
     """
 
     name = "learned"
 
     def __init__(self, policy, features: ObservationFeatures, prior: SloFlowController, control_interval: int = 10,
-                 time_budget_s: float | None = None, load_error: str | None = None, policy_source: str = "") -> None:
+                 time_budget_s: float | None = None, load_error: str | None = None, policy_source: str = "",
+                 residual_scale: float = 1.0) -> None:
         super().__init__()
         if control_interval < 1:
             raise ValueError(f"control_interval must be >= 1, got {control_interval}")
+        self.residual_scale = residual_scale_of(residual_scale)
         self.policy = policy
         self.features = features
         self.prior = prior
@@ -383,7 +404,7 @@ class LearnedController(Controller):
         self.policy_calls += 1
         self._last_action = (_clip1(answer[0]), _clip1(answer[1]), _clip1(answer[2]))
         self._action_interval = self._steps // self.control_interval
-        self.prior.set_residual(*action_to_residual(self._last_action))
+        self.prior.set_residual(*action_to_residual(self._last_action, self.residual_scale))
         self._degraded = False
 
     def _ask_inline(self, x: np.ndarray) -> tuple[float, float, float] | Exception | None:
@@ -428,7 +449,8 @@ def make_prior(profile: ReplicaProfile, target_usage: float = 0.9, prior_output_
 
 def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaProfile,
                             control_interval: int = 10, runtime: str = "numpy", time_budget_s: float | None = None,
-                            shield_mode: str = "soft", **shield_options) -> ShieldedController:
+                            shield_mode: str = "soft", residual_scale: float | None = None,
+                            **shield_options) -> ShieldedController:
     """The learned controller inside the shield, with ``slo-flow`` as its prior and fallback.
 
     :param path: the exported policy (default ``checkpoints/policy.onnx``); a missing or corrupt
@@ -442,8 +464,12 @@ def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaP
         one falls back, see ``LearnedController``); None: ``WALL_TIME_BUDGET_S`` once an engine on a
         wall clock asks for a budget.
     :param shield_mode: ``strict`` or ``soft`` (see docs/SAFETY.md).
+    :param residual_scale: the share of the policy's action applied, in [0, 1] (0: the prior alone);
+        None: the one the policy file records (1 if it records none).
     :param shield_options: more ``ShieldedController`` options.
     """
+    if residual_scale is not None:
+        residual_scale = residual_scale_of(residual_scale)
     path = DEFAULT_POLICY if path is None else Path(path)
     policy, error = None, None
     try:
@@ -453,11 +479,17 @@ def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaP
             raise PolicyError(f"action shape {out.shape}, expected ({ACTION_DIM},)")
     except Exception as exc:
         policy, error = None, f"cannot load {path}: {type(exc).__name__}"
+    if residual_scale is None:
+        try:
+            residual_scale = residual_scale_of(getattr(policy, "residual_scale", 1.0))
+        except ValueError as exc:
+            policy, error, residual_scale = None, f"cannot load {path}: {exc}", 1.0
     target = shield_options.get("target_usage", 0.9)
     prior_out = shield_options.get("prior_output_tokens", 128)
     features = ObservationFeatures(profile, target, prior_out)
     inner = LearnedController(policy, features, make_prior(profile, target, prior_out), control_interval,
-                              time_budget_s, load_error=error, policy_source=str(path))
+                              time_budget_s, load_error=error, policy_source=str(path),
+                              residual_scale=residual_scale)
     shield_options.setdefault("max_num_seqs", profile.max_num_seqs)
     shield_options.setdefault("max_num_batched_tokens", profile.max_num_batched_tokens)
     return ShieldedController(inner, mode=shield_mode, **shield_options)

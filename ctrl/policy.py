@@ -21,6 +21,22 @@ class PolicyError(RuntimeError):
     """The policy could not answer this step."""
 
 
+#: the metadata key of a policy file's residual scale (``ctrl.learned.LearnedController``)
+RESIDUAL_SCALE_KEY = "residual_scale"
+
+
+def _residual_scale(meta: dict[str, str]) -> float | str:
+    """The file's residual scale (1 when it records none); the raw text if it is not a number,
+    for the controller to refuse with its own message."""
+    text = meta.get(RESIDUAL_SCALE_KEY)
+    if text is None:
+        return 1.0
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 class OnnxPolicy:
     """The exported actor (VecNormalize folded in) run with onnxruntime: obs -> action in [-1, 1]."""
 
@@ -32,6 +48,7 @@ class OnnxPolicy:
         opts.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name
+        self.residual_scale = _residual_scale(dict(self.session.get_modelmeta().custom_metadata_map))
 
     def __call__(self, obs: np.ndarray) -> np.ndarray:
         return self.session.run(None, {self.input_name: obs.reshape(1, -1)})[0][0]
@@ -52,6 +69,7 @@ class NumpyPolicy:
         w = {t.name: numpy_helper.to_array(t).astype(np.float32) for t in model.graph.initializer}
         meta = {p.key: p.value for p in model.metadata_props}
         self.clip = float(meta.get("clip_obs", OBS_CLIP))
+        self.residual_scale = _residual_scale(meta)
         self.mean = w["obs_mean"]
         self.inv_std = (1.0 / w["obs_std"]).astype(np.float32)
         self.layers = []

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from ctrl import build_controller
 from ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Observation, Rejection, retry_after_s
 from ctrl.learned import (ACTION_DIM, BACKOFF_AFTER_OVERRUNS, BACKOFF_MAX_INTERVALS, DEFAULT_POLICY, OBS_DIM,
-                          action_to_residual, make_learned_controller, make_prior)
+                          action_to_residual, load_policy, make_learned_controller, make_prior)
 from ctrl.shield import ShieldedController
 from ctrl.slo_flow import SloFlowController, predicted_ttft_s
 from engine.core.profile import load_profile
@@ -603,3 +603,38 @@ def test_a_full_memory_witnesses_overload_that_the_rates_miss():
     assert c.predict_ttft_s(full, 1000) > c.ttft_slo_s and isinstance(c.admit(full, 1000, 100), Rejection)
     full.kv_used_tokens = 50_000
     assert c.reject_delay_s(full) == math.inf and c.admit(full, 1000, 100) is None
+
+
+@pytest.mark.parametrize("family, load", [("bursty", 1.5), ("chat", 0.5)])
+def test_residual_scale_zero_is_the_prior_and_a_half_scale_halves_the_action(family, load):
+    arr = arrivals(family, load, n=400)
+    prior = without_wall_time(summary(shielded_prior(), arr))
+    assert without_wall_time(summary(learned_with(Const([1.0, -1.0, -1.0]), residual_scale=0.0), arr)) == prior
+    assert without_wall_time(summary(learned_with(Const([1.0, -1.0, -1.0]), residual_scale=0.5), arr)) == \
+        without_wall_time(summary(learned_with(Const([0.5, -0.5, -0.5])), arr))
+    assert action_to_residual((1.0, -1.0, 0.5), 0.5) == pytest.approx((2 ** 0.5, 2 ** -0.5, 2 ** 0.25))
+
+
+def test_residual_scale_comes_from_the_policy_file_unless_the_spec_sets_it(tmp_path):
+    import onnx
+
+    from ctrl import ControllerSpecError
+    from training.export import set_residual_scale
+
+    assert make_learned_controller(profile=PROFILE).inner.residual_scale == pytest.approx(
+        float(getattr(load_policy(DEFAULT_POLICY), "residual_scale")))
+    half = set_residual_scale(DEFAULT_POLICY, 0.5, tmp_path / "half.onnx")
+    for runtime in ("numpy", "onnxruntime"):
+        c = make_learned_controller(half, profile=PROFILE, runtime=runtime)
+        assert c.inner.policy is not None and c.inner.residual_scale == 0.5
+    assert build_controller(f"learned:path={half},residual_scale=0", PROFILE).inner.residual_scale == 0.0
+    for bad in ("1.5", "-0.1", "nan", "x"):
+        with pytest.raises(ControllerSpecError, match="residual_scale"):
+            build_controller(f"learned:path={half},residual_scale={bad}", PROFILE)
+    proto = onnx.load(str(half))
+    for p in proto.metadata_props:
+        if p.key == "residual_scale":
+            p.value = "lots"
+    onnx.save(proto, str(tmp_path / "bad.onnx"))
+    broken = make_learned_controller(tmp_path / "bad.onnx", profile=PROFILE)
+    assert broken.inner.policy is None and "residual_scale" in broken.inner.load_error

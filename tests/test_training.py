@@ -327,3 +327,19 @@ def test_non_editable_install_finds_policy_and_config_from_any_directory(tmp_pat
     banner = next((line for line in lines if "learned policy" in line), "".join(lines))
     assert "loaded" in banner and "unavailable" not in banner, banner
     assert str(target / "checkpoints" / "policy.onnx") in banner
+
+
+def test_export_records_a_residual_scale_that_the_controller_applies(trained, tmp_path):
+    from ctrl.learned import make_learned_controller
+    from ctrl.policy import OnnxPolicy
+    from engine.core.profile import load_profile
+
+    _, model_path = trained
+    res = invoke("export", model_path, tmp_path / "p.onnx", "--residual-scale", "0.25")
+    assert res.exit_code == 0, res.output
+    assert NumpyPolicy(tmp_path / "p.onnx").residual_scale == 0.25 == OnnxPolicy(tmp_path / "p.onnx").residual_scale
+    c = make_learned_controller(tmp_path / "p.onnx", profile=load_profile("a100-llama2-7b"))
+    assert c.inner.policy is not None and c.inner.residual_scale == 0.25
+    assert_one_line_error(invoke("export", model_path, tmp_path / "q.onnx", "--residual-scale", "2"),
+                          "residual_scale", "[0, 1]")
+    assert not (tmp_path / "q.onnx").exists()

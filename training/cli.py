@@ -74,15 +74,18 @@ def train_command(config_path, timesteps, n_envs, seed, seeds, out_dir, resume, 
 @click.argument("out", type=_path(), required=False)
 @click.option("--vecnormalize", type=_path(), default=None,
               help="VecNormalize statistics (default: the file saved beside the checkpoint).")
+@click.option("--residual-scale", type=float, default=None,
+              help="Share of the policy's action the learned controller applies, 0-1 (0: the slo-flow prior "
+                   "alone), recorded in the file [default: none recorded, read as 1].")
 @friendly(ExportError)
-def export_command(checkpoint, out, vecnormalize):
+def export_command(checkpoint, out, vecnormalize, residual_scale):
     """Export a PPO checkpoint's deterministic actor to ONNX (normalisation folded in).
 
     OUT defaults to policy.onnx in the checkpoint's folder.
     """
     from training.export import export
 
-    click.echo(f"wrote {export(checkpoint, out, vecnormalize)}")
+    click.echo(f"wrote {export(checkpoint, out, vecnormalize, residual_scale)}")
 
 
 @click.command("evaluate")

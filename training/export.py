@@ -73,17 +73,23 @@ def default_export_path(checkpoint: str | Path) -> Path:
     return Path(checkpoint).with_name("policy.onnx")
 
 
-def export(checkpoint: str | Path, out: str | Path | None = None, vecnormalize: str | Path | None = None) -> Path:
+def export(checkpoint: str | Path, out: str | Path | None = None, vecnormalize: str | Path | None = None,
+           residual_scale: float | None = None) -> Path:
     """Write the deterministic actor of ``checkpoint`` to ONNX.
 
     :param checkpoint: an SB3 PPO ``.zip`` (``model.zip`` or a CheckpointCallback file).
     :param out: the ``.onnx`` file to write (default: :func:`default_export_path`).
     :param vecnormalize: the VecNormalize statistics (default: the file saved beside the model,
         :func:`training.train.vecnormalize_path`; none found there means no normalisation).
+    :param residual_scale: the share of the action the learned controller applies, in [0, 1],
+        recorded in the file (None: none recorded, which reads as 1).
     :return: the path written.
-    :raises ExportError: the checkpoint or the statistics are missing or unreadable, or ``out`` cannot be written.
+    :raises ExportError: the checkpoint or the statistics are missing or unreadable, ``out`` cannot
+        be written, or the residual scale is not in [0, 1].
     """
     from stable_baselines3 import PPO
+
+    scale = _checked_scale(residual_scale)
 
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():
@@ -97,9 +103,53 @@ def export(checkpoint: str | Path, out: str | Path | None = None, vecnormalize: 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _write_onnx(actor, model.policy.observation_space.shape[0], out, source=checkpoint)
+        if scale is not None:
+            set_residual_scale(out, scale)
     except OSError as exc:
         raise ExportError(f"{out}: cannot write the policy ({exc.strerror or type(exc).__name__})") from None
     return out
+
+
+def _checked_scale(value) -> float | None:
+    if value is None:
+        return None
+    from ctrl.learned import residual_scale_of
+
+    try:
+        return residual_scale_of(value)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def set_residual_scale(policy: str | Path, scale: float, out: str | Path | None = None) -> Path:
+    """Record ``scale`` as the residual scale of the ONNX policy at ``policy`` (in place, or into
+    ``out``); the learned controller applies ``RESIDUAL_RANGE ** (scale * action)``.
+
+    :raises ExportError: the file is not an ONNX model, cannot be written, or the scale is not in [0, 1].
+    """
+    import onnx
+
+    from ctrl.policy import RESIDUAL_SCALE_KEY
+
+    checked = _checked_scale(scale)
+    assert checked is not None
+    src = Path(policy)
+    dst = src if out is None else Path(out)
+    try:
+        proto = onnx.load(str(src))
+    except Exception as exc:  # onnx raises DecodeError, OSError or others for a foreign file
+        raise ExportError(f"{src}: not an ONNX policy ({type(exc).__name__})") from None
+    for i in reversed(range(len(proto.metadata_props))):
+        if proto.metadata_props[i].key == RESIDUAL_SCALE_KEY:
+            del proto.metadata_props[i]
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = RESIDUAL_SCALE_KEY, repr(checked)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        onnx.save(proto, str(dst))
+    except OSError as exc:
+        raise ExportError(f"{dst}: cannot write the policy ({exc.strerror or type(exc).__name__})") from None
+    return dst
 
 
 def _load_vecnormalize(checkpoint: Path, vecnormalize: str | Path | None):

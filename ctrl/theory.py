@@ -94,6 +94,7 @@ def capacity(prompt_tokens, output_tokens, profile: ReplicaProfile) -> Capacity:
     time >= N*(a*W/M + c*W + b*S), hence lambda_max = 1 / (a*W/M + c*W + b*S).
     """
     s, w = workload_moments(prompt_tokens, output_tokens)
+    d = float(np.mean(np.asarray(output_tokens, dtype=float)))
     m = profile.kv_capacity_tokens
     full_step_s = profile.base_s + profile.per_kv_token_s * m
     return Capacity(
@@ -101,7 +102,7 @@ def capacity(prompt_tokens, output_tokens, profile: ReplicaProfile) -> Capacity:
         lifetime_kv_workload=w,
         kv_capacity_tokens=m,
         memory_bound_rps=m / (w * full_step_s),
-        lambda_max_rps=fluid_lambda_max(s, w, profile),
+        lambda_max_rps=fluid_lambda_max(s, w, profile, mean_output_tokens=d),
     )
 
 
@@ -114,15 +115,24 @@ def workload_moments(prompt_tokens, output_tokens) -> tuple[float, float]:
 
 
 def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float, profile: ReplicaProfile,
-                     kv_capacity_tokens: float | None = None) -> float:
+                     kv_capacity_tokens: float | None = None, mean_output_tokens: float = 0.0) -> float:
     """``1 / (a*W/M + c*W + b*S)`` requests per second: the fluid bound for requests of S tokens
-    and lifetime KV workload W on a replica with step time a + b*T + c*K and KV capacity M.
+    and lifetime KV workload W on a replica with step time a + b*T + c*K and KV capacity M. On a
+    profile with its own decode cost b_d, ``b*S`` is ``b*(S - D) + b_d*D`` with D the mean output.
 
     :param kv_capacity_tokens: M (default: the profile's).
+    :param mean_output_tokens: D, the decode tokens among S (only used with a separate decode cost).
     """
     m = kv_capacity_tokens or profile.kv_capacity_tokens
     w, s = lifetime_kv_workload, mean_tokens_per_request
-    return 1.0 / (profile.base_s * w / m + profile.per_kv_token_s * w + profile.per_token_s * s)
+    tokens_s = profile.per_token_s * s + (decode_token_s(profile) - profile.per_token_s) * min(mean_output_tokens, s)
+    return 1.0 / (profile.base_s * w / m + profile.per_kv_token_s * w + tokens_s)
+
+
+def decode_token_s(profile: ReplicaProfile) -> float:
+    """Seconds per decode token: the profile's ``per_decode_token_s`` if it has one, else ``per_token_s``."""
+    split = getattr(profile, "per_decode_token_s", None)
+    return profile.per_token_s if split is None else split
 
 
 def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128) -> float:
@@ -135,9 +145,11 @@ def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_
     if obs.completed_total > 0 and obs.lifetime_kv_workload > 0:
         s = obs.mean_prompt_tokens + obs.mean_output_tokens
         w = obs.lifetime_kv_workload
+        d = obs.mean_output_tokens
     else:
         prompt = obs.head_prompt_tokens or obs.mean_prompt_tokens or profile.max_num_batched_tokens
         s = prompt + prior_output_tokens
+        d = prior_output_tokens
         w = estimated_kv_workload(obs, prior_output_tokens) if (obs.head_prompt_tokens or obs.mean_prompt_tokens) \
             else prompt * prior_output_tokens + prior_output_tokens * (prior_output_tokens + 1) / 2
-    return fluid_lambda_max(s, w, profile, obs.kv_capacity_tokens or profile.kv_capacity_tokens)
+    return fluid_lambda_max(s, w, profile, obs.kv_capacity_tokens or profile.kv_capacity_tokens, d)

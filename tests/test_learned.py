@@ -622,7 +622,7 @@ def test_residual_scale_comes_from_the_policy_file_unless_the_spec_sets_it(tmp_p
     from training.export import set_residual_scale
 
     assert make_learned_controller(profile=PROFILE).inner.residual_scale == pytest.approx(
-        float(getattr(load_policy(DEFAULT_POLICY), "residual_scale")))
+        float(load_policy(DEFAULT_POLICY).residual_scale))
     half = set_residual_scale(DEFAULT_POLICY, 0.5, tmp_path / "half.onnx")
     for runtime in ("numpy", "onnxruntime"):
         c = make_learned_controller(half, profile=PROFILE, runtime=runtime)

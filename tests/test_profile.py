@@ -333,3 +333,116 @@ def test_yaml_reads_scientific_notation_without_a_dot_as_numbers(tmp_path):
     profile = load_profile(path)
     assert (profile.base_s, profile.per_token_s, profile.per_kv_token_s) == (1e-2, 7.2e-5, 3e-7)
     assert profile.kv_capacity_tokens == 100_000
+
+
+# --- prefill and decode costs, and step-time noise ----------------------------------------------
+
+SPLIT = {"base_s": 0.004, "per_token_s": 1e-4, "per_kv_token_s": 2e-7, "per_decode_token_s": 1.8e-4}
+
+
+def split_profile(noise_sigma: float = 0.0) -> Profile:
+    return Profile(name="split", description="", kv_capacity_tokens=50_000, noise_sigma=noise_sigma, **SPLIT)
+
+
+def test_a_profile_without_the_split_charges_decodes_like_prefill(tmp_path):
+    profile = load_profile(write_json(tmp_path, minimal_profile_dict()))
+    assert profile.per_decode_token_s is None and profile.noise_sigma == 0.0
+    assert profile.step_time_s(40, 900, 8) == profile.step_time_s(40, 900) == \
+        pytest.approx(0.01 + 1e-4 * 40 + 1e-6 * 900)
+    assert "per_decode_token_s" not in profile.to_dict()["step_time"]
+
+
+def test_prefill_and_decode_tokens_have_their_own_costs(tmp_path):
+    p = split_profile(0.25)
+    assert p.step_time_s(40, 900, 8) == pytest.approx(0.004 + 1e-4 * 32 + 1.8e-4 * 8 + 2e-7 * 900)
+    assert p.decode_token_s == 1.8e-4
+    with pytest.raises(ValueError, match="decodes"):
+        p.step_time_s(4, 10, 5)
+    p.save(tmp_path / "split.json")
+    assert load_profile(tmp_path / "split.json") == p
+    data = minimal_profile_dict()
+    data["step_time"].update(per_decode_token_s=2e-4, noise_sigma=0.3)
+    (tmp_path / "split.yaml").write_text(yaml.safe_dump(data))
+    loaded = load_profile(tmp_path / "split.yaml")
+    assert loaded.per_decode_token_s == 2e-4 and loaded.noise_sigma == 0.3
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("per_decode_token_s", -1e-4, "non-negative"), ("noise_sigma", -0.1, "non-negative"),
+    ("noise_sigma", 5.0, "at most"), ("noise_sigma", "wide", "finite number"),
+])
+def test_bad_split_or_noise_names_its_key(tmp_path, key, value, expected):
+    data = minimal_profile_dict()
+    data["step_time"][key] = value
+    with pytest.raises(ProfileError, match=f"step_time.{key}.*{expected}"):
+        load_profile(write_json(tmp_path, data))
+
+
+def test_capacity_counts_decode_tokens_at_their_own_cost():
+    from ctrl.theory import capacity
+
+    p = split_profile()
+    prompts, outputs = [200, 600], [100, 300]
+    cap = capacity(prompts, outputs, p)
+    w = cap.lifetime_kv_workload
+    expected = 1 / (p.base_s * w / p.kv_capacity_tokens + p.per_kv_token_s * w + 1e-4 * 400 + 1.8e-4 * 200)
+    assert cap.lambda_max_rps == pytest.approx(expected)
+    assert cap.lambda_max_rps < capacity(prompts, outputs, replace(p, per_decode_token_s=None)).lambda_max_rps
+
+
+def _split_rows(n: int, sigma: float, seed: int = 0) -> list[tuple[int, int, float, int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    p = split_profile()
+    rows = []
+    for _ in range(n):
+        decodes = int(rng.integers(0, 64))
+        prefill = int(rng.choice([0, 0, 16, 128, 512]))
+        if decodes + prefill == 0:
+            decodes = 1
+        kv = int(decodes * rng.integers(50, 2000) + prefill * 2)
+        t = decodes + prefill
+        rows.append((t, kv, p.step_time_s(t, kv, decodes) * float(np.exp(sigma * rng.standard_normal())), decodes))
+    return rows
+
+
+def test_fit_recovers_the_split_costs_and_the_noise():
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    fit = fit_step_time(_split_rows(4000, 0.3), loss="l1")
+    for key, value in SPLIT.items():
+        assert fit[key] == pytest.approx(value, rel=0.08), key
+    assert fit["noise_sigma"] == pytest.approx(0.3, abs=0.04)
+    assert profile_fields(fit)["per_decode_token_s"] == fit["per_decode_token_s"]
+    exact = fit_step_time(_split_rows(400, 0.0), loss="l1")
+    assert exact["noise_sigma"] < 0.01 and exact["mape"] < 1e-3
+    # rows without the decode count: one cost per token, as before
+    plain = fit_step_time([r[:3] for r in _split_rows(400, 0.0)], loss="l1")
+    assert plain["per_decode_token_s"] is None and plain["mape"] > 1e-3
+
+
+def test_step_noise_is_seeded_median_one_and_off_at_zero():
+    import math
+    import statistics
+
+    from ctrl import build_controller
+    from engine.sim.executor import StepNoise
+    from engine.sim.simulate import simulate
+    from engine.workloads import Arrival
+
+    noise, again = StepNoise(0.3, seed=1), StepNoise(0.3, seed=1)
+    draws = [noise() for _ in range(20_000)]
+    assert statistics.median(draws) == pytest.approx(1.0, abs=0.02)
+    assert statistics.fmean(draws) == pytest.approx(math.exp(0.3 ** 2 / 2), abs=0.01)
+    assert draws[:50] == [again() for _ in range(50)]
+    assert StepNoise(0.0)() == 1.0
+    arr = [Arrival(0.05 * i, 100 + 7 * i % 300, 20 + i % 50, 128) for i in range(200)]
+    quiet = simulate(arr, split_profile(), build_controller("greedy", split_profile())).summary
+    noisy = [simulate(arr, split_profile(0.3), build_controller("greedy", split_profile()), noise_seed=s).summary
+             for s in (0, 0, 1)]
+    drop = {"wall_time_s"}
+    assert {k: v for k, v in noisy[0].items() if k not in drop} == {k: v for k, v in noisy[1].items() if k not in drop}
+    assert noisy[0]["sim_time_s"] != noisy[2]["sim_time_s"] != quiet["sim_time_s"]
+    assert quiet == {**quiet, **simulate(arr, split_profile(), build_controller("greedy", split_profile())).summary,
+                     "wall_time_s": quiet["wall_time_s"]}

@@ -82,14 +82,18 @@ def test_binned_samples_keep_every_step_once():
 class _Recorded:
     tokens = [0, 1, 7, 300]
     kv_tokens_read = [0, 40, 900, 20000]
+    decodes = [0, 1, 6, 4]
 
 
-def test_step_time_errors_predict_with_the_profiles_formula():
-    profile = Profile("toy", "a toy", kv_capacity_tokens=4096, idle_s=0.5, **COEFFICIENTS)
+@pytest.mark.parametrize("per_decode_token_s", [None, 3e-4])
+def test_step_time_errors_predict_with_the_profiles_formula(per_decode_token_s):
+    profile = Profile("toy", "a toy", kv_capacity_tokens=4096, idle_s=0.5, per_decode_token_s=per_decode_token_s,
+                      **COEFFICIENTS)
     real = [0.5, 0.003, 0.004, 0.06]
     errors = step_time_errors(_Recorded(), real, profile)
     assert errors["steps"] == 3  # the idle step is left out
-    expected = [profile.step_time_s(t, k) for t, k in zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:])]
+    expected = [profile.step_time_s(t, k, n) for t, k, n in
+                zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:], _Recorded.decodes[1:])]
     np.testing.assert_array_equal(errors["predicted_s"], expected)
     ape = np.abs(np.array(expected) - real[1:]) / real[1:]
     assert errors["mape"] == pytest.approx(ape.mean())
@@ -186,3 +190,12 @@ def test_twin_check_end_to_end(tmp_path):
     # The steps it recorded are what --from-steps fits on.
     assert len(read_steps_csv(tmp_path / "twin_steps.csv")) == report["step_time"]["steps"]
     assert (tmp_path / "twin_requests.csv").read_text().count("\n") == 17
+
+
+def test_steps_file_with_decodes_reads_them_and_an_old_one_still_reads(tmp_path):
+    path = tmp_path / "twin_steps.csv"
+    path.write_text("tokens,kv_tokens_read,real_s,predicted_s,decodes\n0,0,0.5,0.5,0\n9,300,0.01,0,8\n"
+                    "1,40,0.002,0,1\n128,128,0.02,0,0\n")
+    assert read_steps_csv(path) == [(9, 300, 0.01, 8), (1, 40, 0.002, 1), (128, 128, 0.02, 0)]
+    _write_steps(path, _step_rows(5))
+    assert all(len(r) == 3 for r in read_steps_csv(path))

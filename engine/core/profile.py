@@ -2,12 +2,19 @@
 
 The simulator's step duration is linear in the work of the step::
 
-    t = base_s + per_token_s * T + per_kv_token_s * K
+    t = base_s + per_token_s * P + per_decode_token_s * D + per_kv_token_s * K
 
-where T is the number of new tokens the step processes (prefill chunk tokens plus one per
-decoding request) and K the number of KV tokens its attention reads (the sum over the batch of
-each request's context length, cached tokens plus the new ones). A step with no tokens takes
+where P is the number of prefill tokens the step processes, D the number of decoding requests
+(one new token each) and K the number of KV tokens its attention reads (the sum over the batch of
+each request's context length, cached tokens plus the new ones). A profile without
+``per_decode_token_s`` charges decode tokens ``per_token_s`` too (``base_s + per_token_s * T +
+per_kv_token_s * K`` with T = P + D, the older one-cost model). A step with no tokens takes
 ``idle_s``, the simulator's tick while nothing can run.
+
+``noise_sigma`` > 0 makes step times random: the simulator multiplies each by a seeded
+log-normal factor ``exp(noise_sigma * Z)`` with median 1 (``StepNoise``), so the linear model
+is the median step and the mean is ``exp(noise_sigma^2 / 2)`` times it, as the right-skewed
+steps of a real engine are.
 
 Profiles live in JSON or YAML files; the shipped ones are in ``engine/core/profiles/``. The file
 format and the derivation of the shipped numbers are in docs/PROFILES.md.
@@ -54,6 +61,8 @@ _FILE_KEY = {
     "base_s": "step_time.base_s",
     "per_token_s": "step_time.per_token_s",
     "per_kv_token_s": "step_time.per_kv_token_s",
+    "per_decode_token_s": "step_time.per_decode_token_s",
+    "noise_sigma": "step_time.noise_sigma",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -62,7 +71,11 @@ _FILE_KEY = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "max_num_seqs": "max_num_seqs",
 }
-_NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s")
+_NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma")
+#: fields that may be None (absent from the file)
+_OPTIONAL = ("idle_s", "per_decode_token_s")
+#: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
+MAX_NOISE_SIGMA = 2.0
 _POSITIVE = ("ttft_slo_s", "tpot_slo_s")
 _POSITIVE_INT = ("kv_capacity_tokens", "block_size", "max_num_batched_tokens", "max_num_seqs")
 
@@ -74,8 +87,12 @@ class Profile:
     :param name: short identifier, e.g. ``a100-llama2-7b``.
     :param description: one line saying what hardware and model this stands for.
     :param base_s: fixed cost of every non-empty step in seconds (overhead plus streaming the weights).
-    :param per_token_s: seconds per new token processed in the step (prefill or decode).
+    :param per_token_s: seconds per prefill token processed in the step (and per decode token
+        when ``per_decode_token_s`` is None).
     :param per_kv_token_s: seconds per KV token read by the step's attention.
+    :param per_decode_token_s: seconds per decoding request's new token; None: ``per_token_s``.
+    :param noise_sigma: sigma of the log-normal, median-1 factor on every step's time in the
+        simulator (0: deterministic steps).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -99,6 +116,8 @@ class Profile:
     idle_s: float | None = None
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    per_decode_token_s: float | None = None
+    noise_sigma: float = 0.0
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -111,25 +130,39 @@ class Profile:
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
-    def step_time_s(self, num_tokens: int, kv_tokens_read: int) -> float:
-        """Duration of one engine step in seconds.
+    @property
+    def decode_token_s(self) -> float:
+        """Seconds per decode token: ``per_decode_token_s``, or ``per_token_s`` when not split."""
+        return self.per_token_s if self.per_decode_token_s is None else self.per_decode_token_s
 
-        :param num_tokens: new tokens processed in the step (T); 0 for an idle tick.
+    def step_time_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0) -> float:
+        """Median duration of one engine step in seconds (the noise, if any, is the simulator's).
+
+        :param num_tokens: new tokens processed in the step (T = P + D); 0 for an idle tick.
         :param kv_tokens_read: KV tokens read by the step's attention (K).
-        :return: ``base_s + per_token_s * T + per_kv_token_s * K``, or the idle tick when T is 0.
+        :param num_decodes: how many of the T tokens are decodes (D, one per decoding request).
+        :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K``, or the
+            idle tick when T is 0.
         """
-        if num_tokens < 0 or kv_tokens_read < 0:
+        if num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= max(num_tokens, 0):
             raise ValueError(
-                f"step token counts must be non-negative, got {num_tokens} tokens and "
-                f"{kv_tokens_read} KV tokens read")
+                f"step token counts must be non-negative with decodes among the tokens, got {num_tokens} "
+                f"tokens, {num_decodes} decodes and {kv_tokens_read} KV tokens read")
         if num_tokens == 0:
             return self.base_s if self.idle_s is None else self.idle_s
-        return self.base_s + self.per_token_s * num_tokens + self.per_kv_token_s * kv_tokens_read
+        t = self.base_s + self.per_token_s * num_tokens + self.per_kv_token_s * kv_tokens_read
+        if self.per_decode_token_s is not None:
+            t += (self.per_decode_token_s - self.per_token_s) * num_decodes
+        return t
 
     def to_dict(self) -> dict:
         """The profile in file format (the structure :func:`load_profile` reads)."""
         step_time = {"base_s": self.base_s, "per_token_s": self.per_token_s,
                      "per_kv_token_s": self.per_kv_token_s}
+        if self.per_decode_token_s is not None:
+            step_time["per_decode_token_s"] = self.per_decode_token_s
+        if self.noise_sigma:
+            step_time["noise_sigma"] = self.noise_sigma
         if self.idle_s is not None:
             step_time["idle_s"] = self.idle_s
         return {
@@ -214,7 +247,8 @@ def _fields_from_file(data: Any) -> dict:
     for key in ("name", "step_time", "kv_capacity_tokens"):
         if key not in data:
             raise _Invalid(f"missing required key {key!r}")
-    step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s"})
+    step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s",
+                                             "per_decode_token_s", "noise_sigma"})
     for key in ("base_s", "per_token_s", "per_kv_token_s"):
         if key not in step_time:
             raise _Invalid(f"missing required key 'step_time.{key}'")
@@ -229,6 +263,8 @@ def _fields_from_file(data: Any) -> dict:
         "per_token_s": step_time["per_token_s"],
         "per_kv_token_s": step_time["per_kv_token_s"],
         "idle_s": step_time.get("idle_s"),
+        "per_decode_token_s": step_time.get("per_decode_token_s"),
+        "noise_sigma": step_time.get("noise_sigma", 0.0),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -266,16 +302,18 @@ def _no_unknown_keys(mapping: dict, allowed: set[str], prefix: str = "") -> None
 def _checked(values: dict, key_of) -> dict:
     """Numeric fields validated and normalised (floats as float, counts as int); raises _Invalid."""
     out: dict[str, Any] = {}
-    for f in _NON_NEGATIVE + _POSITIVE + ("idle_s",):
+    for f in _NON_NEGATIVE + _POSITIVE + _OPTIONAL:
         v = values[f]
-        if f == "idle_s" and v is None:
+        if f in _OPTIONAL and v is None:
             out[f] = None
             continue
         if not _is_number(v) or not math.isfinite(v):
             raise _Invalid(f"{key_of(f)} must be a finite number, got {_show(v)}")
-        if f in _NON_NEGATIVE and v < 0:
-            raise _Invalid(f"{key_of(f)} must be a non-negative number of seconds, got {_show(v)}")
-        if f not in _NON_NEGATIVE and v <= 0:
+        if f in _NON_NEGATIVE and v < 0 or f == "per_decode_token_s" and v < 0:
+            raise _Invalid(f"{key_of(f)} must be a non-negative number, got {_show(v)}")
+        if f == "noise_sigma" and v > MAX_NOISE_SIGMA:
+            raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_SIGMA}, got {_show(v)}")
+        if f not in _NON_NEGATIVE and f != "per_decode_token_s" and v <= 0:
             raise _Invalid(f"{key_of(f)} must be a positive number of seconds, got {_show(v)}")
         out[f] = float(v)
     for f in _POSITIVE_INT:

@@ -27,7 +27,7 @@ from engine.core.request import Request
 from engine.real.executor import TorchExecutor
 from engine.real.model import load_model, resolve_device, resolve_dtype
 from engine.real.sampling import SamplingParams
-from engine.sim.fit import fit_step_time
+from engine.sim.fit import fit_step_time, profile_fields
 
 _IGNORE_EOS = SamplingParams(ignore_eos=True)
 
@@ -105,8 +105,8 @@ def _random_ids(rng: random.Random, n: int) -> list[int]:
 
 
 def time_batches(executor: TorchExecutor, pool: BlockPool, points, repeats: int = 5, passes: int = 3,
-                 seed: int = 0, log: Callable[[str], None] | None = None) -> list[tuple[int, int, float]]:
-    """Median step time of each batch shape: ``(T, K, seconds)`` per point.
+                 seed: int = 0, log: Callable[[str], None] | None = None) -> list[tuple[int, int, float, int]]:
+    """Median step time of each batch shape: ``(T, K, seconds, D)`` per point (D decodes among T).
 
     The grid is walked ``passes`` times in a shuffled order and each visit times ``repeats``
     steps after a warm-up, so a burst of load from elsewhere on the machine hits a few samples
@@ -115,7 +115,7 @@ def time_batches(executor: TorchExecutor, pool: BlockPool, points, repeats: int 
     rng = random.Random(seed)
     sync = torch.cuda.synchronize if executor.device.type == "cuda" else (lambda: None)
     samples: list[list[float]] = [[] for _ in points]
-    shapes: list[tuple[int, int]] = [(0, 0)] * len(points)
+    shapes: list[tuple[int, int, int]] = [(0, 0, 0)] * len(points)
     order = list(range(len(points)))
     for p in range(passes):
         rng.shuffle(order)
@@ -132,10 +132,10 @@ def time_batches(executor: TorchExecutor, pool: BlockPool, points, repeats: int 
             for r in batch.requests:
                 executor.release(r)
                 pool.free(r)
-            shapes[i] = (batch.num_tokens, batch.kv_tokens_read)
+            shapes[i] = (batch.num_tokens, batch.kv_tokens_read, batch.num_decodes)
         if log is not None:
             log(f"  pass {p + 1}/{passes} over {len(points)} batch shapes done")
-    return [(t, k, statistics.median(s)) for (t, k), s in zip(shapes, samples)]
+    return [(t, k, statistics.median(s), n) for (t, k, n), s in zip(shapes, samples)]
 
 
 def describe_device(device: torch.device) -> str:
@@ -180,13 +180,13 @@ def run_profile(model: str = "tiny", device=None, dtype=None, name: str = "tiny-
     described = describe_device(device)
     return serving_defaults(
         hf_model.config, name, block_size, kv_capacity_tokens,
-        base_s=fit["base_s"], per_token_s=fit["per_token_s"], per_kv_token_s=fit["per_kv_token_s"],
+        **profile_fields(fit, noise=False),  # medians of repeated steps: their spread is not step noise
         description=f"{model} model ({str(dtype).removeprefix('torch.')}) on {described} (fitted).",
         source=f"fitted (tidegate profile --model {model} --device {device.type})",
         extra={"fit": fit, "device": described, "torch": torch.__version__,
                "profiling_time_s": time.perf_counter() - t0, "method": "grid",
                "grid": {k: list(v) for k, v in grid.items()}, "repeats": repeats, "passes": passes,
-               "samples": [{"tokens": t, "kv_tokens_read": k, "step_s": s} for t, k, s in rows]},
+               "samples": [{"tokens": t, "kv_tokens_read": k, "step_s": s, "decodes": n} for t, k, s, n in rows]},
     )
 
 

@@ -3,22 +3,48 @@ output lengths come from the requests themselves (the trace's or a synthetic dra
 
 from __future__ import annotations
 
+import math
+import random
+
 from engine.core.executor import Batch, StepResult
 from engine.core.profile import Profile
 from engine.core.request import Request
 
 
-class SimExecutor:
-    """A step takes ``profile.step_time_s(T, K)``: the profile's one step-time formula.
+class StepNoise:
+    """Seeded log-normal factors with median 1: ``exp(sigma * Z)``, Z standard normal.
 
-    :param profile: the replica's profile (``engine.core.profile.Profile``).
+    :param sigma: the log-normal's sigma (``Profile.noise_sigma``); 0 gives factors of exactly 1.
+    :param seed: seeds the draws, so a simulation stays a pure function of its inputs.
     """
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, sigma: float, seed: int = 0) -> None:
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"noise sigma must be a non-negative number, got {sigma!r}")
+        self.sigma = sigma
+        self._rng = random.Random(seed)
+
+    def __call__(self) -> float:
+        return self._rng.lognormvariate(0.0, self.sigma) if self.sigma else 1.0
+
+
+class SimExecutor:
+    """A step takes ``profile.step_time_s(T, K, D)``, the profile's one step-time formula, times a
+    seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact).
+
+    :param profile: the replica's profile (``engine.core.profile.Profile``).
+    :param seed: seeds the step-time noise.
+    """
+
+    def __init__(self, profile: Profile, seed: int = 0) -> None:
         self.step_time_s = profile.step_time_s
+        self.noise = StepNoise(profile.noise_sigma, seed) if profile.noise_sigma else None
 
     def execute(self, batch: Batch) -> StepResult:
-        return StepResult(self.step_time_s(batch.num_tokens, batch.kv_tokens_read))
+        t = self.step_time_s(batch.num_tokens, batch.kv_tokens_read, batch.num_decodes)
+        if self.noise is not None and batch.num_tokens:
+            t *= self.noise()
+        return StepResult(t)
 
     def release(self, request: Request) -> None:
         """Nothing to drop: the simulator keeps no per-request state."""

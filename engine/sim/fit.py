@@ -1,10 +1,15 @@
 """Fit the simulator's step-time model to timed steps (numpy only).
 
-The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * T + per_kv_token_s * K`` for a
-step with T new tokens that reads K KV tokens. The fit keeps the coefficients non-negative and
-weighs every step by its relative error, so short steps count as much as long ones. The rows
-come from the profiler's grid (``engine.real.profiler``) or from serving runs
-(``engine.twin.fit``).
+The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * P + per_decode_token_s * D +
+per_kv_token_s * K`` for a step with P prefill tokens and D decodes that reads K KV tokens (with
+rows that do not say D, or that never mix the two, one cost per token: ``base_s + per_token_s *
+T + per_kv_token_s * K``). The fit keeps the coefficients non-negative and weighs every step by
+its relative error, so short steps count as much as long ones. The rows come from the profiler's
+grid (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
+
+The noise model (``Profile.noise_sigma``) is fitted from what the linear model leaves: the sigma
+of a median-1 log-normal factor whose mean, ``exp(sigma^2 / 2)``, is the mean ratio of real to
+predicted step time (the top 0.5% of ratios, stalls of the machine, left out).
 """
 
 from __future__ import annotations
@@ -12,23 +17,33 @@ from __future__ import annotations
 import numpy as np
 
 
-def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str = "l2") -> dict:
-    """Fit ``t = a + b*T + c*K`` to ``(T, K, t)`` rows; returns coefficients and fit quality.
+#: fewer rows than this with prefill tokens, or with decodes, and the fit keeps one cost per token
+MIN_SPLIT_ROWS = 3
+#: the share of the largest real / predicted ratios the noise fit leaves out (stalls)
+NOISE_TRIM = 0.005
 
-    :param rows: ``(new tokens, KV tokens read, seconds)`` of timed steps; rows with no time are dropped.
+
+def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str = "l2") -> dict:
+    """Fit the step-time model to timed steps; returns coefficients, the noise sigma and fit quality.
+
+    :param rows: ``(new tokens, KV tokens read, seconds)`` or ``(new tokens, KV tokens read,
+        seconds, decodes)`` of timed steps; rows with no time are dropped.
     :param heldout_fraction: share of the rows (at least 8 needed) held out to report ``heldout_mape``.
     :param seed: seeds the choice of held-out rows.
-    :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute relative
-        error (minimises MAPE; iteratively reweighted least squares), robust to the stalls a
-        shared machine puts into a few steps.
-    :return: ``base_s``, ``per_token_s``, ``per_kv_token_s`` (fitted on all rows), ``r2`` and
-        ``mape`` on all rows, ``heldout_mape`` of a fit on the other rows, and ``points``.
+    :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute error
+        relative to the prediction (iteratively reweighted least squares), which makes the model
+        the median step: half the steps of any size run longer than predicted. Robust to the
+        stalls a shared machine puts into a few steps, and the fit the noise model assumes (error
+        relative to the real time instead would put the model below the median, by a factor
+        ``exp(-sigma^2)`` under log-normal noise).
+    :return: ``base_s``, ``per_token_s``, ``per_kv_token_s``, ``per_decode_token_s`` (None without
+        a split) and ``noise_sigma`` (fitted on all rows), ``r2`` and ``mape`` on all rows,
+        ``heldout_mape`` of a fit on the other rows, and ``points``.
     """
     if loss not in ("l1", "l2"):
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     fit = _nonneg_relative_lstsq if loss == "l2" else _nonneg_relative_l1
-    data = np.asarray(rows, dtype=float)
-    data = data[data[:, 2] > 0]
+    data = _with_split(np.asarray(rows, dtype=float))
     idx = np.random.default_rng(seed).permutation(len(data))
     n_test = max(1, int(round(heldout_fraction * len(data)))) if len(data) >= 8 else 0
     test, train = idx[:n_test], idx[n_test:]
@@ -41,15 +56,50 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     heldout = mape
     if n_test:
         heldout = float(np.mean(np.abs(_predict(coef_train, data[test]) - data[test, 2]) / data[test, 2]))
+    split = data.shape[1] == 4
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
+            "per_decode_token_s": float(coef[3]) if split else None, "noise_sigma": noise_sigma(t / pred),
             "loss": loss, "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
+
+
+def noise_sigma(ratios) -> float:
+    """The sigma of a median-1 log-normal factor with the mean of ``ratios`` (real / predicted
+    step times), the top ``NOISE_TRIM`` left out; 0 when that mean is at most 1."""
+    r = np.sort(np.asarray(ratios, dtype=float))
+    r = r[np.isfinite(r) & (r > 0)]
+    if not len(r):
+        return 0.0
+    keep = r[:max(1, int(np.ceil(len(r) * (1.0 - NOISE_TRIM))))]
+    mean = float(keep.mean())
+    return float(min(np.sqrt(2.0 * np.log(mean)), 2.0)) if mean > 1.0 else 0.0
+
+
+def profile_fields(fit: dict, noise: bool = True) -> dict:
+    """The ``Profile`` fields a fit sets: the coefficients, and with ``noise`` its noise sigma."""
+    fields = {k: fit[k] for k in ("base_s", "per_token_s", "per_kv_token_s")}
+    fields["per_decode_token_s"] = fit.get("per_decode_token_s")
+    fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if noise else 0.0
+    return fields
+
+
+def _with_split(data: np.ndarray) -> np.ndarray:
+    """Rows with a time, as ``(T, K, t)`` or, where prefill and decode costs can be told apart,
+    ``(P, K, t, D)`` (P = T - D prefill tokens)."""
+    data = data[data[:, 2] > 0]
+    if data.shape[1] < 4:
+        return data[:, :3]
+    decodes = np.minimum(data[:, 3], data[:, 0])
+    prefill = data[:, 0] - decodes
+    if (prefill > 0).sum() < MIN_SPLIT_ROWS or (decodes > 0).sum() < MIN_SPLIT_ROWS:
+        return data[:, :3]
+    return np.column_stack([prefill, data[:, 1], data[:, 2], decodes])
 
 
 def binned_samples(rows, max_bins: int = 120) -> list[dict]:
     """Median step time per (T, K) cell of a log grid: a compact record of thousands of steps."""
     groups: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
-    for t, k, s in rows:
+    for t, k, s, *_ in rows:
         key = (int(np.log2(max(t, 1)) * 2), int(np.log2(max(k, 1)) * 2))
         groups.setdefault(key, []).append((t, k, s))
     out = []
@@ -62,23 +112,28 @@ def binned_samples(rows, max_bins: int = 120) -> list[dict]:
 
 
 def _design(data) -> np.ndarray:
-    """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``."""
-    return np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, or ``[1, P, K, D]``."""
+    cols = [np.ones(len(data)), data[:, 0], data[:, 1]]
+    if data.shape[1] == 4:
+        cols.append(data[:, 3])
+    return np.column_stack(cols)
 
 
 def _predict(coef, data) -> np.ndarray:
-    """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s)`` predict for the rows
-    while fitting (the linear model being fitted; a finished fit becomes a ``Profile``)."""
-    return coef[0] + coef[1] * data[:, 0] + coef[2] * data[:, 1]
+    """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s])``
+    predict for the rows while fitting (the linear model being fitted; a finished fit becomes a ``Profile``)."""
+    return _design(data) @ coef
 
 
 def _nonneg_relative_l1(data, iterations: int = 60) -> np.ndarray:
-    """Least absolute relative error by iteratively reweighted least squares (non-negative)."""
+    """Least absolute error relative to the prediction, sum |t - pred| / pred, by iteratively
+    reweighted least squares (non-negative): the weighted median of t / pred is 1."""
     y = data[:, 2]
     coef = _nonneg_relative_lstsq(data)
     for _ in range(iterations):
-        rel = np.abs(_predict(coef, data) - y) / y
-        new = _nonneg_relative_lstsq(data, extra_weight=1.0 / np.sqrt(np.maximum(rel, 1e-4)))
+        pred = np.maximum(_predict(coef, data), 1e-12)
+        rel = np.abs(pred - y) / pred
+        new = _nonneg_relative_lstsq(data, extra_weight=y / pred / np.sqrt(np.maximum(rel, 1e-4)))
         if np.allclose(new, coef, rtol=1e-6, atol=1e-12):
             return new
         coef = new
@@ -90,11 +145,11 @@ def _nonneg_relative_lstsq(data, extra_weight=None) -> np.ndarray:
     x = _design(data)
     y = data[:, 2]
     w = 1.0 / y if extra_weight is None else extra_weight / y
-    active = [0, 1, 2]
+    active = list(range(x.shape[1]))
     while True:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         if (sol >= 0).all() or len(active) == 1:
-            coef = np.zeros(3)
+            coef = np.zeros(x.shape[1])
             coef[active] = np.maximum(sol, 0)
             return coef
         active.pop(int(np.argmin(sol)))

@@ -24,15 +24,16 @@ class SimResult:
 
 
 def make_sim_engine(profile: Profile, controller: Controller, record_steps: bool = True,
-                    eviction: str = "recompute", keep_requests: bool = True) -> EngineCore:
+                    eviction: str = "recompute", keep_requests: bool = True, noise_seed: int = 0) -> EngineCore:
     """An EngineCore on a virtual clock with the profile's executor and KV pool.
 
     :param eviction: ``recompute`` or ``reset`` (the paper's model); see ``EngineCore``.
     :param keep_requests: keep every ended request in ``core.metrics.terminal``; without it memory
         grows by 40 bytes per finished request (see ``EngineMetrics``).
+    :param noise_seed: seeds the step-time noise of a profile with ``noise_sigma`` > 0.
     """
-    core = build_engine(profile, controller, SimExecutor(profile), VirtualClock(), record_steps=record_steps,
-                        eviction=eviction)
+    core = build_engine(profile, controller, SimExecutor(profile, noise_seed), VirtualClock(),
+                        record_steps=record_steps, eviction=eviction)
     core.metrics.keep_requests = keep_requests
     return core
 
@@ -45,7 +46,7 @@ def make_request(i: int, arrival) -> Request:
 
 def simulate(arrivals, profile: Profile, controller: Controller, *, record_steps: bool = True,
              progress: bool = False, desc: str = "simulating", eviction: str = "recompute",
-             keep_requests: bool = True) -> SimResult:
+             keep_requests: bool = True, noise_seed: int = 0) -> SimResult:
     """Replay ``arrivals`` through the engine until every request has ended.
 
     :param arrivals: time-sorted ``engine.workloads.Arrival`` items.
@@ -56,9 +57,11 @@ def simulate(arrivals, profile: Profile, controller: Controller, *, record_steps
         or ``reset`` (the paper's model: its progress is discarded).
     :param keep_requests: keep every ended request in ``core.metrics.terminal``; False keeps only
         what the summary needs, for long runs.
+    :param noise_seed: seeds the step-time noise of a profile with ``noise_sigma`` > 0 (the same
+        seed gives the same steps: a simulation stays a pure function of its inputs).
     """
     controller.reset()
-    core = make_sim_engine(profile, controller, record_steps, eviction, keep_requests)
+    core = make_sim_engine(profile, controller, record_steps, eviction, keep_requests, noise_seed)
     on_step = None
     bar = None
     if progress:

@@ -42,12 +42,14 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -
     """Real step durations against the profile's prediction for the same batches (non-empty steps)."""
     t = np.asarray(recorder.tokens, dtype=float)
     k = np.asarray(recorder.kv_tokens_read, dtype=float)
+    dec = np.asarray(recorder.decodes, dtype=float)
     d = np.asarray(durations, dtype=float)[:len(t)]
     busy = t > 0
-    t, k, d = t[busy], k[busy], d[busy]
-    pred = np.array([profile.step_time_s(int(tokens), int(kv)) for tokens, kv in zip(t, k)], dtype=float)
+    t, k, dec, d = t[busy], k[busy], dec[busy], d[busy]
+    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n)) for tokens, kv, n in zip(t, k, dec)],
+                    dtype=float)
     ape = np.abs(pred - d) / d
-    return {"tokens": t, "kv_tokens_read": k, "real_s": d, "predicted_s": pred,
+    return {"tokens": t, "kv_tokens_read": k, "decodes": dec, "real_s": d, "predicted_s": pred,
             "mape": float(ape.mean()), "median_ape": float(np.median(ape)),
             "total_time_error": float(pred.sum() / d.sum() - 1.0), "steps": int(busy.sum())}
 
@@ -55,9 +57,11 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -
 def refit_floor(errors: dict) -> dict:
     """The best any linear profile could do on these very steps (fitted on them, in-sample): the
     part of the MAPE that is step-to-step noise or beyond the linear model, not the profile."""
-    floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"])), loss="l1")
+    floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["decodes"])),
+                          loss="l1")
     return {"refit_mape": floor["mape"],
-            "refit_coefficients": {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s")}}
+            "refit_coefficients": {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s",
+                                                         "per_decode_token_s", "noise_sigma")}}
 
 
 def speed_drift(profile, errors: dict) -> dict | None:
@@ -94,11 +98,13 @@ def step_errors_by_size(errors: dict) -> list[dict]:
 
 
 def _write_steps_csv(path: Path, errors: dict) -> None:
-    """Every non-empty real step: T, K, real and predicted seconds (``tidegate profile --from-steps`` reads it)."""
+    """Every non-empty real step: T, K, real and predicted seconds, decodes D among the T tokens
+    (``tidegate profile --from-steps`` reads it)."""
     with open(path, "w") as f:
-        f.write("tokens,kv_tokens_read,real_s,predicted_s\n")
-        for t, k, r, p in zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["predicted_s"]):
-            f.write(f"{int(t)},{int(k)},{r:.7g},{p:.7g}\n")
+        f.write("tokens,kv_tokens_read,real_s,predicted_s,decodes\n")
+        for t, k, r, p, n in zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["predicted_s"],
+                                 errors["decodes"]):
+            f.write(f"{int(t)},{int(k)},{r:.7g},{p:.7g},{int(n)}\n")
 
 
 def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
@@ -157,6 +163,8 @@ def _speed_adjusted_errors(arrivals, profile: Profile, controller, ratio: float,
 
     scaled = dataclasses.replace(profile, base_s=profile.base_s * ratio, per_token_s=profile.per_token_s * ratio,
                                  per_kv_token_s=profile.per_kv_token_s * ratio,
+                                 per_decode_token_s=None if profile.per_decode_token_s is None
+                                 else profile.per_decode_token_s * ratio,
                                  idle_s=None if profile.idle_s is None else profile.idle_s * ratio)
     sim_scaled = simulate(arrivals, scaled, controller, record_steps=False).summary
     return {key: (float(sim_scaled[key]) - rows[key]["real"]) / rows[key]["real"]

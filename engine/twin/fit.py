@@ -25,7 +25,7 @@ from ctrl import build_controller
 from engine.core.profile import Profile
 from engine.real.model import load_model, resolve_device, resolve_dtype
 from engine.real.profiler import describe_device, serving_defaults
-from engine.sim.fit import binned_samples, fit_step_time
+from engine.sim.fit import binned_samples, fit_step_time, profile_fields
 from engine.twin.replay import replay_real
 from engine.workloads import read_trace, resolve_trace
 
@@ -73,7 +73,7 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
                "rate_scale": rate_scale, "max_tokens": max_tokens, "controller": controller_spec,
                "steps": len(rows), "runs": per_run}
     return dataclasses.replace(
-        base, base_s=fit["base_s"], per_token_s=fit["per_token_s"], per_kv_token_s=fit["per_kv_token_s"],
+        base, **profile_fields(fit),
         description=f"{model} model ({str(dtype).removeprefix('torch.')}) on {described} (fitted on serving steps).",
         source=source,
         extra={"fit": fit, "device": described, "torch": torch.__version__,
@@ -83,19 +83,20 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
 
 
 def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, model: str, device, dtype,
-                      seed: int, log) -> tuple[list[tuple[int, int, float]], list[dict]]:
-    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds)`` of every non-empty step,
+                      seed: int, log) -> tuple[list[tuple[int, int, float, int]], list[dict]]:
+    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds, D)`` of every non-empty step,
     and per run its step count and median single-token step."""
-    rows: list[tuple[int, int, float]] = []
+    rows: list[tuple[int, int, float, int]] = []
     per_run = []
     for run in range(runs):
         controller = build_controller(controller_spec, base, arrivals)
         core, recorder = replay_real(arrivals, base, controller, model=model, device=device, dtype=dtype, seed=seed,
                                      log=log)
         durations = core.metrics.step_duration_s
-        got = [(t, k, d) for t, k, d in zip(recorder.tokens, recorder.kv_tokens_read, durations) if t > 0]
+        got = [(t, k, d, n) for t, k, d, n in zip(recorder.tokens, recorder.kv_tokens_read, durations,
+                                                     recorder.decodes) if t > 0]
         rows += got
-        single = [d for t, _, d in got if t == 1]
+        single = [d for t, _, d, _ in got if t == 1]
         per_run.append({"steps": len(got), "batch1_decode_median_s": float(np.median(single)) if single else None})
         if log and runs > 1:
             log(f"  run {run + 1}/{runs}: {len(got)} steps, median single-token step "
@@ -103,9 +104,10 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
     return rows, per_run
 
 
-def read_steps_csv(path) -> list[tuple[int, int, float]]:
-    """``(T, K, seconds)`` rows of a ``twin_steps.csv`` written by ``twin-check``."""
-    rows = []
+def read_steps_csv(path) -> list[tuple]:
+    """``(T, K, seconds)`` rows of a ``twin_steps.csv`` written by ``twin-check``, ``(T, K, seconds,
+    D)`` when it has the ``decodes`` column (files from before it still read)."""
+    rows: list[tuple] = []
     with open(path) as f:
         header = f.readline().strip().split(",")
         try:
@@ -113,10 +115,12 @@ def read_steps_csv(path) -> list[tuple[int, int, float]]:
         except ValueError:
             raise ValueError(f"{path}: expected the columns tokens, kv_tokens_read, real_s "
                              f"(a twin_steps.csv)") from None
+        idec = header.index("decodes") if "decodes" in header else None
         for line in f:
             parts = line.strip().split(",")
             if len(parts) == len(header) and int(parts[it]) > 0:
-                rows.append((int(parts[it]), int(parts[ik]), float(parts[ir])))
+                row = (int(parts[it]), int(parts[ik]), float(parts[ir]))
+                rows.append(row if idec is None else (*row, int(parts[idec])))
     if len(rows) < 3:
         raise ValueError(f"{path}: fewer than 3 steps to fit")
     return rows
@@ -133,7 +137,7 @@ def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv
     fit = fit_step_time(rows, loss=loss)
     base = serving_defaults(_config_of(model), name, block_size, kv_capacity_tokens)
     return dataclasses.replace(
-        base, base_s=fit["base_s"], per_token_s=fit["per_token_s"], per_kv_token_s=fit["per_kv_token_s"],
+        base, **profile_fields(fit),
         description=f"{model} model, fitted on the serving steps in {path}.",
         source=f"fitted on recorded serving steps (tidegate profile --from-steps {path})",
         extra={"fit": fit, "method": "steps", "steps_file": str(path), "samples": binned_samples(rows)})

@@ -223,7 +223,8 @@ def family_segment(family: Family, profile: Profile, rng: np.random.Generator, n
 def perturbed_profile(profile: Profile, rng: np.random.Generator, spread: float = 0.3) -> Profile:
     """A copy of ``profile`` with ``base_s``, ``per_token_s``, ``per_kv_token_s`` and
     ``kv_capacity_tokens`` each times its own factor uniform in ``[1 - spread, 1 + spread]``
-    (the capacity rounded, at least one block), named ``<name>~p``.
+    (the capacity rounded, at least one block; a separate decode cost moves with ``per_token_s``),
+    named ``<name>~p``.
 
     :param spread: in [0, 1).
     """
@@ -233,6 +234,7 @@ def perturbed_profile(profile: Profile, rng: np.random.Generator, spread: float 
     return dataclasses.replace(
         profile, name=f"{profile.name}~p", base_s=profile.base_s * base, per_token_s=profile.per_token_s * per_token,
         per_kv_token_s=profile.per_kv_token_s * per_kv,
+        per_decode_token_s=None if profile.per_decode_token_s is None else profile.per_decode_token_s * per_token,
         kv_capacity_tokens=max(profile.block_size, round(profile.kv_capacity_tokens * kv)))
 
 

@@ -115,8 +115,8 @@ def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed
 @click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True,
               help="--from-twin: serve the requests this many times and pool the steps (averages machine load).")
 @click.option("--loss", type=click.Choice(["l1", "l2"]), default=None,
-              help="Fit on absolute (l1, minimises MAPE) or squared (l2) relative error "
-                   "[default: l1 with --from-twin, l2 on the grid].")
+              help="Fit the median step (l1: absolute error relative to the prediction) or least squares on "
+                   "relative error (l2) [default: l1 with --from-twin and --from-steps, l2 on the grid].")
 @pin_option
 @friendly(ValueError)
 def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_tokens, repeats, passes, quick,

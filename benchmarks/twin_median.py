@@ -1,0 +1,122 @@
+"""Twin fidelity: the median of several twin checks on one pinned core, against the issue's targets.
+
+    python benchmarks/twin_median.py [--checks 3] [--pin-cpu 1] [--profile FILE] [--out docs/bench/twin]
+
+Without ``--profile`` it first fits one (``tidegate profile --from-twin`` on requests 300-599 of
+splitwise_conv, pinned to the same core), then runs ``tidegate twin-check`` on the first 300
+requests ``--checks`` times, each in its own process pinned to that core. Writes
+``twin_median.md`` (per metric: each check's relative error and the median; KS distances; step
+MAPE), ``twin_median.json`` and ``twin_cdf.png`` (TTFT and TPOT distributions of the real engine
+and the simulator in the first check) to ``--out``. Needs a quiet machine: anything else running
+on the core changes the real engine's step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+#: metric -> bound on |relative error| (None: reported only)
+TARGETS = {"ttft_p50_s": 0.10, "ttft_p99_s": 0.10, "tpot_p50_s": 0.10, "tpot_p99_s": 0.10,
+           "throughput_rps": None, "e2e_p50_s": None}
+KS_TARGETS = {"tpot_s": 0.10, "ttft_s": None, "e2e_s": None}
+
+
+def tidegate(*args: str) -> None:
+    cmd = [sys.executable, "-m", "engine.cli", *args]
+    print("$ tidegate", " ".join(args), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def plot_cdfs(requests_csv: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(requests_csv) as f:
+        rows = list(csv.DictReader(f))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("ttft", "tpot")):
+        for side, style in (("real", "-"), ("sim", "--")):
+            x = np.sort([float(r[f"{metric}_{side}_s"]) for r in rows if r[f"{metric}_{side}_s"] not in ("", "nan")])
+            x = x[np.isfinite(x)]
+            ax.plot(1e3 * x, np.arange(1, len(x) + 1) / len(x), style,
+                    label="real engine" if side == "real" else "simulator")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{metric.upper()} (ms)")
+        ax.set_ylabel("share of requests")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("twin check: real engine against the simulator (first check)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checks", type=int, default=3)
+    ap.add_argument("--pin-cpu", type=int, default=1)
+    ap.add_argument("--profile", type=Path, default=None, help="A fitted profile (default: fit one first).")
+    ap.add_argument("--runs", type=int, default=1, help="Serving runs pooled by the fit.")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/twin"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    pin = ["--pin-cpu", str(args.pin_cpu)]
+    t0 = time.perf_counter()
+    profile = args.profile
+    if profile is None:
+        profile = args.out / "tiny-pinned.json"
+        tidegate("profile", "--model", "tiny", "--from-twin", "--runs", str(args.runs), *pin, "--out", str(profile),
+                 "--name", "tiny-cpu-pinned")
+    reports = []
+    for i in range(args.checks):
+        folder = args.out / f"check{i + 1}"
+        tidegate("twin-check", "--model", "tiny", "--trace", "splitwise_conv", "--first", "300", "--length-scale",
+                 "0.1", "--profile", str(profile), "--controller", "greedy", *pin, "--out", str(folder))
+        reports.append(json.loads((folder / "twin_report.json").read_text()))
+    fit = json.loads(Path(profile).read_text())
+    summary = {"checks": args.checks, "pin_cpu": args.pin_cpu, "profile": str(profile),
+               "step_time": fit["step_time"], "wall_s": time.perf_counter() - t0, "metrics": {}, "ks": {}}
+    lines = [f"Profile {profile}: " + ", ".join(f"{k} {v:.4g}" for k, v in fit["step_time"].items()), "",
+             "| metric | " + " | ".join(f"check {i + 1}" for i in range(args.checks)) + " | median | target |",
+             "|---|" + "---|" * (args.checks + 2)]
+    for key, bound in TARGETS.items():
+        errs = [r["metrics"][key]["rel_error"] for r in reports]
+        med = statistics.median(errs)
+        verdict = "" if bound is None else (f"within {100 * bound:.0f}%: " + ("met" if abs(med) <= bound else "missed"))
+        met = None if bound is None else abs(med) <= bound
+        summary["metrics"][key] = {"rel_errors": errs, "median": med, "met": met}
+        cells = " | ".join(f"{100 * e:+.1f}%" for e in errs)
+        lines.append(f"| {key} | {cells} | {100 * med:+.1f}% | {verdict} |")
+    for key, bound in KS_TARGETS.items():
+        vals = [r["ks_distance"][key] for r in reports]
+        med = statistics.median(vals)
+        verdict = "" if bound is None else (f"<= {bound}: " + ("met" if med <= bound else "missed"))
+        summary["ks"][key] = {"values": vals, "median": med, "met": None if bound is None else med <= bound}
+        lines.append(f"| KS {key.removesuffix('_s').upper()} | " + " | ".join(f"{v:.3f}" for v in vals)
+                     + f" | {med:.3f} | {verdict} |")
+    mape = [r["step_time"]["mape"] for r in reports]
+    summary["step_mape"] = {"values": mape, "median": statistics.median(mape)}
+    lines.append("| step-time MAPE | " + " | ".join(f"{100 * m:.1f}%" for m in mape)
+                 + f" | {100 * statistics.median(mape):.1f}% | reported |")
+    drift = [(r.get("speed_drift") or {}).get("ratio") for r in reports]
+    lines.append("\nmachine speed during each check against while profiling (single-token steps): "
+                 + ", ".join("n/a" if d is None else f"x{d:.2f}" for d in drift))
+    (args.out / "twin_median.md").write_text("\n".join(lines) + "\n")
+    (args.out / "twin_median.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot_cdfs(args.out / "check1" / "twin_requests.csv", args.out / "twin_cdf.png")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -261,7 +261,8 @@ class LearnedController(Controller):
         if self.policy is None:
             return (f"learned policy unavailable ({self.load_error or 'no policy'}); "
                     "decisions come from the slo-flow heuristic")
-        return f"learned policy {self.policy_source or type(self.policy).__name__} loaded"
+        scale = "" if self.residual_scale == 1.0 else f" (residual scale {self.residual_scale:g})"
+        return f"learned policy {self.policy_source or type(self.policy).__name__} loaded{scale}"
 
     @property
     def degraded(self) -> bool:

@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from light_load_sim import light_load  # noqa: I001 (benchmarks/ is the script's own folder)
-from training.evaluate import PRIOR, TEST, VALIDATION, evaluate, summarize, write_report
+from training.evaluate import PRIOR, TEST, VALIDATION, choose_residual_scale, evaluate, summarize, write_report
 from training.export import export, set_residual_scale
 
 LOADS = (0.5, 0.8, 1.2, 2.0, 3.0)
@@ -105,9 +105,8 @@ def select_scales(chosen: dict, families: list[str], requests: int, opts: dict) 
     scores = ratio_scores(rows, named)
     out = {}
     for seed, c in chosen.items():
-        by_scale = {0.0: {"min": 1.0, "mean": 1.0}, **{s: scores[f"{seed}@{s:g}"] for s in SCALES}}
-        fit = [s for s, sc in by_scale.items() if sc["min"] >= SCALE_FLOOR]
-        best = max(fit, key=lambda s: (round(by_scale[s]["mean"], 3), -s))
+        by_scale = {s: scores[f"{seed}@{s:g}"] for s in SCALES}
+        best = choose_residual_scale(by_scale, SCALE_FLOOR)
         src = Path(c["onnx"])
         onnx = set_residual_scale(src, best, src.with_name(f"{src.stem}@selected.onnx"))
         out[seed] = {"residual_scale": best, "onnx": str(onnx),

@@ -343,3 +343,15 @@ def test_export_records_a_residual_scale_that_the_controller_applies(trained, tm
     assert_one_line_error(invoke("export", model_path, tmp_path / "q.onnx", "--residual-scale", "2"),
                           "residual_scale", "[0, 1]")
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_the_shipped_residual_scale_never_loses_more_than_the_floor_on_validation():
+    from training.evaluate import choose_residual_scale
+
+    losing = {0.25: {"min": 0.95, "mean": 1.04}, 0.5: {"min": 0.9, "mean": 1.08}, 1.0: {"min": 0.7, "mean": 1.1}}
+    assert choose_residual_scale(losing, 0.98) == 0.0  # every scale loses somewhere: the prior ships
+    assert choose_residual_scale(losing, 0.9) == 0.5
+    safe = {0.25: {"min": 0.99, "mean": 1.02}, 0.5: {"min": 0.985, "mean": 1.05}, 1.0: {"min": 0.97, "mean": 1.2}}
+    assert choose_residual_scale(safe, 0.98) == 0.5
+    flat = {0.25: {"min": 1.0, "mean": 1.0}, 0.5: {"min": float("nan"), "mean": float("nan")}}
+    assert choose_residual_scale(flat, 0.98) == 0.0  # no gain: the smaller scale; NaN never qualifies

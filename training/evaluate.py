@@ -171,6 +171,19 @@ def evaluate(policies: dict[str, str | Path], *, families=None, loads=DEFAULT_LO
     return [row for cell in cells for row in cell]
 
 
+def choose_residual_scale(scores: dict[float, dict[str, float]], floor: float) -> float:
+    """The residual scale to ship: of the scales whose worst validation cell is at least ``floor`` x
+    the prior's goodput, the one with the best mean ratio to the prior (ties: the smaller scale).
+    Scale 0 is the prior itself (ratio 1 everywhere) and always qualifies, so a policy that loses
+    anywhere by more than the floor at every scale ships as its prior.
+
+    :param scores: scale -> ``{"min": worst-cell ratio, "mean": mean ratio}`` to the prior.
+    """
+    by_scale = {0.0: {"min": 1.0, "mean": 1.0}, **scores}
+    fit = [s for s, sc in by_scale.items() if sc["min"] >= floor]  # NaN never qualifies
+    return max(fit, key=lambda s: (round(by_scale[s]["mean"], 3), -s))
+
+
 def summarize(rows: list[dict], learned: list[str], held_out=()) -> list[dict]:
     """One row per (family, load): each controller's goodput / lambda_max (mean over seeds), the
     learned controllers' mean and spread, the best heuristic, the ratios and the refusals."""

@@ -76,6 +76,9 @@ class _Cursor:
         self.req_id = 0
 
 
+#: engine steps a drain may take at most (the shield's queue timeout ends every wait long before)
+DRAIN_MAX_STEPS = 1_000_000
+
 #: the evaluation's objective, goodput, and a small cost per refusal so that, goodput being equal, serving
 #: wins over refusing. A penalty on served requests that miss their SLO would pay the policy for refusing
 #: them (a refusal counts as a miss in goodput, but costs less than a missed SLO), which the matrix
@@ -121,6 +124,13 @@ class ServingEnv(gym.Env):
         (``slo-flow``, action 0) serving the same arrivals in a shadow simulation advanced to the
         same time: the policy is paid for what it adds to its prior, and the traffic's own noise
         (common to both) cancels. ``none``: the plain reward. Sim backend only.
+    :param drain: at the end of an episode (sim backend), arrivals stop and the engine (and the
+        shadow) finish every request they hold, under the prior (action 0); the drain's reward,
+        in the same units as an interval's (requests over lambda_max times the episode's mean
+        interval), is added to the last step's, and the episode ends ``terminated``: a policy
+        that leaves a backlog behind pays for it, as it would in a whole run. Without it an
+        episode is a window of the stream that ends ``truncated``, and requests the policy let in
+        late are never counted.
     :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
     """
 
@@ -133,7 +143,7 @@ class ServingEnv(gym.Env):
                  shield_mode: str = "soft", max_waiting: int = 512, queue_timeout_s: float | None = None,
                  max_tokens_cap: int | None = None, augment=None, seed: int | None = None, model: str = "tiny",
                  length_scale: float = 1.0, families=None, episode_requests: int = 3000,
-                 profile_spread: float = 0.0, baseline: str = "none") -> None:
+                 profile_spread: float = 0.0, baseline: str = "none", drain: bool = True) -> None:
         super().__init__()
         low, high = _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline,
                                    profile_spread, episode_requests)
@@ -146,6 +156,7 @@ class ServingEnv(gym.Env):
         self.profile = self.profiles[0]
         self.backend = backend
         self.baseline = baseline
+        self.drain = bool(drain) and backend == "sim"
         self.families = [load_family(f) for f in families] if families else []
         self.episode_requests = int(episode_requests)
         self.profile_spread = float(profile_spread)
@@ -231,6 +242,7 @@ class ServingEnv(gym.Env):
         self._last_action = DEFAULT_ACTION
         self._set_residual(DEFAULT_ACTION)
         self._steps = 0
+        self._elapsed_s = 0.0
         self._episode += 1
         self.totals = {"good": 0, "finished": 0, "missed": 0, "rejected": 0, "evictions": 0}
         obs = self.features.update(self.core.observe(), self._last_action, self.prior._decision.token_budget).copy()
@@ -385,5 +397,50 @@ class ServingEnv(gym.Env):
             "safe_activation_budget": shield.last_intervention.safe_activation_budget,
             "load": self.load,
         }
-        truncated = self._steps >= self.episode_steps
-        return obs, float(reward), False, truncated, info
+        return self._end_of_step(obs, reward, info, norm / dt)
+
+    def _end_of_step(self, obs, reward: float, info: dict, lambda_max_rps: float):
+        """The step's return value; the last step of an episode drains the engines first (``drain``)."""
+        self._elapsed_s += info["interval_s"]
+        end = self._steps >= self.episode_steps
+        if end and self.drain:
+            drained = self._drain(lambda_max_rps * self._elapsed_s / self._steps)
+            info["drain_reward"] = drained
+            return obs, float(reward + drained), True, False, info
+        return obs, float(reward), False, end, info
+
+    def _drain(self, norm: float) -> float:
+        """Stop arrivals at the engine's time, finish every request on the engine (and the shadow)
+        under the prior, and return the drain's reward over ``norm`` (net of the shadow's)."""
+        w = self.reward_weights
+        self._set_residual(DEFAULT_ACTION)
+        end_s = self.core.clock.now()
+        rejected = self._pull_arrivals(end_s)
+        good, missed, evictions = self._settle(self.core)
+        t = self.totals
+        t["good"] += good
+        t["missed"] += missed
+        t["rejected"] += rejected
+        t["evictions"] += evictions
+        reward = w["goodput"] * good - w["slo_miss"] * missed - w["rejection"] * rejected - w["eviction"] * evictions
+        if self._shadow is not None:
+            b_rejected = self._pull_arrivals(end_s, self._shadow, self._shadow_cursor)
+            b_good, b_missed, b_evictions = self._settle(self._shadow)
+            reward -= (w["goodput"] * b_good - w["slo_miss"] * b_missed - w["rejection"] * b_rejected
+                       - w["eviction"] * b_evictions)
+        return reward / norm
+
+    def _settle(self, core) -> tuple[int, int, int]:
+        """Step ``core`` without new arrivals until it holds no request: (good, missed, evictions)."""
+        good = missed = 0
+        evictions0 = core.metrics.evictions
+        ttft_slo, tpot_slo = self.ttft_slo_s, self.tpot_slo_s
+        for _ in range(DRAIN_MAX_STEPS):
+            if not (core.waiting or core.running):
+                break
+            for r in core.step():
+                if r.state is RequestState.FINISHED and met_slo(r, ttft_slo, tpot_slo):
+                    good += 1
+                else:
+                    missed += 1
+        return good, missed, core.metrics.evictions - evictions0

@@ -26,16 +26,36 @@ def test_gymnasium_check_env():
     check_env(gym.make("tidegate/Serving-v0", **SMALL).unwrapped)
 
 
-def test_registered_and_episode_truncates():
-    e = gym.make("tidegate/Serving-v0", **SMALL)
+@pytest.mark.parametrize("drain", [True, False])
+def test_registered_and_episode_ends_drained_or_truncated(drain):
+    e = gym.make("tidegate/Serving-v0", **SMALL, drain=drain)
     obs, info = e.reset(seed=3)
     assert e.observation_space.contains(obs) and 0.5 <= info["load"] <= 2.0
-    for _ in range(SMALL["episode_steps"]):
+    for i in range(SMALL["episode_steps"]):
         obs, reward, terminated, truncated, info = e.step(e.action_space.sample())
-        assert e.observation_space.contains(obs) and np.isfinite(reward) and not terminated
+        assert e.observation_space.contains(obs) and np.isfinite(reward)
         assert 0.0 <= info["shield_intervention_rate"] <= 1.0
         assert 0.0 <= info["kv_usage"] <= 1.0
-    assert truncated
+        last = i == SMALL["episode_steps"] - 1
+        assert (terminated, truncated) == ((last, False) if drain else (False, last))
+    core = e.unwrapped.core
+    assert ("drain_reward" in info) == drain
+    assert not (core.waiting or core.running) if drain else True  # drained: every request ended
+
+
+def test_the_drain_charges_a_backlog_the_policy_leaves_behind():
+    kw = dict(families=["chat"], load_range=(2.5, 2.5), episode_steps=30, baseline="prior", seed=1)
+    e = ServingEnv(**kw)
+    e.reset(seed=1)
+    rewards = [e.step(np.zeros(3))[1] for _ in range(30)]
+    assert rewards == [0.0] * 30  # the prior against itself, drain included
+    e.reset(seed=1)
+    info = {}
+    for _ in range(30):  # twice the activations and batch, half the admission threshold
+        *_, info = e.step(np.array([1.0, 1.0, -1.0]))
+    assert info["drain_reward"] != 0.0
+    arrived = e.totals["good"] + e.totals["missed"] + e.totals["rejected"]
+    assert arrived == e.core.metrics.arrived  # every request that came is counted once, the drain's too
 
 
 def test_same_seed_same_episode():

@@ -355,3 +355,13 @@ def test_the_shipped_residual_scale_never_loses_more_than_the_floor_on_validatio
     assert choose_residual_scale(safe, 0.98) == 0.5
     flat = {0.25: {"min": 1.0, "mean": 1.0}, 0.5: {"min": float("nan"), "mean": float("nan")}}
     assert choose_residual_scale(flat, 0.98) == 0.0  # no gain: the smaller scale; NaN never qualifies
+
+
+def test_summary_reports_how_far_a_cell_moves_by_chance():
+    from training.evaluate import HEURISTICS, PRIOR, summarize, targets
+
+    rows = [{"family": "f", "load": 1.2, "seed": s, "controller": c, "goodput_frac": g, "rejected": 0}
+            for s, g in enumerate([0.8, 1.0, 0.9]) for c in (PRIOR, "learned", *HEURISTICS)]
+    (row,) = summarize(rows, ["learned"])
+    assert row["prior_rel_se"] == pytest.approx(0.1 / 3 ** 0.5 / 0.9)  # std 0.1 over 3 draws, mean 0.9
+    assert targets([row])["prior_rel_se_max"] == row["prior_rel_se"]

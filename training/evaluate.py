@@ -211,6 +211,9 @@ def summarize(rows: list[dict], learned: list[str], held_out=()) -> list[dict]:
             row["learned_refusals"] = int(np.mean([refusals[(family, load)][n] for n in learned]))
         if PRIOR in row and best:
             row["prior_vs_best"] = row[PRIOR] / heur[best] if heur[best] > 0 else math.nan
+        if PRIOR in got and len(got[PRIOR]) > 1 and row[PRIOR] > 0:
+            # how far the cell's mean moves by chance: the prior's standard error over its draws
+            row["prior_rel_se"] = float(np.std(got[PRIOR], ddof=1) / math.sqrt(len(got[PRIOR])) / row[PRIOR])
         out.append(row)
     return out
 
@@ -225,15 +228,18 @@ def targets(summary: list[dict]) -> dict[str, float]:
         return min(values) if values else math.nan
 
     over = [r["vs_best"] for r in cells if r["load"] >= 1.2 and math.isfinite(r["vs_best"]) and r["vs_best"] > 0]
+    noise = [r["prior_rel_se"] for r in cells if math.isfinite(r.get("prior_rel_se", math.nan))]
     return {"worst_cell_vs_best": worst("vs_best_min"), "worst_cell_mean_vs_best": worst("vs_best"),
             "geomean_vs_best_load_ge_1.2": float(np.exp(np.mean(np.log(over)))) if over else math.nan,
-            "worst_cell_vs_prior": worst("vs_prior")}
+            "worst_cell_vs_prior": worst("vs_prior"),
+            "prior_rel_se_median": float(np.median(noise)) if noise else math.nan,
+            "prior_rel_se_max": float(np.max(noise)) if noise else math.nan}
 
 
 def markdown(summary: list[dict], learned: list[str]) -> str:
     """The summary as a Markdown table."""
     cols = ["family", "load", *(["learned", "vs_best", "vs_best_std", "vs_prior"] if learned else []),
-            PRIOR, *HEURISTICS, "best_heuristic", *(["learned_refusals"] if learned else [])]
+            PRIOR, *HEURISTICS, "best_heuristic", "prior_rel_se", *(["learned_refusals"] if learned else [])]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in summary:
         cells = []

@@ -2,7 +2,7 @@
 moved by a few percent.
 
     python benchmarks/knob_sensitivity.py [--families bursty,diurnal,conv-trace,chat] [--loads 1.2,2.5]
-        [--draws 0,1,2] [--requests 1000] [--step 0.05] [--out docs/bench/sensitivity]
+        [--draws 0,1,2] [--requests 1000] [--step 0.05] [--profile a100-llama2-7b] [--out docs/bench/sensitivity]
 
 For each (family, load, draw) of the VALIDATION stream it simulates slo-flow (the learned
 controller's prior, inside the shield) and the same controller with a constant residual action of
@@ -63,6 +63,9 @@ def main() -> None:
             for draw in (int(x) for x in args.draws.split(",")):
                 arrivals, _ = cell_arrivals(resolve_family(family), load, draw, args.requests, profile, VALIDATION)
                 base = goodput(profile, arrivals, (0, 0, 0))
+                if base <= 0:
+                    print(f"{family} {load:g}x draw {draw}: slo-flow met no SLO, no ratio", flush=True)
+                    continue
                 got = [goodput(profile, arrivals, a) / base for a in moves.values()]
                 ratios.setdefault(family, []).extend(got)
                 print(f"{family} {load:g}x draw {draw}: " + ", ".join(f"{m} {r:.3f}" for m, r in zip(moves, got)),
@@ -82,7 +85,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.boxplot(list(ratios.values()), labels=list(ratios), whis=(0, 100))
+    ax.boxplot(list(ratios.values()), tick_labels=list(ratios), whis=(0, 100))
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(0.97, color="red", lw=0.8, ls="--", label="the matrix's floor, 0.97")
     ax.set_ylabel("goodput / slo-flow's, one draw")

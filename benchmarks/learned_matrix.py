@@ -6,11 +6,12 @@
    ``model.zip``) is exported to ONNX and simulated on *validation* draws of the training families
    (``training.evaluate.VALIDATION``: a random stream the test matrix never uses), next to slo-flow,
    the policy's prior. A seed's checkpoint is the one with the best worst-cell ratio to the prior
-   (ties: the best mean ratio). The policy to ship is the seed whose selected checkpoint scored best.
+   (ties: the best mean ratio).
 1b. Each selected checkpoint gets its residual scale (the share of its action applied, 0 being the
    prior alone) on five further validation draws: of the scales in ``SCALES`` whose worst cell is
    at least ``SCALE_FLOOR`` x the prior, the one with the best mean ratio (0 always qualifies). The
-   scale is written into the policy file the matrix runs and ``--ship`` copies.
+   scale is written into the policy file the matrix runs. The policy to ship (``--ship``) is the
+   seed whose checkpoint at its scale scored best on these draws.
 2. The selected checkpoints of all seeds run the *test* matrix (every shipped family, the families
    in the config's ``held_out`` marked, loads 0.5-3 x lambda_max, three draws each) against the
    heuristics; ``matrix.md``, ``matrix.json`` and heatmaps go to OUT, with ``selection.json``.
@@ -38,8 +39,9 @@ from training.export import export, set_residual_scale
 
 LOADS = (0.5, 0.8, 1.2, 2.0, 3.0)
 VALIDATION_LOADS = (0.5, 1.2, 2.5)
-#: residual scales tried for each selected checkpoint (0, the prior alone, needs no simulation)
-SCALES = (0.25, 0.5, 1.0)
+#: residual scales tried for each selected checkpoint (0: the prior alone, inside the learned
+#: controller's shield, measured too)
+SCALES = (0.0, 0.25, 0.5, 1.0)
 #: a scale qualifies if no validation cell falls below this share of the prior's goodput (the matrix asks
 #: 0.97 x the best heuristic; the prior's own margin and the step from validation to test draws need the rest)
 SCALE_FLOOR = 0.98
@@ -90,8 +92,7 @@ def select(exports: dict[str, dict[str, Path]], families: list[str], requests: i
     for seed, by_name in exports.items():
         best = max(by_name, key=lambda n: (round(scores[f"{seed}/{n}"]["min"], 3), scores[f"{seed}/{n}"]["mean"]))
         chosen[seed] = {"checkpoint": best, "onnx": str(by_name[best]), **scores[f"{seed}/{best}"]}
-    ship = max(chosen, key=lambda s: (round(chosen[s]["min"], 3), chosen[s]["mean"]))
-    return {"scores": scores, "chosen": chosen, "ship": ship, "validation_loads": list(VALIDATION_LOADS),
+    return {"scores": scores, "chosen": chosen, "validation_loads": list(VALIDATION_LOADS),
             "validation_families": families, "validation_draws": [0, 1]}
 
 
@@ -112,9 +113,10 @@ def select_scales(chosen: dict, families: list[str], requests: int, opts: dict) 
     for seed, c in chosen.items():
         by_scale = {s: scores[f"{seed}@{s:g}"] for s in SCALES}
         best = choose_residual_scale(by_scale, SCALE_FLOOR)
+        chosen_score = by_scale.get(best, {"min": 1.0, "mean": 1.0})
         src = Path(c["onnx"])
         onnx = set_residual_scale(src, best, src.with_name(f"{src.stem}@selected.onnx"))
-        out[seed] = {"residual_scale": best, "onnx": str(onnx),
+        out[seed] = {"residual_scale": best, "onnx": str(onnx), **chosen_score,
                      "scores": {f"{s:g}": v for s, v in by_scale.items()}}
     return out
 
@@ -162,14 +164,15 @@ def main() -> None:
     selection = select(exports, train_families, args.validation_requests, {**opts, "profile": args.profile})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "selection.json").write_text(json.dumps(selection, indent=1))
-    print(json.dumps(selection["chosen"], indent=1), "ship:", selection["ship"])
+    print(json.dumps(selection["chosen"], indent=1))
 
     scales = select_scales(selection["chosen"], train_families, args.validation_requests,
                            {**opts, "profile": args.profile})
     selection["scales"] = scales
     selection["scale_floor"], selection["scale_draws"] = SCALE_FLOOR, list(SCALE_DRAWS)
+    selection["ship"] = max(scales, key=lambda s: (round(scales[s]["min"], 3), scales[s]["mean"]))
     (args.out / "selection.json").write_text(json.dumps(selection, indent=1))
-    print("residual scales:", {seed: s["residual_scale"] for seed, s in scales.items()})
+    print("residual scales:", {seed: s["residual_scale"] for seed, s in scales.items()}, "ship:", selection["ship"])
 
     learned = {seed: Path(s["onnx"]) for seed, s in scales.items()}
     shipped = selection["ship"]

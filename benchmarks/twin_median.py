@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.core.profile import load_profile
+
 #: metric -> bound on |relative error| (None: reported only)
 TARGETS = {"ttft_p50_s": 0.10, "ttft_p99_s": 0.10, "tpot_p50_s": 0.10, "tpot_p99_s": 0.10,
            "throughput_rps": None, "e2e_p50_s": None}
@@ -84,7 +86,7 @@ def main() -> None:
         tidegate("twin-check", "--model", "tiny", "--trace", "splitwise_conv", "--first", "300", "--length-scale",
                  "0.1", "--profile", str(profile), "--controller", "greedy", *pin, "--out", str(folder))
         reports.append(json.loads((folder / "twin_report.json").read_text()))
-    fit = json.loads(Path(profile).read_text())
+    fit = load_profile(profile).to_dict()
     summary = {"checks": args.checks, "pin_cpu": args.pin_cpu, "profile": str(profile),
                "step_time": fit["step_time"], "wall_s": time.perf_counter() - t0, "metrics": {}, "ks": {}}
     lines = [f"Profile {profile}: " + ", ".join(f"{k} {v:.4g}" for k, v in fit["step_time"].items()), "",

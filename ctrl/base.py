@@ -13,8 +13,10 @@ UNLIMITED = 1 << 60
 
 class ReplicaProfile(Protocol):
     """What controllers read of a replica's profile (``engine.core.profile.Profile`` has it all):
-    the step-time model ``base_s + per_token_s * T + per_kv_token_s * K``, the KV capacity, the
-    SLOs and the batch limits. ``ctrl`` never imports the engine; callers hand a profile in."""
+    the step-time model ``base_s + per_token_s * T + per_kv_token_s * K`` (a profile may add a
+    separate decode cost ``per_decode_token_s`` and step noise ``noise_sigma``, read with
+    ``getattr`` by ``ctrl.theory``), the KV capacity, the SLOs and the batch limits. ``ctrl``
+    never imports the engine; callers hand a profile in."""
 
     @property
     def base_s(self) -> float: ...

@@ -4,10 +4,12 @@ flow-control shield.
 
 The policy learns residuals on the heuristic: its action in ``[-1, 1]^3`` scales the heuristic's
 memory-safe activation rate, its token budget and its admission threshold by
-``RESIDUAL_RANGE ** a``, so action 0 *is* ``slo-flow``: an untrained policy (PPO starts near a
-zero mean action) serves as the heuristic, and whenever the policy cannot answer (file missing or
-corrupt, an exception, NaN/inf, over its wall-clock budget on a real engine) the residuals go back
-to 0, counted and logged once per cause (``LearnedController`` has the details). A policy that
+``RESIDUAL_RANGE ** (s * a)``, so action 0 *is* ``slo-flow``: an untrained policy (PPO starts near a
+zero mean action) serves as the heuristic. The residual scale s in [0, 1] (recorded in the policy
+file, chosen on validation draws) shrinks a policy toward its prior; s = 0 ships the prior itself.
+Whenever the policy cannot answer (file missing or corrupt, an exception, NaN/inf, over its
+wall-clock budget on a real engine) the residuals go back to 0, counted and logged once per
+cause (``LearnedController`` has the details). A policy that
 answers badly is not caught here: the runtime guard (``engine/twin/guard.py``) compares it with the
 heuristic on live traffic.
 

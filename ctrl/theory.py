@@ -6,6 +6,7 @@ j-th output token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,7 +119,8 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
                      kv_capacity_tokens: float | None = None, mean_output_tokens: float = 0.0) -> float:
     """``1 / (a*W/M + c*W + b*S)`` requests per second: the fluid bound for requests of S tokens
     and lifetime KV workload W on a replica with step time a + b*T + c*K and KV capacity M. On a
-    profile with its own decode cost b_d, ``b*S`` is ``b*(S - D) + b_d*D`` with D the mean output.
+    profile with its own decode cost b_d, ``b*S`` is ``b*(S - D) + b_d*D`` with D the mean output;
+    with step noise, every term is the mean step's (``mean_step_factor``).
 
     :param kv_capacity_tokens: M (default: the profile's).
     :param mean_output_tokens: D, the decode tokens among S (only used with a separate decode cost).
@@ -126,7 +128,14 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     m = kv_capacity_tokens or profile.kv_capacity_tokens
     w, s = lifetime_kv_workload, mean_tokens_per_request
     tokens_s = profile.per_token_s * s + (decode_token_s(profile) - profile.per_token_s) * min(mean_output_tokens, s)
-    return 1.0 / (profile.base_s * w / m + profile.per_kv_token_s * w + tokens_s)
+    return 1.0 / ((profile.base_s * w / m + profile.per_kv_token_s * w + tokens_s) * mean_step_factor(profile))
+
+
+def mean_step_factor(profile: ReplicaProfile) -> float:
+    """The mean over the median step time: ``exp(noise_sigma^2 / 2)`` on a profile with log-normal
+    step noise (the formula is its median step), 1 without."""
+    sigma = getattr(profile, "noise_sigma", 0.0) or 0.0
+    return math.exp(sigma * sigma / 2.0) if sigma else 1.0
 
 
 def decode_token_s(profile: ReplicaProfile) -> float:

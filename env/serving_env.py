@@ -13,6 +13,7 @@ Observation, action and reward are tabulated in docs/ENV.md.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import gymnasium as gym
@@ -38,6 +39,9 @@ from engine.real.sampling import SamplingParams
 from engine.sim.simulate import make_sim_engine
 from engine.workloads import augment_segments, split_segments
 from engine.workloads.families import family_segment, load_family, perturbed_profile
+
+log = logging.getLogger(__name__)
+
 
 def _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline, profile_spread,
                    episode_requests) -> tuple[float, float]:
@@ -103,7 +107,8 @@ class ServingEnv(gym.Env):
         log-uniformly.
     :param profile: a profile name, path or ``Profile`` (None: a100-llama2-7b for ``sim``, tiny-cpu for ``engine``).
     :param control_interval: engine steps per env step.
-    :param episode_steps: env steps per episode (then ``truncated``).
+    :param episode_steps: env steps per episode (then ``terminated`` after the drain, or ``truncated``
+        without it).
     :param ttft_slo_s: TTFT SLO (default: the profile's).
     :param tpot_slo_s: TPOT SLO (default: the profile's).
     :param reward_weights: weights of ``goodput``, ``slo_miss``, ``rejection``, ``eviction``.
@@ -232,11 +237,13 @@ class ServingEnv(gym.Env):
         self._cursor = _Cursor(first, -float(seg.times_s[first]))
 
         self.shield.reset()
+        self._noise_seed = int(rng.integers(1 << 31))  # the step noise of a noisy profile: the same for the shadow
         self.core = self._make_engine()
         self._shadow = None
         if self.baseline == "prior":
             self._shadow_shield.reset()
-            self._shadow = make_sim_engine(self.replica, self._shadow_shield, record_steps=False)
+            self._shadow = make_sim_engine(self.replica, self._shadow_shield, record_steps=False,
+                                           noise_seed=self._noise_seed)
             self._shadow_cursor = _Cursor(first, -float(seg.times_s[first]))
         self.features = ObservationFeatures(self.profile, self.shield.target_usage, self.shield.prior_output_tokens)
         self._last_action = DEFAULT_ACTION
@@ -263,7 +270,7 @@ class ServingEnv(gym.Env):
 
     def _make_engine(self):
         if self._executor is None:
-            return make_sim_engine(self.replica, self.shield, record_steps=False)
+            return make_sim_engine(self.replica, self.shield, record_steps=False, noise_seed=self._noise_seed)
         core = build_engine(self.replica, self.shield, self._executor, WallClock(), record_steps=False)
         self._executor.attach_pool(core.pool)
         self._token_rng = np.random.default_rng(int(self.np_random.integers(1 << 31)))
@@ -397,14 +404,14 @@ class ServingEnv(gym.Env):
             "safe_activation_budget": shield.last_intervention.safe_activation_budget,
             "load": self.load,
         }
-        return self._end_of_step(obs, reward, info, norm / dt)
+        return self._end_of_step(obs, reward, info)
 
-    def _end_of_step(self, obs, reward: float, info: dict, lambda_max_rps: float):
+    def _end_of_step(self, obs, reward: float, info: dict):
         """The step's return value; the last step of an episode drains the engines first (``drain``)."""
         self._elapsed_s += info["interval_s"]
         end = self._steps >= self.episode_steps
-        if end and self.drain:
-            drained = self._drain(lambda_max_rps * self._elapsed_s / self._steps)
+        if self._steps == self.episode_steps and self.drain:  # once: steps after the end do not drain again
+            drained = self._drain(self.lambda_max_rps * self._elapsed_s / self._steps)
             info["drain_reward"] = drained
             return obs, float(reward + drained), True, False, info
         return obs, float(reward), False, end, info
@@ -416,31 +423,39 @@ class ServingEnv(gym.Env):
         self._set_residual(DEFAULT_ACTION)
         end_s = self.core.clock.now()
         rejected = self._pull_arrivals(end_s)
-        good, missed, evictions = self._settle(self.core)
+        good, finished, missed, evictions = self._settle(self.core)
         t = self.totals
         t["good"] += good
+        t["finished"] += finished
         t["missed"] += missed
         t["rejected"] += rejected
         t["evictions"] += evictions
         reward = w["goodput"] * good - w["slo_miss"] * missed - w["rejection"] * rejected - w["eviction"] * evictions
         if self._shadow is not None:
             b_rejected = self._pull_arrivals(end_s, self._shadow, self._shadow_cursor)
-            b_good, b_missed, b_evictions = self._settle(self._shadow)
+            b_good, _, b_missed, b_evictions = self._settle(self._shadow)
             reward -= (w["goodput"] * b_good - w["slo_miss"] * b_missed - w["rejection"] * b_rejected
                        - w["eviction"] * b_evictions)
         return reward / norm
 
-    def _settle(self, core) -> tuple[int, int, int]:
-        """Step ``core`` without new arrivals until it holds no request: (good, missed, evictions)."""
-        good = missed = 0
+    def _settle(self, core) -> tuple[int, int, int, int]:
+        """Step ``core`` without new arrivals until it holds no request: (good, finished, missed,
+        evictions), missed counting finished requests that missed an SLO and expired or failed ones."""
+        good = finished = missed = 0
         evictions0 = core.metrics.evictions
         ttft_slo, tpot_slo = self.ttft_slo_s, self.tpot_slo_s
         for _ in range(DRAIN_MAX_STEPS):
             if not (core.waiting or core.running):
                 break
             for r in core.step():
-                if r.state is RequestState.FINISHED and met_slo(r, ttft_slo, tpot_slo):
+                done = r.state is RequestState.FINISHED
+                finished += done
+                if done and met_slo(r, ttft_slo, tpot_slo):
                     good += 1
                 else:
                     missed += 1
-        return good, missed, core.metrics.evictions - evictions0
+        else:  # not reached while the shield's queue timeout holds; what is left counts as missed
+            left = len(core.waiting) + len(core.running)
+            log.warning("env drain: %d requests still held after %d steps, counted as missed", left, DRAIN_MAX_STEPS)
+            missed += left
+        return good, finished, missed, core.metrics.evictions - evictions0

@@ -143,3 +143,16 @@ def test_baseline_prior_pays_only_for_what_the_policy_adds():
     assert throttled < 0
     with pytest.raises(ValueError, match="sim backend"):
         ServingEnv(backend="engine", baseline="prior")
+
+
+def test_the_drain_pays_what_the_engine_settles_in_the_intervals_units():
+    e = ServingEnv(families=["chat"], load_range=(2.5, 2.5), episode_steps=20, seed=1,
+                   reward_weights={"goodput": 1.0, "slo_miss": 0.0, "rejection": 0.0, "eviction": 0.0})
+    e.reset(seed=1)
+    for _ in range(19):
+        e.step(np.zeros(3))
+    before = e.totals["good"]
+    *_, info = e.step(np.zeros(3))
+    settled = e.totals["good"] - before - round(info["goodput_rps"] * info["interval_s"])
+    assert settled > 0  # at 2.5 x lambda_max requests are left to finish
+    assert info["drain_reward"] == pytest.approx(settled / (e.lambda_max_rps * e._elapsed_s / 20))

@@ -127,8 +127,8 @@ def run_cell(family: str, load: float, seed: int, requests: int, profile: str, s
     arrivals, lam = cell_arrivals(fam, load, seed, requests, prof, purpose)
     rows = []
 
-    def sim(controller):
-        return simulate(arrivals, prof, controller, record_steps=False).summary
+    def sim(controller):  # every controller of the cell sees the same step noise (a noisy profile's)
+        return simulate(arrivals, prof, controller, record_steps=False, noise_seed=seed).summary
 
     def with_guard(path):
         return simulate_guarded(arrivals, prof, make_learned_controller(path, profile=prof))[0]
@@ -177,10 +177,12 @@ def choose_residual_scale(scores: dict[float, dict[str, float]], floor: float) -
     Scale 0 is the prior itself (ratio 1 everywhere) and always qualifies, so a policy that loses
     anywhere by more than the floor at every scale ships as its prior.
 
-    :param scores: scale -> ``{"min": worst-cell ratio, "mean": mean ratio}`` to the prior.
+    :param scores: scale -> ``{"min": worst-cell ratio, "mean": mean ratio}`` to the prior; scale 0
+        may be among them (measured: the prior inside the learned controller's shield), else it
+        scores 1.
     """
     by_scale = {0.0: {"min": 1.0, "mean": 1.0}, **scores}
-    fit = [s for s, sc in by_scale.items() if sc["min"] >= floor]  # NaN never qualifies
+    fit = {s for s, sc in by_scale.items() if sc["min"] >= floor} | {0.0}  # NaN never qualifies; 0 always
     return max(fit, key=lambda s: (round(by_scale[s]["mean"], 3), -s))
 
 

@@ -328,6 +328,9 @@ def _checked(values: dict, key_of) -> dict:
     if out["base_s"] == out["per_token_s"] == out["per_kv_token_s"] == 0:
         raise _Invalid(f"{key_of('base_s')}, {key_of('per_token_s')} and {key_of('per_kv_token_s')} "
                        f"are all 0, so a step would take no time; expected at least one positive")
+    if out["base_s"] == out["per_kv_token_s"] == out["per_decode_token_s"] == 0:
+        raise _Invalid(f"{key_of('base_s')}, {key_of('per_kv_token_s')} and {key_of('per_decode_token_s')} "
+                       f"are all 0, so a decode step would take no time; expected at least one positive")
     if out["base_s"] == 0 and out["idle_s"] is None:
         raise _Invalid(f"{key_of('idle_s')} must be given and positive when {key_of('base_s')} "
                        f"is 0, since an idle step would otherwise take no time")

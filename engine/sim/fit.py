@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.core.profile import MAX_NOISE_SIGMA
+
 
 #: fewer rows than this with prefill tokens, or with decodes, and the fit keeps one cost per token
 MIN_SPLIT_ROWS = 3
@@ -72,14 +74,15 @@ def noise_sigma(ratios) -> float:
         return 0.0
     keep = r[:max(1, int(np.ceil(len(r) * (1.0 - NOISE_TRIM))))]
     mean = float(keep.mean())
-    return float(min(np.sqrt(2.0 * np.log(mean)), 2.0)) if mean > 1.0 else 0.0
+    return float(min(np.sqrt(2.0 * np.log(mean)), MAX_NOISE_SIGMA)) if mean > 1.0 else 0.0
 
 
 def profile_fields(fit: dict, noise: bool = True) -> dict:
-    """The ``Profile`` fields a fit sets: the coefficients, and with ``noise`` its noise sigma."""
+    """The ``Profile`` fields a fit sets: the coefficients, and with ``noise`` its noise sigma, which
+    assumes the model is the median step (the ``l1`` fit; an ``l2`` fit gets none)."""
     fields = {k: fit[k] for k in ("base_s", "per_token_s", "per_kv_token_s")}
     fields["per_decode_token_s"] = fit.get("per_decode_token_s")
-    fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if noise else 0.0
+    fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if noise and fit.get("loss") == "l1" else 0.0
     return fields
 
 
@@ -126,8 +129,9 @@ def _predict(coef, data) -> np.ndarray:
 
 
 def _nonneg_relative_l1(data, iterations: int = 60) -> np.ndarray:
-    """Least absolute error relative to the prediction, sum |t - pred| / pred, by iteratively
-    reweighted least squares (non-negative): the weighted median of t / pred is 1."""
+    """The median step, by iteratively reweighted least squares (non-negative): at the fixed point
+    each row's residual counts by its sign only, relative to the prediction, so the ratio t / pred
+    has median 1 (least absolute relative error, sum |t - pred| / t, would sit below the median)."""
     y = data[:, 2]
     coef = _nonneg_relative_lstsq(data)
     for _ in range(iterations):

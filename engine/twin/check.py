@@ -55,8 +55,9 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -
 
 
 def refit_floor(errors: dict) -> dict:
-    """The best any linear profile could do on these very steps (fitted on them, in-sample): the
-    part of the MAPE that is step-to-step noise or beyond the linear model, not the profile."""
+    """A profile fitted on these very steps (in-sample, the median step): about the best the linear
+    model's median can do, so the part of the MAPE above it is the profile's, the rest step-to-step
+    noise or beyond the linear model."""
     floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["decodes"])),
                           loss="l1")
     return {"refit_mape": floor["mape"],

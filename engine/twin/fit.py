@@ -1,7 +1,8 @@
 """Fit the simulator's step-time model on the steps of real serving runs.
 
-Two sources of serving steps, both fitted with ``engine.sim.fit.fit_step_time`` (by default on
-absolute relative error, which minimises the step-time MAPE the twin check reports):
+Two sources of serving steps, both fitted with ``engine.sim.fit.fit_step_time`` (by default the
+``l1`` fit of the median step, with separate prefill and decode costs and the log-normal noise
+of what is left; ``engine.sim.fit`` has the details):
 
 - ``run_profile_from_serving`` (``tidegate profile --from-twin``): a trace slice replayed through
   the real engine in wall-clock time exactly as ``twin-check`` does (``replay_real``), every

@@ -69,6 +69,12 @@ ACTION_DIM = 3
 #: rate, so raising that one changes little); action 0 is the heuristic itself. The range bounds
 #: what a wrong policy can do to its prior: no knob moves by more than a factor of two
 RESIDUAL_RANGE = 2.0
+#: the shield's overload policy around the learned controller, in training (env/serving_env.py) and
+#: deployment alike: a queue of at most LEARNED_MAX_WAITING requests, and a request that waited
+#: QUEUE_TIMEOUT_SLOS x the TTFT SLO without starting (a miss already) expires. A policy trained
+#: under one overload policy and deployed under another acts on states it never saw
+LEARNED_MAX_WAITING = 512
+QUEUE_TIMEOUT_SLOS = 5.0
 #: the action used before the first policy call and whenever the policy cannot answer
 DEFAULT_ACTION = (0.0, 0.0, 0.0)
 #: the policy's wall-clock budget per call on a real engine (seconds)
@@ -469,7 +475,9 @@ def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaP
     :param shield_mode: ``strict`` or ``soft`` (see docs/SAFETY.md).
     :param residual_scale: the share of the policy's action applied, in [0, 1] (0: the prior alone);
         None: the one the policy file records (1 if it records none).
-    :param shield_options: more ``ShieldedController`` options.
+    :param shield_options: more ``ShieldedController`` options; ``max_waiting`` and
+        ``queue_timeout_s`` default to those the policy was trained under (``LEARNED_MAX_WAITING``,
+        ``QUEUE_TIMEOUT_SLOS`` x the profile's TTFT SLO).
     """
     if residual_scale is not None:
         residual_scale = residual_scale_of(residual_scale)
@@ -493,6 +501,8 @@ def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaP
     inner = LearnedController(policy, features, make_prior(profile, target, prior_out), control_interval,
                               time_budget_s, load_error=error, policy_source=str(path),
                               residual_scale=residual_scale)
+    shield_options.setdefault("max_waiting", LEARNED_MAX_WAITING)
+    shield_options.setdefault("queue_timeout_s", QUEUE_TIMEOUT_SLOS * profile.ttft_slo_s)
     shield_options.setdefault("max_num_seqs", profile.max_num_seqs)
     shield_options.setdefault("max_num_batched_tokens", profile.max_num_batched_tokens)
     return ShieldedController(inner, mode=shield_mode, **shield_options)

@@ -23,8 +23,10 @@ from gymnasium import spaces
 from ctrl.learned import (
     ACTION_DIM,
     DEFAULT_ACTION,
+    LEARNED_MAX_WAITING,
     OBS_CLIP,
     OBS_DIM,
+    QUEUE_TIMEOUT_SLOS,
     ObservationFeatures,
     action_to_residual,
     make_prior,
@@ -145,7 +147,8 @@ class ServingEnv(gym.Env):
                  load_range: tuple[float, float] = (0.5, 2.0), profile=None,
                  control_interval: int = 10, episode_steps: int = 256, ttft_slo_s: float | None = None,
                  tpot_slo_s: float | None = None, reward_weights: dict | None = None,
-                 shield_mode: str = "soft", max_waiting: int = 512, queue_timeout_s: float | None = None,
+                 shield_mode: str = "soft", max_waiting: int = LEARNED_MAX_WAITING,
+                 queue_timeout_s: float | None = None,
                  max_tokens_cap: int | None = None, augment=None, seed: int | None = None, model: str = "tiny",
                  length_scale: float = 1.0, families=None, episode_requests: int = 3000,
                  profile_spread: float = 0.0, baseline: str = "none", drain: bool = True) -> None:
@@ -200,7 +203,7 @@ class ServingEnv(gym.Env):
         self.profile = profile
         self.ttft_slo_s = profile.ttft_slo_s
         self.tpot_slo_s = profile.tpot_slo_s
-        self.queue_timeout_s = self._queue_timeout_s or 5.0 * self.ttft_slo_s
+        self.queue_timeout_s = self._queue_timeout_s or QUEUE_TIMEOUT_SLOS * self.ttft_slo_s
         self.prior = make_prior(profile)
         self.shield = ShieldedController(self.prior, mode=self.shield_mode, max_num_seqs=profile.max_num_seqs,
                                          max_num_batched_tokens=profile.max_num_batched_tokens,

@@ -487,3 +487,16 @@ def test_the_inner_controller_cannot_rewrite_what_the_shield_reads():
     assert shield.admit(obs, 10, 10) is None
     assert obs.as_dict() == before  # the engine's Observation is untouched
     assert shield.inner_errors == {}
+
+
+def test_soft_mode_is_strict_exactly_while_the_eviction_bucket_is_spent():
+    shield = ShieldedController(GreedyController(), mode="soft", max_num_seqs=8, eviction_burst=2.0,
+                                eviction_budget_per_step=0.5)
+    obs = Observation(kv_capacity_tokens=4096)
+    ratios = []
+    for evictions in (0, 3, 3, 3, 3, 3, 3):  # three evictions at once, then none
+        obs.evictions_total = evictions
+        ratios.append(shield.decide(obs).kv_reserve_ratio)
+    # bucket: 2, -1, -0.5, 0, 0.5, 1, 1.5: strict (ratio 1) while at or below 0, then greedy's own ratio again
+    assert ratios[1:4] == [1.0, 1.0, 1.0]
+    assert ratios[0] == ratios[4] == ratios[5] == ratios[6] != 1.0

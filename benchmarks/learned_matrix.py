@@ -70,7 +70,8 @@ def ratio_scores(rows: list[dict], names) -> dict[str, dict[str, float]]:
     of ``rows``, each cell's goodput the mean over its draws, as the matrix's targets count it.
 
     One draw is too noisy to rank on: on bursty and trace arrivals, moving one knob of the prior by
-    3.5% changes a single draw's goodput by -23% to +26% (docs/BENCHMARKS.md)."""
+    3.5% changes a single draw's goodput by -23% to +53% (docs/BENCHMARKS.md,
+    ``benchmarks/knob_sensitivity.py``)."""
     goodput: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
         goodput.setdefault((r["family"], r["load"]), {}).setdefault(r["controller"], []).append(r["goodput_frac"])

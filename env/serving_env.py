@@ -375,20 +375,11 @@ class ServingEnv(gym.Env):
         evictions = core.metrics.evictions - evictions0
         dt = max(now() - t0, 1e-9)
         norm = self.lambda_max_rps * dt  # requests the replica could serve in the interval
-        w = self.reward_weights
-        reward = (w["goodput"] * good - w["slo_miss"] * missed - w["rejection"] * rejected
-                  - w["eviction"] * evictions) / norm
+        reward = self._weighted(good, missed, rejected, evictions) / norm
         if self._shadow is not None:
-            b_good, b_missed, b_rejected, b_evictions = self._run_shadow(now())
-            reward -= (w["goodput"] * b_good - w["slo_miss"] * b_missed - w["rejection"] * b_rejected
-                       - w["eviction"] * b_evictions) / norm
+            reward -= self._weighted(*self._run_shadow(now())) / norm
         self._steps += 1
-        t = self.totals
-        t["good"] += good
-        t["finished"] += finished
-        t["missed"] += missed
-        t["rejected"] += rejected
-        t["evictions"] += evictions
+        self._add_totals(good, finished, missed, rejected, evictions)
         obs = self.features.update(core.observe(), self._last_action, self.prior._decision.token_budget).copy()
         n_int = shield.interventions - interventions0
         info = {
@@ -422,24 +413,30 @@ class ServingEnv(gym.Env):
     def _drain(self, norm: float) -> float:
         """Stop arrivals at the engine's time, finish every request on the engine (and the shadow)
         under the prior, and return the drain's reward over ``norm`` (net of the shadow's)."""
-        w = self.reward_weights
         self._set_residual(DEFAULT_ACTION)
         end_s = self.core.clock.now()
         rejected = self._pull_arrivals(end_s)
         good, finished, missed, evictions = self._settle(self.core)
+        self._add_totals(good, finished, missed, rejected, evictions)
+        reward = self._weighted(good, missed, rejected, evictions)
+        if self._shadow is not None:
+            b_rejected = self._pull_arrivals(end_s, self._shadow, self._shadow_cursor)
+            b_good, _, b_missed, b_evictions = self._settle(self._shadow)
+            reward -= self._weighted(b_good, b_missed, b_rejected, b_evictions)
+        return reward / norm
+
+    def _weighted(self, good: int, missed: int, rejected: int, evictions: int) -> float:
+        """The reward's numerator for these counts (``reward_weights``)."""
+        w = self.reward_weights
+        return w["goodput"] * good - w["slo_miss"] * missed - w["rejection"] * rejected - w["eviction"] * evictions
+
+    def _add_totals(self, good: int, finished: int, missed: int, rejected: int, evictions: int) -> None:
         t = self.totals
         t["good"] += good
         t["finished"] += finished
         t["missed"] += missed
         t["rejected"] += rejected
         t["evictions"] += evictions
-        reward = w["goodput"] * good - w["slo_miss"] * missed - w["rejection"] * rejected - w["eviction"] * evictions
-        if self._shadow is not None:
-            b_rejected = self._pull_arrivals(end_s, self._shadow, self._shadow_cursor)
-            b_good, _, b_missed, b_evictions = self._settle(self._shadow)
-            reward -= (w["goodput"] * b_good - w["slo_miss"] * b_missed - w["rejection"] * b_rejected
-                       - w["eviction"] * b_evictions)
-        return reward / norm
 
     def _settle(self, core) -> tuple[int, int, int, int]:
         """Step ``core`` without new arrivals until it holds no request: (good, finished, missed,

@@ -102,9 +102,7 @@ def export(checkpoint: str | Path, out: str | Path | None = None, vecnormalize: 
     out = default_export_path(checkpoint) if out is None else Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _write_onnx(actor, model.policy.observation_space.shape[0], out, source=checkpoint)
-        if scale is not None:
-            set_residual_scale(out, scale)
+        _write_onnx(actor, model.policy.observation_space.shape[0], out, source=checkpoint, residual_scale=scale)
     except OSError as exc:
         raise ExportError(f"{out}: cannot write the policy ({exc.strerror or type(exc).__name__})") from None
     return out
@@ -169,7 +167,7 @@ def _load_vecnormalize(checkpoint: Path, vecnormalize: str | Path | None):
     return vn
 
 
-def _write_onnx(actor: _Actor, obs_dim: int, out: Path, source: Path) -> None:
+def _write_onnx(actor: _Actor, obs_dim: int, out: Path, source: Path, residual_scale: float | None = None) -> None:
     with warnings.catch_warnings():
         # the torch.export-based exporter needs onnxscript; the TorchScript one is exact for an MLP
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -183,4 +181,9 @@ def _write_onnx(actor: _Actor, obs_dim: int, out: Path, source: Path) -> None:
     entry.key, entry.value = "clip_obs", repr(actor.clip_obs)
     entry = proto.metadata_props.add()
     entry.key, entry.value = "source", str(source)
+    if residual_scale is not None:
+        from ctrl.policy import RESIDUAL_SCALE_KEY
+
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = RESIDUAL_SCALE_KEY, repr(residual_scale)
     onnx.save(proto, str(out))

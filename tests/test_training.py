@@ -272,7 +272,8 @@ def test_sim_to_real_runs_on_tiny_inputs(tmp_path):
     assert [(r["engine"], r["controller"]) for r in rows] == [("sim", "learned+shield"), ("real", "learned+shield"),
                                                                ("sim", "greedy"), ("real", "greedy")]
     assert all(r["completed"] + r["rejected"] + r["expired"] == 6 for r in rows)
-    assert rows[1]["fallbacks"] == 0 and rows[0]["lambda_max_rps"] > 0
+    # A busy machine may make the policy late on the real engine's wall clock (counted apart); it never fails.
+    assert rows[1]["fallbacks"] == 0 and rows[1]["late"] >= 0 and rows[0]["lambda_max_rps"] > 0
 
     out = tmp_path / "twin.md"
     res = invoke("sim-to-real", "--requests", "4", "--load", "1.0", "--length-scale", "0.05", "--max-tokens", "8",

@@ -80,7 +80,8 @@ class Observation:
         #: tokens of running requests still to prefill, prompt or re-prefilled output (after the last step)
         self.running_prefill_tokens = 0
         #: the 90th percentile of realised minus predicted TTFT over the last 64 requests that got
-        #: their first token (0 before any): how late the admission predictions run
+        #: their first token within the engine's rate window (0 when none did): how late the
+        #: admission predictions run now, not during a burst that has passed
         self.ttft_error_p90_s = 0.0
 
     @property

@@ -14,7 +14,8 @@ Three rules, each with a worst case that can be argued on its own:
   429 only in overload, when work is queued ahead of it (requests waiting, or prefill of running
   requests beyond one step's budget) *and* its predicted TTFT, counting that work, the running
   requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
-  percentile of realised minus predicted TTFT, ``Observation.ttft_error_p90_s``), exceeds
+  percentile of realised minus predicted TTFT over its rate window, ``Observation.ttft_error_p90_s``:
+  a burst that has passed no longer counts, so its errors cannot keep refusing at light load), exceeds
   ``reject_above`` x SLO. Overload has two witnesses, and neither can be defeated by
   refusing: arrivals outpace completions (u = arrival rate / completion rate above ``1 +
   overload_margin``; refusals shorten the queue, never the arrival rate), or the KV sits at rho M

@@ -93,25 +93,51 @@ class RateEstimator:
 
 
 class RecentQuantile:
-    """A quantile of the last ``window`` values (exact, over a ring; 0 before any value).
+    """A quantile of the last ``window`` values no older than ``horizon_s`` (exact, over a ring; 0
+    when none is kept).
+
+    The horizon makes the quantile forget what a burst that has passed taught it: without one,
+    a quiet replica kept the errors of its last busy minute until 64 new values came in.
 
     :param q: the quantile, in [0, 1].
     :param window: values kept.
+    :param horizon_s: values older than this (by the ``now_s`` they were added at) are dropped.
     """
 
-    __slots__ = ("window", "_index", "_values")
+    __slots__ = ("window", "horizon_s", "_index", "_values", "_times", "_current")
 
-    def __init__(self, q: float, window: int = 64) -> None:
+    def __init__(self, q: float, window: int = 64, horizon_s: float = math.inf) -> None:
         self.window = window
+        self.horizon_s = horizon_s
         self._index = min(window - 1, max(0, math.ceil(q * window) - 1))
         self._values: deque[float] = deque(maxlen=window)
+        self._times: deque[float] = deque(maxlen=window)
+        self._current = 0.0
 
-    def add(self, value: float) -> float:
-        """Take ``value``; return the quantile of the values kept."""
-        values = self._values
-        values.append(value)
+    def add(self, value: float, now_s: float = 0.0) -> float:
+        """Take ``value`` at ``now_s``; return the quantile of the values kept."""
+        self._values.append(value)
+        self._times.append(now_s)
+        return self._refresh(now_s)
+
+    def current(self, now_s: float) -> float:
+        """The quantile at ``now_s``: the last one unless a value has aged past the horizon (O(1) then)."""
+        times = self._times
+        if times and times[0] < now_s - self.horizon_s:
+            return self._refresh(now_s)
+        return self._current
+
+    def _refresh(self, now_s: float) -> float:
+        values, times, oldest = self._values, self._times, now_s - self.horizon_s
+        while times and times[0] < oldest:
+            times.popleft()
+            values.popleft()
+        if not values:
+            self._current = 0.0
+            return 0.0
         ordered = sorted(values)
-        return ordered[min(self._index * len(ordered) // self.window, len(ordered) - 1)]
+        self._current = ordered[min(self._index * len(ordered) // self.window, len(ordered) - 1)]
+        return self._current
 
 
 class EngineCore:
@@ -161,7 +187,8 @@ class EngineCore:
         self._arrivals = RateEstimator(rate_window_s)
         self._completions = RateEstimator(rate_window_s)
         self._ewma_alpha = 0.05  # latency and step-time estimates
-        self._ttft_error = RecentQuantile(0.9)  # realised minus predicted TTFT of the last 64 first tokens
+        # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
+        self._ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)
         self._workload_alpha = 0.01  # request-size estimates: heavy-tailed, so a longer memory
         self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
         self._activation_seq = 0
@@ -342,6 +369,7 @@ class EngineCore:
         obs.arrival_rate_rps = self._arrivals.rate(now)
         obs.completion_rate_rps = self._completions.rate(now)
         obs.evicted_last_step = self._evicted_last_step
+        obs.ttft_error_p90_s = self._ttft_error.current(now)
         return obs
 
     # ------------------------------------------------------------------ the decision
@@ -608,7 +636,7 @@ class EngineCore:
         """Record ``r``'s first token and how late its admission prediction ran."""
         r.first_token_time_s = now
         if r.predicted_ttft_s is not None:
-            self.obs.ttft_error_p90_s = self._ttft_error.add(now - r.arrival_time_s - r.predicted_ttft_s)
+            self.obs.ttft_error_p90_s = self._ttft_error.add(now - r.arrival_time_s - r.predicted_ttft_s, now)
 
     # ------------------------------------------------------------------ endings
     def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:

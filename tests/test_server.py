@@ -487,3 +487,13 @@ def test_health_says_degraded_while_the_learned_policys_fallback_decides(tiny, t
         s.wait_idle()
     finally:
         s.close()
+
+
+def test_the_server_keeps_idle_connections_open_longer_than_its_clients_do():
+    # Otherwise a request sent on a connection the server is closing for idleness fails with a read error.
+    import httpx
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    from engine.serve.launch import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > max(DEFAULT_CONNECTION_LIMITS.keepalive_expiry or 0, httpx.Limits().keepalive_expiry or 0)

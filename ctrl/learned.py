@@ -79,6 +79,10 @@ QUEUE_TIMEOUT_SLOS = 5.0
 DEFAULT_ACTION = (0.0, 0.0, 0.0)
 #: the policy's wall-clock budget per call on a real engine (seconds)
 WALL_TIME_BUDGET_S = 1e-3
+#: fallback causes that only say the policy did not answer within its wall-clock budget (the
+#: machine was busy), as opposed to one that raised or returned garbage
+LATE, BUSY, BACKOFF = "policy late", "policy busy", "policy backoff"
+TIMING_CAUSES = (LATE, BUSY, BACKOFF)
 #: on a wall clock, this many control intervals in a row without an answer in time rest the policy
 BACKOFF_AFTER_OVERRUNS = 3
 #: the first rest, in control intervals; each further overrun doubles it, up to BACKOFF_MAX_INTERVALS
@@ -397,7 +401,7 @@ class LearnedController(Controller):
             return
         if self._rest_intervals > 0:
             self._rest_intervals -= 1
-            self._fall_back("policy backoff")
+            self._fall_back(BACKOFF)
             return
         answer = self._ask_worker(x) if self._wall_clock and self.time_budget_s is not None else self._ask_inline(x)
         if answer is None:  # late or busy: counted
@@ -424,17 +428,17 @@ class LearnedController(Controller):
             return exc
         budget = self.time_budget_s
         if budget is not None and time.perf_counter() - t0 > budget:
-            self._overrun("policy late")
+            self._overrun(LATE)
             return None
         return answer
 
     def _ask_worker(self, x: np.ndarray) -> tuple[float, float, float] | Exception | None:
         if self.policy_worker.busy:
-            self._overrun("policy busy")
+            self._overrun(BUSY)
             return None
         answer = self.policy_worker.call(self.policy, x.copy(), self.time_budget_s or 0.0)
         if answer is None:
-            self._overrun("policy late")
+            self._overrun(LATE)
             return None
         return answer
 

@@ -412,10 +412,17 @@ def test_a_dead_or_hung_engine_process_ends_open_streams_and_is_replaced(how):
         s.close()
 
 
+def _engine_nice_above_ours(pid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, pid) - os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def test_arrivals_while_the_engine_is_down_get_503():
     s = Running(None, controller="greedy")
     try:
         pid = httpx.get(s.url + "/health").json()["engine_pid"]
+        # the engine process yields the CPU to the HTTP side, so a refusal never waits for a step
+        expected = min(s.config.engine_nice, 19 - os.getpriority(os.PRIO_PROCESS, 0))
+        assert expected > 0 and _engine_nice_above_ours(pid) == expected
         os.kill(pid, signal.SIGKILL)
         deadline = time.time() + 10
         while s.service.alive:
@@ -426,6 +433,8 @@ def test_arrivals_while_the_engine_is_down_get_503():
         assert httpx.get(s.url + "/ready").status_code == 503
         assert httpx.get(s.url + "/health").status_code == 503
         _wait_ready(s.url, 90)
+        new_pid = httpx.get(s.url + "/health").json()["engine_pid"]
+        assert new_pid != pid and _engine_nice_above_ours(new_pid) == expected  # a new engine, too
     finally:
         s.close()
 

@@ -9,6 +9,12 @@ from ctrl import DEFAULT_CONTROLLER
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
+#: the engine process's default niceness above the HTTP side's. The HTTP side needs little CPU and
+#: needs it at once: under CFS, nice 5 gives the engine a third of the HTTP side's weight when both
+#: want one core, so a liveness probe or a 429 waits for no model step, while an engine with a core
+#: of its own runs exactly as fast as before.
+ENGINE_NICE = 5
+
 
 @dataclass
 class ServeConfig:
@@ -42,6 +48,9 @@ class ServeConfig:
     #: torch threads of the engine (None: in an engine process, every core but one, which the HTTP side
     #: needs; in an engine thread, torch's default)
     threads: int | None = None
+    #: niceness added to the engine process: on a machine with fewer free cores than busy processes,
+    #: the HTTP side's short answers (/health, 429, /metrics) then go before model steps (0: none)
+    engine_nice: int = ENGINE_NICE
     #: clients must send ``Authorization: Bearer <api_key>`` (None: no key needed); the probes
     #: (/health, /ready, /metrics, /version) stay open
     api_key: str | None = None
@@ -60,6 +69,8 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not (isinstance(self.engine_nice, int) and 0 <= self.engine_nice <= 19):
+            raise ValueError(f"engine_nice must be a whole number from 0 to 19, got {self.engine_nice!r}")
         if not (isinstance(self.max_request_bytes, int) and self.max_request_bytes >= 1):
             raise ValueError(f"max_request_bytes must be a whole number >= 1, got {self.max_request_bytes!r}")
         if self.log_level not in LOG_LEVELS:

@@ -100,3 +100,13 @@ def test_pin_cpu_runs_the_process_on_one_core_with_one_thread():
             "_threads(None, core); print(sorted(os.sched_getaffinity(0)) == [core], torch.get_num_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "1"]
+
+
+def test_serve_help_gives_the_engine_niceness_the_server_uses():
+    from engine.serve.config import ENGINE_NICE, ServeConfig
+
+    assert ServeConfig().engine_nice == ENGINE_NICE
+    assert f"[default: {ENGINE_NICE}]" in " ".join(run("serve", "--help").output.split())
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="engine_nice"):
+            ServeConfig(engine_nice=bad)

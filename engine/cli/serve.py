@@ -11,7 +11,6 @@ import click
 
 from ctrl import DEFAULT_CONTROLLER
 from engine.cli.support import friendly
-from engine.serve.config import ENGINE_NICE
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -73,9 +72,9 @@ class _StartError(Exception):
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch threads of the engine (default: every core but one in an engine process, which the "
                    "HTTP side needs; torch's default in an engine thread).")
-@click.option("--engine-nice", type=click.IntRange(0, 19), default=ENGINE_NICE, show_default=True,
+@click.option("--engine-nice", type=click.IntRange(0, 19), default=None,
               help="Niceness the engine process adds to the server's, so that on a busy machine health checks "
-                   "and refusals are answered before model steps run (0: the same priority).")
+                   "and refusals are answered before model steps run (0: the same priority)  [default: 5]")
 @friendly(_StartError)
 def serve(model, served_model_name, controller_spec, profile_name, host, port, api_key, chat_template_path,
           max_model_len, max_request_bytes, log_level, access_log, kv_capacity_tokens, block_size,
@@ -104,10 +103,11 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, a
                              device=device, dtype=dtype, max_in_flight=max_in_flight, queue_timeout_s=queue_timeout_s,
                              stream_buffer_chunks=stream_buffer_chunks, drain_timeout_s=drain_timeout_s,
                              default_max_tokens=default_max_tokens, engine_process=engine_process,
-                             engine_timeout_s=engine_timeout_s, threads=threads, engine_nice=engine_nice,
+                             engine_timeout_s=engine_timeout_s, threads=threads,
                              api_key=api_key or None,
                              chat_template=chat_template, max_model_len=max_model_len,
-                             max_request_bytes=max_request_bytes, log_level=log_level, access_log=access_log)
+                             max_request_bytes=max_request_bytes, log_level=log_level, access_log=access_log,
+                             **({} if engine_nice is None else {"engine_nice": engine_nice}))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     try:  # hold the port while the model loads: one taken fails now, not after

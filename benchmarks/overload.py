@@ -53,22 +53,11 @@ from engine.bench.overload.report import markdown, write_outputs
 from engine.bench.overload.server import Server, ServerError
 from engine.bench.overload.stats import kill_summary
 from engine.bench.overload.targets import TARGETS, kill_misses, lost, overload_misses
-from engine.serve.config import ENGINE_NICE
 
 #: the registered controllers that copy a server's scheduler, by that server's name
 ALIASES = {"vllm": "greedy", "tgi": "no-evict"}
 DEFAULT_CONTROLLERS = "greedy,no-evict,sglang,watermark,flow,slo-flow,learned"
 QUICK_CONTROLLERS = "greedy,slo-flow"
-
-
-def engine_nice(args) -> int:
-    """The niceness the server's engine process adds to the server's: ``--engine-nice`` among the
-    ``--serve-arg`` options, else the server's default."""
-    words = " ".join(args.serve_arg).replace("=", " ").split()
-    for i, word in enumerate(words[:-1]):
-        if word == "--engine-nice":
-            return int(words[i + 1])
-    return ENGINE_NICE
 
 
 def serve_args(args, controller: str | None) -> list[str]:
@@ -97,6 +86,8 @@ def run_overload(ctx, controller: str, args, log_dir: Path) -> dict:
         log(f"[{controller}] starting the server")
         server.start(args.startup_timeout_s)
         model, _ = server.model_info()
+        engine = server.engine_pid()
+        row["engine_nice"] = os.getpriority(os.PRIO_PROCESS, engine) if engine else None  # as the server set it
         spec = request_spec(args, model)
         row["capacity_rps"] = capacity = measure_capacity(
             ctx, server, spec, clients=args.capacity_clients, duration_s=args.capacity_s,
@@ -259,8 +250,7 @@ def main() -> None:
     result: dict = {"command": " ".join(["python", *map(shlex.quote, sys.argv)]),
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version()},
-              "niceness": {"server": os.nice(0), "engine_process": min(19, os.nice(0) + engine_nice(args)),
-                           "idle_probe": os.nice(0),
+              "niceness": {"server": os.nice(0), "idle_probe": os.nice(0),
                            "load_processes": min(19, os.nice(0) + args.client_nice)},
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "settings": vars(args), "targets": TARGETS,
               "overload": [], "engine_kill": None}

@@ -26,7 +26,8 @@ def markdown(result: dict) -> str:
              f"Machine: {m['platform']}, {m['cpu_count']} CPUs, Python {m['python']}; {result['started']}.", ""]
     nice = result.get("niceness")
     if nice:
-        engine = f", its engine process {nice['engine_process']}" if "engine_process" in nice else ""
+        engines = sorted({r["engine_nice"] for r in result["overload"] if r.get("engine_nice") is not None})
+        engine = f", its engine process {'/'.join(map(str, engines))}" if engines else ""
         lines += [f"Niceness: server {nice['server']}{engine}, idle probe {nice['idle_probe']}, load processes "
                   f"{nice['load_processes']} (the load stands in for remote clients, so it yields the CPU to the "
                   "server; the probe times the server, so it does not).", ""]

@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/light_load_sim.py --out docs/bench/matrix
 
-For the Poisson families at loads 0.3 and 0.7 x lambda_max (three TEST draws of 1,500 requests,
-as in the evaluation matrix), each controller's refusals and goodput, and for greedy (which
-never refuses) the share of requests that missed their TTFT or TPOT SLO: where greedy misses
-many, the nominal load is not light for this replica under its SLOs (lambda_max is a throughput
-bound that ignores the TPOT SLO's cap on a step's tokens), and refusing there raises goodput.
+For the Poisson families at loads 0.3, 0.5 and 0.7 x lambda_max (``--draws`` TEST draws of 1,500
+requests each, eight by default: the matrix's six and two more), each controller's refusals and
+goodput, and for greedy (which never refuses) the share of requests that missed their TTFT or
+TPOT SLO: where greedy misses many, the nominal load is not light for this replica under its SLOs
+(lambda_max is a throughput bound that ignores the TPOT SLO's cap on a step's tokens).
 Writes ``light_load.md`` and ``light_load.json`` into OUT.
 """
 
@@ -19,16 +19,16 @@ from pathlib import Path
 from training.evaluate import TEST, evaluate
 
 POISSON = ("chat", "short", "long-context", "multi-class")
-LOADS = (0.3, 0.7)
+LOADS = (0.3, 0.5, 0.7)
 
 
-def light_load(policy: Path, out: Path, requests: int = 1500, **opts) -> list[dict]:
+def light_load(policy: Path, out: Path, requests: int = 1500, draws: int = 8, **opts) -> list[dict]:
     """Simulate the Poisson families at light load with ``policy``, greedy and slo-flow; write
     ``light_load.json`` and ``light_load.md`` into ``out``; return the table's rows.
 
     :param opts: passed to ``training.evaluate.evaluate`` (``workers``, ``backend``, ``address``).
     """
-    rows = evaluate({"learned": policy}, families=list(POISSON), loads=LOADS, seeds=(0, 1, 2),
+    rows = evaluate({"learned": policy}, families=list(POISSON), loads=LOADS, seeds=tuple(range(draws)),
                     requests=requests, heuristics=("greedy", "slo-flow"), purpose=TEST, **opts)
     table = []
     for fam in POISSON:
@@ -66,11 +66,12 @@ def main() -> None:
     ap.add_argument("--policy", type=Path, default=None, help="ONNX policy (default: the shipped one).")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/matrix"))
     ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--draws", type=int, default=8, help="TEST draws per (family, load).")
     ap.add_argument("--workers", type=int, default=None)
     args = ap.parse_args()
     from ctrl.learned import DEFAULT_POLICY
 
-    light_load(args.policy or DEFAULT_POLICY, args.out, args.requests, workers=args.workers)
+    light_load(args.policy or DEFAULT_POLICY, args.out, args.requests, args.draws, workers=args.workers)
     print((args.out / "light_load.md").read_text())
 
 

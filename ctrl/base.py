@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Protocol
 
 UNLIMITED = 1 << 60
+#: events the steady rate estimates span at least (``Observation.offered_rate_rps`` and
+#: ``served_rate_rps``): a Poisson rate within about 6%
+STEADY_RATE_EVENTS = 256
 
 
 class ReplicaProfile(Protocol):
@@ -46,9 +49,10 @@ class Observation:
     __slots__ = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
         "num_waiting", "num_running", "waiting_prompt_tokens", "head_prompt_tokens",
-        "arrival_rate_rps", "completion_rate_rps", "last_step_time_s", "last_step_tokens",
+        "arrival_rate_rps", "offered_rate_rps", "completion_rate_rps", "served_rate_rps", "last_step_time_s",
+        "last_step_tokens",
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
-        "rejections_total", "completed_total", "mean_prompt_tokens", "mean_output_tokens",
+        "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "mean_step_time_s", "running_prefill_tokens", "ttft_error_p90_s",
     )
 
@@ -64,7 +68,12 @@ class Observation:
         self.waiting_prompt_tokens = 0
         self.head_prompt_tokens = 0
         self.arrival_rate_rps = 0.0
+        #: arrivals per second over at least the last ``STEADY_RATE_EVENTS`` arrivals: steadier
+        #: than ``arrival_rate_rps`` (a Poisson rate within about 6%), slower to follow a change
+        self.offered_rate_rps = 0.0
         self.completion_rate_rps = 0.0
+        #: completions per second over at least the last ``STEADY_RATE_EVENTS`` completions
+        self.served_rate_rps = 0.0
         self.last_step_time_s = 0.0
         self.last_step_tokens = 0
         self.ttft_recent_s = 0.0
@@ -74,6 +83,9 @@ class Observation:
         self.rejections_total = 0
         self.completed_total = 0
         self.mean_prompt_tokens = 0.0
+        #: mean prompt of the arrivals, refused ones included (``mean_prompt_tokens`` is that of the
+        #: completed requests: what admission let through, and the short ones first)
+        self.offered_prompt_tokens = 0.0
         self.mean_output_tokens = 0.0
         self.lifetime_kv_workload = 0.0
         self.mean_step_time_s = 0.0
@@ -107,7 +119,9 @@ class Observation:
         o.waiting_prompt_tokens = self.waiting_prompt_tokens
         o.head_prompt_tokens = self.head_prompt_tokens
         o.arrival_rate_rps = self.arrival_rate_rps
+        o.offered_rate_rps = self.offered_rate_rps
         o.completion_rate_rps = self.completion_rate_rps
+        o.served_rate_rps = self.served_rate_rps
         o.last_step_time_s = self.last_step_time_s
         o.last_step_tokens = self.last_step_tokens
         o.ttft_recent_s = self.ttft_recent_s
@@ -117,6 +131,7 @@ class Observation:
         o.rejections_total = self.rejections_total
         o.completed_total = self.completed_total
         o.mean_prompt_tokens = self.mean_prompt_tokens
+        o.offered_prompt_tokens = self.offered_prompt_tokens
         o.mean_output_tokens = self.mean_output_tokens
         o.lifetime_kv_workload = self.lifetime_kv_workload
         o.mean_step_time_s = self.mean_step_time_s
@@ -136,10 +151,14 @@ class Decision:
         for the candidate, fits in the pool (r = 1 never evicts).
     :param class_budgets: per-class activation allowances for this step (class id -> count);
         when set, it replaces ``activation_budget``.
+    :param late_after_s: None: prefill chunks go to running requests in activation order. A time
+        t: a request without its first token t seconds after its arrival is late (its TTFT SLO is
+        missed whatever happens next), and its prefill chunks come after those of the requests
+        that can still meet theirs; decodes are never delayed by it.
     """
 
     __slots__ = ("activation_budget", "token_budget", "running_cap", "kv_reserve_ratio",
-                 "class_budgets")
+                 "class_budgets", "late_after_s")
 
     def __init__(
         self,
@@ -148,17 +167,19 @@ class Decision:
         running_cap: int = UNLIMITED,
         kv_reserve_ratio: float | None = None,
         class_budgets: dict[int, int] | None = None,
+        late_after_s: float | None = None,
     ) -> None:
         self.activation_budget = activation_budget
         self.token_budget = token_budget
         self.running_cap = running_cap
         self.kv_reserve_ratio = kv_reserve_ratio
         self.class_budgets = class_budgets
+        self.late_after_s = late_after_s
 
     def __repr__(self) -> str:
         return (f"Decision(activation_budget={self.activation_budget}, token_budget={self.token_budget}, "
                 f"running_cap={self.running_cap}, kv_reserve_ratio={self.kv_reserve_ratio}, "
-                f"class_budgets={self.class_budgets})")
+                f"class_budgets={self.class_budgets}, late_after_s={self.late_after_s})")
 
 
 class Rejection:

@@ -456,7 +456,7 @@ class LearnedController(Controller):
 def make_prior(profile: ReplicaProfile, target_usage: float = 0.9, prior_output_tokens: int = 128) -> SloFlowController:
     """The heuristic under the learned policy, with the replica's SLOs and batch limits."""
     return SloFlowController(ttft_slo_s=profile.ttft_slo_s, tpot_slo_s=profile.tpot_slo_s, target_usage=target_usage,
-                             prior_output_tokens=prior_output_tokens,
+                             prior_output_tokens=prior_output_tokens, profile=profile,
                              max_num_batched_tokens=profile.max_num_batched_tokens, max_num_seqs=profile.max_num_seqs)
 
 

@@ -179,6 +179,7 @@ class ShieldedController(Controller):
         self.eviction_burst = float(eviction_burst)
         self.last_intervention = Intervention()
         self._decision = Decision(0, 1, 1)
+        self._late_after_s: float | None = None
         #: the inner controller's copy of the Observation, overwritten at every call
         self._scratch = Observation()
         self.reset()
@@ -326,6 +327,7 @@ class ShieldedController(Controller):
         d.token_budget = tok
         d.kv_reserve_ratio = ratio
         d.class_budgets = None
+        d.late_after_s = self._late_after_s
         self._report(p_act, p_cap, p_tok, p_ratio, folded, act, cap, tok, ratio, safe)
         return d
 
@@ -334,6 +336,7 @@ class ShieldedController(Controller):
         class budgets were folded into the activations). None for a field it left None, NaN for
         one it could not give (its ``decide`` raised or returned no Decision, reading or converting
         the field raised)."""
+        self._late_after_s = None
         try:
             proposed = self.inner.decide(self._view(obs))
             if type(proposed) is not Decision and not isinstance(proposed, Decision):
@@ -342,6 +345,13 @@ class ShieldedController(Controller):
         except Exception as exc:
             self._absorb("decide()", exc)
             return _NAN, _NAN, _NAN, _NAN, False
+        # the prefill order among running requests: no bound depends on it, so it passes as proposed
+        # (a non-negative number; anything else is no order)
+        try:
+            late = proposed.late_after_s
+            self._late_after_s = late if type(late) is float and late >= 0.0 else _late_after(late)
+        except Exception as exc:
+            self._absorb("decide().late_after_s", exc)
         try:  # the common case, plain numbers: one conversion each, no method calls
             a, t, c, r = proposed.activation_budget, proposed.token_budget, proposed.running_cap, \
                 proposed.kv_reserve_ratio
@@ -461,6 +471,14 @@ class ShieldedController(Controller):
             except Exception:
                 text = "(unprintable)"
             log.warning("%s: %s (counted in inner_errors; logged once per cause)", cause, text)
+
+
+def _late_after(proposed) -> float | None:
+    """A proposed ``late_after_s`` as a non-negative float, else None (activation order)."""
+    if proposed is None or isinstance(proposed, bool):
+        return None
+    value = _number(proposed)
+    return value if value is not None and value >= 0.0 else None
 
 
 def _reserve_ratio(proposed: float | None) -> float | None:

@@ -37,9 +37,21 @@ from __future__ import annotations
 
 import math
 
-from ctrl.base import UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, retry_after_s
-from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate
+from ctrl.base import (STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection,
+                       ReplicaProfile, retry_after_s)
+from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max
 
+#: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
+#: over the first ones completions lag arrivals by a request's lifetime
+EVIDENCE_ARRIVALS = 64
+#: arrivals at this multiple of the completions (over the 64-event rates, whose ratio is within about
+#: 18% at a steady load) witness overload even against the capacity witness
+STRONG_OVERLOAD = 3.0
+#: standard errors of margin on the capacity witness's steady arrival rate
+CAPACITY_Z = 2.0
+#: steady arrivals above 1 + this times the steady completions overrule the capacity witness (the
+#: ratio of two 256-event rates is within about 9% at a steady load)
+STEADY_OVERLOAD = 0.3
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
                      prior_output_tokens: int = 128) -> float:
@@ -77,6 +89,11 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     return (max(queue_steps, prefill_steps) + 1.0) * step_s
 
 
+def arrivals_seen(obs: Observation) -> int:
+    """Arrivals so far, as far as the Observation tells: completed, refused, waiting or running."""
+    return obs.completed_total + obs.rejections_total + obs.num_waiting + obs.num_running
+
+
 class SloFlowController(Controller):
     """:param ttft_slo_s: the TTFT SLO of the admission rule.
     :param tpot_slo_s: the step-time target of the AIMD token budget.
@@ -89,6 +106,13 @@ class SloFlowController(Controller):
     :param memory_witness: a KV at ``target_usage`` witnesses overload too.
     :param min_completions: nothing is refused before this many requests have completed (no
         completion rate before; the shield's queue limit and timeout protect until then).
+    :param profile: the replica's step-time coefficients and KV size, for the capacity witness.
+    :param min_load: with a ``profile``, nothing is refused while the arrival rate is below this
+        multiple of the fluid bound of the traffic seen so far (``ctrl.theory.lambda_max_estimate``):
+        a replica offered less than it can serve is not overloaded, whatever a burst does to the
+        other witnesses. 0 turns the capacity witness off.
+    :param late_last: prefill the requests that can still meet the TTFT SLO before those that
+        already missed it (``Decision.late_after_s``); off, in activation order.
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -106,12 +130,13 @@ class SloFlowController(Controller):
                  target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
+                 profile: ReplicaProfile | None = None, min_load: float = 1.0, late_last: bool = True,
                  **overload) -> None:
         super().__init__(**overload)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
-                and overload_power >= 0):
-            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, reject_above > 0, overload_margin >= 0 and "
-                             "overload_power >= 0")
+                and overload_power >= 0 and min_load >= 0):
+            raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, reject_above > 0, overload_margin >= 0, "
+                             "overload_power >= 0 and min_load >= 0")
         if not 0 < target_usage <= 1 or prior_output_tokens < 1:
             raise ValueError("need 0 < target_usage <= 1 and prior_output_tokens >= 1")
         self.aimd = AimdTokenBudget(max_num_batched_tokens, tpot_slo_s, min_token_budget, additive_tokens, backoff)
@@ -126,7 +151,10 @@ class SloFlowController(Controller):
         self.max_num_seqs = max_num_seqs
         self.overload_power = overload_power
         self.memory_witness = memory_witness
-        self._decision = Decision(0, max_num_batched_tokens, max_num_seqs)
+        self.profile = profile
+        self.min_load = min_load if profile is not None else 0.0
+        self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
+                                  late_after_s=float(ttft_slo_s) if late_last else None)
         self.reset()
 
     def reset(self) -> None:
@@ -157,17 +185,52 @@ class SloFlowController(Controller):
         Overload has two witnesses: arrivals outpace completions by more than ``overload_margin``
         (times the residual where it is above 1; u = arrival rate / completion rate), or the KV is
         at ``target_usage`` (the memory is the bottleneck, so whatever waits, waits for memory; u
-        is then taken as 1)."""
+        is then taken as 1). Either is overruled by the capacity witness (:meth:`under_capacity`),
+        except arrivals at ``STRONG_OVERLOAD`` times the completions or more. Before
+        ``EVIDENCE_ARRIVALS`` arrivals, nothing is judged."""
         done = obs.completion_rate_rps
-        if obs.completed_total < self.min_completions:
+        if obs.completed_total < self.min_completions or arrivals_seen(obs) < EVIDENCE_ARRIVALS:
             return math.inf
         # the residual may widen the margin, never narrow it: without overload nothing is refused,
         # whatever a policy asks
         margin = self.overload_margin * max(self.reject_scale, 1.0)
         limit = self.reject_above * self.reject_scale * self.ttft_slo_s
-        if obs.arrival_rate_rps > done * (1.0 + margin) and done > 0:
-            return limit / (obs.arrival_rate_rps / done) ** self.overload_power
-        return limit if self.memory_witness and obs.kv_usage >= self.target_usage else math.inf
+        if done > 0 and obs.arrival_rate_rps > done * (1.0 + margin):
+            u = obs.arrival_rate_rps / done
+            if u >= STRONG_OVERLOAD or not self.under_capacity(obs):
+                return limit / u ** self.overload_power
+            return math.inf
+        if self.memory_witness and obs.kv_usage >= self.target_usage and not self.under_capacity(obs):
+            return limit
+        return math.inf
+
+    def offered_load(self, obs: Observation) -> float:
+        """The steady arrival rate (``Observation.offered_rate_rps``) over the fluid bound of the
+        traffic offered so far (``ctrl.theory.shrunk_lambda_max``); needs a profile."""
+        assert self.profile is not None
+        return obs.offered_rate_rps / shrunk_lambda_max(obs, self.profile, self.prior_output_tokens)
+
+    def under_capacity(self, obs: Observation) -> bool:
+        """The capacity witness: the replica is offered less than it can serve, so it is not
+        overloaded, whatever a burst does to the other witnesses. Off without a profile.
+
+        - The steady arrival rate is below ``min_load`` x the fluid bound (:meth:`offered_load`),
+          with ``CAPACITY_Z`` standard errors of margin for the n <= 256 arrivals the rate spans
+          (a Poisson count: the threshold is ``min_load`` (1 + z / sqrt(n))). The fluid bound is
+          what no controller can serve more of, and the load is judged against it, not against
+          the completions: at 0.7 x the bound, a backlog left by a burst drains by itself.
+        - *and* the steady rates (over ``STEADY_RATE_EVENTS`` events, once that many arrived)
+          show arrivals at most ``1 + STEADY_OVERLOAD`` x completions: the bound is estimated
+          from the requests completed so far, and while the longest requests are still running
+          it is too high; a backlog that grows over hundreds of arrivals shows the overload anyway.
+        """
+        if not self.min_load > 0:
+            return False
+        seen = arrivals_seen(obs)
+        if seen >= STEADY_RATE_EVENTS and obs.offered_rate_rps > obs.served_rate_rps * (1.0 + STEADY_OVERLOAD):
+            return False
+        threshold = self.min_load * (1.0 + CAPACITY_Z / math.sqrt(max(min(seen, STEADY_RATE_EVENTS), 1)))
+        return self.offered_load(obs) < threshold
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""

@@ -144,6 +144,30 @@ def decode_token_s(profile: ReplicaProfile) -> float:
     return profile.per_token_s if split is None else split
 
 
+def shrunk_lambda_max(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128,
+                      prior_weight: float = 32.0) -> float:
+    """:func:`lambda_max_estimate` for judging whether a replica is offered more than it can
+    serve, sound from the first arrival on.
+
+    The completed requests' sizes are a poor sample while they are few: the short requests
+    complete first, and one long one can dominate. So each moment is shrunk towards a prior with
+    the weight of ``prior_weight`` completions: with n completed, a moment is (n m_c + k m_0) / (n + k),
+    where the prior m_0 has the mean prompt of every arrival so far (``offered_prompt_tokens``,
+    known at arrival) and ``prior_output_tokens`` D_0 as output (W_0 = P D_0 + D_0 (D_0 + 1) / 2).
+    Once completions are many, it is the completed requests' bound. Before any arrival,
+    :func:`lambda_max_estimate`."""
+    p0 = obs.offered_prompt_tokens
+    if not p0 > 0:
+        return lambda_max_estimate(obs, profile, prior_output_tokens)
+    d0 = float(prior_output_tokens)
+    n = obs.completed_total if obs.lifetime_kv_workload > 0 else 0
+    share = n / (n + prior_weight)
+    p = share * obs.mean_prompt_tokens + (1 - share) * p0
+    d = share * obs.mean_output_tokens + (1 - share) * d0
+    w = share * obs.lifetime_kv_workload + (1 - share) * (p0 * d0 + d0 * (d0 + 1) / 2)
+    return fluid_lambda_max(p + d, w, profile, obs.kv_capacity_tokens or profile.kv_capacity_tokens, d)
+
+
 def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128) -> float:
     """The fluid bound ``1 / (a W / M + c W + b S)`` (``ctrl.theory.fluid_lambda_max``) of the traffic
     seen so far: S and W from the engine's running estimates over completed requests; before the

@@ -5,14 +5,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ctrl import build_controller
-from ctrl.base import Controller, Decision
+from ctrl.base import Controller, Decision, Rejection
 from ctrl.greedy import GreedyController
 from engine.core.request import RequestState
 from tests.helpers import step_profile, make_engine, record_evictions, req, run_until_idle
 
 CONTROLLER_SPECS = ["greedy", "no-evict", "sglang", "watermark:queue_limit=5", "flow:budget=2",
                     "flow:adaptive=true", "flow:budget=0.5,dist=poisson", "greedy:queue_timeout_s=30",
-                    "greedy:max_waiting=4", "class-budgets:budgets=1/0.5"]
+                    "greedy:max_waiting=4", "class-budgets:budgets=1/0.5", "slo-flow:ttft_slo_s=0.05"]
 
 workloads = st.lists(
     st.tuples(st.integers(0, 40), st.integers(1, 60), st.integers(1, 40), st.integers(0, 8),
@@ -103,6 +103,44 @@ def test_token_budget_limits_prefill_chunks():
     assert sum(sizes) == 4 * 50 + 4 * 4  # prompts once, then 4 decodes each (first token comes with prefill)
 
 
+def _first_token_order(late_after_s, arrivals=(0.0, 0.0, 9.5), prompt=40, budget=16):
+    """Three requests activated together, prefilling 16 tokens a step; the first two arrived long
+    before the third. Returns the order in which they got their first token."""
+    class Fixed(Controller):
+        def decide(self, obs):
+            return Decision(token_budget=budget, late_after_s=late_after_s)
+
+    core = make_engine(Fixed(), capacity=1024, block_size=4)
+    core.clock.advance(10.0)
+    reqs = [req(i, prompt, 3, arrival=t) for i, t in enumerate(arrivals)]
+    for r in reqs:
+        core.add_request(r)
+    run_until_idle(core)
+    return [r.request_id for r in sorted(reqs, key=lambda r: r.first_token_time_s)]
+
+
+def test_late_requests_prefill_after_those_that_can_still_meet_their_slo():
+    assert _first_token_order(None) == ["0", "1", "2"]  # activation order
+    assert _first_token_order(6.0) == ["2", "0", "1"]  # 0 and 1 waited 10 s: late; 2 waited 0.5 s
+    assert _first_token_order(30.0) == ["0", "1", "2"]  # nobody late
+    assert _first_token_order(0.0, arrivals=(0.0, 5.0, 9.0)) == ["0", "1", "2"]  # all late: activation order
+
+
+@pytest.mark.parametrize("late, errors", [(float("nan"), True), ("soon", True), (-3.0, False), (2, False),
+                                         (float("inf"), False)])
+def test_an_unusable_late_after_s_falls_back_to_the_conservative_decision(late, errors):
+    class Odd(Controller):
+        def decide(self, obs):
+            return Decision(token_budget=16, late_after_s=late)
+
+    core = make_engine(Odd(), capacity=1024, block_size=4)
+    for i in range(3):
+        core.add_request(req(i, 20, 3))
+    run_until_idle(core)
+    assert bool(core.controller_errors) == errors
+    assert all(r.state is RequestState.FINISHED for r in core.metrics.terminal)
+
+
 def test_queue_timeout_expires_only_requests_that_never_started():
     core = make_engine(GreedyController(max_num_seqs=1, queue_timeout_s=5), capacity=256)
     rs = [req(i, 4, 10) for i in range(3)]
@@ -171,3 +209,34 @@ def test_time_advances_by_the_profile():
     b = Batch()
     b.requests, b.num_tokens, b.kv_tokens_read = [object()], 10, 100
     assert ex.execute(b).duration_s == pytest.approx(0.01 + 0.01 + 0.01)
+
+
+def test_request_size_estimates_weigh_every_completion_alike_at_first_and_see_refused_prompts():
+    """The workload means are exponentially weighted but corrected for their start: after two
+    completions they are (almost) the plain mean, where an average seeded with the first value
+    kept 99% of it. The offered prompt mean counts every arrival, refused ones included."""
+    class Refuse(Controller):
+        def __init__(self):
+            super().__init__()
+            self.refuse = False
+
+        def decide(self, obs):
+            return Decision()
+
+        def admit(self, obs, prompt_tokens, max_tokens):
+            return Rejection("full", 1.0) if self.refuse else None
+
+    core = make_engine(Refuse(), capacity=4096, block_size=4)
+    core.add_request(req(0, 100, 10))
+    core.add_request(req(1, 300, 30))
+    core.controller.refuse = True
+    refused = req(2, 2000, 5)
+    assert core.add_request(refused) is not None
+    run_until_idle(core)
+    obs = core.observe()
+    assert obs.completed_total == 2
+    assert obs.mean_prompt_tokens == pytest.approx(200, rel=0.01)
+    assert obs.mean_output_tokens == pytest.approx(20, rel=0.01)
+    assert obs.lifetime_kv_workload == pytest.approx((100 * 10 + 55 + 300 * 30 + 465) / 2, rel=0.01)
+    assert obs.offered_prompt_tokens == pytest.approx((100 + 300 + 2000) / 3, rel=0.01)
+    assert obs.offered_rate_rps > 0 and obs.served_rate_rps > 0

@@ -66,8 +66,8 @@ def run_guarded(arrivals, live: ShieldedController, guard: TwinGuard, on_check=N
 
 @pytest.fixture(scope="module")
 def arrivals():
-    """1500 chat requests at 1.2 x the fluid bound (about 255 s)."""
-    return cell_arrivals(load_family("chat"), 1.2, 0, 1500, PROFILE)[0]
+    """2000 chat requests at 2 x the fluid bound (about 200 s): overloaded from the first window on."""
+    return cell_arrivals(load_family("chat"), 2.0, 0, 2000, PROFILE)[0]
 
 
 @pytest.fixture(scope="module")

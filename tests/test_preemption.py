@@ -133,7 +133,7 @@ def test_requests_that_ended_before_a_step_fails_still_get_on_finish():
     core.step()
     core.cancel(a)
 
-    def broken(budget):
+    def broken(budget, late_after_s=None):
         raise RuntimeError("a bug in the batch builder")
     core._build_batch = broken
     with pytest.raises(RuntimeError, match="batch builder"):

@@ -314,6 +314,7 @@ def assert_safe(d: Decision, seqs_max: int = 64, tokens_max: int = 1024) -> None
     assert type(d.token_budget) is int and 1 <= d.token_budget <= tokens_max
     assert d.kv_reserve_ratio is None or type(d.kv_reserve_ratio) is float and 0.0 <= d.kv_reserve_ratio <= 1.0
     assert d.class_budgets is None
+    assert d.late_after_s is None or type(d.late_after_s) is float and d.late_after_s >= 0.0
 
 
 def test_observation_copy_copies_every_slot_into_the_object_given():
@@ -336,6 +337,8 @@ HOSTILE_FIELDS = [
     {"class_budgets": BadValues()},
     {"class_budgets": {i: 1 for i in range(100_000)}},
     {"class_budgets": [3, 4]},
+    {"late_after_s": float("nan")}, {"late_after_s": -1.0}, {"late_after_s": "soon"}, {"late_after_s": RaisingFloat()},
+    {"late_after_s": np.array([1.0, 2.0])}, {"late_after_s": True},
 ]
 
 
@@ -500,3 +503,13 @@ def test_soft_mode_is_strict_exactly_while_the_eviction_bucket_is_spent():
     # bucket: 2, -1, -0.5, 0, 0.5, 1, 1.5: strict (ratio 1) while at or below 0, then greedy's own ratio again
     assert ratios[1:4] == [1.0, 1.0, 1.0]
     assert ratios[0] == ratios[4] == ratios[5] == ratios[6] != 1.0
+
+
+@pytest.mark.parametrize("late, passed", [(2.0, 2.0), (0.0, 0.0), (3, 3.0), (np.float32(1.5), 1.5),
+                                          (float("inf"), float("inf")), (None, None), (float("nan"), None),
+                                          (-1.0, None), (True, None), ("soon", None)])
+def test_the_prefill_order_passes_the_shield_as_proposed_or_not_at_all(late, passed):
+    """``late_after_s`` only orders prefill chunks within the token budget: no bound depends on it,
+    so a usable value passes unchanged, anything else is no order."""
+    shield = ShieldedController(Hostile({"late_after_s": late}), mode="soft", max_num_seqs=64)
+    assert shield.decide(busy_obs()).late_after_s == passed

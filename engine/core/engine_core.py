@@ -22,7 +22,7 @@ import numbers
 from collections import deque
 from typing import Callable
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
+from ctrl.base import STEADY_RATE_EVENTS, UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
 from ctrl.slo_flow import predicted_ttft_s
 from engine.core.block_pool import BlockPool
 from engine.core.clock import Clock
@@ -185,11 +185,15 @@ class EngineCore:
         self.on_token = on_token
         self.on_finish = on_finish
         self._arrivals = RateEstimator(rate_window_s)
+        self._offered = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
         self._completions = RateEstimator(rate_window_s)
+        self._served = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
         self._ewma_alpha = 0.05  # latency and step-time estimates
         # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
         self._ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)
         self._workload_alpha = 0.01  # request-size estimates: heavy-tailed, so a longer memory
+        self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
+        self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
         self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
         self._activation_seq = 0
         self._cancel: list[Request] = []
@@ -216,6 +220,10 @@ class EngineCore:
         """
         now = self.clock.now()
         self._arrivals.add(now)
+        self._offered.add(now)
+        self._offered_decay *= 1.0 - self._workload_alpha
+        self.obs.offered_prompt_tokens += (self._workload_alpha / (1.0 - self._offered_decay)
+                                           * (request.prompt_len - self.obs.offered_prompt_tokens))
         self.metrics.on_arrival(request)
         never = unservable_reason(request.prompt_len, request.max_tokens, self.pool.capacity_tokens)
         if never is not None:
@@ -315,7 +323,7 @@ class EngineCore:
             self._activate(decision)
         self._evicted_last_step = 0
         self._make_room()
-        batch = self._build_batch(decision.token_budget)
+        batch = self._build_batch(decision.token_budget, decision.late_after_s)
 
         try:
             result = self.executor.execute(batch)
@@ -367,7 +375,9 @@ class EngineCore:
         obs.waiting_prompt_tokens = self._waiting_prompt_tokens
         obs.head_prompt_tokens = self.waiting[0].prompt_len if self.waiting else 0
         obs.arrival_rate_rps = self._arrivals.rate(now)
+        obs.offered_rate_rps = self._offered.rate(now)
         obs.completion_rate_rps = self._completions.rate(now)
+        obs.served_rate_rps = self._served.rate(now)
         obs.evicted_last_step = self._evicted_last_step
         obs.ttft_error_p90_s = self._ttft_error.current(now)
         return obs
@@ -383,9 +393,11 @@ class EngineCore:
         try:
             if type(d) is Decision:
                 act, tok, cap, ratio = d.activation_budget, d.token_budget, d.running_cap, d.kv_reserve_ratio
+                late = d.late_after_s
                 if (type(act) is int and type(tok) is int and type(cap) is int and d.class_budgets is None
                         and 0 <= act <= UNLIMITED and 0 < tok <= UNLIMITED and 0 <= cap <= UNLIMITED
-                        and (ratio is None or type(ratio) is float and 0.0 <= ratio <= _MAX_RESERVE_RATIO)):
+                        and (ratio is None or type(ratio) is float and 0.0 <= ratio <= _MAX_RESERVE_RATIO)
+                        and (late is None or type(late) is float and late >= 0.0)):
                     self._token_budget, self._running_cap = tok, cap
                     return d  # the common case: usable as it is
             elif not isinstance(d, Decision):
@@ -420,9 +432,15 @@ class EngineCore:
                     return self._conservative("controller.decide gave unusable class_budgets")
                 whole[int(k)] = n
             classes = whole
+        late = d.late_after_s
+        if late is not None:
+            late = _real(late)
+            if late is None:
+                return self._conservative("controller.decide gave an unusable late_after_s")
+            late = max(late, 0.0)
         assert act is not None and tok is not None and cap is not None
         self._token_budget, self._running_cap = tok, cap
-        return Decision(act, tok, cap, ratio, classes)
+        return Decision(act, tok, cap, ratio, classes, late)
 
     def _conservative(self, cause: str, exc: BaseException | None = None) -> Decision:
         """The decision of a step whose controller could not answer: no activation while anything
@@ -541,11 +559,15 @@ class EngineCore:
         self.metrics.on_eviction(wasted)
 
     # ------------------------------------------------------------------ the batch
-    def _build_batch(self, token_budget: int) -> Batch:
+    def _build_batch(self, token_budget: int, late_after_s: float | None = None) -> Batch:
         """Decodes (a request with one token pending and an output token to feed), then prefill
         chunks of the other requests' pending tokens (the prompt, or after an eviction the prompt
         and the kept output), never more than ``token_budget`` tokens in all. When the decodes
-        alone exceed the budget, which of them run rotates from step to step."""
+        alone exceed the budget, which of them run rotates from step to step.
+
+        Prefill chunks go in activation order; with ``late_after_s``, requests still without a
+        first token that many seconds after their arrival (late: their TTFT SLO is missed
+        whatever happens next) come after the others, in activation order among themselves."""
         batch = Batch()
         reqs, counts = batch.requests, batch.num_new_tokens
         kv_read = 0
@@ -562,6 +584,9 @@ class EngineCore:
             n_decodes = token_budget
         counts.extend([1] * n_decodes)
         left = token_budget - n_decodes
+        if late_after_s is not None and len(prefilling) > 1:
+            cutoff_s = self.clock.now() - late_after_s
+            prefilling.sort(key=lambda r: r.first_token_time_s is None and r.arrival_time_s < cutoff_s)
         pending = 0
         prefill = 0
         for r in prefilling:
@@ -654,16 +679,17 @@ class EngineCore:
 
     def _record_completion(self, r: Request, now: float) -> None:
         self._completions.add(now)
+        self._served.add(now)
         obs, a, aw = self.obs, self._ewma_alpha, self._workload_alpha
         obs.completed_total += 1
         o, p = r.num_output_tokens, r.prompt_len
-        if obs.completed_total == 1:
-            obs.mean_prompt_tokens, obs.mean_output_tokens = float(p), float(o)
-            obs.lifetime_kv_workload = p * o + (o + o * o) / 2
-        else:
-            obs.mean_prompt_tokens += aw * (p - obs.mean_prompt_tokens)
-            obs.mean_output_tokens += aw * (o - obs.mean_output_tokens)
-            obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
+        # exponentially weighted means corrected for their start (weights normalised to sum to 1):
+        # the mean of all completions while they are few, the first one never weighs more than the rest
+        self._workload_decay *= 1.0 - aw
+        aw /= 1.0 - self._workload_decay
+        obs.mean_prompt_tokens += aw * (p - obs.mean_prompt_tokens)
+        obs.mean_output_tokens += aw * (o - obs.mean_output_tokens)
+        obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
         obs.ttft_recent_s += a * (time_to_first_token_s(r) - obs.ttft_recent_s)
         tpot = time_per_output_token_s(r, end_s=now)
         if tpot is not None:

@@ -17,8 +17,9 @@
    default: on bursty traffic one draw can move a cell's goodput by half, and three draws left
    chance spreads of up to 26% against a 3% floor) against the heuristics; ``matrix.md``,
    ``matrix.json`` and heatmaps go to OUT, with ``selection.json``.
-3. Poisson families at loads 0.3 and 0.7: refusals of the shipped choice, beside greedy's SLO misses
-   and slo-flow (``light_load_sim.light_load``: ``light_load.md`` and ``light_load.json``).
+3. Poisson families at loads 0.3, 0.5 and 0.7: refusals of the shipped choice over ``--light-draws``
+   test draws, beside greedy's SLO misses and slo-flow (``light_load_sim.light_load``:
+   ``light_load.md`` and ``light_load.json``).
 
 Cells run in parallel (``--workers``, ``--backend``/``--address`` for Ray).
 """
@@ -153,6 +154,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1500, help="Requests per test cell.")
     ap.add_argument("--draws", type=int, default=6, help="Test draws per (family, load) cell.")
     ap.add_argument("--validation-requests", type=int, default=1000)
+    ap.add_argument("--light-draws", type=int, default=8, help="Test draws of the light-load check.")
     ap.add_argument("--profile", default="a100-llama2-7b")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--backend", default="auto")
@@ -187,8 +189,8 @@ def main() -> None:
     print(json.dumps(report["targets"], indent=1))
     write_guard_table(rows, shipped, args.out, held_out)
 
-    light = light_load(learned[shipped], args.out, args.requests, **opts)
-    print("refusals at light Poisson load (3 draws):",
+    light = light_load(learned[shipped], args.out, args.requests, args.light_draws, **opts)
+    print(f"refusals at light Poisson load ({args.light_draws} draws):",
           {f"{t['family']}@{t['load']}": t["learned_refusals"] for t in light})
     summary = summarize(rows, list(learned), held_out)
     worst = min(summary, key=lambda r: r.get("vs_best_min", math.inf))

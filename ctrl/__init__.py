@@ -23,7 +23,7 @@ CONTROLLERS: dict[str, type[Controller]] = {
 #: the server's default controller: the best controller of the evaluation matrix (docs/BENCHMARKS.md).
 #: ``learned`` becomes the default once it holds 0.97 x the best heuristic in every cell of the
 #: matrix and beats slo-flow by more than a cell's chance spread; the shipped policy holds the
-#: floor and beats its prior by 1.6% on average, under that spread.
+#: floor and beats its prior by 1.5% on average, under that spread.
 DEFAULT_CONTROLLER = "slo-flow"
 
 # Options filled from the profile when the user does not set them.

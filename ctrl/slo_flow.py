@@ -50,8 +50,8 @@ STRONG_OVERLOAD = 3.0
 #: standard errors of margin on the capacity witness's steady arrival rate
 CAPACITY_Z = 2.0
 #: steady arrivals above 1 + this times the steady completions overrule the capacity witness (the
-#: ratio of two 256-event rates is within about 9% at a steady load)
-STEADY_OVERLOAD = 0.3
+#: ratio of two 256-event rates is within about 9% at a steady load: 1.7 standard errors)
+STEADY_OVERLOAD = 0.15
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
                      prior_output_tokens: int = 128) -> float:
@@ -107,10 +107,14 @@ class SloFlowController(Controller):
     :param min_completions: nothing is refused before this many requests have completed (no
         completion rate before; the shield's queue limit and timeout protect until then).
     :param profile: the replica's step-time coefficients and KV size, for the capacity witness.
-    :param min_load: with a ``profile``, nothing is refused while the arrival rate is below this
-        multiple of the fluid bound of the traffic seen so far (``ctrl.theory.lambda_max_estimate``):
-        a replica offered less than it can serve is not overloaded, whatever a burst does to the
-        other witnesses. 0 turns the capacity witness off.
+    :param min_load: with a ``profile``, nothing is refused while the steady arrival rate is below
+        this multiple of the fluid bound of the traffic seen so far (:meth:`under_capacity`): a
+        replica offered less than it can serve is not overloaded, whatever a burst does to the
+        other witnesses. Below 1 because the bound, estimated from the requests that completed,
+        runs high while admission refuses the largest (3-13% at 1.2 x on summarisation lengths).
+        0 turns the capacity witness off.
+    :param steady_overload: steady arrivals above 1 + this times the steady completions overrule
+        the capacity witness once ``STEADY_RATE_EVENTS`` arrived.
     :param late_last: prefill the requests that can still meet the TTFT SLO before those that
         already missed it (``Decision.late_after_s``); off, in activation order.
 
@@ -130,8 +134,8 @@ class SloFlowController(Controller):
                  target_usage: float = 0.9, prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
-                 profile: ReplicaProfile | None = None, min_load: float = 1.0, late_last: bool = True,
-                 **overload) -> None:
+                 profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
+                 steady_overload: float = STEADY_OVERLOAD, **overload) -> None:
         super().__init__(**overload)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
                 and overload_power >= 0 and min_load >= 0):
@@ -152,6 +156,7 @@ class SloFlowController(Controller):
         self.overload_power = overload_power
         self.memory_witness = memory_witness
         self.profile = profile
+        self.steady_overload = steady_overload
         self.min_load = min_load if profile is not None else 0.0
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
@@ -220,14 +225,14 @@ class SloFlowController(Controller):
           what no controller can serve more of, and the load is judged against it, not against
           the completions: at 0.7 x the bound, a backlog left by a burst drains by itself.
         - *and* the steady rates (over ``STEADY_RATE_EVENTS`` events, once that many arrived)
-          show arrivals at most ``1 + STEADY_OVERLOAD`` x completions: the bound is estimated
+          show arrivals at most ``1 + steady_overload`` x completions: the bound is estimated
           from the requests completed so far, and while the longest requests are still running
           it is too high; a backlog that grows over hundreds of arrivals shows the overload anyway.
         """
         if not self.min_load > 0:
             return False
         seen = arrivals_seen(obs)
-        if seen >= STEADY_RATE_EVENTS and obs.offered_rate_rps > obs.served_rate_rps * (1.0 + STEADY_OVERLOAD):
+        if seen >= STEADY_RATE_EVENTS and obs.offered_rate_rps > obs.served_rate_rps * (1.0 + self.steady_overload):
             return False
         threshold = self.min_load * (1.0 + CAPACITY_Z / math.sqrt(max(min(seen, STEADY_RATE_EVENTS), 1)))
         return self.offered_load(obs) < threshold

@@ -1,6 +1,6 @@
 """SLO-aware flow control: the robust heuristic under the learned controller, and its fallback.
 
-Three rules, each with a worst case that can be argued on its own:
+Four rules, each with a worst case that can be argued on its own:
 
 - **Activation** at the memory-safe rate of Dong & Cao's flow control: a waiting request starts
   while the activation credit, refilled by ``b_safe = rho * M / w_hat`` per step (the rate whose
@@ -26,7 +26,12 @@ Three rules, each with a worst case that can be argued on its own:
   off by default: a burst inflates u and would then refuse requests its drain serves in time.)
   Without overload nothing is refused: a burst at light load drains by itself, and a late answer
   serves a user better than a 429. With nothing ahead of an arrival it is never refused, whatever
-  the machine's speed.
+  the machine's speed. Both witnesses fire on noise at light load, so a third, the **capacity
+  witness**, overrules them while the steady arrival rate stays under ``min_load`` x the replica's
+  fluid bound (:meth:`SloFlowController.under_capacity`).
+- **Prefill order**: requests that already missed their TTFT SLO prefill after those that can
+  still meet theirs (``Decision.late_after_s``), which serves at moderate load what refusals
+  used to buy.
 
 Three multipliers (:meth:`SloFlowController.set_residual`, all 1 by default) scale the activation
 rate, the token budget and the admission threshold: the learned policy sets them, and at
@@ -52,6 +57,7 @@ CAPACITY_Z = 2.0
 #: steady arrivals above 1 + this times the steady completions overrule the capacity witness (the
 #: ratio of two 256-event rates is within about 9% at a steady load: 1.7 standard errors)
 STEADY_OVERLOAD = 0.15
+
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
                      prior_output_tokens: int = 128) -> float:
@@ -138,9 +144,9 @@ class SloFlowController(Controller):
                  steady_overload: float = STEADY_OVERLOAD, **overload) -> None:
         super().__init__(**overload)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
-                and overload_power >= 0 and min_load >= 0):
+                and overload_power >= 0 and min_load >= 0 and steady_overload >= 0):
             raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, reject_above > 0, overload_margin >= 0, "
-                             "overload_power >= 0 and min_load >= 0")
+                             "overload_power >= 0, min_load >= 0 and steady_overload >= 0")
         if not 0 < target_usage <= 1 or prior_output_tokens < 1:
             raise ValueError("need 0 < target_usage <= 1 and prior_output_tokens >= 1")
         self.aimd = AimdTokenBudget(max_num_batched_tokens, tpot_slo_s, min_token_budget, additive_tokens, backoff)

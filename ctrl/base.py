@@ -53,7 +53,8 @@ class Observation:
         "last_step_tokens",
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
-        "lifetime_kv_workload", "mean_step_time_s", "running_prefill_tokens", "ttft_error_p90_s",
+        "lifetime_kv_workload", "offered_output_tokens", "offered_kv_workload", "offered_kv_workload_se",
+        "mean_step_time_s", "running_prefill_tokens", "ttft_error_p90_s",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -88,6 +89,17 @@ class Observation:
         self.offered_prompt_tokens = 0.0
         self.mean_output_tokens = 0.0
         self.lifetime_kv_workload = 0.0
+        #: the offered requests' mean output and lifetime KV workload W, refused ones included:
+        #: the completed requests weighted by the inverse of the share admitted among arrivals of
+        #: their prompt's size (``engine.core.offered``), so admission that refuses the largest
+        #: prompts does not make the traffic look smaller than it is; equal to the completed
+        #: requests' means where nothing is refused
+        self.offered_output_tokens = 0.0
+        self.offered_kv_workload = 0.0
+        #: the standard error of ``offered_kv_workload`` as an estimate of the mean (0 before two
+        #: completions): heavy-tailed traffic has a W mean no better than +-10-25% after
+        #: hundreds of completions, and a judgement of the load must know that
+        self.offered_kv_workload_se = 0.0
         self.mean_step_time_s = 0.0
         #: tokens of running requests still to prefill, prompt or re-prefilled output (after the last step)
         self.running_prefill_tokens = 0
@@ -134,6 +146,9 @@ class Observation:
         o.offered_prompt_tokens = self.offered_prompt_tokens
         o.mean_output_tokens = self.mean_output_tokens
         o.lifetime_kv_workload = self.lifetime_kv_workload
+        o.offered_output_tokens = self.offered_output_tokens
+        o.offered_kv_workload = self.offered_kv_workload
+        o.offered_kv_workload_se = self.offered_kv_workload_se
         o.mean_step_time_s = self.mean_step_time_s
         o.running_prefill_tokens = self.running_prefill_tokens
         o.ttft_error_p90_s = self.ttft_error_p90_s

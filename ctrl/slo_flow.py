@@ -44,7 +44,8 @@ import math
 
 from ctrl.base import (STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection,
                        ReplicaProfile, retry_after_s)
-from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max
+from ctrl.theory import (BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max,
+                         shrunk_lambda_max_interval)
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
 #: over the first ones completions lag arrivals by a request's lifetime
@@ -141,7 +142,7 @@ class SloFlowController(Controller):
                  min_token_budget: int | None = None, additive_tokens: int = 64, backoff: float = 0.5,
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
-                 steady_overload: float = STEADY_OVERLOAD, **overload) -> None:
+                 steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, **overload) -> None:
         super().__init__(**overload)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
                 and overload_power >= 0 and min_load >= 0 and steady_overload >= 0):
@@ -163,6 +164,7 @@ class SloFlowController(Controller):
         self.memory_witness = memory_witness
         self.profile = profile
         self.steady_overload = steady_overload
+        self.size_error = size_error
         self.min_load = min_load if profile is not None else 0.0
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
@@ -240,8 +242,12 @@ class SloFlowController(Controller):
         seen = arrivals_seen(obs)
         if seen >= STEADY_RATE_EVENTS and obs.offered_rate_rps > obs.served_rate_rps * (1.0 + self.steady_overload):
             return False
-        threshold = self.min_load * (1.0 + CAPACITY_Z / math.sqrt(max(min(seen, STEADY_RATE_EVENTS), 1)))
-        return self.offered_load(obs) < threshold
+        assert self.profile is not None
+        bound, rse = shrunk_lambda_max_interval(obs, self.profile, self.prior_output_tokens)
+        if not self.size_error:
+            rse = 0.0
+        se = math.sqrt(1.0 / max(min(seen, STEADY_RATE_EVENTS), 1) + rse * rse)
+        return obs.offered_rate_rps / bound < self.min_load * (1.0 + CAPACITY_Z * se)
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""

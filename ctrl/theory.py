@@ -146,26 +146,42 @@ def decode_token_s(profile: ReplicaProfile) -> float:
 
 def shrunk_lambda_max(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128,
                       prior_weight: float = 32.0) -> float:
-    """:func:`lambda_max_estimate` for judging whether a replica is offered more than it can
-    serve, sound from the first arrival on.
+    """:func:`lambda_max_estimate` of the offered traffic, for judging whether a replica is
+    offered more than it can serve, sound from the first arrival on.
 
-    The completed requests' sizes are a poor sample while they are few: the short requests
-    complete first, and one long one can dominate. So each moment is shrunk towards a prior with
-    the weight of ``prior_weight`` completions: with n completed, a moment is (n m_c + k m_0) / (n + k),
-    where the prior m_0 has the mean prompt of every arrival so far (``offered_prompt_tokens``,
-    known at arrival) and ``prior_output_tokens`` D_0 as output (W_0 = P D_0 + D_0 (D_0 + 1) / 2).
-    Once completions are many, it is the completed requests' bound. Before any arrival,
-    :func:`lambda_max_estimate`."""
-    p0 = obs.offered_prompt_tokens
-    if not p0 > 0:
-        return lambda_max_estimate(obs, profile, prior_output_tokens)
+    The mean prompt is that of every arrival (``offered_prompt_tokens``, known at arrival); the
+    output and W moments are the offered requests' (``offered_output_tokens``,
+    ``offered_kv_workload``: the completed ones reweighted so that refusals do not bias them).
+    Those are a poor sample while completions are few: the short requests complete first, and
+    one long one can dominate. So they are shrunk towards a prior with the weight of
+    ``prior_weight`` completions: with n completed, a moment is (n m_c + k m_0) / (n + k), with
+    ``prior_output_tokens`` D_0 as the prior output (W_0 = P D_0 + D_0 (D_0 + 1) / 2). Before any
+    arrival, :func:`lambda_max_estimate`."""
+    return shrunk_lambda_max_interval(obs, profile, prior_output_tokens, prior_weight)[0]
+
+
+def shrunk_lambda_max_interval(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128,
+                               prior_weight: float = 32.0) -> tuple[float, float]:
+    """:func:`shrunk_lambda_max` and its relative standard error from the sampling error of W
+    (``Observation.offered_kv_workload_se``, shrunk with the mean): the bound is 1 / (k W + b S),
+    so a standard error sigma of W moves it by the share of k W in the denominator times
+    sigma / W. S, a mean of lighter-tailed sizes, is taken as exact. 0 before two completions
+    (the prior's own error is unknown; the caller's other margins cover the start)."""
+    p = obs.offered_prompt_tokens
+    if not p > 0:
+        return lambda_max_estimate(obs, profile, prior_output_tokens), 0.0
     d0 = float(prior_output_tokens)
-    n = obs.completed_total if obs.lifetime_kv_workload > 0 else 0
+    n = obs.completed_total if obs.offered_kv_workload > 0 else 0
     share = n / (n + prior_weight)
-    p = share * obs.mean_prompt_tokens + (1 - share) * p0
-    d = share * obs.mean_output_tokens + (1 - share) * d0
-    w = share * obs.lifetime_kv_workload + (1 - share) * (p0 * d0 + d0 * (d0 + 1) / 2)
-    return fluid_lambda_max(p + d, w, profile, obs.kv_capacity_tokens or profile.kv_capacity_tokens, d)
+    d = share * obs.offered_output_tokens + (1 - share) * d0
+    w = share * obs.offered_kv_workload + (1 - share) * (p * d0 + d0 * (d0 + 1) / 2)
+    m = obs.kv_capacity_tokens or profile.kv_capacity_tokens
+    bound = fluid_lambda_max(p + d, w, profile, m, d)
+    se = share * max(obs.offered_kv_workload_se, 0.0)
+    if not (se > 0 and w > 0):
+        return bound, 0.0
+    # the denominator is linear in W: the bound at W + se is lower by the relative error
+    return bound, bound / fluid_lambda_max(p + d, w + se, profile, m, d) - 1.0
 
 
 def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128) -> float:

@@ -20,7 +20,7 @@ from ctrl.learned import (ACTION_DIM, BACKOFF_AFTER_OVERRUNS, BACKOFF_MAX_INTERV
                           action_to_residual, load_policy, make_learned_controller, make_prior)
 from ctrl.shield import ShieldedController
 from ctrl.slo_flow import SloFlowController, predicted_ttft_s
-from ctrl.theory import fluid_lambda_max, lambda_max_estimate, shrunk_lambda_max
+from ctrl.theory import fluid_lambda_max, shrunk_lambda_max, shrunk_lambda_max_interval
 from engine.core.profile import load_profile
 from engine.sim.simulate import simulate
 from engine.workloads.families import load_family
@@ -221,6 +221,7 @@ def overloaded_by_rates(offered_load: float, **fields) -> Observation:
     obs.completed_total, obs.now_s = 100, 100.0
     obs.mean_prompt_tokens = obs.offered_prompt_tokens = 2000.0
     obs.mean_output_tokens, obs.lifetime_kv_workload = 200.0, 2000.0 * 200 + 200 * 201 / 2
+    obs.offered_output_tokens, obs.offered_kv_workload = obs.mean_output_tokens, obs.lifetime_kv_workload
     lam = fluid_lambda_max(2200.0, obs.lifetime_kv_workload, PROFILE, PROFILE.kv_capacity_tokens, 200.0)
     obs.completion_rate_rps = obs.served_rate_rps = lam
     obs.arrival_rate_rps = 1.5 * lam
@@ -253,28 +254,53 @@ def test_the_capacity_witness_overrules_overload_witnesses_that_noise_can_fire()
     assert isinstance(loose.admit(overloaded_by_rates(0.7), 1000, 100), Rejection)
 
 
+def test_the_capacity_witness_widens_its_margin_by_the_sampling_error_of_the_request_sizes():
+    """Offered 1.1 x the fluid bound: overload on exactly known sizes; but with W known only to
+    +-30% (heavy-tailed traffic after a hundred completions) the load may be 0.85, and nothing
+    is refused."""
+    c = build_controller("slo-flow", PROFILE)
+    exact = overloaded_by_rates(1.1)
+    assert isinstance(c.admit(exact, 1000, 100), Rejection)
+    noisy = overloaded_by_rates(1.1, offered_kv_workload_se=0.3 * exact.offered_kv_workload)
+    assert c.admit(noisy, 1000, 100) is None
+    assert isinstance(c.admit(overloaded_by_rates(2.0, offered_kv_workload_se=0.3 * exact.offered_kv_workload),
+                              1000, 100), Rejection)
+    blind = build_controller("slo-flow:size_error=false", PROFILE)
+    assert isinstance(blind.admit(noisy, 1000, 100), Rejection)
+
+
 @settings(max_examples=200, deadline=None)
 @given(done=st.integers(0, 10_000), offered=st.floats(0, 1e6), prompt=st.floats(0, 1e6), out=st.floats(0, 1e4),
-       w=st.floats(0, 1e10), head=st.integers(0, 10**6))
-def test_the_shrunk_bound_is_finite_and_positive_cold_or_not(done, offered, prompt, out, w, head):
+       w=st.floats(0, 1e10), head=st.integers(0, 10**6), se=st.floats(0, 1e10))
+def test_the_shrunk_bound_is_finite_and_positive_cold_or_not(done, offered, prompt, out, w, head, se):
     obs = Observation(kv_capacity_tokens=PROFILE.kv_capacity_tokens)
     obs.completed_total, obs.offered_prompt_tokens, obs.mean_prompt_tokens = done, offered, prompt
     obs.mean_output_tokens, obs.lifetime_kv_workload, obs.head_prompt_tokens = out, w, head
-    lam = shrunk_lambda_max(obs, PROFILE)
-    assert 0 < lam < math.inf
+    obs.offered_output_tokens, obs.offered_kv_workload, obs.offered_kv_workload_se = out, w, se
+    lam, error = shrunk_lambda_max_interval(obs, PROFILE)
+    assert 0 < lam < math.inf and lam == shrunk_lambda_max(obs, PROFILE)
+    assert 0.0 <= error < math.inf
 
 
-def test_the_shrunk_bound_starts_from_the_offered_prompts_and_ends_at_the_completed_requests():
+def test_the_shrunk_bound_starts_from_the_offered_prompts_and_ends_at_the_offered_sizes():
     obs = Observation(kv_capacity_tokens=PROFILE.kv_capacity_tokens)
     obs.offered_prompt_tokens = 3000.0  # nothing completed yet: the prompts seen, the prior's output
     prior = fluid_lambda_max(3128.0, 3000 * 128 + 128 * 129 / 2, PROFILE, PROFILE.kv_capacity_tokens, 128)
     assert shrunk_lambda_max(obs, PROFILE) == pytest.approx(prior)
+    # the completed requests' own means do not count: admission chose them
     obs.mean_prompt_tokens, obs.mean_output_tokens, obs.lifetime_kv_workload = 500.0, 50.0, 500 * 50 + 50 * 51 / 2
+    obs.offered_output_tokens, obs.offered_kv_workload = 50.0, 3000 * 50 + 50 * 51 / 2
+    done = fluid_lambda_max(3050.0, obs.offered_kv_workload, PROFILE, PROFILE.kv_capacity_tokens, 50.0)
     obs.completed_total = 32  # half way: between the two
-    done = lambda_max_estimate(obs, PROFILE)
     assert min(prior, done) < shrunk_lambda_max(obs, PROFILE) < max(prior, done)
     obs.completed_total = 100_000
     assert shrunk_lambda_max(obs, PROFILE) == pytest.approx(done, rel=0.01)
+    assert shrunk_lambda_max_interval(obs, PROFILE)[1] == 0.0  # no spread reported, no error
+    # the bound's relative error is the W term's share of the denominator times W's relative error
+    obs.offered_kv_workload_se = 0.1 * obs.offered_kv_workload
+    bound, error = shrunk_lambda_max_interval(obs, PROFILE)
+    wider = fluid_lambda_max(3050.0, 1.1 * obs.offered_kv_workload, PROFILE, PROFILE.kv_capacity_tokens, 50.0)
+    assert error == pytest.approx(done / wider - 1.0, rel=0.01) and 0 < error < 0.1
 
 
 def test_shipped_policy_loads_with_the_current_features():
@@ -647,7 +673,9 @@ def test_engine_reports_how_late_its_ttft_predictions_run_now():
     arr = arrivals("bursty", 1.0, 400, seed=1)
     res = simulate(arr, PROFILE, Recording(ttft_slo_s=PROFILE.ttft_slo_s, tpot_slo_s=PROFILE.tpot_slo_s),
                    record_steps=False)
-    firsts = sorted(((r.first_token_time_s, r.first_token_time_s - r.arrival_time_s - r.predicted_ttft_s)
+    # past the SLO, a request's wait is the late-last order's doing: the error counts up to the SLO
+    slo = PROFILE.ttft_slo_s
+    firsts = sorted(((r.first_token_time_s, min(r.first_token_time_s - r.arrival_time_s, slo) - r.predicted_ttft_s)
                      for r in res.core.metrics.terminal
                      if r.first_token_time_s is not None and r.predicted_ttft_s is not None))
     checked = nonzero = 0

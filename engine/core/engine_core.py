@@ -28,6 +28,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.clock import Clock
 from engine.core.executor import Batch, Executor
 from engine.core.metrics import EngineMetrics
+from engine.core.offered import OfferedSizes
 from engine.core.request import Request, RequestState, unservable_reason
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 
@@ -194,12 +195,14 @@ class EngineCore:
         self._workload_alpha = 0.01  # request-size estimates: heavy-tailed, so a longer memory
         self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
         self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
+        self._offered_sizes = OfferedSizes(self._workload_alpha)
         self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
         self._activation_seq = 0
         self._cancel: list[Request] = []
         self._evicted_last_step = 0
         self._decode_offset = 0  # round-robin start of the decodes served when the budget cuts them
         self._token_budget = 8192  # the last applied token budget, for TTFT predictions
+        self._late_after_s: float | None = None  # the last applied late_after_s
         self._running_cap = UNLIMITED  # the last applied running cap
         self._fallback = Decision()  # the conservative decision, reused
         self.step_index = 0
@@ -229,6 +232,7 @@ class EngineCore:
         if never is not None:
             return self._reject(request, never, 0.0)
         rejection = self.admit(request) if isinstance(admission, _Ask) else admission
+        self._offered_sizes.arrived(request.prompt_len, rejection is None)
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
         # from the latest observation: admit() has just made it, or the last step did
@@ -323,6 +327,7 @@ class EngineCore:
             self._activate(decision)
         self._evicted_last_step = 0
         self._make_room()
+        self._late_after_s = decision.late_after_s
         batch = self._build_batch(decision.token_budget, decision.late_after_s)
 
         try:
@@ -661,7 +666,12 @@ class EngineCore:
         """Record ``r``'s first token and how late its admission prediction ran."""
         r.first_token_time_s = now
         if r.predicted_ttft_s is not None:
-            self.obs.ttft_error_p90_s = self._ttft_error.add(now - r.arrival_time_s - r.predicted_ttft_s, now)
+            ttft = now - r.arrival_time_s
+            if self._late_after_s is not None:
+                # late requests prefill last by the controller's choice: past the SLO the wait is the
+                # order's doing, and what the prediction had to tell, that it misses, it has told
+                ttft = min(ttft, self._late_after_s)
+            self.obs.ttft_error_p90_s = self._ttft_error.add(ttft - r.predicted_ttft_s, now)
 
     # ------------------------------------------------------------------ endings
     def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:
@@ -690,6 +700,11 @@ class EngineCore:
         obs.mean_prompt_tokens += aw * (p - obs.mean_prompt_tokens)
         obs.mean_output_tokens += aw * (o - obs.mean_output_tokens)
         obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
+        sizes = self._offered_sizes
+        sizes.completed(p, o)
+        obs.offered_output_tokens = sizes.output_tokens
+        obs.offered_kv_workload = sizes.kv_workload
+        obs.offered_kv_workload_se = sizes.kv_workload_se
         obs.ttft_recent_s += a * (time_to_first_token_s(r) - obs.ttft_recent_s)
         tpot = time_per_output_token_s(r, end_s=now)
         if tpot is not None:

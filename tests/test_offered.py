@@ -1,0 +1,102 @@
+"""The offered requests' sizes: completed requests reweighted so that admission does not bias them."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ctrl.base import Controller, Rejection
+from engine.core.offered import OfferedSizes
+from tests.helpers import make_engine, req, run_until_idle
+
+
+def work(p: int, d: int) -> float:
+    return p * d + d * (d + 1) / 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 20_000), st.integers(1, 2000)), min_size=1, max_size=200),
+       alpha=st.sampled_from([0.01, 0.1, 0.5]))
+def test_without_refusals_the_estimates_are_the_completed_requests_weighted_means(sizes, alpha):
+    est = OfferedSizes(alpha)
+    weights = np.array([(1 - alpha) ** k for k in range(len(sizes))][::-1])
+    for p, _ in sizes:
+        est.arrived(p, admitted=True)
+    for p, d in sizes:
+        assert est.weight(p) == 1.0
+        est.completed(p, d)
+    outs = np.array([d for _, d in sizes], dtype=float)
+    works = np.array([work(p, d) for p, d in sizes])
+    assert est.output_tokens == pytest.approx(np.average(outs, weights=weights))
+    assert est.kv_workload == pytest.approx(np.average(works, weights=weights))
+    assert est.kv_workload_se >= 0.0 and (len(sizes) > 1 or est.kv_workload_se == 0.0)
+
+
+def test_the_standard_error_of_equal_weights_is_the_textbook_one():
+    rng = np.random.default_rng(0)
+    p, d = rng.integers(1, 5000, 400), rng.integers(1, 500, 400)
+    est = OfferedSizes(1e-12)  # no forgetting: every completion weighs the same
+    for a, b in zip(p, d):
+        est.arrived(int(a), True)
+        est.completed(int(a), int(b))
+    works = p * d + d * (d + 1) / 2
+    assert est.kv_workload_se == pytest.approx(works.std(ddof=1) / math.sqrt(len(works)), rel=1e-6)
+
+
+def test_refusing_the_largest_prompts_does_not_make_the_traffic_look_smaller():
+    """Half the long-prompt arrivals are refused: the completed requests' mean W is far below the
+    offered one; the reweighted estimate is the offered one."""
+    est = OfferedSizes(0.001)
+    small, large = (100, 10), (6000, 100)
+    completed = []
+    for i in range(3000):
+        p, d = small if i % 2 else large
+        admitted = p == small[0] or i % 4 == 0
+        est.arrived(p, admitted)
+        if admitted:
+            est.completed(p, d)
+            completed.append(work(p, d))
+    offered = (work(*small) + work(*large)) / 2
+    assert np.mean(completed) < 0.7 * offered
+    assert est.kv_workload == pytest.approx(offered, rel=0.05)
+    assert est.output_tokens == pytest.approx((small[1] + large[1]) / 2, rel=0.05)
+
+
+def test_a_bin_with_no_admission_counts_at_most_its_recent_arrivals():
+    est = OfferedSizes(0.01)
+    for _ in range(10):
+        est.arrived(5000, admitted=False)
+    assert 1.0 < est.weight(5000) <= 10.0
+    assert est.weight(100) == 1.0  # a bin nobody arrived in
+
+
+class RefuseLong(Controller):
+    """Admits every short prompt and every other long one."""
+    name = "refuse-long"
+
+    def __init__(self):
+        super().__init__()
+        self.long_seen = 0
+
+    def admit(self, obs, prompt_tokens, max_tokens):
+        if prompt_tokens < 1000:
+            return None
+        self.long_seen += 1
+        return None if self.long_seen % 2 else Rejection("long", 1.0)
+
+
+def test_the_engine_reports_the_offered_sizes_beside_the_completed_ones():
+    core = make_engine(RefuseLong(), capacity=1 << 16, block_size=16)
+    for i in range(200):
+        core.add_request(req(i, 2000 if i % 2 else 100, 20 if i % 2 else 5))
+        core.step()
+    run_until_idle(core)
+    obs = core.observe()
+    assert obs.rejections_total == 50
+    # the completed requests are two short for every long one; the offered, one for one
+    assert obs.lifetime_kv_workload < 0.8 * obs.offered_kv_workload
+    assert obs.offered_kv_workload == pytest.approx((work(2000, 20) + work(100, 5)) / 2, rel=0.1)
+    assert obs.offered_output_tokens == pytest.approx(12.5, rel=0.1)
+    assert obs.offered_kv_workload_se > 0

@@ -105,7 +105,10 @@ class Observation:
         self.running_prefill_tokens = 0
         #: the 90th percentile of realised minus predicted TTFT over the last 64 requests that got
         #: their first token within the engine's rate window (0 when none did): how late the
-        #: admission predictions run now, not during a burst that has passed
+        #: admission predictions run now, not during a burst that has passed. Under late-last
+        #: prefill (``Decision.late_after_s``) a request's realised TTFT counts up to the later of
+        #: that bound and its activation: past it, a running request waits by the controller's
+        #: choice of order, which no prediction at arrival is meant to foresee
         self.ttft_error_p90_s = 0.0
 
     @property

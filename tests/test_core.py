@@ -240,3 +240,34 @@ def test_request_size_estimates_weigh_every_completion_alike_at_first_and_see_re
     assert obs.lifetime_kv_workload == pytest.approx((100 * 10 + 55 + 300 * 30 + 465) / 2, rel=0.01)
     assert obs.offered_prompt_tokens == pytest.approx((100 + 300 + 2000) / 3, rel=0.01)
     assert obs.offered_rate_rps > 0 and obs.served_rate_rps > 0
+
+
+def test_ttft_errors_count_a_late_request_up_to_its_activation_or_the_slo_under_late_last():
+    """Under late-last prefill, a running request's wait past the SLO is the order's doing: its
+    prediction error counts up to the SLO. A request that waited in the queue past the SLO counts
+    up to its activation: the queue wait is the prediction's to foresee."""
+
+    class LateLast(Controller):
+        name = "late-last"
+
+        def decide(self, obs):
+            start = 1 if obs.step_index in (0, 4) else 0  # the second request waits 4 steps in the queue
+            return Decision(activation_budget=start, token_budget=4, late_after_s=3.0)
+
+    core = make_engine(LateLast(), capacity=256, block_size=4)
+    first, second = req(0, 20, 2), req(1, 20, 2)
+    core.add_request(first)
+    core.add_request(second)
+    errors = []
+    while core.has_unfinished:
+        seen = first.first_token_time_s, second.first_token_time_s
+        core.step()
+        if (first.first_token_time_s, second.first_token_time_s) != seen:
+            errors.append(core.observe().ttft_error_p90_s)
+    assert first.predicted_ttft_s == second.predicted_ttft_s == 0.0  # nothing timed at arrival
+    assert first.first_token_time_s > 3.0 and second.start_time_s >= 4.0
+    assert second.first_token_time_s > second.start_time_s + 3.0
+    # the first: activated at once, its first token at 5 s, counted as 3 s (the SLO) late
+    assert errors[0] == pytest.approx(3.0)
+    # the second: 4 s in the queue, counted as 4 s late (p90 of the two), not its whole TTFT
+    assert errors[1] == pytest.approx(second.start_time_s)

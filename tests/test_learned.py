@@ -673,9 +673,11 @@ def test_engine_reports_how_late_its_ttft_predictions_run_now():
     arr = arrivals("bursty", 1.0, 400, seed=1)
     res = simulate(arr, PROFILE, Recording(ttft_slo_s=PROFILE.ttft_slo_s, tpot_slo_s=PROFILE.tpot_slo_s),
                    record_steps=False)
-    # past the SLO, a request's wait is the late-last order's doing: the error counts up to the SLO
+    # past the SLO, a running request's wait is the late-last order's doing: the error counts up to
+    # the SLO or its activation, whichever is later
     slo = PROFILE.ttft_slo_s
-    firsts = sorted(((r.first_token_time_s, min(r.first_token_time_s - r.arrival_time_s, slo) - r.predicted_ttft_s)
+    firsts = sorted(((r.first_token_time_s, min(r.first_token_time_s - r.arrival_time_s,
+                                                max(slo, r.start_time_s - r.arrival_time_s)) - r.predicted_ttft_s)
                      for r in res.core.metrics.terminal
                      if r.first_token_time_s is not None and r.predicted_ttft_s is not None))
     checked = nonzero = 0

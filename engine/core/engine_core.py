@@ -667,10 +667,11 @@ class EngineCore:
         r.first_token_time_s = now
         if r.predicted_ttft_s is not None:
             ttft = now - r.arrival_time_s
-            if self._late_after_s is not None:
-                # late requests prefill last by the controller's choice: past the SLO the wait is the
-                # order's doing, and what the prediction had to tell, that it misses, it has told
-                ttft = min(ttft, self._late_after_s)
+            if self._late_after_s is not None and r.start_time_s is not None:
+                # late requests prefill last by the controller's choice: past the SLO, the wait of a
+                # running request is the order's doing, not the prediction's error; the queue wait
+                # before its activation is the prediction's to foresee, however long
+                ttft = min(ttft, max(self._late_after_s, r.start_time_s - r.arrival_time_s))
             self.obs.ttft_error_p90_s = self._ttft_error.add(ttft - r.predicted_ttft_s, now)
 
     # ------------------------------------------------------------------ endings

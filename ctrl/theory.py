@@ -191,8 +191,9 @@ def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_
     with ``prior_output_tokens``. a, b, c from the profile, M the engine's own KV capacity. Always
     finite and positive: a cold or idle server gets the bound of requests as large as one step's
     token budget, never one of empty requests."""
-    if obs.completed_total > 0 and obs.lifetime_kv_workload > 0:
-        s = obs.mean_prompt_tokens + obs.mean_output_tokens
+    # a completed request has at least a prompt token: means below one are not a sample's
+    s = obs.mean_prompt_tokens + obs.mean_output_tokens
+    if obs.completed_total > 0 and obs.lifetime_kv_workload > 0 and s >= 1:
         w = obs.lifetime_kv_workload
         d = obs.mean_output_tokens
     else:

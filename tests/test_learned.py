@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ctrl import build_controller
@@ -270,6 +270,7 @@ def test_the_capacity_witness_widens_its_margin_by_the_sampling_error_of_the_req
 
 
 @settings(max_examples=200, deadline=None)
+@example(done=1, offered=0.0, prompt=0.0, out=0.0, w=5e-324, head=0, se=0.0)  # a W of almost nothing
 @given(done=st.integers(0, 10_000), offered=st.floats(0, 1e6), prompt=st.floats(0, 1e6), out=st.floats(0, 1e4),
        w=st.floats(0, 1e10), head=st.integers(0, 10**6), se=st.floats(0, 1e10))
 def test_the_shrunk_bound_is_finite_and_positive_cold_or_not(done, offered, prompt, out, w, head, se):

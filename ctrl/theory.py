@@ -56,9 +56,17 @@ def headroom_activations(obs: Observation, target_usage: float, prior_output_tok
     return int(free / max(peak, 1.0))
 
 
-def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int) -> float:
-    """``b_safe = rho * M / w_hat``: activations per step whose steady KV demand is rho * M."""
-    return target_usage * obs.kv_capacity_tokens / estimated_kv_workload(obs, prior_output_tokens)
+def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int,
+                         occupied: bool = False) -> float:
+    """``b_safe = rho * M / w_hat``: activations per step whose steady KV demand is rho * M.
+
+    :param occupied: w_hat is the larger of the completed requests' W and the KV token-steps held
+        per completion (``Observation.occupied_kv_workload``), which counts the requests still
+        running: sound from the start on long-output traffic, a little low in steady state."""
+    w = estimated_kv_workload(obs, prior_output_tokens)
+    if occupied and obs.completed_total > 0 and obs.occupied_kv_workload > w:
+        w = obs.occupied_kv_workload
+    return target_usage * obs.kv_capacity_tokens / w
 
 
 def necessary_rate_bound(lifetime_kv: float, kv_capacity_tokens: int) -> float:

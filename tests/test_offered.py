@@ -100,3 +100,24 @@ def test_the_engine_reports_the_offered_sizes_beside_the_completed_ones():
     assert obs.offered_kv_workload == pytest.approx((work(2000, 20) + work(100, 5)) / 2, rel=0.1)
     assert obs.offered_output_tokens == pytest.approx(12.5, rel=0.1)
     assert obs.offered_kv_workload_se > 0
+
+
+def test_kv_token_steps_per_completion_are_the_lifetime_workload_of_requests_run_alone():
+    """One request at a time: the KV held over its steps is its own W (block-rounded), so Little's
+    law on the KV agrees with the completed requests' W; while a long request still runs, only
+    the occupancy counts it."""
+    from ctrl.greedy import GreedyController
+
+    core = make_engine(GreedyController(), capacity=1 << 14, block_size=1)
+    for i, (p, d) in enumerate([(10, 5), (20, 8), (5, 3)]):
+        core.add_request(req(i, p, d))
+        run_until_idle(core)
+    core.add_request(req(9, 10, 500))  # a long one, still running
+    for _ in range(200):
+        core.step()
+    obs = core.observe()
+    assert obs.completed_total == 3
+    assert obs.occupied_kv_workload > 2 * obs.lifetime_kv_workload  # the long request's 200 steps count
+    run_until_idle(core)
+    obs = core.observe()
+    assert obs.occupied_kv_workload == pytest.approx(obs.lifetime_kv_workload, rel=0.05)

@@ -196,6 +196,8 @@ class EngineCore:
         self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
         self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
         self._offered_sizes = OfferedSizes(self._workload_alpha)
+        self._kv_steps = 0.0  # KV tokens in use summed over steps, decayed per completion
+        self._kv_completions = 0.0  # completions, decayed alike (Little's law on the KV)
         self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
         self._activation_seq = 0
         self._cancel: list[Request] = []
@@ -322,7 +324,11 @@ class EngineCore:
         if timeout is not None and self.waiting:
             self._expire(now, timeout, ended)
 
-        decision = self._decide(self._observe(now))
+        obs = self._observe(now)
+        self._kv_steps += obs.kv_used_tokens
+        if self._kv_completions > 0:
+            obs.occupied_kv_workload = self._kv_steps / self._kv_completions
+        decision = self._decide(obs)
         if self.waiting:
             self._activate(decision)
         self._evicted_last_step = 0
@@ -701,6 +707,10 @@ class EngineCore:
         obs.mean_prompt_tokens += aw * (p - obs.mean_prompt_tokens)
         obs.mean_output_tokens += aw * (o - obs.mean_output_tokens)
         obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
+        keep = 1.0 - self._workload_alpha
+        self._kv_steps *= keep
+        self._kv_completions = self._kv_completions * keep + 1.0
+        obs.occupied_kv_workload = self._kv_steps / self._kv_completions
         sizes = self._offered_sizes
         sizes.completed(p, o)
         obs.offered_output_tokens = sizes.output_tokens

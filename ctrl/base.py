@@ -94,7 +94,8 @@ class Observation:
         #: completion). Unlike ``lifetime_kv_workload`` it counts the requests still running: the
         #: completed ones are the short ones while the long ones hold the memory, and on long
         #: outputs their W reads 2-3 x too low for the first minutes. It counts what the memory
-        #: really held, block rounding and prefill included, so it runs a little high in steady state
+        #: held at each step's start (prefill steps and block rounding in, the step's new token
+        #: out), which in steady state is within a few percent of the completed requests' W
         self.occupied_kv_workload = 0.0
         #: the offered requests' mean output and lifetime KV workload W, refused ones included:
         #: the completed requests weighted by the inverse of the share admitted among arrivals of

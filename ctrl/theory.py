@@ -62,7 +62,8 @@ def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tok
 
     :param occupied: w_hat is the larger of the completed requests' W and the KV token-steps held
         per completion (``Observation.occupied_kv_workload``), which counts the requests still
-        running: sound from the start on long-output traffic, and about the same in steady state."""
+        running: sound from the start on long-output traffic; in steady state it also counts the
+        memory long prompts hold while they prefill."""
     w = estimated_kv_workload(obs, prior_output_tokens)
     if occupied and obs.completed_total > 0 and obs.occupied_kv_workload > w:
         w = obs.occupied_kv_workload

@@ -44,8 +44,7 @@ import math
 
 from ctrl.base import (STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection,
                        ReplicaProfile, retry_after_s)
-from ctrl.theory import (BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max,
-                         shrunk_lambda_max_interval)
+from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
 #: over the first ones completions lag arrivals by a request's lifetime
@@ -226,21 +225,17 @@ class SloFlowController(Controller):
             return limit
         return math.inf
 
-    def offered_load(self, obs: Observation) -> float:
-        """The steady arrival rate (``Observation.offered_rate_rps``) over the fluid bound of the
-        traffic offered so far (``ctrl.theory.shrunk_lambda_max``); needs a profile."""
-        assert self.profile is not None
-        return obs.offered_rate_rps / shrunk_lambda_max(obs, self.profile, self.prior_output_tokens)
-
     def under_capacity(self, obs: Observation) -> bool:
         """The capacity witness: the replica is offered less than it can serve, so it is not
         overloaded, whatever a burst does to the other witnesses. Off without a profile.
 
-        - The steady arrival rate is below ``min_load`` x the fluid bound (:meth:`offered_load`),
-          with ``CAPACITY_Z`` standard errors of margin for the n <= 256 arrivals the rate spans
-          (a Poisson count: the threshold is ``min_load`` (1 + z / sqrt(n))). The fluid bound is
-          what no controller can serve more of, and the load is judged against it, not against
-          the completions: at 0.7 x the bound, a backlog left by a burst drains by itself.
+        - The steady arrival rate (``Observation.offered_rate_rps``) is below ``min_load`` x the
+          fluid bound of the traffic offered so far (``ctrl.theory.shrunk_lambda_max_interval``),
+          with ``CAPACITY_Z`` standard errors of margin: the threshold is ``min_load`` (1 + z se),
+          se^2 = 1 / n for the n <= 256 arrivals the rate spans (a Poisson count) plus the bound's
+          relative error from the sampling error of W (``size_error``). The fluid bound is what
+          no controller can serve more of, and the load is judged against it, not against the
+          completions: at 0.7 x the bound, a backlog left by a burst drains by itself.
         - *and* the steady rates (over ``STEADY_RATE_EVENTS`` events, once that many arrived)
           show arrivals at most ``1 + steady_overload`` x completions: the bound is estimated
           from the requests completed so far, and while the longest requests are still running

@@ -53,8 +53,9 @@ class Observation:
         "last_step_tokens",
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
-        "lifetime_kv_workload", "occupied_kv_workload", "offered_output_tokens", "offered_kv_workload",
-        "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens", "ttft_error_p90_s",
+        "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
+        "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
+        "running_prompt_tokens", "ttft_error_p90_s",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -98,6 +99,16 @@ class Observation:
         #: out): in steady state within 1-6% of the completed requests' W on chat and long-output
         #: traffic, 1.4 x on long prompts, whose blocks are held through a prefill of many steps
         self.occupied_kv_workload = 0.0
+        #: KV tokens read by decodes per completed request, summed over steps and weighted as
+        #: ``occupied_kv_workload`` (0 before the first completion). The decode of a request's
+        #: j-th output token reads P + j - 1 tokens, and its completion adds the P + D its
+        #: decodes did not read, so a request counts W = sum_j (P + j) over its life: this is
+        #: Little's law on the W of the fluid bound. Unlike ``lifetime_kv_workload`` it counts the
+        #: requests still running, whose long outputs the completed short ones do not show
+        #: (heavy-tailed outputs: the completed requests' W read 25-35% low after 700
+        #: completions); unlike ``occupied_kv_workload`` it leaves out the memory prompts hold
+        #: while they prefill
+        self.decode_kv_workload = 0.0
         #: the offered requests' mean output and lifetime KV workload W, refused ones included:
         #: the completed requests weighted by the inverse of the share admitted among arrivals of
         #: their prompt's size (``engine.core.offered``), so admission that refuses the largest
@@ -112,6 +123,9 @@ class Observation:
         self.mean_step_time_s = 0.0
         #: tokens of running requests still to prefill, prompt or re-prefilled output (after the last step)
         self.running_prefill_tokens = 0
+        #: prompt tokens of the running requests (the KV they hold beyond these is their output so
+        #: far, rounded up to blocks)
+        self.running_prompt_tokens = 0
         #: the 90th percentile of realised minus predicted TTFT over the last 64 requests that got
         #: their first token within the engine's rate window (0 when none did): how late the
         #: admission predictions run now, not during a burst that has passed. Under late-last
@@ -159,11 +173,13 @@ class Observation:
         o.mean_output_tokens = self.mean_output_tokens
         o.lifetime_kv_workload = self.lifetime_kv_workload
         o.occupied_kv_workload = self.occupied_kv_workload
+        o.decode_kv_workload = self.decode_kv_workload
         o.offered_output_tokens = self.offered_output_tokens
         o.offered_kv_workload = self.offered_kv_workload
         o.offered_kv_workload_se = self.offered_kv_workload_se
         o.mean_step_time_s = self.mean_step_time_s
         o.running_prefill_tokens = self.running_prefill_tokens
+        o.running_prompt_tokens = self.running_prompt_tokens
         o.ttft_error_p90_s = self.ttft_error_p90_s
         return o
 

@@ -170,7 +170,7 @@ class ObservationFeatures:
         safe_rps = safe_activation_rate(obs, self.target_usage, self.prior_output_tokens) / step_s \
             if step_s > 0 else lam
         head = obs.head_prompt_tokens or obs.mean_prompt_tokens
-        delay = predicted_ttft_s(obs, int(head), budget, self.target_usage, self.prior_output_tokens)
+        delay = predicted_ttft_s(obs, int(head), budget, self.target_usage, self.prior_output_tokens, occupied=False)
         v = self.vector
         v[0] = usage
         v[1] = 10.0 * (usage - self._kv_usage)

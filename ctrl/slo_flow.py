@@ -5,9 +5,10 @@ Four rules, each with a worst case that can be argued on its own:
 - **Activation** at the memory-safe rate of Dong & Cao's flow control: a waiting request starts
   while the activation credit, refilled by ``b_safe = rho * M / w_hat`` per step (the rate whose
   steady KV demand is rho * M, Little's law on KV), allows it, or while requests of the mean size
-  still fit at their peak into the free KV below rho * M (``ctrl.theory.headroom_activations``: a
-  burst into free memory starts at once). Under any overload the KV demand stays near rho * M, so
-  evictions stay rare; at light load every request starts at the next step.
+  still fit at their peak into the free KV below rho * M, once the running requests have grown to
+  the mean output (``ctrl.theory.headroom_activations``: a burst into free memory starts at
+  once). Under any overload the KV demand stays near rho * M, so evictions stay rare; at light
+  load every request starts at the next step.
 - **Token budget** by AIMD on the TPOT SLO (as ``watermark``): it grows while steps run within
   the SLO and halves when one did not, so long prefills cannot stall running decodes.
 - **Admission** on a calibrated prediction (:func:`predicted_ttft_s`): an arrival is refused with
@@ -60,7 +61,7 @@ STEADY_OVERLOAD = 0.15
 
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
-                     prior_output_tokens: int = 128) -> float:
+                     prior_output_tokens: int = 128, occupied: bool = True) -> float:
     """Seconds until the first token of an arrival with ``prompt_tokens``, from ``Observation`` only.
 
     The larger of two bounds, plus the step that produces the token:
@@ -83,7 +84,7 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     if obs.num_waiting > 0 and obs.num_running > 0:
         ahead = float(obs.num_waiting)
         if obs.kv_usage < target_usage:
-            rate = safe_activation_rate(obs, target_usage, prior_output_tokens)
+            rate = safe_activation_rate(obs, target_usage, prior_output_tokens, occupied)
             # those that fit into the free memory start at once (the controller's burst)
             ahead = max(ahead - headroom_activations(obs, BURST_USAGE * target_usage, prior_output_tokens), 0.0)
         else:
@@ -256,7 +257,7 @@ class SloFlowController(Controller):
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""
         return predicted_ttft_s(obs, prompt_tokens, self._decision.token_budget, self.target_usage,
-                                self.prior_output_tokens)
+                                self.prior_output_tokens, self.occupied_pacing)
 
     def nothing_ahead(self, obs: Observation) -> bool:
         """No request waits and the running requests' prefill fits into the next step: an arrival

@@ -42,18 +42,29 @@ BURST_USAGE = 1.0
 
 def headroom_activations(obs: Observation, target_usage: float, prior_output_tokens: int) -> int:
     """How many more requests of the mean size fit at their peak (prompt plus output) into the KV
-    below ``target_usage`` x M right now: ``(rho M - used) / (E[P] + E[D])``, 0 when usage is above.
+    below ``target_usage`` x M right now, the running requests counted at their mean peak too:
+    ``(rho M - used - growth) / (E[P] + E[D])``, 0 when nothing is left.
 
     The memory-safe *rate* of flow control bounds the steady state; this bounds a burst: while the
-    memory is mostly free, a burst of arrivals can start at once instead of at the steady rate."""
+    memory is mostly free, a burst of arrivals can start at once instead of at the steady rate.
+    ``growth`` is what the running requests still need to reach the mean output each:
+    ``num_running`` E[D] less the output they hold (the KV beyond their prompts,
+    ``running_prompt_tokens``), never below 0. A burst that fits only into memory the running
+    requests are about to take is no burst the memory can hold: at the onset of an overload of
+    long outputs it filled the KV and the running requests were evicted as they grew."""
     free = target_usage * obs.kv_capacity_tokens - obs.kv_used_tokens
     if free <= 0:
         return 0
     if obs.completed_total > 0 and obs.mean_output_tokens > 0:
-        peak = obs.mean_prompt_tokens + obs.mean_output_tokens
+        p, d = obs.mean_prompt_tokens, obs.mean_output_tokens
     else:
-        peak = (obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0) + prior_output_tokens
-    return int(free / max(peak, 1.0))
+        p = obs.head_prompt_tokens or obs.mean_prompt_tokens or 1.0
+        d = float(prior_output_tokens)
+    held = max(obs.kv_used_tokens - obs.running_prompt_tokens, 0)
+    free -= max(obs.num_running * d - held, 0.0)
+    if free <= 0:
+        return 0
+    return int(free / max(p + d, 1.0))
 
 
 def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int,
@@ -160,7 +171,9 @@ def shrunk_lambda_max(obs: Observation, profile: ReplicaProfile, prior_output_to
 
     The mean prompt is that of every arrival (``offered_prompt_tokens``, known at arrival); the
     output and W moments are the offered requests' (``offered_output_tokens``,
-    ``offered_kv_workload``: the completed ones reweighted so that refusals do not bias them).
+    ``offered_kv_workload``: the completed ones reweighted so that refusals do not bias them),
+    W at least the decodes' KV reads per completion (``decode_kv_workload``), which count the
+    long outputs still running.
     Those are a poor sample while completions are few: the short requests complete first, and
     one long one can dominate. So they are shrunk towards a prior with the weight of
     ``prior_weight`` completions: with n completed, a moment is (n m_c + k m_0) / (n + k), with
@@ -183,7 +196,10 @@ def shrunk_lambda_max_interval(obs: Observation, profile: ReplicaProfile, prior_
     n = obs.completed_total if obs.offered_kv_workload > 0 else 0
     share = n / (n + prior_weight)
     d = share * obs.offered_output_tokens + (1 - share) * d0
-    w = share * obs.offered_kv_workload + (1 - share) * (p * d0 + d0 * (d0 + 1) / 2)
+    # the completed requests' W leaves out the long outputs still running; the decodes' KV reads
+    # per completion count them (and not what admission refused): the larger is the sounder
+    w_seen = max(obs.offered_kv_workload, obs.decode_kv_workload)
+    w = share * w_seen + (1 - share) * (p * d0 + d0 * (d0 + 1) / 2)
     m = obs.kv_capacity_tokens or profile.kv_capacity_tokens
     bound = fluid_lambda_max(p + d, w, profile, m, d)
     se = share * max(obs.offered_kv_workload_se, 0.0)

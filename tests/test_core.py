@@ -25,6 +25,7 @@ def _check_step(core):
     held = sum(len(r.block_ids) for r in core.running)
     assert held + core.pool.num_free_blocks == core.pool.num_blocks
     assert all(not r.block_ids for r in core.waiting)
+    assert core.observe().running_prompt_tokens == sum(r.prompt_len for r in core.running)
 
 
 @given(workloads, st.sampled_from(CONTROLLER_SPECS), st.integers(64, 400), st.sampled_from([1, 4, 16]),

@@ -141,6 +141,20 @@ def test_prediction_counts_the_running_requests_prefill_and_decodes():
     assert predicted_ttft_s(obs, 1000, 1000) > base  # decodes take half the budget
 
 
+def test_slo_flow_predicts_the_queue_at_the_activation_rate_it_applies():
+    """The queue ahead starts at the memory-safe rate slo-flow activates at: paced by the KV held
+    per completion where that is the larger W, the prediction waits for the same pace."""
+    obs = Observation(kv_capacity_tokens=100_000)
+    obs.mean_step_time_s, obs.num_waiting, obs.num_running = 0.05, 40, 10
+    obs.completed_total, obs.mean_prompt_tokens, obs.mean_output_tokens = 100, 200.0, 300.0
+    obs.kv_used_tokens, obs.lifetime_kv_workload = 80_000, 105_150.0
+    obs.occupied_kv_workload = 3 * obs.lifetime_kv_workload
+    paced = SloFlowController().predict_ttft_s(obs, 200)
+    unpaced = SloFlowController(occupied_pacing=False).predict_ttft_s(obs, 200)
+    assert paced > 2 * unpaced
+    assert paced == predicted_ttft_s(obs, 200, 8192)  # the engine logs the same prediction
+
+
 def test_simulations_are_pure_functions_of_their_inputs_whatever_the_policy_speed():
     arr = arrivals("chat", 1.5, 400)
     fast = without_wall_time(summary(learned_with(Const([0.3, -0.2, -0.5])), arr))

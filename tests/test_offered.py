@@ -121,3 +121,64 @@ def test_kv_token_steps_per_completion_are_the_lifetime_workload_of_requests_run
     run_until_idle(core)
     obs = core.observe()
     assert obs.occupied_kv_workload == pytest.approx(obs.lifetime_kv_workload, rel=0.05)
+
+
+def test_decode_reads_per_completion_are_the_lifetime_workload_and_count_the_long_requests_still_running():
+    """Run one at a time, each request's decodes and completion count its own W, not rounded to
+    blocks; a long output still running counts from its first decode on; a long prompt's prefill
+    over many steps, which the KV held counts, does not."""
+    from ctrl.greedy import GreedyController
+
+    core = make_engine(GreedyController(max_num_batched_tokens=16), capacity=1 << 14, block_size=16)
+    for i, (p, d) in enumerate([(10, 5), (20, 8), (5, 3), (300, 4)]):
+        core.add_request(req(i, p, d))
+        run_until_idle(core)
+    obs = core.observe()
+    # the same weights (1 - alpha) per completion, applied to a request's decodes once more: within alpha
+    assert obs.decode_kv_workload == pytest.approx(obs.lifetime_kv_workload, rel=0.011)
+    assert obs.occupied_kv_workload > 1.5 * obs.decode_kv_workload  # 19 steps of prefill held 300+ tokens
+    core.add_request(req(9, 10, 500))  # a long one, still running
+    for _ in range(200):
+        core.step()
+    obs = core.observe()
+    assert obs.completed_total == 4
+    assert obs.decode_kv_workload > 2 * obs.lifetime_kv_workload
+
+
+def test_the_capacity_bound_takes_the_larger_of_the_offered_and_the_decoded_workload():
+    from ctrl.base import Observation
+    from ctrl.theory import shrunk_lambda_max_interval
+    from engine.core.profile import load_profile
+
+    prof = load_profile("a100-llama2-7b")
+    obs = Observation(prof.kv_capacity_tokens)
+    obs.completed_total = 500
+    obs.offered_prompt_tokens = 100.0
+    obs.offered_output_tokens = 400.0
+    obs.offered_kv_workload = work(100, 400)
+    base, _ = shrunk_lambda_max_interval(obs, prof)
+    obs.decode_kv_workload = 0.5 * work(100, 400)  # lower: the offered W stands
+    assert shrunk_lambda_max_interval(obs, prof)[0] == base
+    obs.decode_kv_workload = 2 * work(100, 400)  # long outputs still running: the bound is lower
+    assert shrunk_lambda_max_interval(obs, prof)[0] < 0.7 * base
+
+
+def test_a_burst_into_free_memory_leaves_room_for_the_running_requests_to_grow():
+    """Requests of the mean size fit at their peak after the running ones have grown to the mean
+    output, what they hold already counted."""
+    from ctrl.base import Observation
+    from ctrl.theory import headroom_activations
+
+    obs = Observation(100_000)
+    obs.completed_total, obs.mean_prompt_tokens, obs.mean_output_tokens = 100, 100.0, 400.0
+    obs.kv_used_tokens = 10_000
+    assert headroom_activations(obs, 0.9, 128) == 80_000 // 500  # nothing runs: all free memory
+    obs.num_running, obs.running_prompt_tokens = 20, 2_000  # 8,000 output tokens held, 20 x 400 due
+    assert headroom_activations(obs, 0.9, 128) == 80_000 // 500  # grown already: nothing to keep
+    obs.kv_used_tokens = 4_000  # 2,000 output tokens held: 6,000 still to come
+    assert headroom_activations(obs, 0.9, 128) == (90_000 - 4_000 - 6_000) // 500
+    obs.num_running = 220  # 86,000 still to come: no room
+    assert headroom_activations(obs, 0.9, 128) == 0
+    obs.completed_total, obs.num_running, obs.running_prompt_tokens = 0, 0, 0  # before any completion:
+    obs.head_prompt_tokens, obs.kv_used_tokens = 372, 0  # the queue head with the prior output
+    assert headroom_activations(obs, 0.9, 128) == 90_000 // 500

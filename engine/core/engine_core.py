@@ -198,7 +198,9 @@ class EngineCore:
         self._offered_sizes = OfferedSizes(self._workload_alpha)
         self._kv_steps = 0.0  # KV tokens in use summed over steps, decayed per completion
         self._kv_completions = 0.0  # completions, decayed alike (Little's law on the KV)
+        self._decode_kv_steps = 0.0  # KV tokens read by decodes summed over steps, decayed alike
         self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
+        self._running_prompt_tokens = 0  # prompt tokens of the running requests
         self._activation_seq = 0
         self._cancel: list[Request] = []
         self._evicted_last_step = 0
@@ -328,6 +330,7 @@ class EngineCore:
         self._kv_steps += obs.kv_used_tokens
         if self._kv_completions > 0:
             obs.occupied_kv_workload = self._kv_steps / self._kv_completions
+            obs.decode_kv_workload = self._decode_kv_steps / self._kv_completions
         decision = self._decide(obs)
         if self.waiting:
             self._activate(decision)
@@ -384,6 +387,7 @@ class EngineCore:
         obs.num_waiting = len(self.waiting)
         obs.num_running = len(self.running)
         obs.waiting_prompt_tokens = self._waiting_prompt_tokens
+        obs.running_prompt_tokens = self._running_prompt_tokens
         obs.head_prompt_tokens = self.waiting[0].prompt_len if self.waiting else 0
         obs.arrival_rate_rps = self._arrivals.rate(now)
         obs.offered_rate_rps = self._offered.rate(now)
@@ -527,6 +531,7 @@ class EngineCore:
         r.activation_seq = self._activation_seq
         self._activation_seq += 1
         self._waiting_prompt_tokens -= r.prompt_len + r.num_output_tokens
+        self._running_prompt_tokens += r.prompt_len
         self.running.append(r)
 
     def _make_room(self) -> None:
@@ -565,6 +570,7 @@ class EngineCore:
         r.state = RequestState.WAITING
         self.waiting.appendleft(r)
         self._waiting_prompt_tokens += r.prompt_len + r.num_output_tokens
+        self._running_prompt_tokens -= r.prompt_len
         self._evicted_last_step += 1
         self.obs.evictions_total += 1
         self.metrics.on_eviction(wasted)
@@ -594,6 +600,7 @@ class EngineCore:
             kv_read = self._rotate_decodes(reqs, token_budget)
             n_decodes = token_budget
         counts.extend([1] * n_decodes)
+        self._decode_kv_steps += kv_read
         left = token_budget - n_decodes
         if late_after_s is not None and len(prefilling) > 1:
             cutoff_s = self.clock.now() - late_after_s
@@ -682,6 +689,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ endings
     def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:
+        if r.state is _RUNNING:
+            self._running_prompt_tokens -= r.prompt_len
         r.state = state
         r.finish_reason = reason
         r.finish_time_s = now
@@ -709,8 +718,11 @@ class EngineCore:
         obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
         keep = 1.0 - self._workload_alpha
         self._kv_steps *= keep
+        # its decodes read W - (P + D) tokens (the j-th output token over P + j - 1): the rest of its W
+        self._decode_kv_steps = self._decode_kv_steps * keep + p + o
         self._kv_completions = self._kv_completions * keep + 1.0
         obs.occupied_kv_workload = self._kv_steps / self._kv_completions
+        obs.decode_kv_workload = self._decode_kv_steps / self._kv_completions
         sizes = self._offered_sizes
         sizes.completed(p, o)
         obs.offered_output_tokens = sizes.output_tokens

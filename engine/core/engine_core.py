@@ -684,7 +684,8 @@ class EngineCore:
                 any_done = True
             elif r.prompt_len + out > len(r.block_ids) * bs_tokens:
                 needs_block.append(r)
-        if self._end_stopped_and_failed(result, now, ended) or any_done:
+        any_done |= self._end_stopped_and_failed(result, now, ended)
+        if any_done:
             self.running = [r for r in self.running if r.state is _RUNNING]
 
     def _end_stopped_and_failed(self, result, now: float, ended: list[Request]) -> bool:

@@ -383,3 +383,61 @@ def test_numbers_of_any_kind_in_a_decision_are_bounded():
     run_until_idle(core)
     assert all(r.state is RequestState.FINISHED for r in rs)
     assert core.controller_errors == {}  # out-of-range numbers are bounded, not errors
+
+
+# ------------------------------------------------------------------ KV blocks, step by step
+class Scripted(Controller):
+    """Greedy activation with a token budget and a late-after time that change every step, so
+    decodes get cut and prefill chunks reordered."""
+
+    def __init__(self, budgets: list[int], lates: list[float | None]) -> None:
+        super().__init__()
+        self.budgets, self.lates = budgets, lates
+
+    def decide(self, obs):
+        i = obs.step_index
+        return Decision(token_budget=self.budgets[i % len(self.budgets)], late_after_s=self.lates[i % len(self.lates)])
+
+
+@given(crowded, st.lists(st.integers(1, 24), min_size=1, max_size=6),
+       st.lists(st.sampled_from([None, 0.0, 2.0]), min_size=1, max_size=3), st.integers(48, 200),
+       st.sampled_from([1, 4, 16]), st.sampled_from(["recompute", "reset"]), st.booleans(), st.integers(0, 2**16))
+def test_blocks_grow_exactly_in_activation_order_off_the_front_of_the_free_list(
+        workload, budgets, lates, capacity, block_size, eviction, with_tokens, seed):
+    """When a step's batch is built, each running request holds exactly the blocks of its sequence
+    and ``running`` is in activation order; the blocks a step adds are the free list's first ones
+    (after those the evicted requests returned, in eviction order), handed out in activation order."""
+    profile = step_profile(kv_capacity_tokens=capacity, block_size=block_size)
+    kwargs = {"on_token": lambda r, tok: None} if with_tokens else {}
+    core = make_engine(Scripted(budgets, lates), capacity, block_size, eviction=eviction, **kwargs)
+    if with_tokens:
+        core.executor = RandomTokens(profile, seed)
+    pool, make_room, build_batch = core.pool, core._make_room, core._build_batch
+
+    def checked_make_room():
+        before = list(core.running)
+        held = {id(r): list(r.block_ids) for r in before}
+        free = list(pool._free)
+        make_room()
+        kept = {id(r) for r in core.running}
+        for r in reversed(before):  # evicted from the newest down
+            if id(r) not in kept:
+                free.extend(held[id(r)])
+        added = [b for r in core.running for b in r.block_ids[len(held[id(r)]):]]
+        assert all(r.block_ids[:len(held[id(r)])] == held[id(r)] for r in core.running)
+        assert added == free[:len(added)] and list(pool._free) == free[len(added):]
+
+    def checked_build_batch(token_budget, late_after_s=None):
+        seqs = [r.activation_seq for r in core.running]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        for r in core.running:
+            assert len(r.block_ids) == pool.blocks_for(r.num_tokens), "a running request holds a block too many or few"
+        held = [b for r in core.running for b in r.block_ids]
+        assert len(held) == len(set(held)) and len(held) + pool.num_free_blocks == pool.num_blocks
+        return build_batch(token_budget, late_after_s)
+
+    core._make_room, core._build_batch = checked_make_room, checked_build_batch
+    requests = _drive(core, workload)
+    event(f"evicted: {core.metrics.evictions > 0}")
+    assert all(r.state in (RequestState.FINISHED, RequestState.REJECTED) for r in requests)
+    assert pool.num_free_blocks == pool.num_blocks

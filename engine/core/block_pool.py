@@ -7,8 +7,11 @@ block ids (its block table); the real executor stores its keys and values at tho
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 
 from engine.core.request import Request
+
+_popleft = deque.popleft
 
 
 class BlockPool:
@@ -60,8 +63,10 @@ class BlockPool:
             return True
         if need > len(self._free):
             return False
-        pop = self._free.popleft
-        request.block_ids.extend(pop() for _ in range(need))
+        if need == 1:  # the common case: a decode whose new token starts a block
+            request.block_ids.append(self._free.popleft())
+        else:
+            request.block_ids.extend(map(_popleft, repeat(self._free, need)))
         return True
 
     def free(self, request: Request) -> None:

@@ -20,6 +20,7 @@ import logging
 import math
 import numbers
 from collections import deque
+from operator import attrgetter
 from typing import Callable
 
 from ctrl.base import STEADY_RATE_EVENTS, UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
@@ -47,6 +48,7 @@ class _Ask:
 ASK = _Ask()
 _FINISHED = RequestState.FINISHED
 _RUNNING = RequestState.RUNNING
+_by_activation = attrgetter("activation_seq")
 
 
 class RateEstimator:
@@ -203,6 +205,8 @@ class EngineCore:
         self._running_prompt_tokens = 0  # prompt tokens of the running requests
         self._activation_seq = 0
         self._cancel: list[Request] = []
+        # running requests whose last committed token left them short of a block (see _make_room)
+        self._needs_block: list[Request] = []
         self._evicted_last_step = 0
         self._decode_offset = 0  # round-robin start of the decodes served when the budget cuts them
         self._token_budget = 8192  # the last applied token budget, for TTFT predictions
@@ -538,12 +542,19 @@ class EngineCore:
         """Evict the most recently activated requests while the step's decodes do not fit.
 
         A running request holds blocks for its whole sequence from activation on, so only a
-        decode whose new token starts a block needs one more.
+        request whose last committed token started a block needs one more; ``_commit`` lists
+        them. They grow in activation order, the order of ``running``.
         """
+        candidates = self._needs_block
+        if not candidates:
+            return
+        self._needs_block = []
         bs_tokens = self.pool.block_size
-        growing = [r for r in self.running if r.prompt_len + r.num_output_tokens > len(r.block_ids) * bs_tokens]
+        growing = [r for r in candidates
+                   if r.state is _RUNNING and r.prompt_len + r.num_output_tokens > len(r.block_ids) * bs_tokens]
         if not growing:
             return
+        growing.sort(key=_by_activation)
         need = len(growing)
         while need > self.pool.num_free_blocks:
             victim = self.running.pop()
@@ -588,14 +599,18 @@ class EngineCore:
         batch = Batch()
         reqs, counts = batch.requests, batch.num_new_tokens
         kv_read = 0
-        prefilling = []
+        prefilling: list[Request] = []
+        decode, prefill_next = reqs.append, prefilling.append
         for r in self.running:
-            if r.num_computed_tokens + 1 == r.prompt_len + r.num_output_tokens and r.num_output_tokens:
-                reqs.append(r)
-                kv_read += r.num_computed_tokens + 1
+            out = r.num_output_tokens
+            computed = r.num_computed_tokens
+            if out and computed + 1 == r.prompt_len + out:
+                decode(r)
+                kv_read += computed
             else:
-                prefilling.append(r)
+                prefill_next(r)
         n_decodes = len(reqs)
+        kv_read += n_decodes  # each decode reads its new token too
         if n_decodes > token_budget:
             kv_read = self._rotate_decodes(reqs, token_budget)
             n_decodes = token_budget
@@ -635,15 +650,25 @@ class EngineCore:
         return sum(r.num_computed_tokens for r in kept) + budget
 
     def _commit(self, batch: Batch, result, ended: list[Request]) -> None:
+        """Count each batch request's new tokens; one that reached the end of its sequence (every
+        decode, and a prefill's last chunk) gets an output token and may finish. Requests the
+        token leaves short of a block are listed for the next ``_make_room``."""
         now = self.clock.now()
         token_ids = result.token_ids
         on_token = self.on_token
+        requests, counts, n_decodes = batch.requests, batch.num_new_tokens, batch.num_decodes
+        needs_block, bs_tokens = self._needs_block, self.pool.block_size
+        first = 0
         any_done = False
-        for i, r in enumerate(batch.requests):
+        if token_ids is None and on_token is None:
+            any_done = self._commit_decodes(requests[:n_decodes], now, ended)
+            first = n_decodes
+        for i in range(first, len(requests)):
+            r = requests[i]
             if r.state is not _RUNNING:
                 continue
-            r.num_computed_tokens += batch.num_new_tokens[i]
-            if r.num_computed_tokens < r.num_tokens:
+            r.num_computed_tokens += counts[i]
+            if r.num_computed_tokens < r.prompt_len + r.num_output_tokens:
                 continue  # a prefill chunk that did not reach the end of the sequence
             r.num_output_tokens += 1
             tok = None
@@ -664,6 +689,16 @@ class EngineCore:
             elif r.target_output_len is not None and out >= r.target_output_len:
                 self._end(r, _FINISHED, "stop", now, ended)
                 any_done = True
+            elif r.prompt_len + out > len(r.block_ids) * bs_tokens:
+                needs_block.append(r)
+        any_done |= self._end_stopped_and_failed(result, now, ended)
+        if any_done:
+            self.running = [r for r in self.running if r.state is _RUNNING]
+
+    def _end_stopped_and_failed(self, result, now: float, ended: list[Request]) -> bool:
+        """End the running requests the executor stopped (EOS, a stop string) or failed; returns
+        whether it ended any."""
+        any_done = False
         for r in result.stopped:
             if r.state is _RUNNING:
                 self._end(r, _FINISHED, "stop", now, ended)
@@ -672,8 +707,31 @@ class EngineCore:
             if r.state is _RUNNING:
                 self._end(r, RequestState.FAILED, reason, now, ended)
                 any_done = True
-        if any_done:
-            self.running = [r for r in self.running if r.state is _RUNNING]
+        return any_done
+
+    def _commit_decodes(self, decodes: list[Request], now: float, ended: list[Request]) -> bool:
+        """``_commit`` for decodes (one token each, which ends their sequence) when there is no
+        token id to store and no ``on_token`` to call: the simulator's common case, kept lean.
+        Returns whether a request finished."""
+        needs_block, bs_tokens = self._needs_block, self.pool.block_size
+        any_done = False
+        for r in decodes:
+            if r.state is not _RUNNING:
+                continue
+            r.num_computed_tokens += 1
+            out = r.num_output_tokens + 1
+            r.num_output_tokens = out
+            if r.first_token_time_s is None:
+                self._first_token(r, now)
+            if out >= r.max_tokens:
+                self._end(r, _FINISHED, "length", now, ended)
+                any_done = True
+            elif r.target_output_len is not None and out >= r.target_output_len:
+                self._end(r, _FINISHED, "stop", now, ended)
+                any_done = True
+            elif r.prompt_len + out > len(r.block_ids) * bs_tokens:
+                needs_block.append(r)
+        return any_done
 
     def _first_token(self, r: Request, now: float) -> None:
         """Record ``r``'s first token and how late its admission prediction ran."""

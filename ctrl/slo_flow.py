@@ -77,6 +77,9 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
       its own, at the step's token budget less one token for each running request's decode.
 
     Step time is the engine's running mean. 0 before the first step was timed: no evidence of delay.
+
+    :param occupied: the memory-safe rate is paced by the KV held per completion where that W is
+        larger (``ctrl.theory.safe_activation_rate``), as slo-flow activates by default.
     """
     step_s = obs.mean_step_time_s or obs.last_step_time_s
     if not step_s > 0:

@@ -3,13 +3,15 @@
     python benchmarks/sim_speed.py [--repeats 3] [--controller greedy] [--profile a100-llama2-7b]
 
 Runs pinned to one core where the OS allows it. Prints wall time, simulated requests per wall
-second and the speed-up over real time.
+second, the speed-up over real time and the process's peak RSS. Targets: <= 1.0 s wall on one
+core, <= 300 MB RSS.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 
@@ -45,7 +47,9 @@ def main() -> None:
     print(f"| {args.trace} | {summary['requests']:,} | {args.controller} | {profile.name} | {summary['steps']:,} "
           f"| {summary['sim_time_s']:,.0f} | {wall:.2f} | {summary['requests'] / wall:,.0f} "
           f"| {summary['sim_time_s'] / wall:,.0f}x |")
-    print(f"\ntrace read: {read_s:.3f} s; all runs: {', '.join(f'{w:.2f}' for w in walls)} s")
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(f"\ntrace read: {read_s:.3f} s; all runs: {', '.join(f'{w:.2f}' for w in walls)} s; "
+          f"peak RSS {rss_mib:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -331,7 +331,7 @@ class ServingEnv(gym.Env):
                     break
                 clock.advance_to(cursor.next_time_s)
                 continue
-            for r in core.step():
+            for r in core.step(False):
                 if r.state is RequestState.FINISHED and met_slo(r, self.ttft_slo_s, self.tpot_slo_s):
                     good += 1
                 else:
@@ -363,7 +363,7 @@ class ServingEnv(gym.Env):
             if not (core.waiting or core.running):
                 clock.advance_to(self._cursor.next_time_s)  # idle: jump to (on a wall clock, wait for) the next one
                 rejected += self._pull_arrivals(now())
-            for r in core.step():
+            for r in core.step(False):
                 if r.state is RequestState.FINISHED:
                     finished += 1
                     if met_slo(r, ttft_slo, tpot_slo):
@@ -447,7 +447,7 @@ class ServingEnv(gym.Env):
         for _ in range(DRAIN_MAX_STEPS):
             if not (core.waiting or core.running):
                 break
-            for r in core.step():
+            for r in core.step(False):
                 done = r.state is RequestState.FINISHED
                 finished += done
                 if done and met_slo(r, ttft_slo, tpot_slo):

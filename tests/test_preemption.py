@@ -30,6 +30,8 @@ class RandomTokens(SimExecutor):
     """The simulator's step time, with a fresh random token for every sampling row (an unseeded
     temperature-1 sampler: a regenerated token almost never repeats)."""
 
+    reads_requests = True
+
     def __init__(self, profile, seed: int = 0, fail_p: float = 0.0) -> None:
         super().__init__(profile)
         self.rng = random.Random(seed)
@@ -428,6 +430,7 @@ def test_blocks_grow_exactly_in_activation_order_off_the_front_of_the_free_list(
         assert added == free[:len(added)] and list(pool._free) == free[len(added):]
 
     def checked_build_batch(token_budget, late_after_s=None):
+        core.sync()  # steady decodes' counts lag within a step
         seqs = [r.activation_seq for r in core.running]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
         for r in core.running:

@@ -81,11 +81,11 @@ def _lines_per_step(controller: str, windows: list[range]) -> list[float]:
                            keep_requests=False)
     step, lines = core.step, [0] * len(windows)
 
-    def counted_step():
+    def counted_step(*args):
         index = core.step_index
         which = next((i for i, w in enumerate(windows) if index in w), None)
         if which is None:
-            return step()
+            return step(*args)
 
         def trace(frame, event, arg):
             if event == "line":
@@ -94,7 +94,7 @@ def _lines_per_step(controller: str, windows: list[range]) -> list[float]:
 
         sys.settrace(trace)
         try:
-            return step()
+            return step(*args)
         finally:
             sys.settrace(None)
 

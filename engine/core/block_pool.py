@@ -69,6 +69,15 @@ class BlockPool:
             request.block_ids.extend(map(_popleft, repeat(self._free, need)))
         return True
 
+    def add_one_block(self, requests: list[Request]) -> None:
+        """Give each of ``requests`` one more block, in order; the caller has made sure that
+        enough are free (a decode whose new token starts a block needs exactly one)."""
+        if len(requests) > len(self._free):
+            raise ValueError(f"{len(requests)} blocks asked for, {len(self._free)} free")
+        take = self._free.popleft
+        for r in requests:
+            r.block_ids.append(take())
+
     def free(self, request: Request) -> None:
         """Return all of ``request``'s blocks to the pool."""
         if request.block_ids:

@@ -17,7 +17,8 @@ def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Cal
 
     :param arrival_times_s: non-decreasing arrival times on the core's clock.
     :param make_request: builds request ``i`` when it arrives.
-    :param on_step: called after every step with the number of requests added so far.
+    :param on_step: called after every step with the number of requests added so far; the
+        running requests' token counts lag until the replay ends (``EngineCore.step(sync=False)``).
     """
     clock, step, add = core.clock, core.step, core.add_request
     n, i = len(arrival_times_s), 0
@@ -31,6 +32,7 @@ def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Cal
                 break
             clock.advance_to(arrival_times_s[i])
             continue
-        step()
+        step(False)
         if on_step is not None:
             on_step(i)
+    core.sync()

@@ -5,6 +5,13 @@ room by evicting the most recently activated requests (LIFO) while the pool cann
 step's tokens, build the batch (decodes, then prefill chunks, within the token budget), run the
 executor, commit tokens and finish requests.
 
+With an executor that reads only a batch's counts (``reads_requests = False``, the simulator's),
+a request that has started to decode is counted in aggregate, its decodes "steady", until it
+ends, is evicted or the decodes must rotate: a step's work then grows with the requests that
+start, end, prefill or need a KV block in it, not with the running set (see ``_join_steady``).
+The schedule is exactly the one per-request bookkeeping gives; only the running requests' token
+counts lag until ``sync()`` (``step()`` syncs unless asked not to).
+
 An evicted request keeps its output tokens by default and recomputes their KV by prefill when it
 runs again (vLLM's recompute preemption), so eviction never changes text a client has seen;
 ``eviction="reset"`` discards its progress instead (the paper's model, for reproductions).
@@ -20,6 +27,7 @@ import logging
 import math
 import numbers
 from collections import deque
+from heapq import heappop, heappush
 from operator import attrgetter
 from typing import Callable
 
@@ -207,6 +215,15 @@ class EngineCore:
         self._cancel: list[Request] = []
         # running requests whose last committed token left them short of a block (see _make_room)
         self._needs_block: list[Request] = []
+        # running requests whose decodes are not counted in aggregate, in activation order
+        self._explicit: list[Request] = []
+        self._steady = 0  # running requests in steady decode (see _join_steady)
+        self._steady_base = 0  # their sum of prompt_len - decode_lag: they hold base + steady * tick tokens
+        self._tick = 0  # decode tick: steps whose batch held the steady decodes
+        self._steady_ends: list[tuple[int, int, Request]] = []  # heap: (tick it ends at, activation_seq, r)
+        # steady requests by the tick, modulo the block size, at which their next token starts a block
+        self._steady_blocks: list[list[Request]] = [[] for _ in range(block_size)]
+        self._rotating = False  # the last batch served only some of the decodes
         self._evicted_last_step = 0
         self._decode_offset = 0  # round-robin start of the decodes served when the budget cuts them
         self._token_budget = 8192  # the last applied token budget, for TTFT predictions
@@ -306,18 +323,37 @@ class EngineCore:
         return bool(self.waiting or self.running or self._cancel)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[Request]:
+    def step(self, sync: bool = True) -> list[Request]:
         """Run one engine step; returns the requests that reached a terminal state in it.
 
         ``on_finish`` runs for each of them, also when the step itself fails.
+
+        :param sync: bring the running requests' token counts up to date after the step (see
+            ``sync``); a driver that reads only the engine's observation, queue lengths, KV pool
+            and ended requests between steps passes False and calls ``sync()`` when it stops.
         """
         ended: list[Request] = []
         try:
             self._step(ended)
         finally:
+            if sync and self._steady:
+                self.sync()
             if ended:
                 self._notify_finished(ended)
         return ended
+
+    def sync(self) -> None:
+        """Write the current token counts into the requests in steady decode (they lag while the
+        engine steps with ``sync=False``; everything else is always current)."""
+        if not self._steady:
+            return
+        tick = self._tick
+        for r in self.running:
+            lag = r.decode_lag
+            if lag is not None:
+                out = tick - lag
+                r.num_output_tokens = out
+                r.num_computed_tokens = r.prompt_len + out - 1
 
     def _step(self, ended: list[Request]) -> None:
         now = self.clock.now()
@@ -525,6 +561,7 @@ class EngineCore:
         return self.pool.blocks_for(r.prompt_len + r.num_output_tokens + future) * self.pool.block_size
 
     def _reserved_tokens(self, ratio: float) -> int:
+        self.sync()
         return sum(self._reservation(r, ratio) for r in self.running)
 
     def _start(self, r: Request) -> None:
@@ -537,38 +574,67 @@ class EngineCore:
         self._waiting_prompt_tokens -= r.prompt_len + r.num_output_tokens
         self._running_prompt_tokens += r.prompt_len
         self.running.append(r)
+        self._explicit.append(r)
 
     def _make_room(self) -> None:
         """Evict the most recently activated requests while the step's decodes do not fit.
 
         A running request holds blocks for its whole sequence from activation on, so only a
-        request whose last committed token started a block needs one more; ``_commit`` lists
-        them. They grow in activation order, the order of ``running``.
+        request whose last committed token started a block needs one more, and exactly one:
+        ``_commit`` lists the listed ones, and a steady one is looked at every ``block_size``
+        ticks (``_steady_blocks``). They grow in activation order, the order of ``running``.
         """
         candidates = self._needs_block
-        if not candidates:
+        tick = self._tick
+        due = self._steady_blocks[tick % self.pool.block_size] if self._steady else []
+        if not candidates and not due:
             return
-        self._needs_block = []
         bs_tokens = self.pool.block_size
-        growing = [r for r in candidates
-                   if r.state is _RUNNING and r.prompt_len + r.num_output_tokens > len(r.block_ids) * bs_tokens]
+        growing = []
+        if candidates:
+            self._needs_block = []
+            growing = [r for r in candidates if r.state is _RUNNING and r.decode_lag is None
+                       and r.prompt_len + r.num_output_tokens > len(r.block_ids) * bs_tokens]
+        if due:  # one joined with its block in hand (a recompute's prefill) may be due at once
+            growing += [r for r in due if r.prompt_len + tick - (r.decode_lag or 0) > len(r.block_ids) * bs_tokens]
         if not growing:
             return
         growing.sort(key=_by_activation)
         need = len(growing)
-        while need > self.pool.num_free_blocks:
+        pool = self.pool
+        evicted = False
+        while need > pool.num_free_blocks:
             victim = self.running.pop()
-            if victim.num_tokens > len(victim.block_ids) * bs_tokens:
+            lag = victim.decode_lag
+            if victim.prompt_len + (victim.num_output_tokens if lag is None else tick - lag) \
+                    > len(victim.block_ids) * bs_tokens:
                 need -= 1
             self._evict(victim)
-        grow = self.pool.grow
-        for r in growing:
-            if r.state is _RUNNING:  # not evicted just now
-                grow(r, r.num_tokens)
+            evicted = True
+        pool.add_one_block([r for r in growing if r.state is _RUNNING] if evicted else growing)
+
+    @staticmethod
+    def _due(heap: list[tuple[int, int, Request]], tick: int) -> list[Request]:
+        """Pop the entries of ``heap`` due by ``tick``; the requests they still stand for (an entry
+        outlives its request's time in steady decode: ended, evicted or re-activated ones are skipped)."""
+        due = []
+        while heap and heap[0][0] <= tick:
+            _, seq, r = heappop(heap)
+            if r.decode_lag is not None and r.activation_seq == seq and r.state is _RUNNING:
+                due.append(r)
+        return due
 
     def _evict(self, r: Request) -> None:
         """Send a running request back to the front of the queue, its KV freed. It keeps its output
         tokens and re-prefills them when it runs again; in ``reset`` mode its progress is discarded."""
+        if r.decode_lag is not None:
+            self._leave_steady(r)
+        else:
+            explicit = self._explicit
+            if explicit and explicit[-1] is r:  # the newest running request, as eviction picks
+                explicit.pop()
+            else:
+                explicit.remove(r)
         wasted = r.num_computed_tokens
         r.wasted_tokens += wasted
         r.num_evictions += 1
@@ -595,31 +661,19 @@ class EngineCore:
 
         Prefill chunks go in activation order; with ``late_after_s``, requests still without a
         first token that many seconds after their arrival (late: their TTFT SLO is missed
-        whatever happens next) come after the others, in activation order among themselves."""
+        whatever happens next) come after the others, in activation order among themselves.
+
+        Steady decodes are counted, not listed: ``batch.num_decodes`` includes them, and
+        ``batch.requests`` starts with the listed decodes (none while any decode is steady)."""
         batch = Batch()
-        reqs, counts = batch.requests, batch.num_new_tokens
-        kv_read = 0
-        prefilling: list[Request] = []
-        decode, prefill_next = reqs.append, prefilling.append
-        for r in self.running:
-            out = r.num_output_tokens
-            computed = r.num_computed_tokens
-            if out and computed + 1 == r.prompt_len + out:
-                decode(r)
-                kv_read += computed
-            else:
-                prefill_next(r)
-        n_decodes = len(reqs)
-        kv_read += n_decodes  # each decode reads its new token too
-        if n_decodes > token_budget:
-            kv_read = self._rotate_decodes(reqs, token_budget)
-            n_decodes = token_budget
-        counts.extend([1] * n_decodes)
-        self._decode_kv_steps += kv_read
+        prefilling = self._add_decodes(batch, token_budget)
+        n_decodes = batch.num_decodes
         left = token_budget - n_decodes
         if late_after_s is not None and len(prefilling) > 1:
             cutoff_s = self.clock.now() - late_after_s
             prefilling.sort(key=lambda r: r.first_token_time_s is None and r.arrival_time_s < cutoff_s)
+        reqs, counts = batch.requests, batch.num_new_tokens
+        kv_read = 0
         pending = 0
         prefill = 0
         for r in prefilling:
@@ -634,11 +688,49 @@ class EngineCore:
             kv_read += r.num_computed_tokens + chunk
             left -= chunk
             prefill += chunk
-        batch.num_decodes = n_decodes
         batch.num_tokens = n_decodes + prefill
         self.obs.running_prefill_tokens = pending - prefill
-        batch.kv_tokens_read = kv_read
+        batch.kv_tokens_read += kv_read
         return batch
+
+    def _add_decodes(self, batch: Batch, token_budget: int) -> list[Request]:
+        """Put the step's decodes in ``batch`` (steady ones counted, the others listed, rotated
+        when they exceed the budget); returns the listed requests that prefill, in activation order."""
+        steady = self._steady
+        if steady and (self.on_token is not None or getattr(self.executor, "reads_requests", True)):
+            self._dissolve_steady()
+            steady = 0
+        reqs = batch.requests
+        kv_read = 0
+        prefilling: list[Request] = []
+        decode, prefill_next = reqs.append, prefilling.append
+        for r in self._explicit:
+            out = r.num_output_tokens
+            computed = r.num_computed_tokens
+            if out and computed + 1 == r.prompt_len + out:
+                decode(r)
+                kv_read += computed
+            else:
+                prefill_next(r)
+        n_listed = len(reqs)
+        n_decodes = n_listed + steady
+        self._rotating = n_decodes > token_budget
+        if self._rotating:
+            if steady:  # rotation picks among all decodes in running order: list them
+                self._dissolve_steady()
+                reqs.clear()
+                return self._add_decodes(batch, token_budget)
+            kv_read = self._rotate_decodes(reqs, token_budget)
+            n_decodes = n_listed = token_budget
+        else:
+            kv_read += n_listed  # each decode reads its new token too
+            if steady:  # each steady decode reads its prompt and output, the new token included
+                kv_read += self._steady_base + steady * self._tick
+        batch.num_new_tokens.extend([1] * n_listed)
+        self._decode_kv_steps += kv_read
+        batch.num_decodes = n_decodes
+        batch.kv_tokens_read = kv_read
+        return prefilling
 
     def _rotate_decodes(self, decodes: list[Request], budget: int) -> int:
         """Keep ``budget`` of ``decodes`` (in place), starting where the last cut stopped; returns
@@ -656,12 +748,13 @@ class EngineCore:
         now = self.clock.now()
         token_ids = result.token_ids
         on_token = self.on_token
-        requests, counts, n_decodes = batch.requests, batch.num_new_tokens, batch.num_decodes
+        requests, counts = batch.requests, batch.num_new_tokens
+        n_decodes = batch.num_decodes - self._steady
         needs_block, bs_tokens = self._needs_block, self.pool.block_size
         first = 0
-        any_done = False
+        any_done = self._commit_steady(now, ended) if self._steady else False
         if token_ids is None and on_token is None:
-            any_done = self._commit_decodes(requests[:n_decodes], now, ended)
+            any_done |= self._commit_decodes(requests[:n_decodes], now, ended)
             first = n_decodes
         for i in range(first, len(requests)):
             r = requests[i]
@@ -692,8 +785,79 @@ class EngineCore:
             elif r.prompt_len + out > len(r.block_ids) * bs_tokens:
                 needs_block.append(r)
         any_done |= self._end_stopped_and_failed(result, now, ended)
+        joined = (token_ids is None and on_token is None and not self._rotating
+                  and not getattr(self.executor, "reads_requests", True) and self._join_steady(requests))
         if any_done:
             self.running = [r for r in self.running if r.state is _RUNNING]
+        if any_done or joined:
+            self._explicit = [r for r in self._explicit if r.state is _RUNNING and r.decode_lag is None]
+
+    # ------------------------------------------------------------------ steady decodes
+    def _join_steady(self, requests: list[Request]) -> bool:
+        """Count the listed requests that now decode in aggregate; returns whether any joined.
+
+        A steady request's output length is ``tick - decode_lag``: every step whose batch holds
+        the steady decodes advances the tick, and a steady request decodes in every such step,
+        since it leaves the aggregate when it ends, is evicted or the decodes must rotate. Its end
+        and its KV blocks are due at ticks known now (``_steady_ends``, ``_steady_blocks``).
+        """
+        tick, bs_tokens = self._tick, self.pool.block_size
+        joined = False
+        for r in requests:
+            if r.state is not _RUNNING or r.decode_lag is not None:
+                continue
+            out = r.num_output_tokens
+            if not out or r.num_computed_tokens + 1 != r.prompt_len + out:
+                continue  # prefilling still
+            lag = tick - out
+            r.decode_lag = lag
+            self._steady += 1
+            self._steady_base += r.prompt_len - lag
+            end = r.max_tokens
+            target = r.target_output_len
+            if target is not None and target < end:
+                end = target
+            heappush(self._steady_ends, (end + lag, r.activation_seq, r))
+            # its tokens start blocks at ticks t with prompt_len + t - lag = 1 modulo the block size
+            self._steady_blocks[(1 + lag - r.prompt_len) % bs_tokens].append(r)
+            joined = True
+        return joined
+
+    def _commit_steady(self, now: float, ended: list[Request]) -> bool:
+        """Every steady request decoded one token: advance the tick and end those due now, in
+        activation order (the order of ``running``). Returns whether any ended."""
+        self._tick = tick = self._tick + 1
+        heap = self._steady_ends
+        if not heap or heap[0][0] > tick:
+            return False
+        for r in self._due(heap, tick):  # each ends at min(max_tokens, target_output_len) tokens
+            target = r.target_output_len
+            self._end(r, _FINISHED, "stop" if target is not None and target < r.max_tokens else "length", now, ended)
+        return True
+
+    def _leave_steady(self, r: Request) -> None:
+        """Take ``r`` out of the steady decodes, its token counts made current."""
+        lag = r.decode_lag
+        assert lag is not None
+        out = self._tick - lag
+        r.num_output_tokens = out
+        r.num_computed_tokens = r.prompt_len + out - 1
+        r.decode_lag = None
+        self._steady -= 1
+        self._steady_base -= r.prompt_len - lag
+        self._steady_blocks[(1 + lag - r.prompt_len) % self.pool.block_size].remove(r)
+
+    def _dissolve_steady(self) -> None:
+        """List every running request again (before a rotation of the decodes, or when tokens must
+        be seen one by one)."""
+        self.sync()
+        for r in self.running:
+            r.decode_lag = None
+        self._steady = self._steady_base = 0
+        self._steady_ends = []
+        for due in self._steady_blocks:
+            due.clear()
+        self._explicit = list(self.running)
 
     def _end_stopped_and_failed(self, result, now: float, ended: list[Request]) -> bool:
         """End the running requests the executor stopped (EOS, a stop string) or failed; returns
@@ -747,6 +911,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ endings
     def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:
+        if r.decode_lag is not None:
+            self._leave_steady(r)
         if r.state is _RUNNING:
             self._running_prompt_tokens -= r.prompt_len
         r.state = state
@@ -816,6 +982,7 @@ class EngineCore:
         self._cancel.clear()
         self.waiting = deque(r for r in self.waiting if id(r) not in cancelled)
         self.running = [r for r in self.running if id(r) not in cancelled]
+        self._explicit = [r for r in self._explicit if id(r) not in cancelled]
 
     def _expire(self, now: float, timeout_s: object, ended: list[Request]) -> None:
         """Expire requests that waited past the queue timeout without ever starting."""
@@ -843,10 +1010,12 @@ class EngineCore:
 
     def _fail_batch(self, batch: Batch, reason: str, ended: list[Request]) -> None:
         now = self.clock.now()
-        for r in batch.requests:
+        steady = [r for r in self.running if r.decode_lag is not None]  # the batch's first decodes
+        for r in steady + batch.requests:
             if r.state is _RUNNING:
                 self._end(r, RequestState.FAILED, reason, now, ended)
         self.running = [r for r in self.running if r.state is _RUNNING]
+        self._explicit = [r for r in self._explicit if r.state is _RUNNING]
 
 
 def _real(x: object) -> float | None:

@@ -13,7 +13,8 @@ class Batch:
     A request samples an output token in this step when its new tokens reach the end of its
     sequence (the last prefill chunk, or a decode).
 
-    :param requests: scheduled requests, decodes first, then prefill chunks.
+    :param requests: scheduled requests, decodes first, then prefill chunks (for an executor with
+        ``reads_requests = False``, decodes counted in aggregate are not listed).
     :param num_new_tokens: new tokens per request, parallel to ``requests``.
     :param num_tokens: total new tokens in the step.
     :param kv_tokens_read: context tokens the step's attention reads (cached plus new).
@@ -60,7 +61,13 @@ class StepResult:
 
 class Executor(Protocol):
     """Runs a step's batch. The engine calls ``release`` when a request ends, and when it is evicted in
-    the paper's ``eviction="reset"`` mode (a recomputed request keeps its generator and state)."""
+    the paper's ``eviction="reset"`` mode (a recomputed request keeps its generator and state).
+
+    An executor with ``reads_requests = False`` declares that it reads only a batch's counts
+    (``num_tokens``, ``kv_tokens_read``, ``num_decodes``) and returns no token ids; the engine may
+    then leave decodes out of ``batch.requests`` and count them in aggregate. Without the
+    attribute, every scheduled request is listed.
+    """
 
     def execute(self, batch: Batch) -> StepResult: ...
 

@@ -51,7 +51,7 @@ class Request:
         "state", "num_computed_tokens", "num_output_tokens", "output_token_ids", "block_ids",
         "activation_seq", "ever_activated", "start_time_s", "first_token_time_s", "finish_time_s",
         "finish_reason", "retry_after_s", "num_evictions", "wasted_tokens", "cancel_requested",
-        "user_data", "predicted_ttft_s", "logprobs", "prompt_logprobs",
+        "user_data", "predicted_ttft_s", "logprobs", "prompt_logprobs", "decode_lag",
     )
 
     def __init__(
@@ -93,6 +93,9 @@ class Request:
         self.user_data: Any = None
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
         self.prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
+        #: while the engine counts this request's decodes in aggregate (``EngineCore``'s steady
+        #: decodes), its output length is the engine's decode tick minus this; None otherwise
+        self.decode_lag: int | None = None
 
     @property
     def num_tokens(self) -> int:

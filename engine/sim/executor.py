@@ -36,6 +36,10 @@ class SimExecutor:
     :param seed: seeds the step-time noise.
     """
 
+    #: a step's time depends on the batch's counts only, and no token ids come back: the engine
+    #: may count steady decodes in aggregate (a subclass that reads ``batch.requests`` sets True)
+    reads_requests = False
+
     def __init__(self, profile: Profile, seed: int = 0) -> None:
         self.step_time_s = profile.step_time_s
         self.noise = StepNoise(profile.noise_sigma, seed) if profile.noise_sigma else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -446,3 +447,100 @@ def test_step_noise_is_seeded_median_one_and_off_at_zero():
     assert noisy[0]["sim_time_s"] != noisy[2]["sim_time_s"] != quiet["sim_time_s"]
     assert quiet == {**quiet, **simulate(arr, split_profile(), build_controller("greedy", split_profile())).summary,
                      "wall_time_s": quiet["wall_time_s"]}
+
+
+# --- a fixed cost per prefill chunk, and noise correlated from step to step ------------------------
+
+def test_each_prefill_chunk_adds_its_fixed_cost(tmp_path):
+    p = replace(split_profile(), per_prefill_s=2e-3)
+    assert p.step_time_s(40, 900, 8, 2) - split_profile().step_time_s(40, 900, 8) == pytest.approx(4e-3)
+    assert p.step_time_s(8, 900, 8) == split_profile().step_time_s(8, 900, 8)  # decodes only: no chunk
+    with pytest.raises(ValueError, match="prefill chunks"):
+        p.step_time_s(10, 10, 8, 3)  # 2 prefill tokens cannot be 3 chunks
+    p = replace(p, noise_sigma=0.3, noise_corr=0.9)
+    p.save(tmp_path / "chunks.json")
+    assert load_profile(tmp_path / "chunks.json") == p
+    old = load_profile(write_json(tmp_path, minimal_profile_dict()))  # a file from before: both off
+    assert old.per_prefill_s == 0.0 and old.noise_corr == 0.0
+    assert "per_prefill_s" not in old.to_dict()["step_time"] and "noise_corr" not in old.to_dict()["step_time"]
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("per_prefill_s", -1e-3, "non-negative"), ("noise_corr", -0.1, "non-negative"),
+    ("noise_corr", 1.0, "at most"), ("noise_corr", "high", "finite number"),
+])
+def test_bad_prefill_cost_or_noise_correlation_names_its_key(tmp_path, key, value, expected):
+    data = minimal_profile_dict()
+    data["step_time"][key] = value
+    with pytest.raises(ProfileError, match=f"step_time.{key}.*{expected}"):
+        load_profile(write_json(tmp_path, data))
+
+
+def test_capacity_counts_one_prefill_chunk_per_request():
+    from ctrl.theory import capacity
+
+    p = split_profile()
+    with_chunks = replace(p, per_prefill_s=2e-3)
+    prompts, outputs = [200, 600], [100, 300]
+    slow, fast = capacity(prompts, outputs, with_chunks).lambda_max_rps, capacity(prompts, outputs, p).lambda_max_rps
+    assert 1 / slow - 1 / fast == pytest.approx(2e-3)
+
+
+def test_correlated_noise_keeps_each_draw_log_normal_and_the_old_draws_without_it():
+    import random
+
+    import numpy as np
+
+    from engine.sim.executor import StepNoise
+
+    logs = np.log(_draws(StepNoise(0.3, seed=4, corr=0.9), 60_000))
+    z = logs / 0.3
+    assert abs(np.median(z)) < 0.08 and np.std(z) == pytest.approx(1.0, abs=0.08)
+    assert np.corrcoef(z[:-1], z[1:])[0, 1] == pytest.approx(0.9, abs=0.02)
+    assert np.corrcoef(z[:-10], z[10:])[0, 1] == pytest.approx(0.9 ** 10, abs=0.05)
+    rng = random.Random(7)
+    assert _draws(StepNoise(0.3, seed=7), 100) == [rng.lognormvariate(0.0, 0.3) for _ in range(100)]
+    with pytest.raises(ValueError, match="correlation"):
+        StepNoise(0.3, corr=1.0)
+    assert math.isclose(StepNoise(0.0, corr=0.5)(), 1.0)
+
+
+def _draws(noise, n: int) -> list[float]:
+    return [noise() for _ in range(n)]
+
+
+def _chunk_rows(n: int, sigma: float, corr: float, seed: int = 0) -> list[tuple[int, int, float, int, int]]:
+    """Steps of a profile with a prefill-chunk cost, timed with AR(1) log-normal noise, in order."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    p = replace(split_profile(), per_prefill_s=2e-3)
+    rows, z = [], float(rng.standard_normal())
+    for _ in range(n):
+        decodes = int(rng.integers(0, 64))
+        chunks = int(rng.choice([0, 0, 0, 1, 1, 2]))
+        prefill = sum(int(rng.choice([3, 16, 128, 512])) for _ in range(chunks))
+        if decodes + prefill == 0:
+            decodes = 1
+        kv = int(decodes * rng.integers(50, 2000) + prefill * 2)
+        t = decodes + prefill
+        z = corr * z + math.sqrt(1 - corr * corr) * float(rng.standard_normal())
+        rows.append((t, kv, p.step_time_s(t, kv, decodes, chunks) * math.exp(sigma * z), decodes, chunks))
+    return rows
+
+
+def test_fit_recovers_the_prefill_chunk_cost_and_the_noise_correlation():
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    fit = fit_step_time(_chunk_rows(6000, 0.3, 0.9), loss="l1")
+    assert fit["per_prefill_s"] == pytest.approx(2e-3, rel=0.15)
+    for key, value in SPLIT.items():
+        assert fit[key] == pytest.approx(value, rel=0.15), key
+    assert fit["noise_sigma"] == pytest.approx(0.3, abs=0.05)
+    assert fit["noise_corr"] == pytest.approx(0.9, abs=0.05)
+    fields = profile_fields(fit)
+    assert fields["per_prefill_s"] == fit["per_prefill_s"] and fields["noise_corr"] == fit["noise_corr"]
+    independent = fit_step_time(_chunk_rows(6000, 0.3, 0.0), loss="l1")
+    assert independent["noise_corr"] < 0.1
+    # rows without the chunk count: no chunk cost, as before
+    assert fit_step_time([r[:4] for r in _chunk_rows(2000, 0.0, 0.0)], loss="l1")["per_prefill_s"] == 0.0

@@ -83,17 +83,20 @@ class _Recorded:
     tokens = [0, 1, 7, 300]
     kv_tokens_read = [0, 40, 900, 20000]
     decodes = [0, 1, 6, 4]
+    prefills = [0, 0, 1, 2]
 
 
 @pytest.mark.parametrize("per_decode_token_s", [None, 3e-4])
-def test_step_time_errors_predict_with_the_profiles_formula(per_decode_token_s):
+@pytest.mark.parametrize("per_prefill_s", [0.0, 2e-3])
+def test_step_time_errors_predict_with_the_profiles_formula(per_decode_token_s, per_prefill_s):
     profile = Profile("toy", "a toy", kv_capacity_tokens=4096, idle_s=0.5, per_decode_token_s=per_decode_token_s,
-                      **COEFFICIENTS)
+                      per_prefill_s=per_prefill_s, **COEFFICIENTS)
     real = [0.5, 0.003, 0.004, 0.06]
     errors = step_time_errors(_Recorded(), real, profile)
     assert errors["steps"] == 3  # the idle step is left out
-    expected = [profile.step_time_s(t, k, n) for t, k, n in
-                zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:], _Recorded.decodes[1:])]
+    expected = [profile.step_time_s(t, k, n, c) for t, k, n, c in
+                zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:], _Recorded.decodes[1:], _Recorded.prefills[1:])]
+    assert (expected[2] - profile.step_time_s(300, 20000, 4) == pytest.approx(2 * per_prefill_s))
     np.testing.assert_array_equal(errors["predicted_s"], expected)
     ape = np.abs(np.array(expected) - real[1:]) / real[1:]
     assert errors["mape"] == pytest.approx(ape.mean())

@@ -147,7 +147,8 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
     fit = profile.extra["fit"]
     split = "" if profile.per_decode_token_s is None else f" per_decode_token_s={profile.per_decode_token_s:.6g}"
     click.echo(f"base_s={profile.base_s:.6g} per_token_s={profile.per_token_s:.6g}{split} "
-               f"per_kv_token_s={profile.per_kv_token_s:.6g} noise_sigma={profile.noise_sigma:.3g}")
+               f"per_kv_token_s={profile.per_kv_token_s:.6g} per_prefill_s={profile.per_prefill_s:.6g} "
+               f"noise_sigma={profile.noise_sigma:.3g} noise_corr={profile.noise_corr:.3g}")
     what = "serving steps" if (from_twin or from_steps) else "grid points"
     click.echo(f"R^2={fit['r2']:.4f} MAPE={100 * fit['mape']:.2f}% held-out MAPE={100 * fit['heldout_mape']:.2f}% "
                f"({fit['points']} {what})")

@@ -359,12 +359,13 @@ class EngineCore:
         now = self.clock.now()
         if self._cancel:
             self._apply_cancellations(ended)
-        try:
-            timeout = self.controller.queue_timeout_s
-        except Exception:
-            timeout = None
-        if timeout is not None and self.waiting:
-            self._expire(now, timeout, ended)
+        if self.waiting:
+            try:
+                timeout = self.controller.queue_timeout_s
+            except Exception:
+                timeout = None
+            if timeout is not None:
+                self._expire(now, timeout, ended)
 
         obs = self._observe(now)
         self._kv_steps += obs.kv_used_tokens
@@ -689,6 +690,7 @@ class EngineCore:
             left -= chunk
             prefill += chunk
         batch.num_tokens = n_decodes + prefill
+        batch.num_prefills = len(reqs) - (n_decodes - self._steady)
         self.obs.running_prefill_tokens = pending - prefill
         batch.kv_tokens_read += kv_read
         return batch
@@ -753,7 +755,7 @@ class EngineCore:
         needs_block, bs_tokens = self._needs_block, self.pool.block_size
         first = 0
         any_done = self._commit_steady(now, ended) if self._steady else False
-        if token_ids is None and on_token is None:
+        if token_ids is None and on_token is None and n_decodes:
             any_done |= self._commit_decodes(requests[:n_decodes], now, ended)
             first = n_decodes
         for i in range(first, len(requests)):
@@ -784,8 +786,9 @@ class EngineCore:
                 any_done = True
             elif r.prompt_len + out > len(r.block_ids) * bs_tokens:
                 needs_block.append(r)
-        any_done |= self._end_stopped_and_failed(result, now, ended)
-        joined = (token_ids is None and on_token is None and not self._rotating
+        if result.stopped or result.failed:
+            any_done |= self._end_stopped_and_failed(result, now, ended)
+        joined = (requests and token_ids is None and on_token is None and not self._rotating
                   and not getattr(self.executor, "reads_requests", True) and self._join_steady(requests))
         if any_done:
             self.running = [r for r in self.running if r.state is _RUNNING]

@@ -20,7 +20,7 @@ class Batch:
     :param kv_tokens_read: context tokens the step's attention reads (cached plus new).
     """
 
-    __slots__ = ("requests", "num_new_tokens", "num_tokens", "kv_tokens_read", "num_decodes")
+    __slots__ = ("requests", "num_new_tokens", "num_tokens", "kv_tokens_read", "num_decodes", "num_prefills")
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
@@ -28,6 +28,7 @@ class Batch:
         self.num_tokens = 0
         self.kv_tokens_read = 0
         self.num_decodes = 0
+        self.num_prefills = 0  # prefill chunks, one per prefilling request in the step
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -2,11 +2,13 @@
 
 The simulator's step duration is linear in the work of the step::
 
-    t = base_s + per_token_s * P + per_decode_token_s * D + per_kv_token_s * K
+    t = base_s + per_token_s * P + per_decode_token_s * D + per_kv_token_s * K + per_prefill_s * C
 
 where P is the number of prefill tokens the step processes, D the number of decoding requests
-(one new token each) and K the number of KV tokens its attention reads (the sum over the batch of
-each request's context length, cached tokens plus the new ones). A profile without
+(one new token each), K the number of KV tokens its attention reads (the sum over the batch of
+each request's context length, cached tokens plus the new ones) and C the number of prefill
+chunks (requests prefilling in the step; ``per_prefill_s`` is each one's fixed cost, 0 unless
+fitted). A profile without
 ``per_decode_token_s`` charges decode tokens ``per_token_s`` too (``base_s + per_token_s * T +
 per_kv_token_s * K`` with T = P + D, the older one-cost model). A step with no tokens takes
 ``idle_s``, the simulator's tick while nothing can run.
@@ -14,7 +16,9 @@ per_kv_token_s * K`` with T = P + D, the older one-cost model). A step with no t
 ``noise_sigma`` > 0 makes step times random: the simulator multiplies each by a seeded
 log-normal factor ``exp(noise_sigma * Z)`` with median 1 (``StepNoise``), so the linear model
 is the median step and the mean is ``exp(noise_sigma^2 / 2)`` times it, as the right-skewed
-steps of a real engine are.
+steps of a real engine are. With ``noise_corr`` > 0 the Z of successive steps form an AR(1)
+series with that lag-one correlation (a machine's speed wanders over many steps); each Z is
+still standard normal.
 
 Profiles live in JSON or YAML files; the shipped ones are in ``engine/core/profiles/``. The file
 format and the derivation of the shipped numbers are in docs/PROFILES.md.
@@ -63,6 +67,8 @@ _FILE_KEY = {
     "per_kv_token_s": "step_time.per_kv_token_s",
     "per_decode_token_s": "step_time.per_decode_token_s",
     "noise_sigma": "step_time.noise_sigma",
+    "per_prefill_s": "step_time.per_prefill_s",
+    "noise_corr": "step_time.noise_corr",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -71,11 +77,13 @@ _FILE_KEY = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "max_num_seqs": "max_num_seqs",
 }
-_NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma")
+_NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr")
 #: fields that may be None (absent from the file)
 _OPTIONAL = ("idle_s", "per_decode_token_s")
 #: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
 MAX_NOISE_SIGMA = 2.0
+#: the largest noise_corr accepted (1 would freeze the factor at its first draw)
+MAX_NOISE_CORR = 0.999
 _POSITIVE = ("ttft_slo_s", "tpot_slo_s")
 _POSITIVE_INT = ("kv_capacity_tokens", "block_size", "max_num_batched_tokens", "max_num_seqs")
 
@@ -93,6 +101,9 @@ class Profile:
     :param per_decode_token_s: seconds per decoding request's new token; None: ``per_token_s``.
     :param noise_sigma: sigma of the log-normal, median-1 factor on every step's time in the
         simulator (0: deterministic steps).
+    :param per_prefill_s: seconds per prefill chunk in the step (a prefilling request's fixed cost).
+    :param noise_corr: lag-one correlation of the noise's normal draws from step to step (0:
+        independent steps).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -120,6 +131,8 @@ class Profile:
     noise_sigma: float = 0.0
     source: str = ""
     extra: dict = field(default_factory=dict)
+    per_prefill_s: float = 0.0
+    noise_corr: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -135,24 +148,29 @@ class Profile:
         """Seconds per decode token: ``per_decode_token_s``, or ``per_token_s`` when not split."""
         return self.per_token_s if self.per_decode_token_s is None else self.per_decode_token_s
 
-    def step_time_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0) -> float:
+    def step_time_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0, num_prefills: int = 0) -> float:
         """Median duration of one engine step in seconds (the noise, if any, is the simulator's).
 
         :param num_tokens: new tokens processed in the step (T = P + D); 0 for an idle tick.
         :param kv_tokens_read: KV tokens read by the step's attention (K).
         :param num_decodes: how many of the T tokens are decodes (D, one per decoding request).
-        :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K``, or the
-            idle tick when T is 0.
+        :param num_prefills: prefill chunks among the step's work (C, at most P).
+        :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K +
+            per_prefill_s * C``, or the idle tick when T is 0.
         """
-        if num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= max(num_tokens, 0):
+        if (num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= max(num_tokens, 0)
+                or not 0 <= num_prefills <= max(num_tokens - num_decodes, 0)):
             raise ValueError(
-                f"step token counts must be non-negative with decodes among the tokens, got {num_tokens} "
-                f"tokens, {num_decodes} decodes and {kv_tokens_read} KV tokens read")
+                f"step token counts must be non-negative with decodes and prefill chunks among the tokens, got "
+                f"{num_tokens} tokens, {num_decodes} decodes, {num_prefills} prefill chunks and {kv_tokens_read} "
+                f"KV tokens read")
         if num_tokens == 0:
             return self.base_s if self.idle_s is None else self.idle_s
         t = self.base_s + self.per_token_s * num_tokens + self.per_kv_token_s * kv_tokens_read
         if self.per_decode_token_s is not None:
             t += (self.per_decode_token_s - self.per_token_s) * num_decodes
+        if self.per_prefill_s:
+            t += self.per_prefill_s * num_prefills
         return t
 
     def to_dict(self) -> dict:
@@ -163,6 +181,10 @@ class Profile:
             step_time["per_decode_token_s"] = self.per_decode_token_s
         if self.noise_sigma:
             step_time["noise_sigma"] = self.noise_sigma
+        if self.noise_corr:
+            step_time["noise_corr"] = self.noise_corr
+        if self.per_prefill_s:
+            step_time["per_prefill_s"] = self.per_prefill_s
         if self.idle_s is not None:
             step_time["idle_s"] = self.idle_s
         return {
@@ -248,7 +270,8 @@ def _fields_from_file(data: Any) -> dict:
         if key not in data:
             raise _Invalid(f"missing required key {key!r}")
     step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s",
-                                             "per_decode_token_s", "noise_sigma"})
+                                             "per_decode_token_s", "noise_sigma", "per_prefill_s",
+                                             "noise_corr"})
     for key in ("base_s", "per_token_s", "per_kv_token_s"):
         if key not in step_time:
             raise _Invalid(f"missing required key 'step_time.{key}'")
@@ -265,6 +288,8 @@ def _fields_from_file(data: Any) -> dict:
         "idle_s": step_time.get("idle_s"),
         "per_decode_token_s": step_time.get("per_decode_token_s"),
         "noise_sigma": step_time.get("noise_sigma", 0.0),
+        "per_prefill_s": step_time.get("per_prefill_s", 0.0),
+        "noise_corr": step_time.get("noise_corr", 0.0),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -313,6 +338,8 @@ def _checked(values: dict, key_of) -> dict:
             raise _Invalid(f"{key_of(f)} must be a non-negative number, got {_show(v)}")
         if f == "noise_sigma" and v > MAX_NOISE_SIGMA:
             raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_SIGMA}, got {_show(v)}")
+        if f == "noise_corr" and v > MAX_NOISE_CORR:
+            raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_CORR}, got {_show(v)}")
         if f not in _NON_NEGATIVE and f != "per_decode_token_s" and v <= 0:
             raise _Invalid(f"{key_of(f)} must be a positive number of seconds, got {_show(v)}")
         out[f] = float(v)

@@ -12,24 +12,38 @@ from engine.core.request import Request
 
 
 class StepNoise:
-    """Seeded log-normal factors with median 1: ``exp(sigma * Z)``, Z standard normal.
+    """Seeded log-normal factors with median 1: ``exp(sigma * Z)``, Z standard normal; with
+    ``corr`` > 0, successive Z form an AR(1) series, ``Z' = corr * Z + sqrt(1 - corr^2) * E``
+    (E a fresh standard normal, the first Z drawn as one), so each Z stays standard normal.
 
     :param sigma: the log-normal's sigma (``Profile.noise_sigma``); 0 gives factors of exactly 1.
     :param seed: seeds the draws, so a simulation stays a pure function of its inputs.
+    :param corr: lag-one correlation of successive Z (``Profile.noise_corr``), in [0, 1).
     """
 
-    def __init__(self, sigma: float, seed: int = 0) -> None:
+    def __init__(self, sigma: float, seed: int = 0, corr: float = 0.0) -> None:
         if not (math.isfinite(sigma) and sigma >= 0):
             raise ValueError(f"noise sigma must be a non-negative number, got {sigma!r}")
+        if not 0.0 <= corr < 1.0:
+            raise ValueError(f"noise correlation must be in [0, 1), got {corr!r}")
         self.sigma = sigma
+        self.corr = corr
+        self._fresh = math.sqrt(1.0 - corr * corr)
         self._rng = random.Random(seed)
+        self._z: float | None = None
 
     def __call__(self) -> float:
-        return self._rng.lognormvariate(0.0, self.sigma) if self.sigma else 1.0
+        if not self.sigma:
+            return 1.0
+        if not self.corr:
+            return self._rng.lognormvariate(0.0, self.sigma)
+        e = self._rng.gauss(0.0, 1.0)
+        self._z = e if self._z is None else self.corr * self._z + self._fresh * e
+        return math.exp(self.sigma * self._z)
 
 
 class SimExecutor:
-    """A step takes ``profile.step_time_s(T, K, D)``, the profile's one step-time formula, times a
+    """A step takes ``profile.step_time_s(T, K, D, C)``, the profile's one step-time formula, times a
     seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact).
 
     :param profile: the replica's profile (``engine.core.profile.Profile``).
@@ -42,10 +56,10 @@ class SimExecutor:
 
     def __init__(self, profile: Profile, seed: int = 0) -> None:
         self.step_time_s = profile.step_time_s
-        self.noise = StepNoise(profile.noise_sigma, seed) if profile.noise_sigma else None
+        self.noise = StepNoise(profile.noise_sigma, seed, profile.noise_corr) if profile.noise_sigma else None
 
     def execute(self, batch: Batch) -> StepResult:
-        t = self.step_time_s(batch.num_tokens, batch.kv_tokens_read, batch.num_decodes)
+        t = self.step_time_s(batch.num_tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills)
         if self.noise is not None and batch.num_tokens:
             t *= self.noise()
         return StepResult(t)

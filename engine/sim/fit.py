@@ -1,35 +1,42 @@
 """Fit the simulator's step-time model to timed steps (numpy only).
 
 The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * P + per_decode_token_s * D +
-per_kv_token_s * K`` for a step with P prefill tokens and D decodes that reads K KV tokens (with
-rows that do not say D, or that never mix the two, one cost per token: ``base_s + per_token_s *
-T + per_kv_token_s * K``). The fit keeps the coefficients non-negative and weighs every step by
+per_kv_token_s * K + per_prefill_s * C`` for a step with P prefill tokens in C chunks and D
+decodes that reads K KV tokens (with rows that do not say D, or that never mix the two, one cost
+per token: ``base_s + per_token_s * T + per_kv_token_s * K``; rows that do not say C leave
+``per_prefill_s`` at 0). The fit keeps the coefficients non-negative and weighs every step by
 its relative error, so short steps count as much as long ones. The rows come from the profiler's
 grid (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
 
-The noise model (``Profile.noise_sigma``) is fitted from what the linear model leaves: the sigma
-of a median-1 log-normal factor whose mean, ``exp(sigma^2 / 2)``, is the mean ratio of real to
-predicted step time (the top 0.5% of ratios, stalls of the machine, left out).
+The noise model is fitted from what the linear model leaves, the log of real over predicted step
+time in the order the steps ran: ``Profile.noise_sigma`` is its spread (the median absolute
+deviation, scaled to a normal's sigma, so that the stalls of a shared machine do not count), and
+``Profile.noise_corr`` the lag-one correlation of an AR(1) series fitted to its autocorrelation
+over the first lags (a machine's speed wanders over tens of steps: independent factors would
+average out within a request, and TPOT would come out far narrower than measured).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.core.profile import MAX_NOISE_SIGMA
+from engine.core.profile import MAX_NOISE_CORR, MAX_NOISE_SIGMA
 
 
 #: fewer rows than this with prefill tokens, or with decodes, and the fit keeps one cost per token
 MIN_SPLIT_ROWS = 3
-#: the share of the largest real / predicted ratios the noise fit leaves out (stalls)
-NOISE_TRIM = 0.005
+#: the most lags the noise's autocorrelation is fitted over
+NOISE_LAGS = 50
+#: the autocorrelation below which a lag no longer counts (noise, not signal)
+NOISE_ACF_FLOOR = 0.05
 
 
 def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str = "l2") -> dict:
     """Fit the step-time model to timed steps; returns coefficients, the noise sigma and fit quality.
 
-    :param rows: ``(new tokens, KV tokens read, seconds)`` or ``(new tokens, KV tokens read,
-        seconds, decodes)`` of timed steps; rows with no time are dropped.
+    :param rows: ``(new tokens, KV tokens read, seconds)``, ``(new tokens, KV tokens read, seconds,
+        decodes)`` or ``(..., decodes, prefill chunks)`` of timed steps, in the order they ran;
+        rows with no time are dropped.
     :param heldout_fraction: share of the rows (at least 8 needed) held out to report ``heldout_mape``.
     :param seed: seeds the choice of held-out rows.
     :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute error
@@ -39,8 +46,9 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         relative to the real time instead would put the model below the median, by a factor
         ``exp(-sigma^2)`` under log-normal noise).
     :return: ``base_s``, ``per_token_s``, ``per_kv_token_s``, ``per_decode_token_s`` (None without
-        a split) and ``noise_sigma`` (fitted on all rows), ``r2`` and ``mape`` on all rows,
-        ``heldout_mape`` of a fit on the other rows, and ``points``.
+        a split), ``per_prefill_s`` (0 without chunk counts), ``noise_sigma`` and ``noise_corr``
+        (fitted on all rows), ``r2`` and ``mape`` on all rows, ``heldout_mape`` of a fit on the
+        other rows, and ``points``.
     """
     if loss not in ("l1", "l2"):
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
@@ -58,23 +66,54 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     heldout = mape
     if n_test:
         heldout = float(np.mean(np.abs(_predict(coef_train, data[test]) - data[test, 2]) / data[test, 2]))
-    split = data.shape[1] == 4
+    split = data.shape[1] >= 4
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
-            "per_decode_token_s": float(coef[3]) if split else None, "noise_sigma": noise_sigma(t / pred),
-            "loss": loss, "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
+            "per_decode_token_s": float(coef[3]) if split else None,
+            "per_prefill_s": float(coef[4]) if data.shape[1] == 5 else 0.0,
+            "noise_sigma": noise_sigma(t / pred), "noise_corr": noise_corr(t / pred), "loss": loss,
+            "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
 
 
 def noise_sigma(ratios) -> float:
-    """The sigma of a median-1 log-normal factor with the mean of ``ratios`` (real / predicted
-    step times), the top ``NOISE_TRIM`` left out; 0 when that mean is at most 1."""
-    r = np.sort(np.asarray(ratios, dtype=float))
-    r = r[np.isfinite(r) & (r > 0)]
-    if not len(r):
+    """The sigma of a median-1 log-normal factor with the spread of ``ratios`` (real / predicted
+    step times): the median absolute deviation of their logs, times 1.4826 (a normal's sigma)."""
+    logs = _logs(ratios)
+    if len(logs) < 2:
         return 0.0
-    keep = r[:max(1, int(np.ceil(len(r) * (1.0 - NOISE_TRIM))))]
-    mean = float(keep.mean())
-    return float(min(np.sqrt(2.0 * np.log(mean)), MAX_NOISE_SIGMA)) if mean > 1.0 else 0.0
+    mad = float(np.median(np.abs(logs - np.median(logs))))
+    return min(1.4826 * mad, MAX_NOISE_SIGMA)
+
+
+def noise_corr(ratios) -> float:
+    """The lag-one correlation ``rho`` of the AR(1) series whose autocorrelation, ``rho^k`` at lag k,
+    fits that of the logs of ``ratios`` (in the order the steps ran) over the lags up to
+    ``NOISE_LAGS`` while it stays above ``NOISE_ACF_FLOOR`` (least squares on its log); 0 when
+    even lag one is below the floor."""
+    logs = _logs(ratios)
+    if len(logs) < 4 * NOISE_LAGS:
+        return 0.0
+    bound = 5.0 * (noise_sigma(ratios) or 1.0)
+    x = np.clip(logs - np.median(logs), -bound, bound)  # a stall counts as a large step, not more
+    x = x - x.mean()
+    var = float(np.dot(x, x))
+    lags, logs_acf = [], []
+    for k in range(1, NOISE_LAGS + 1):
+        acf = float(np.dot(x[:-k], x[k:])) / var
+        if acf < NOISE_ACF_FLOOR:
+            break
+        lags.append(k)
+        logs_acf.append(np.log(acf))
+    if not lags:
+        return 0.0
+    at = np.asarray(lags, dtype=float)
+    rho = float(np.exp(np.dot(at, logs_acf) / np.dot(at, at)))
+    return min(rho, MAX_NOISE_CORR)
+
+
+def _logs(ratios) -> np.ndarray:
+    r = np.asarray(ratios, dtype=float)
+    return np.log(r[np.isfinite(r) & (r > 0)])
 
 
 def profile_fields(fit: dict, noise: bool = True) -> dict:
@@ -82,13 +121,17 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     assumes the model is the median step (the ``l1`` fit; an ``l2`` fit gets none)."""
     fields = {k: fit[k] for k in ("base_s", "per_token_s", "per_kv_token_s")}
     fields["per_decode_token_s"] = fit.get("per_decode_token_s")
-    fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if noise and fit.get("loss") == "l1" else 0.0
+    fields["per_prefill_s"] = fit.get("per_prefill_s", 0.0)
+    with_noise = noise and fit.get("loss") == "l1"
+    fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if with_noise else 0.0
+    fields["noise_corr"] = fit.get("noise_corr", 0.0) if with_noise and fields["noise_sigma"] else 0.0
     return fields
 
 
 def _with_split(data: np.ndarray) -> np.ndarray:
     """Rows with a time, as ``(T, K, t)`` or, where prefill and decode costs can be told apart,
-    ``(P, K, t, D)`` (P = T - D prefill tokens)."""
+    ``(P, K, t, D)`` (P = T - D prefill tokens), with the prefill chunks C as a fifth column
+    where rows say it."""
     data = data[data[:, 2] > 0]
     if data.shape[1] < 4:
         return data[:, :3]
@@ -96,6 +139,8 @@ def _with_split(data: np.ndarray) -> np.ndarray:
     prefill = data[:, 0] - decodes
     if (prefill > 0).sum() < MIN_SPLIT_ROWS or (decodes > 0).sum() < MIN_SPLIT_ROWS:
         return data[:, :3]
+    if data.shape[1] >= 5:
+        return np.column_stack([prefill, data[:, 1], data[:, 2], decodes, np.minimum(data[:, 4], prefill)])
     return np.column_stack([prefill, data[:, 1], data[:, 2], decodes])
 
 
@@ -115,15 +160,18 @@ def binned_samples(rows, max_bins: int = 120) -> list[dict]:
 
 
 def _design(data) -> np.ndarray:
-    """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, or ``[1, P, K, D]``."""
+    """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, ``[1, P, K, D]`` or
+    ``[1, P, K, D, C]``."""
     cols = [np.ones(len(data)), data[:, 0], data[:, 1]]
-    if data.shape[1] == 4:
+    if data.shape[1] >= 4:
         cols.append(data[:, 3])
+    if data.shape[1] == 5:
+        cols.append(data[:, 4])
     return np.column_stack(cols)
 
 
 def _predict(coef, data) -> np.ndarray:
-    """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s])``
+    """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s[, per_prefill_s]])``
     predict for the rows while fitting (the linear model being fitted; a finished fit becomes a ``Profile``)."""
     return _design(data) @ coef
 

@@ -43,13 +43,14 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -
     t = np.asarray(recorder.tokens, dtype=float)
     k = np.asarray(recorder.kv_tokens_read, dtype=float)
     dec = np.asarray(recorder.decodes, dtype=float)
+    chunks = np.asarray(recorder.prefills, dtype=float)
     d = np.asarray(durations, dtype=float)[:len(t)]
     busy = t > 0
-    t, k, dec, d = t[busy], k[busy], dec[busy], d[busy]
-    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n)) for tokens, kv, n in zip(t, k, dec)],
-                    dtype=float)
+    t, k, dec, chunks, d = t[busy], k[busy], dec[busy], chunks[busy], d[busy]
+    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n), int(c))
+                     for tokens, kv, n, c in zip(t, k, dec, chunks)], dtype=float)
     ape = np.abs(pred - d) / d
-    return {"tokens": t, "kv_tokens_read": k, "decodes": dec, "real_s": d, "predicted_s": pred,
+    return {"tokens": t, "kv_tokens_read": k, "decodes": dec, "prefills": chunks, "real_s": d, "predicted_s": pred,
             "mape": float(ape.mean()), "median_ape": float(np.median(ape)),
             "total_time_error": float(pred.sum() / d.sum() - 1.0), "steps": int(busy.sum())}
 
@@ -58,11 +59,12 @@ def refit_floor(errors: dict) -> dict:
     """A profile fitted on these very steps (in-sample, the median step): about the best the linear
     model's median can do, so the part of the MAPE above it is the profile's, the rest step-to-step
     noise or beyond the linear model."""
-    floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["decodes"])),
-                          loss="l1")
+    floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["decodes"],
+                                   errors["prefills"])), loss="l1")
     return {"refit_mape": floor["mape"],
             "refit_coefficients": {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s",
-                                                         "per_decode_token_s", "noise_sigma")}}
+                                                         "per_decode_token_s", "per_prefill_s", "noise_sigma",
+                                                         "noise_corr")}}
 
 
 def speed_drift(profile, errors: dict) -> dict | None:
@@ -99,13 +101,13 @@ def step_errors_by_size(errors: dict) -> list[dict]:
 
 
 def _write_steps_csv(path: Path, errors: dict) -> None:
-    """Every non-empty real step: T, K, real and predicted seconds, decodes D among the T tokens
-    (``tidegate profile --from-steps`` reads it)."""
+    """Every non-empty real step, in the order they ran: T, K, real and predicted seconds, decodes D
+    among the T tokens, prefill chunks C (``tidegate profile --from-steps`` reads it)."""
     with open(path, "w") as f:
-        f.write("tokens,kv_tokens_read,real_s,predicted_s,decodes\n")
-        for t, k, r, p, n in zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["predicted_s"],
-                                 errors["decodes"]):
-            f.write(f"{int(t)},{int(k)},{r:.7g},{p:.7g},{int(n)}\n")
+        f.write("tokens,kv_tokens_read,real_s,predicted_s,decodes,prefills\n")
+        for t, k, r, p, n, c in zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"],
+                                    errors["predicted_s"], errors["decodes"], errors["prefills"]):
+            f.write(f"{int(t)},{int(k)},{r:.7g},{p:.7g},{int(n)},{int(c)}\n")
 
 
 def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:

@@ -84,20 +84,20 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
 
 
 def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, model: str, device, dtype,
-                      seed: int, log) -> tuple[list[tuple[int, int, float, int]], list[dict]]:
-    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds, D)`` of every non-empty step,
-    and per run its step count and median single-token step."""
-    rows: list[tuple[int, int, float, int]] = []
+                      seed: int, log) -> tuple[list[tuple[int, int, float, int, int]], list[dict]]:
+    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds, D, C)`` of every non-empty
+    step in the order they ran, and per run its step count and median single-token step."""
+    rows: list[tuple[int, int, float, int, int]] = []
     per_run = []
     for run in range(runs):
         controller = build_controller(controller_spec, base, arrivals)
         core, recorder = replay_real(arrivals, base, controller, model=model, device=device, dtype=dtype, seed=seed,
                                      log=log)
         durations = core.metrics.step_duration_s
-        got = [(t, k, d, n) for t, k, d, n in zip(recorder.tokens, recorder.kv_tokens_read, durations,
-                                                     recorder.decodes) if t > 0]
+        got = [(t, k, d, n, c) for t, k, d, n, c in zip(recorder.tokens, recorder.kv_tokens_read, durations,
+                                                           recorder.decodes, recorder.prefills) if t > 0]
         rows += got
-        single = [d for t, _, d, _ in got if t == 1]
+        single = [d for t, _, d, _, _ in got if t == 1]
         per_run.append({"steps": len(got), "batch1_decode_median_s": float(np.median(single)) if single else None})
         if log and runs > 1:
             log(f"  run {run + 1}/{runs}: {len(got)} steps, median single-token step "
@@ -107,7 +107,8 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
 
 def read_steps_csv(path) -> list[tuple]:
     """``(T, K, seconds)`` rows of a ``twin_steps.csv`` written by ``twin-check``, ``(T, K, seconds,
-    D)`` when it has the ``decodes`` column (files from before it still read)."""
+    D)`` when it has the ``decodes`` column and ``(T, K, seconds, D, C)`` when it has ``prefills``
+    too (files from before either still read)."""
     rows: list[tuple] = []
     with open(path) as f:
         header = f.readline().strip().split(",")
@@ -117,11 +118,16 @@ def read_steps_csv(path) -> list[tuple]:
             raise ValueError(f"{path}: expected the columns tokens, kv_tokens_read, real_s "
                              f"(a twin_steps.csv)") from None
         idec = header.index("decodes") if "decodes" in header else None
+        ipre = header.index("prefills") if idec is not None and "prefills" in header else None
         for line in f:
             parts = line.strip().split(",")
             if len(parts) == len(header) and int(parts[it]) > 0:
-                row = (int(parts[it]), int(parts[ik]), float(parts[ir]))
-                rows.append(row if idec is None else (*row, int(parts[idec])))
+                row: tuple = (int(parts[it]), int(parts[ik]), float(parts[ir]))
+                if idec is not None:
+                    row = (*row, int(parts[idec]))
+                if ipre is not None:
+                    row = (*row, int(parts[ipre]))
+                rows.append(row)
     if len(rows) < 3:
         raise ValueError(f"{path}: fewer than 3 steps to fit")
     return rows

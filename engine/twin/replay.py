@@ -28,18 +28,21 @@ LOG_EVERY_S = 10.0
 
 
 class RecordingExecutor:
-    """Wraps an executor and records the work (T, K and the decodes D among T) of every step it runs."""
+    """Wraps an executor and records the work (T, K, the decodes D among T and the prefill chunks
+    C) of every step it runs."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.tokens: list[int] = []
         self.kv_tokens_read: list[int] = []
         self.decodes: list[int] = []
+        self.prefills: list[int] = []
 
     def execute(self, batch: Batch) -> StepResult:
         self.tokens.append(batch.num_tokens)
         self.kv_tokens_read.append(batch.kv_tokens_read)
         self.decodes.append(batch.num_decodes)
+        self.prefills.append(batch.num_prefills)
         return self.inner.execute(batch)
 
     def release(self, request: Request) -> None:
@@ -50,6 +53,7 @@ class RecordingExecutor:
         self.tokens.clear()
         self.kv_tokens_read.clear()
         self.decodes.clear()
+        self.prefills.clear()
 
 
 def replay_real(arrivals, profile: Profile, controller, model: str = "tiny", device=None, dtype=None,

@@ -155,9 +155,19 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
 
 def mean_step_factor(profile: ReplicaProfile) -> float:
     """The mean over the median step time: ``exp(noise_sigma^2 / 2)`` on a profile with log-normal
-    step noise (the formula is its median step), 1 without."""
+    step noise (the formula is its median step), 1 without; with a sigma ``b`` below the median and
+    ``a`` above, ``exp(a^2 / 2) Phi(a) + exp(b^2 / 2) Phi(-b)``."""
     sigma = getattr(profile, "noise_sigma", 0.0) or 0.0
-    return math.exp(sigma * sigma / 2.0) if sigma else 1.0
+    if not sigma:
+        return 1.0
+    below = getattr(profile, "noise_sigma_below", None)
+    if below is None:
+        return math.exp(sigma * sigma / 2.0)
+    return math.exp(sigma * sigma / 2.0) * _normal_cdf(sigma) + math.exp(below * below / 2.0) * _normal_cdf(-below)
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
 
 
 def decode_token_s(profile: ReplicaProfile) -> float:

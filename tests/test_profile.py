@@ -468,6 +468,7 @@ def test_each_prefill_chunk_adds_its_fixed_cost(tmp_path):
 @pytest.mark.parametrize("key, value, expected", [
     ("per_prefill_s", -1e-3, "non-negative"), ("noise_corr", -0.1, "non-negative"),
     ("noise_corr", 1.0, "at most"), ("noise_corr", "high", "finite number"),
+    ("noise_sigma_below", -0.1, "non-negative"), ("noise_sigma_below", 3.0, "at most"),
 ])
 def test_bad_prefill_cost_or_noise_correlation_names_its_key(tmp_path, key, value, expected):
     data = minimal_profile_dict()
@@ -544,3 +545,36 @@ def test_fit_recovers_the_prefill_chunk_cost_and_the_noise_correlation():
     assert independent["noise_corr"] < 0.1
     # rows without the chunk count: no chunk cost, as before
     assert fit_step_time([r[:4] for r in _chunk_rows(2000, 0.0, 0.0)], loss="l1")["per_prefill_s"] == 0.0
+
+
+def test_noise_below_the_median_has_its_own_sigma_and_the_mean_counts_both():
+    import numpy as np
+
+    from ctrl.theory import mean_step_factor
+    from engine.sim.executor import StepNoise
+
+    draws = np.log(_draws(StepNoise(0.4, seed=2, corr=0.5, sigma_below=0.1), 80_000))
+    assert abs(np.median(draws)) < 0.01
+    assert np.percentile(draws, 10) == pytest.approx(-0.1 * 1.2816, abs=0.01)
+    assert np.percentile(draws, 90) == pytest.approx(0.4 * 1.2816, abs=0.03)
+    p = replace(split_profile(0.4), noise_sigma_below=0.1)
+    assert mean_step_factor(p) == pytest.approx(float(np.mean(np.exp(draws))), rel=0.01)
+    assert mean_step_factor(replace(p, noise_sigma_below=0.4)) == pytest.approx(math.exp(0.08))
+
+
+def test_fit_gives_each_side_of_the_median_its_sigma():
+    import numpy as np
+
+    from engine.sim.fit import fit_step_time
+
+    rng = np.random.default_rng(3)
+    p = split_profile()
+    rows = []
+    for _ in range(5000):
+        decodes = int(rng.integers(1, 64))
+        z = float(rng.standard_normal())
+        rows.append((decodes, decodes * 500, p.step_time_s(decodes, decodes * 500, decodes)
+                     * math.exp((0.35 if z > 0 else 0.08) * z), decodes))
+    fit = fit_step_time(rows, loss="l1")
+    assert fit["noise_sigma"] == pytest.approx(0.35, abs=0.04)
+    assert fit["noise_sigma_below"] == pytest.approx(0.08, abs=0.02)

@@ -18,7 +18,9 @@ log-normal factor ``exp(noise_sigma * Z)`` with median 1 (``StepNoise``), so the
 is the median step and the mean is ``exp(noise_sigma^2 / 2)`` times it, as the right-skewed
 steps of a real engine are. With ``noise_corr`` > 0 the Z of successive steps form an AR(1)
 series with that lag-one correlation (a machine's speed wanders over many steps); each Z is
-still standard normal.
+still standard normal. With ``noise_sigma_below`` the factor is ``exp(noise_sigma_below * Z)``
+when Z < 0: a real step rarely runs much faster than its median, while slow ones run far
+slower.
 
 Profiles live in JSON or YAML files; the shipped ones are in ``engine/core/profiles/``. The file
 format and the derivation of the shipped numbers are in docs/PROFILES.md.
@@ -69,6 +71,7 @@ _FILE_KEY = {
     "noise_sigma": "step_time.noise_sigma",
     "per_prefill_s": "step_time.per_prefill_s",
     "noise_corr": "step_time.noise_corr",
+    "noise_sigma_below": "step_time.noise_sigma_below",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -79,7 +82,7 @@ _FILE_KEY = {
 }
 _NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr")
 #: fields that may be None (absent from the file)
-_OPTIONAL = ("idle_s", "per_decode_token_s")
+_OPTIONAL = ("idle_s", "per_decode_token_s", "noise_sigma_below")
 #: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
 MAX_NOISE_SIGMA = 2.0
 #: the largest noise_corr accepted (1 would freeze the factor at its first draw)
@@ -104,6 +107,7 @@ class Profile:
     :param per_prefill_s: seconds per prefill chunk in the step (a prefilling request's fixed cost).
     :param noise_corr: lag-one correlation of the noise's normal draws from step to step (0:
         independent steps).
+    :param noise_sigma_below: sigma of the factor's log below the median (None: ``noise_sigma``).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -133,6 +137,7 @@ class Profile:
     extra: dict = field(default_factory=dict)
     per_prefill_s: float = 0.0
     noise_corr: float = 0.0
+    noise_sigma_below: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -183,6 +188,8 @@ class Profile:
             step_time["noise_sigma"] = self.noise_sigma
         if self.noise_corr:
             step_time["noise_corr"] = self.noise_corr
+        if self.noise_sigma_below is not None:
+            step_time["noise_sigma_below"] = self.noise_sigma_below
         if self.per_prefill_s:
             step_time["per_prefill_s"] = self.per_prefill_s
         if self.idle_s is not None:
@@ -271,7 +278,7 @@ def _fields_from_file(data: Any) -> dict:
             raise _Invalid(f"missing required key {key!r}")
     step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s",
                                              "per_decode_token_s", "noise_sigma", "per_prefill_s",
-                                             "noise_corr"})
+                                             "noise_corr", "noise_sigma_below"})
     for key in ("base_s", "per_token_s", "per_kv_token_s"):
         if key not in step_time:
             raise _Invalid(f"missing required key 'step_time.{key}'")
@@ -290,6 +297,7 @@ def _fields_from_file(data: Any) -> dict:
         "noise_sigma": step_time.get("noise_sigma", 0.0),
         "per_prefill_s": step_time.get("per_prefill_s", 0.0),
         "noise_corr": step_time.get("noise_corr", 0.0),
+        "noise_sigma_below": step_time.get("noise_sigma_below"),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -334,13 +342,13 @@ def _checked(values: dict, key_of) -> dict:
             continue
         if not _is_number(v) or not math.isfinite(v):
             raise _Invalid(f"{key_of(f)} must be a finite number, got {_show(v)}")
-        if f in _NON_NEGATIVE and v < 0 or f == "per_decode_token_s" and v < 0:
+        if f in _NON_NEGATIVE and v < 0 or f in _OPTIONAL and f != "idle_s" and v < 0:
             raise _Invalid(f"{key_of(f)} must be a non-negative number, got {_show(v)}")
-        if f == "noise_sigma" and v > MAX_NOISE_SIGMA:
+        if f in ("noise_sigma", "noise_sigma_below") and v > MAX_NOISE_SIGMA:
             raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_SIGMA}, got {_show(v)}")
         if f == "noise_corr" and v > MAX_NOISE_CORR:
             raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_CORR}, got {_show(v)}")
-        if f not in _NON_NEGATIVE and f != "per_decode_token_s" and v <= 0:
+        if f not in _NON_NEGATIVE and f in _POSITIVE + ("idle_s",) and v <= 0:
             raise _Invalid(f"{key_of(f)} must be a positive number of seconds, got {_show(v)}")
         out[f] = float(v)
     for f in _POSITIVE_INT:

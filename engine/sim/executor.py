@@ -14,20 +14,24 @@ from engine.core.request import Request
 class StepNoise:
     """Seeded log-normal factors with median 1: ``exp(sigma * Z)``, Z standard normal; with
     ``corr`` > 0, successive Z form an AR(1) series, ``Z' = corr * Z + sqrt(1 - corr^2) * E``
-    (E a fresh standard normal, the first Z drawn as one), so each Z stays standard normal.
+    (E a fresh standard normal, the first Z drawn as one), so each Z stays standard normal. With
+    ``sigma_below``, a Z below 0 is scaled by it instead: the factor's median stays 1.
 
     :param sigma: the log-normal's sigma (``Profile.noise_sigma``); 0 gives factors of exactly 1.
     :param seed: seeds the draws, so a simulation stays a pure function of its inputs.
     :param corr: lag-one correlation of successive Z (``Profile.noise_corr``), in [0, 1).
+    :param sigma_below: the sigma below the median (``Profile.noise_sigma_below``; None: ``sigma``).
     """
 
-    def __init__(self, sigma: float, seed: int = 0, corr: float = 0.0) -> None:
-        if not (math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"noise sigma must be a non-negative number, got {sigma!r}")
+    def __init__(self, sigma: float, seed: int = 0, corr: float = 0.0, sigma_below: float | None = None) -> None:
+        for name, value in (("sigma", sigma), ("sigma below the median", sigma_below)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"noise {name} must be a non-negative number, got {value!r}")
         if not 0.0 <= corr < 1.0:
             raise ValueError(f"noise correlation must be in [0, 1), got {corr!r}")
         self.sigma = sigma
         self.corr = corr
+        self.sigma_below = sigma_below
         self._fresh = math.sqrt(1.0 - corr * corr)
         self._rng = random.Random(seed)
         self._z: float | None = None
@@ -35,11 +39,12 @@ class StepNoise:
     def __call__(self) -> float:
         if not self.sigma:
             return 1.0
-        if not self.corr:
+        below = self.sigma_below
+        if not self.corr and below is None:
             return self._rng.lognormvariate(0.0, self.sigma)
         e = self._rng.gauss(0.0, 1.0)
-        self._z = e if self._z is None else self.corr * self._z + self._fresh * e
-        return math.exp(self.sigma * self._z)
+        z = self._z = e if self._z is None or not self.corr else self.corr * self._z + self._fresh * e
+        return math.exp((self.sigma if z >= 0.0 or below is None else below) * z)
 
 
 class SimExecutor:
@@ -56,7 +61,8 @@ class SimExecutor:
 
     def __init__(self, profile: Profile, seed: int = 0) -> None:
         self.step_time_s = profile.step_time_s
-        self.noise = StepNoise(profile.noise_sigma, seed, profile.noise_corr) if profile.noise_sigma else None
+        self.noise = (StepNoise(profile.noise_sigma, seed, profile.noise_corr, profile.noise_sigma_below)
+                      if profile.noise_sigma else None)
 
     def execute(self, batch: Batch) -> StepResult:
         t = self.step_time_s(batch.num_tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills)

@@ -9,14 +9,19 @@ its relative error, so short steps count as much as long ones. The rows come fro
 grid (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
 
 The noise model is fitted from what the linear model leaves, the log of real over predicted step
-time in the order the steps ran: ``Profile.noise_sigma`` is its spread (the median absolute
-deviation, scaled to a normal's sigma, so that the stalls of a shared machine do not count), and
-``Profile.noise_corr`` the lag-one correlation of an AR(1) series fitted to its autocorrelation
-over the first lags (a machine's speed wanders over tens of steps: independent factors would
-average out within a request, and TPOT would come out far narrower than measured).
+time in the order the steps ran. Real steps rarely run much faster than their median and now
+and then run far slower, so the two halves get their own sigma: ``Profile.noise_sigma_below``
+from the spread of the steps below the median, ``Profile.noise_sigma`` so that the factor's mean
+above the median is the measured one (the top 0.5%, stalls of the machine, left out): the mean
+is what TPOT and end-to-end latency add up. ``Profile.noise_corr`` is the lag-one correlation of
+an AR(1) series fitted to the residuals' autocorrelation over the first lags (a machine's speed
+wanders over tens of steps: independent factors would average out within a request, and TPOT
+would come out far narrower than measured).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -25,6 +30,10 @@ from engine.core.profile import MAX_NOISE_CORR, MAX_NOISE_SIGMA
 
 #: fewer rows than this with prefill tokens, or with decodes, and the fit keeps one cost per token
 MIN_SPLIT_ROWS = 3
+#: the share of the largest real / predicted ratios the noise fit leaves out (stalls)
+NOISE_TRIM = 0.005
+#: the median of a half-normal |Z|
+_HALF_NORMAL_MEDIAN = 0.6745
 #: the most lags the noise's autocorrelation is fitted over
 NOISE_LAGS = 50
 #: the autocorrelation below which a lag no longer counts (noise, not signal)
@@ -70,19 +79,46 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
             "per_decode_token_s": float(coef[3]) if split else None,
             "per_prefill_s": float(coef[4]) if data.shape[1] == 5 else 0.0,
-            "noise_sigma": noise_sigma(t / pred), "noise_corr": noise_corr(t / pred), "loss": loss,
+            "noise_sigma": noise_sigma(t / pred), "noise_sigma_below": noise_sigma_below(t / pred),
+            "noise_corr": noise_corr(t / pred), "loss": loss,
             "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
 
 
 def noise_sigma(ratios) -> float:
-    """The sigma of a median-1 log-normal factor with the spread of ``ratios`` (real / predicted
-    step times): the median absolute deviation of their logs, times 1.4826 (a normal's sigma)."""
+    """The sigma above the median of a median-1 factor ``exp(sigma |Z|)`` whose mean over the
+    ``ratios`` (real / predicted step times) above their median, ``2 exp(sigma^2 / 2) Phi(sigma)``
+    for a half-normal ``|Z|``, is theirs; the top ``NOISE_TRIM`` of all ratios left out."""
+    logs = np.sort(_logs(ratios))
+    if len(logs) < 2:
+        return 0.0
+    logs = logs[:max(1, int(np.ceil(len(logs) * (1.0 - NOISE_TRIM))))]
+    above = logs[logs > np.median(logs)] - np.median(logs)
+    if not len(above):
+        return 0.0
+    target = float(np.mean(np.exp(above)))
+    lo, hi = 0.0, MAX_NOISE_SIGMA
+    if _half_normal_mean(hi) <= target:
+        return hi
+    for _ in range(60):  # bisection: the mean grows with sigma
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if _half_normal_mean(mid) < target else (lo, mid)
+    return (lo + hi) / 2.0
+
+
+def noise_sigma_below(ratios) -> float:
+    """The sigma below the median: the median of the log ``ratios`` below their median, as a
+    distance from it, over a half-normal's median (0.6745)."""
     logs = _logs(ratios)
     if len(logs) < 2:
         return 0.0
-    mad = float(np.median(np.abs(logs - np.median(logs))))
-    return min(1.4826 * mad, MAX_NOISE_SIGMA)
+    below = np.median(logs) - logs[logs < np.median(logs)]
+    return min(float(np.median(below)) / _HALF_NORMAL_MEDIAN, MAX_NOISE_SIGMA) if len(below) else 0.0
+
+
+def _half_normal_mean(sigma: float) -> float:
+    """``E[exp(sigma |Z|)]`` for Z standard normal."""
+    return 2.0 * math.exp(sigma * sigma / 2.0) * 0.5 * (1.0 + math.erf(sigma / math.sqrt(2.0)))
 
 
 def noise_corr(ratios) -> float:
@@ -93,7 +129,8 @@ def noise_corr(ratios) -> float:
     logs = _logs(ratios)
     if len(logs) < 4 * NOISE_LAGS:
         return 0.0
-    bound = 5.0 * (noise_sigma(ratios) or 1.0)
+    mad = float(np.median(np.abs(logs - np.median(logs))))
+    bound = 5.0 * (1.4826 * mad or 1.0)
     x = np.clip(logs - np.median(logs), -bound, bound)  # a stall counts as a large step, not more
     x = x - x.mean()
     var = float(np.dot(x, x))
@@ -125,6 +162,7 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     with_noise = noise and fit.get("loss") == "l1"
     fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if with_noise else 0.0
     fields["noise_corr"] = fit.get("noise_corr", 0.0) if with_noise and fields["noise_sigma"] else 0.0
+    fields["noise_sigma_below"] = fit.get("noise_sigma_below") if with_noise and fields["noise_sigma"] else None
     return fields
 
 

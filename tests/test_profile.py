@@ -578,3 +578,61 @@ def test_fit_gives_each_side_of_the_median_its_sigma():
     fit = fit_step_time(rows, loss="l1")
     assert fit["noise_sigma"] == pytest.approx(0.35, abs=0.04)
     assert fit["noise_sigma_below"] == pytest.approx(0.08, abs=0.02)
+
+
+def test_prefill_attention_pairs_grow_with_the_square_of_the_chunk():
+    from ctrl import build_controller
+    from engine.core.request import Request
+    from engine.sim.executor import SimExecutor
+    from tests.helpers import make_engine, step_profile
+
+    seen = []
+
+    class Spy(SimExecutor):
+        def execute(self, batch):
+            seen.append((batch.num_tokens, batch.num_prefills, batch.prefill_pairs))
+            return super().execute(batch)
+
+    core = make_engine(build_controller("greedy:max_num_batched_tokens=4", step_profile()))
+    core.executor = Spy(step_profile())
+    core.add_request(Request("a", 0.0, 10, 2, target_output_len=2))
+    while core.has_unfinished:
+        core.step()
+    # chunks of 4, 4 and 2 tokens after 0, 4 and 8 cached ones, then a decode
+    assert seen == [(4, 1, 10), (4, 1, 4 * 4 + 10), (2, 1, 2 * 8 + 3), (1, 0, 0)]
+    p = replace(split_profile(), per_prefill_pair_s=1e-7)
+    assert p.step_time_s(100, 100, 0, 1, 5050) - split_profile().step_time_s(100, 100, 0, 1) == pytest.approx(5.05e-4)
+    with pytest.raises(ValueError):
+        p.step_time_s(100, 100, 0, 1, -1)
+
+
+def test_fit_recovers_the_cost_per_prefill_pair(tmp_path):
+    import numpy as np
+
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    rng = np.random.default_rng(5)
+    p = replace(split_profile(), per_prefill_s=2e-3, per_prefill_pair_s=1e-7)
+    rows = []
+    for _ in range(4000):
+        decodes = int(rng.integers(0, 32))
+        chunk = int(rng.choice([0, 0, 8, 64, 256, 1024]))
+        cached = int(rng.choice([0, 0, 512])) if chunk else 0
+        pairs = chunk * cached + chunk * (chunk + 1) // 2
+        if decodes + chunk == 0:
+            decodes = 1
+        t = decodes + chunk
+        kv = decodes * 700 + cached + chunk
+        rows.append((t, kv, p.step_time_s(t, kv, decodes, int(chunk > 0), pairs)
+                     * float(np.exp(0.05 * rng.standard_normal())), decodes, int(chunk > 0), pairs))
+    fit = fit_step_time(rows, loss="l1")
+    assert fit["per_prefill_pair_s"] == pytest.approx(1e-7, rel=0.15)
+    assert fit["per_prefill_s"] == pytest.approx(2e-3, rel=0.15)
+    fields = profile_fields(fit)
+    profile = replace(split_profile(), **fields)
+    profile.save(tmp_path / "pairs.json")
+    assert load_profile(tmp_path / "pairs.json").per_prefill_pair_s == fields["per_prefill_pair_s"]
+    data = minimal_profile_dict()
+    data["step_time"]["per_prefill_pair_s"] = -1e-9
+    with pytest.raises(ProfileError, match="step_time.per_prefill_pair_s.*non-negative"):
+        load_profile(write_json(tmp_path, data))

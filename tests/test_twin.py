@@ -84,6 +84,7 @@ class _Recorded:
     kv_tokens_read = [0, 40, 900, 20000]
     decodes = [0, 1, 6, 4]
     prefills = [0, 0, 1, 2]
+    prefill_pairs = [0, 0, 6, 30000]
 
 
 @pytest.mark.parametrize("per_decode_token_s", [None, 3e-4])
@@ -94,8 +95,9 @@ def test_step_time_errors_predict_with_the_profiles_formula(per_decode_token_s, 
     real = [0.5, 0.003, 0.004, 0.06]
     errors = step_time_errors(_Recorded(), real, profile)
     assert errors["steps"] == 3  # the idle step is left out
-    expected = [profile.step_time_s(t, k, n, c) for t, k, n, c in
-                zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:], _Recorded.decodes[1:], _Recorded.prefills[1:])]
+    expected = [profile.step_time_s(t, k, n, c, q) for t, k, n, c, q in
+                zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:], _Recorded.decodes[1:], _Recorded.prefills[1:],
+                    _Recorded.prefill_pairs[1:])]
     assert (expected[2] - profile.step_time_s(300, 20000, 4) == pytest.approx(2 * per_prefill_s))
     np.testing.assert_array_equal(errors["predicted_s"], expected)
     ape = np.abs(np.array(expected) - real[1:]) / real[1:]
@@ -202,3 +204,13 @@ def test_steps_file_with_decodes_reads_them_and_an_old_one_still_reads(tmp_path)
     assert read_steps_csv(path) == [(9, 300, 0.01, 8), (1, 40, 0.002, 1), (128, 128, 0.02, 0)]
     _write_steps(path, _step_rows(5))
     assert all(len(r) == 3 for r in read_steps_csv(path))
+
+
+def test_steps_file_with_prefill_chunks_and_pairs_reads_them(tmp_path):
+    path = tmp_path / "twin_steps.csv"
+    path.write_text("tokens,kv_tokens_read,real_s,predicted_s,decodes,prefills,prefill_pairs\n"
+                    "0,0,0.5,0.5,0,0,0\n9,300,0.01,0,8,1,1\n1,40,0.002,0,1,0,0\n128,128,0.02,0,0,1,8256\n")
+    assert read_steps_csv(path) == [(9, 300, 0.01, 8, 1, 1), (1, 40, 0.002, 1, 0, 0), (128, 128, 0.02, 0, 1, 8256)]
+    path.write_text("tokens,kv_tokens_read,real_s,predicted_s,decodes,prefills\n9,300,0.01,0,8,1\n"
+                    "1,40,0.002,0,1,0\n128,128,0.02,0,0,1\n")
+    assert read_steps_csv(path) == [(9, 300, 0.01, 8, 1), (1, 40, 0.002, 1, 0), (128, 128, 0.02, 0, 1)]

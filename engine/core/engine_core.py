@@ -677,6 +677,7 @@ class EngineCore:
         kv_read = 0
         pending = 0
         prefill = 0
+        pairs = 0
         for r in prefilling:
             chunk = r.prompt_len + r.num_output_tokens - r.num_computed_tokens
             pending += chunk
@@ -687,10 +688,12 @@ class EngineCore:
             reqs.append(r)
             counts.append(chunk)
             kv_read += r.num_computed_tokens + chunk
+            pairs += chunk * r.num_computed_tokens + chunk * (chunk + 1) // 2
             left -= chunk
             prefill += chunk
         batch.num_tokens = n_decodes + prefill
         batch.num_prefills = len(reqs) - (n_decodes - self._steady)
+        batch.prefill_pairs = pairs
         self.obs.running_prefill_tokens = pending - prefill
         batch.kv_tokens_read += kv_read
         return batch

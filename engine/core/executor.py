@@ -20,7 +20,8 @@ class Batch:
     :param kv_tokens_read: context tokens the step's attention reads (cached plus new).
     """
 
-    __slots__ = ("requests", "num_new_tokens", "num_tokens", "kv_tokens_read", "num_decodes", "num_prefills")
+    __slots__ = ("requests", "num_new_tokens", "num_tokens", "kv_tokens_read", "num_decodes", "num_prefills",
+                 "prefill_pairs")
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
@@ -29,6 +30,9 @@ class Batch:
         self.kv_tokens_read = 0
         self.num_decodes = 0
         self.num_prefills = 0  # prefill chunks, one per prefilling request in the step
+        # query-key pairs of the prefills' attention: a chunk of n tokens after c cached ones has
+        # n c + n (n + 1) / 2 (each of its tokens attends to every token up to itself)
+        self.prefill_pairs = 0
 
     def __len__(self) -> int:
         return len(self.requests)

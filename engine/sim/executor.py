@@ -65,7 +65,8 @@ class SimExecutor:
                       if profile.noise_sigma else None)
 
     def execute(self, batch: Batch) -> StepResult:
-        t = self.step_time_s(batch.num_tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills)
+        t = self.step_time_s(batch.num_tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
+                             batch.prefill_pairs)
         if self.noise is not None and batch.num_tokens:
             t *= self.noise()
         return StepResult(t)

@@ -1,27 +1,27 @@
 """Fit the simulator's step-time model to timed steps (numpy only).
 
 The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * P + per_decode_token_s * D +
-per_kv_token_s * K + per_prefill_s * C`` for a step with P prefill tokens in C chunks and D
-decodes that reads K KV tokens (with rows that do not say D, or that never mix the two, one cost
-per token: ``base_s + per_token_s * T + per_kv_token_s * K``; rows that do not say C leave
-``per_prefill_s`` at 0). The fit keeps the coefficients non-negative and weighs every step by
+per_kv_token_s * K + per_prefill_s * C + per_prefill_pair_s * Q`` for a step with P prefill
+tokens in C chunks whose attention has Q query-key pairs and D decodes, that reads K KV tokens
+(with rows that do not say D, or that never mix the two, one cost per token: ``base_s +
+per_token_s * T + per_kv_token_s * K``; rows that do not say C leave ``per_prefill_s`` at 0, and
+rows that do not say Q ``per_prefill_pair_s``). The fit keeps the coefficients non-negative and weighs every step by
 its relative error, so short steps count as much as long ones. The rows come from the profiler's
 grid (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
 
 The noise model is fitted from what the linear model leaves, the log of real over predicted step
 time in the order the steps ran. Real steps rarely run much faster than their median and now
-and then run far slower, so the two halves get their own sigma: ``Profile.noise_sigma_below``
-from the spread of the steps below the median, ``Profile.noise_sigma`` so that the factor's mean
-above the median is the measured one (the top 0.5%, stalls of the machine, left out): the mean
-is what TPOT and end-to-end latency add up. ``Profile.noise_corr`` is the lag-one correlation of
+and then run far slower, so the two halves get their own sigma, each from the median distance
+of its steps from the median (a half-normal's is 0.6745 sigma), so that the stalls of a shared
+machine do not count: ``Profile.noise_sigma`` above, ``Profile.noise_sigma_below`` below. (A
+sigma above that matched the mean instead overshot TPOT p99 by 40% across checks: the tail's
+mean belongs to a few stalls.) ``Profile.noise_corr`` is the lag-one correlation of
 an AR(1) series fitted to the residuals' autocorrelation over the first lags (a machine's speed
 wanders over tens of steps: independent factors would average out within a request, and TPOT
 would come out far narrower than measured).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -30,8 +30,6 @@ from engine.core.profile import MAX_NOISE_CORR, MAX_NOISE_SIGMA
 
 #: fewer rows than this with prefill tokens, or with decodes, and the fit keeps one cost per token
 MIN_SPLIT_ROWS = 3
-#: the share of the largest real / predicted ratios the noise fit leaves out (stalls)
-NOISE_TRIM = 0.005
 #: the median of a half-normal |Z|
 _HALF_NORMAL_MEDIAN = 0.6745
 #: the most lags the noise's autocorrelation is fitted over
@@ -44,8 +42,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     """Fit the step-time model to timed steps; returns coefficients, the noise sigma and fit quality.
 
     :param rows: ``(new tokens, KV tokens read, seconds)``, ``(new tokens, KV tokens read, seconds,
-        decodes)`` or ``(..., decodes, prefill chunks)`` of timed steps, in the order they ran;
-        rows with no time are dropped.
+        decodes)``, ``(..., decodes, prefill chunks)`` or ``(..., prefill chunks, prefill pairs)``
+        of timed steps, in the order they ran; rows with no time are dropped.
     :param heldout_fraction: share of the rows (at least 8 needed) held out to report ``heldout_mape``.
     :param seed: seeds the choice of held-out rows.
     :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute error
@@ -55,7 +53,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         relative to the real time instead would put the model below the median, by a factor
         ``exp(-sigma^2)`` under log-normal noise).
     :return: ``base_s``, ``per_token_s``, ``per_kv_token_s``, ``per_decode_token_s`` (None without
-        a split), ``per_prefill_s`` (0 without chunk counts), ``noise_sigma`` and ``noise_corr``
+        a split), ``per_prefill_s`` and ``per_prefill_pair_s`` (0 without their counts),
+        ``noise_sigma``, ``noise_sigma_below`` and ``noise_corr``
         (fitted on all rows), ``r2`` and ``mape`` on all rows, ``heldout_mape`` of a fit on the
         other rows, and ``points``.
     """
@@ -78,7 +77,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     split = data.shape[1] >= 4
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
             "per_decode_token_s": float(coef[3]) if split else None,
-            "per_prefill_s": float(coef[4]) if data.shape[1] == 5 else 0.0,
+            "per_prefill_s": float(coef[4]) if data.shape[1] >= 5 else 0.0,
+            "per_prefill_pair_s": float(coef[5]) if data.shape[1] == 6 else 0.0,
             "noise_sigma": noise_sigma(t / pred), "noise_sigma_below": noise_sigma_below(t / pred),
             "noise_corr": noise_corr(t / pred), "loss": loss,
             "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
@@ -86,39 +86,23 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
 
 
 def noise_sigma(ratios) -> float:
-    """The sigma above the median of a median-1 factor ``exp(sigma |Z|)`` whose mean over the
-    ``ratios`` (real / predicted step times) above their median, ``2 exp(sigma^2 / 2) Phi(sigma)``
-    for a half-normal ``|Z|``, is theirs; the top ``NOISE_TRIM`` of all ratios left out."""
-    logs = np.sort(_logs(ratios))
-    if len(logs) < 2:
-        return 0.0
-    logs = logs[:max(1, int(np.ceil(len(logs) * (1.0 - NOISE_TRIM))))]
-    above = logs[logs > np.median(logs)] - np.median(logs)
-    if not len(above):
-        return 0.0
-    target = float(np.mean(np.exp(above)))
-    lo, hi = 0.0, MAX_NOISE_SIGMA
-    if _half_normal_mean(hi) <= target:
-        return hi
-    for _ in range(60):  # bisection: the mean grows with sigma
-        mid = (lo + hi) / 2.0
-        lo, hi = (mid, hi) if _half_normal_mean(mid) < target else (lo, mid)
-    return (lo + hi) / 2.0
+    """The sigma above the median: the median distance of the log ``ratios`` (real / predicted step
+    times) above their median from it, over a half-normal's median (0.6745)."""
+    return _half_sigma(ratios, above=True)
 
 
 def noise_sigma_below(ratios) -> float:
-    """The sigma below the median: the median of the log ``ratios`` below their median, as a
-    distance from it, over a half-normal's median (0.6745)."""
+    """The sigma below the median, as :func:`noise_sigma` from the ratios below it."""
+    return _half_sigma(ratios, above=False)
+
+
+def _half_sigma(ratios, above: bool) -> float:
     logs = _logs(ratios)
     if len(logs) < 2:
         return 0.0
-    below = np.median(logs) - logs[logs < np.median(logs)]
-    return min(float(np.median(below)) / _HALF_NORMAL_MEDIAN, MAX_NOISE_SIGMA) if len(below) else 0.0
-
-
-def _half_normal_mean(sigma: float) -> float:
-    """``E[exp(sigma |Z|)]`` for Z standard normal."""
-    return 2.0 * math.exp(sigma * sigma / 2.0) * 0.5 * (1.0 + math.erf(sigma / math.sqrt(2.0)))
+    mid = np.median(logs)
+    side = logs[logs > mid] - mid if above else mid - logs[logs < mid]
+    return min(float(np.median(side)) / _HALF_NORMAL_MEDIAN, MAX_NOISE_SIGMA) if len(side) else 0.0
 
 
 def noise_corr(ratios) -> float:
@@ -159,6 +143,7 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     fields = {k: fit[k] for k in ("base_s", "per_token_s", "per_kv_token_s")}
     fields["per_decode_token_s"] = fit.get("per_decode_token_s")
     fields["per_prefill_s"] = fit.get("per_prefill_s", 0.0)
+    fields["per_prefill_pair_s"] = fit.get("per_prefill_pair_s", 0.0)
     with_noise = noise and fit.get("loss") == "l1"
     fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if with_noise else 0.0
     fields["noise_corr"] = fit.get("noise_corr", 0.0) if with_noise and fields["noise_sigma"] else 0.0
@@ -168,8 +153,8 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
 
 def _with_split(data: np.ndarray) -> np.ndarray:
     """Rows with a time, as ``(T, K, t)`` or, where prefill and decode costs can be told apart,
-    ``(P, K, t, D)`` (P = T - D prefill tokens), with the prefill chunks C as a fifth column
-    where rows say it."""
+    ``(P, K, t, D)`` (P = T - D prefill tokens), with the prefill chunks C as a fifth column and
+    their pairs Q as a sixth where rows say them."""
     data = data[data[:, 2] > 0]
     if data.shape[1] < 4:
         return data[:, :3]
@@ -178,7 +163,8 @@ def _with_split(data: np.ndarray) -> np.ndarray:
     if (prefill > 0).sum() < MIN_SPLIT_ROWS or (decodes > 0).sum() < MIN_SPLIT_ROWS:
         return data[:, :3]
     if data.shape[1] >= 5:
-        return np.column_stack([prefill, data[:, 1], data[:, 2], decodes, np.minimum(data[:, 4], prefill)])
+        cols = [prefill, data[:, 1], data[:, 2], decodes, np.minimum(data[:, 4], prefill)]
+        return np.column_stack(cols + [data[:, 5]] if data.shape[1] >= 6 else cols)
     return np.column_stack([prefill, data[:, 1], data[:, 2], decodes])
 
 
@@ -198,18 +184,16 @@ def binned_samples(rows, max_bins: int = 120) -> list[dict]:
 
 
 def _design(data) -> np.ndarray:
-    """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, ``[1, P, K, D]`` or
-    ``[1, P, K, D, C]``."""
+    """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, ``[1, P, K, D]``,
+    ``[1, P, K, D, C]`` or ``[1, P, K, D, C, Q]``."""
     cols = [np.ones(len(data)), data[:, 0], data[:, 1]]
-    if data.shape[1] >= 4:
-        cols.append(data[:, 3])
-    if data.shape[1] == 5:
-        cols.append(data[:, 4])
+    cols += [data[:, i] for i in range(3, data.shape[1])]
     return np.column_stack(cols)
 
 
 def _predict(coef, data) -> np.ndarray:
-    """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s[, per_prefill_s]])``
+    """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s[, per_prefill_s[,
+    per_prefill_pair_s]]])``
     predict for the rows while fitting (the linear model being fitted; a finished fit becomes a ``Profile``)."""
     return _design(data) @ coef
 

@@ -84,20 +84,21 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
 
 
 def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, model: str, device, dtype,
-                      seed: int, log) -> tuple[list[tuple[int, int, float, int, int]], list[dict]]:
-    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds, D, C)`` of every non-empty
+                      seed: int, log) -> tuple[list[tuple[int, int, float, int, int, int]], list[dict]]:
+    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds, D, C, Q)`` of every non-empty
     step in the order they ran, and per run its step count and median single-token step."""
-    rows: list[tuple[int, int, float, int, int]] = []
+    rows: list[tuple[int, int, float, int, int, int]] = []
     per_run = []
     for run in range(runs):
         controller = build_controller(controller_spec, base, arrivals)
         core, recorder = replay_real(arrivals, base, controller, model=model, device=device, dtype=dtype, seed=seed,
                                      log=log)
         durations = core.metrics.step_duration_s
-        got = [(t, k, d, n, c) for t, k, d, n, c in zip(recorder.tokens, recorder.kv_tokens_read, durations,
-                                                           recorder.decodes, recorder.prefills) if t > 0]
+        got = [(t, k, d, n, c, q) for t, k, d, n, c, q in zip(recorder.tokens, recorder.kv_tokens_read, durations,
+                                                                 recorder.decodes, recorder.prefills,
+                                                                 recorder.prefill_pairs) if t > 0]
         rows += got
-        single = [d for t, _, d, _, _ in got if t == 1]
+        single = [row[2] for row in got if row[0] == 1]
         per_run.append({"steps": len(got), "batch1_decode_median_s": float(np.median(single)) if single else None})
         if log and runs > 1:
             log(f"  run {run + 1}/{runs}: {len(got)} steps, median single-token step "
@@ -107,8 +108,8 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
 
 def read_steps_csv(path) -> list[tuple]:
     """``(T, K, seconds)`` rows of a ``twin_steps.csv`` written by ``twin-check``, ``(T, K, seconds,
-    D)`` when it has the ``decodes`` column and ``(T, K, seconds, D, C)`` when it has ``prefills``
-    too (files from before either still read)."""
+    D)`` when it has the ``decodes`` column, ``(T, K, seconds, D, C)`` when it has ``prefills`` too
+    and ``(T, K, seconds, D, C, Q)`` with ``prefill_pairs`` (files from before any of them still read)."""
     rows: list[tuple] = []
     with open(path) as f:
         header = f.readline().strip().split(",")
@@ -119,6 +120,7 @@ def read_steps_csv(path) -> list[tuple]:
                              f"(a twin_steps.csv)") from None
         idec = header.index("decodes") if "decodes" in header else None
         ipre = header.index("prefills") if idec is not None and "prefills" in header else None
+        ipairs = header.index("prefill_pairs") if ipre is not None and "prefill_pairs" in header else None
         for line in f:
             parts = line.strip().split(",")
             if len(parts) == len(header) and int(parts[it]) > 0:
@@ -127,6 +129,8 @@ def read_steps_csv(path) -> list[tuple]:
                     row = (*row, int(parts[idec]))
                 if ipre is not None:
                     row = (*row, int(parts[ipre]))
+                if ipairs is not None:
+                    row = (*row, int(parts[ipairs]))
                 rows.append(row)
     if len(rows) < 3:
         raise ValueError(f"{path}: fewer than 3 steps to fit")

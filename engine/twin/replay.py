@@ -28,8 +28,8 @@ LOG_EVERY_S = 10.0
 
 
 class RecordingExecutor:
-    """Wraps an executor and records the work (T, K, the decodes D among T and the prefill chunks
-    C) of every step it runs."""
+    """Wraps an executor and records the work (T, K, the decodes D among T, the prefill chunks C
+    and their attention's query-key pairs Q) of every step it runs."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -37,12 +37,14 @@ class RecordingExecutor:
         self.kv_tokens_read: list[int] = []
         self.decodes: list[int] = []
         self.prefills: list[int] = []
+        self.prefill_pairs: list[int] = []
 
     def execute(self, batch: Batch) -> StepResult:
         self.tokens.append(batch.num_tokens)
         self.kv_tokens_read.append(batch.kv_tokens_read)
         self.decodes.append(batch.num_decodes)
         self.prefills.append(batch.num_prefills)
+        self.prefill_pairs.append(batch.prefill_pairs)
         return self.inner.execute(batch)
 
     def release(self, request: Request) -> None:
@@ -54,6 +56,7 @@ class RecordingExecutor:
         self.kv_tokens_read.clear()
         self.decodes.clear()
         self.prefills.clear()
+        self.prefill_pairs.clear()
 
 
 def replay_real(arrivals, profile: Profile, controller, model: str = "tiny", device=None, dtype=None,

@@ -1,0 +1,150 @@
+"""Step-model variants judged across twin checks: fit on one check's real steps, simulate its
+requests, compare with another check's real requests.
+
+    python benchmarks/twin_noise.py --check DIR [--check DIR ...] [--seeds 3] [--out FILE]
+
+Each DIR is a ``tidegate twin-check`` output folder (``twin_steps.csv`` with the prefill chunk
+column, ``twin_requests.csv``). For every ordered pair of different checks, the step model is
+fitted (``fit_step_time``, the median step) on the first one's steps and each variant below
+simulates the 300 requests of the check (``splitwise_conv``, first 300, length x0.1) with
+``--seeds`` noise seeds; its TTFT and TPOT are compared with the second check's real ones. A
+variant that only does well on the steps it was fitted on does not show here; the machine's
+drift between the two checks counts against every variant alike.
+
+Variants (the fitted coefficients, the noise changed):
+
+- ``independent, symmetric``: one sigma (the scaled median absolute deviation), no correlation;
+- ``correlated, symmetric``: that sigma, the fitted AR(1) correlation;
+- ``independent, split``: a sigma above and one below the median, no correlation;
+- ``correlated, split``: both sigmas and the correlation (what ``tidegate profile`` fits);
+- ``correlated, split, mean above``: the sigma above the median matched to the mean of the
+  steps above it instead of their median distance;
+- ``no prefill chunk or pair cost``: ``correlated, split`` refitted without the chunk and pair counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import ks_2samp
+
+from ctrl import build_controller
+from engine.core.profile import Profile, load_profile
+from engine.core.slo import time_per_output_token_s, time_to_first_token_s
+from engine.sim.fit import fit_step_time, profile_fields
+from engine.sim.simulate import simulate
+from engine.twin.fit import read_steps_csv
+from engine.workloads import read_trace, resolve_trace
+
+FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
+            "correlated, split, mean above", "no prefill chunk or pair cost")
+
+
+def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    import csv
+
+    with open(folder / "twin_requests.csv") as f:
+        rows = list(csv.DictReader(f))
+
+    def column(key: str) -> np.ndarray:
+        return np.array([float(r[key]) for r in rows if r[key] not in ("", "nan")])
+
+    return column("ttft_real_s"), column("tpot_real_s")
+
+
+def _half_mean_sigma(logs: np.ndarray) -> float:
+    """The sigma above the median whose half-normal factor has the mean of the steps above it."""
+    from math import erf, exp, sqrt
+
+    above = logs[logs > 0]
+    target = float(np.mean(np.exp(above)))
+    lo, hi = 0.0, 2.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        mean = 2 * exp(mid * mid / 2) * 0.5 * (1 + erf(mid / sqrt(2)))
+        lo, hi = (mid, hi) if mean < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
+    fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1")))
+    real = np.array([r[2] for r in rows])
+    pred = np.array([fitted.step_time_s(int(r[0]), int(r[1]), int(r[3]), int(r[4]), int(r[5]) if len(r) > 5 else 0)
+                     for r in rows])
+    logs = np.log(real / pred)
+    logs -= np.median(logs)
+    mad = float(1.4826 * np.median(np.abs(logs)))
+    no_chunks = dataclasses.replace(base, **profile_fields(fit_step_time([r[:4] for r in rows], loss="l1")))
+    return {
+        "independent, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None, noise_corr=0.0),
+        "correlated, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None),
+        "independent, split": dataclasses.replace(fitted, noise_corr=0.0),
+        "correlated, split": fitted,
+        "correlated, split, mean above": dataclasses.replace(fitted, noise_sigma=_half_mean_sigma(logs)),
+        "no prefill chunk or pair cost": no_chunks,
+    }
+
+
+def compare(profile: Profile, arrivals, ttft_real: np.ndarray, tpot_real: np.ndarray, seeds: int) -> np.ndarray:
+    """The figures of ``FIGURES`` (relative errors for percentiles), median over noise seeds."""
+    out = []
+    for seed in range(seeds):
+        core = simulate(arrivals, profile, build_controller("greedy", profile, arrivals), noise_seed=seed).core
+        done = [r for r in core.metrics.terminal if r.first_token_time_s is not None]
+        ttft = np.array([time_to_first_token_s(r) for r in done])
+        tpot = np.array([t for t in map(time_per_output_token_s, done) if t is not None])
+        out.append([ks_2samp(tpot_real, tpot).statistic, ks_2samp(ttft_real, ttft).statistic,
+                    _rel(ttft, ttft_real, 50), _rel(ttft, ttft_real, 99),
+                    _rel(tpot, tpot_real, 50), _rel(tpot, tpot_real, 99)])
+    return np.median(np.array(out), axis=0)
+
+
+def _rel(sim: np.ndarray, real: np.ndarray, q: float) -> float:
+    """The relative error of the simulated ``q``-th percentile."""
+    return float(np.percentile(sim, q) / np.percentile(real, q) - 1.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", type=Path, action="append", required=True, help="a twin-check output folder")
+    ap.add_argument("--base", default="tiny-cpu", help="profile whose capacity, block size and SLOs the fits keep")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    args = ap.parse_args()
+    if len(args.check) < 2:
+        ap.error("give at least two --check folders")
+    base = load_profile(args.base)
+    arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=300, length_scale=0.1, max_tokens_cap=256)
+    steps = {c: read_steps_csv(c / "twin_steps.csv") for c in args.check}
+    for c, rows in steps.items():
+        if len(rows[0]) < 5:
+            raise SystemExit(f"{c}/twin_steps.csv has no prefill chunk column: rerun the check with this version.")
+    real = {c: real_latencies(c) for c in args.check}
+    results: dict[str, list[np.ndarray]] = {v: [] for v in VARIANTS}
+    pairs = list(itertools.permutations(args.check, 2))
+    for n, (fit_on, judge_on) in enumerate(pairs, 1):
+        print(f"[{n}/{len(pairs)}] fit on {fit_on}, judged on {judge_on}", flush=True)
+        for name, profile in variant_profiles(base, steps[fit_on]).items():
+            results[name].append(compare(profile, arrivals, *real[judge_on], args.seeds))
+    lines = [f"{len(pairs)} pairs of checks (fit on one, judged on another), {args.seeds} noise seeds each; "
+             "median over pairs (mean of |value| in brackets)", "",
+             "| variant | " + " | ".join(FIGURES) + " |", "|---|" + "---|" * len(FIGURES)]
+    for name in VARIANTS:
+        a = np.array(results[name])
+        med, mean_abs = np.median(a, axis=0), np.mean(np.abs(a), axis=0)
+        cells = [f"{m:.3f} ({s:.3f})" if i < 2 else f"{100 * m:+.1f}% ({100 * s:.1f}%)"
+                 for i, (m, s) in enumerate(zip(med, mean_abs))]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

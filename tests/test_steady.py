@@ -203,3 +203,19 @@ def test_a_decode_step_does_not_walk_the_running_requests():
     every block_size steps is all that grows with them)."""
     few, many = _lines_per_decode_step(8), _lines_per_decode_step(128)
     assert many < 1.5 * few, (few, many)
+
+
+crowded = st.lists(st.tuples(st.integers(0, 8), st.integers(3, 24), st.integers(12, 40), st.integers(0, 2),
+                             st.just(0)), min_size=3, max_size=8)
+
+
+@given(workload=crowded, budgets=st.lists(st.sampled_from([3, 5, 7, 64]), min_size=2, max_size=4),
+       capacity=st.sampled_from([32, 48]), seed=st.integers(0, 3))
+def test_steady_decodes_schedule_exactly_under_evictions_and_chunked_recompute(workload, budgets, capacity, seed):
+    """Crowded memory and small, moving token budgets: evictions, recomputes whose prefill is
+    chunked, and decodes that rotate, all the time."""
+    spec = "budgets:" + "/".join(map(str, budgets))
+    steady, steady_final, core = _run(spec, workload, capacity, "recompute", False, {}, frozenset(), seed, True)
+    listed, listed_final, _ = _run(spec, workload, capacity, "recompute", True, {}, frozenset(), seed, True)
+    event(f"evictions: {core.metrics.evictions > 0}")
+    assert steady == listed and steady_final == listed_final

@@ -48,7 +48,7 @@ class StepNoise:
 
 
 class SimExecutor:
-    """A step takes ``profile.step_time_s(T, K, D, C)``, the profile's one step-time formula, times a
+    """A step takes ``profile.step_time_s(T, K, D, C, Q)``, the profile's one step-time formula, times a
     seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact).
 
     :param profile: the replica's profile (``engine.core.profile.Profile``).

@@ -2,20 +2,22 @@
 
 The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * P + per_decode_token_s * D +
 per_kv_token_s * K + per_prefill_s * C + per_prefill_pair_s * Q`` for a step with P prefill
-tokens in C chunks whose attention has Q query-key pairs and D decodes, that reads K KV tokens
-(with rows that do not say D, or that never mix the two, one cost per token: ``base_s +
-per_token_s * T + per_kv_token_s * K``; rows that do not say C leave ``per_prefill_s`` at 0, and
-rows that do not say Q ``per_prefill_pair_s``). The fit keeps the coefficients non-negative and weighs every step by
-its relative error, so short steps count as much as long ones. The rows come from the profiler's
-grid (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
+tokens in C chunks whose attention has Q query-key pairs and D decodes, that reads K KV tokens.
+Rows that do not say D, or that never mix the two, get one cost per token (``base_s +
+per_token_s * T + per_kv_token_s * K``); rows that do not say C leave ``per_prefill_s`` at 0,
+and rows that do not say Q ``per_prefill_pair_s``. The fit keeps the coefficients non-negative
+and weighs every step by its relative error, so short steps count as much as long ones. The
+rows come from the profiler's grid (``engine.real.profiler``) or from serving runs
+(``engine.twin.fit``).
 
 The noise model is fitted from what the linear model leaves, the log of real over predicted step
 time in the order the steps ran. Real steps rarely run much faster than their median and now
 and then run far slower, so the two halves get their own sigma, each from the median distance
 of its steps from the median (a half-normal's is 0.6745 sigma), so that the stalls of a shared
 machine do not count: ``Profile.noise_sigma`` above, ``Profile.noise_sigma_below`` below. (A
-sigma above that matched the mean instead overshot TPOT p99 by 40% across checks: the tail's
-mean belongs to a few stalls.) ``Profile.noise_corr`` is the lag-one correlation of
+sigma above matched to the mean instead overshot TPOT p99, by 20% at the median over 72 pairs
+of checks, fitted on one and judged on another: the tail's mean belongs to a few stalls.)
+``Profile.noise_corr`` is the lag-one correlation of
 an AR(1) series fitted to the residuals' autocorrelation over the first lags (a machine's speed
 wanders over tens of steps: independent factors would average out within a request, and TPOT
 would come out far narrower than measured).

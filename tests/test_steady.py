@@ -3,7 +3,8 @@
 The simulator's executor reads only a batch's counts, so the engine counts a request that has
 started to decode in aggregate (``EngineCore._join_steady``). The same run with an executor that
 asks for every request listed (as the real engine's does) must agree at every step: clock, KV
-blocks (block tables included), every request's counts and ending, and the observation.
+blocks (block tables included), every request's counts and ending, and the observation; and at
+the end on the metrics' summary and step records (both record modes).
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ def _controller(spec: str, profile, seed: int) -> Controller:
     return build_controller(spec, profile)
 
 
-def _run(spec, workload, capacity, eviction, listed, cancels, fail_at, seed, sync):
-    """Drive one engine; the state after every step, and the requests."""
+def _run(spec, workload, capacity, eviction, listed, cancels, fail_at, seed, sync, record=True):
+    """Drive one engine; the state after every step, and the requests and the metrics at the end."""
     profile = step_profile(kv_capacity_tokens=capacity, noise_sigma=0.3, per_token_s=0.05, per_kv_token_s=0.01)
-    core = make_engine(_controller(spec, profile, seed), capacity, eviction=eviction)
+    core = make_engine(_controller(spec, profile, seed), capacity, eviction=eviction, record_steps=record)
     executor = (ListedFailing if listed else Failing)(profile, fail_at)
     executor.noise = SimExecutor(profile, seed).noise
     core.executor = executor
@@ -99,28 +100,33 @@ def _run(spec, workload, capacity, eviction, listed, cancels, fail_at, seed, syn
     core.sync()
     final = [(r.state, r.finish_reason, r.num_output_tokens, r.num_computed_tokens, r.num_evictions,
               r.wasted_tokens, r.first_token_time_s, r.finish_time_s, r.activation_seq) for r in requests]
+    metrics = core.metrics
+    final.append(sorted((k, repr(v)) for k, v in metrics.summary(capacity, 20.0, 2.0).items()))
+    final.append([list(getattr(metrics, k)) for k in ("step_time_s", "step_duration_s", "step_kv_tokens",
+                                                      "step_waiting", "step_running", "step_tokens")])
     return states, final, core
 
 
 @given(spec=st.sampled_from(SPECS), workload=workloads, capacity=st.sampled_from([32, 48, 64, 128, 512]),
        eviction=st.sampled_from(["recompute", "reset"]), sync=st.booleans(),
        cancels=st.dictionaries(st.integers(0, 80), st.lists(st.integers(0, 29), max_size=2), max_size=4),
-       fail_at=st.frozensets(st.integers(1, 120), max_size=2), seed=st.integers(0, 3))
+       fail_at=st.frozensets(st.integers(1, 120), max_size=2), seed=st.integers(0, 3), record=st.booleans())
 @example(spec="budgets:5/3", workload=[(6, 14, 6, 0, 0), (2, 17, 35, 0, 0), (3, 10, 34, 0, 0), (2, 19, 17, 0, 0),
                                    (4, 5, 22, 0, 0)],
-         capacity=32, eviction="recompute", sync=True, cancels={}, fail_at=frozenset(), seed=0)
+         capacity=32, eviction="recompute", sync=True, cancels={}, fail_at=frozenset(), seed=0, record=True)
 # (a recomputed request whose prefill ends one token short of its sequence decodes that token:
 # it joins the steady decodes holding the block its next token would otherwise start)
 def test_steady_decodes_schedule_exactly_as_listed_ones(spec, workload, capacity, eviction, sync, cancels,
-                                                        fail_at, seed):
-    steady, steady_final, core = _run(spec, workload, capacity, eviction, False, cancels, fail_at, seed, sync)
-    listed, listed_final, _ = _run(spec, workload, capacity, eviction, True, cancels, fail_at, seed, sync)
+                                                        fail_at, seed, record):
+    steady, steady_final, core = _run(spec, workload, capacity, eviction, False, cancels, fail_at, seed, sync, record)
+    listed, listed_final, _ = _run(spec, workload, capacity, eviction, True, cancels, fail_at, seed, sync, record)
     event(f"evictions: {core.metrics.evictions > 0}")
     assert len(steady) == len(listed)
     for i, (a, b) in enumerate(zip(steady, listed)):
         assert a == b, f"step {i} differs"
     assert steady_final == listed_final
-    assert all(state.is_terminal for state, *_ in steady_final)
+    assert all(state.is_terminal for state, *_ in steady_final[:-2])
+    assert bool(steady_final[-1][0]) == record  # the step records, kept only when asked for
     assert core.pool.num_free_blocks == core.pool.num_blocks
     assert core._steady == 0 and core._steady_base == 0
 

@@ -171,8 +171,8 @@ class Profile:
         :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K +
             per_prefill_s * C + per_prefill_pair_s * Q``, or the idle tick when T is 0.
         """
-        if (num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= max(num_tokens, 0)
-                or not 0 <= num_prefills <= max(num_tokens - num_decodes, 0) or prefill_pairs < 0):
+        if (num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= num_tokens
+                or not 0 <= num_prefills <= num_tokens - num_decodes or prefill_pairs < 0):
             raise ValueError(
                 f"step token counts must be non-negative with decodes and prefill chunks among the tokens, got "
                 f"{num_tokens} tokens, {num_decodes} decodes, {num_prefills} prefill chunks and {kv_tokens_read} "

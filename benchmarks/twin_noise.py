@@ -19,7 +19,9 @@ Variants (the fitted coefficients, the noise changed):
 - ``correlated, split``: both sigmas and the correlation (what ``tidegate profile`` fits);
 - ``correlated, split, mean above``: the sigma above the median matched to the mean of the
   steps above it instead of their median distance;
-- ``no prefill chunk or pair cost``: ``correlated, split`` refitted without the chunk and pair counts.
+- ``no prefill chunk or pair cost``: ``correlated, split`` refitted without the chunk and pair counts;
+- ``no first-decode cost``: ``correlated, split`` refitted without the first-decode counts (on
+  checks that recorded them).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from engine.workloads import read_trace, resolve_trace
 
 FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
 VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
-            "correlated, split, mean above", "no prefill chunk or pair cost")
+            "correlated, split, mean above", "no prefill chunk or pair cost", "no first-decode cost")
 
 
 def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -74,8 +76,8 @@ def _half_mean_sigma(logs: np.ndarray) -> float:
 def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
     fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1")))
     real = np.array([r[2] for r in rows])
-    pred = np.array([fitted.step_time_s(int(r[0]), int(r[1]), int(r[3]), int(r[4]), int(r[5]) if len(r) > 5 else 0)
-                     for r in rows])
+    pred = np.array([fitted.step_time_s(int(r[0]), int(r[1]), int(r[3]), int(r[4]), int(r[5]) if len(r) > 5 else 0,
+                                        int(r[6]) if len(r) > 6 else 0) for r in rows])
     logs = np.log(real / pred)
     logs -= np.median(logs)
     mad = float(1.4826 * np.median(np.abs(logs)))
@@ -87,6 +89,8 @@ def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
         "correlated, split": fitted,
         "correlated, split, mean above": dataclasses.replace(fitted, noise_sigma=_half_mean_sigma(logs)),
         "no prefill chunk or pair cost": no_chunks,
+        "no first-decode cost": dataclasses.replace(base, **profile_fields(fit_step_time([r[:6] for r in rows],
+                                                                                        loss="l1"))),
     }
 
 

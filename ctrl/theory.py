@@ -140,8 +140,8 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     """``1 / (a*W/M + c*W + b*S)`` requests per second: the fluid bound for requests of S tokens
     and lifetime KV workload W on a replica with step time a + b*T + c*K and KV capacity M. On a
     profile with its own decode cost b_d, ``b*S`` is ``b*(S - D) + b_d*D`` with D the mean output;
-    with step noise, every term is the mean step's (``mean_step_factor``); a profile's fixed cost
-    per prefill chunk counts once per request.
+    with step noise, every term is the mean step's (``mean_step_factor``); a profile's fixed costs
+    per prefill chunk and per first decode count once per request.
 
     :param kv_capacity_tokens: M (default: the profile's).
     :param mean_output_tokens: D, the decode tokens among S (only used with a separate decode cost).
@@ -150,6 +150,7 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     w, s = lifetime_kv_workload, mean_tokens_per_request
     tokens_s = profile.per_token_s * s + (decode_token_s(profile) - profile.per_token_s) * min(mean_output_tokens, s)
     tokens_s += getattr(profile, "per_prefill_s", 0.0) or 0.0  # a request prefills in one chunk at least
+    tokens_s += getattr(profile, "per_first_decode_s", 0.0) or 0.0  # and has one first decode at most
     return 1.0 / ((profile.base_s * w / m + profile.per_kv_token_s * w + tokens_s) * mean_step_factor(profile))
 
 

@@ -636,3 +636,30 @@ def test_fit_recovers_the_cost_per_prefill_pair(tmp_path):
     data["step_time"]["per_prefill_pair_s"] = -1e-9
     with pytest.raises(ProfileError, match="step_time.per_prefill_pair_s.*non-negative"):
         load_profile(write_json(tmp_path, data))
+
+
+def test_fit_recovers_the_cost_of_a_first_decode(tmp_path):
+    import numpy as np
+
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    rng = np.random.default_rng(6)
+    p = replace(split_profile(), per_prefill_s=2e-3, per_first_decode_s=8e-4)
+    rows = []
+    for _ in range(4000):
+        decodes = int(rng.integers(1, 32))
+        first = int(rng.choice([0, 0, 0, 1, 2])) if decodes >= 2 else 0
+        chunk = int(rng.choice([0, 0, 16, 128]))
+        t = decodes + chunk
+        kv = decodes * 700 + chunk
+        rows.append((t, kv, p.step_time_s(t, kv, decodes, int(chunk > 0), chunk * (chunk + 1) // 2, first)
+                     * float(np.exp(0.05 * rng.standard_normal())), decodes, int(chunk > 0),
+                     chunk * (chunk + 1) // 2, first))
+    fit = fit_step_time(rows, loss="l1")
+    assert fit["per_first_decode_s"] == pytest.approx(8e-4, rel=0.15)
+    profile = replace(split_profile(), **profile_fields(fit))
+    profile.save(tmp_path / "first.json")
+    assert load_profile(tmp_path / "first.json").per_first_decode_s == fit["per_first_decode_s"]
+    assert fit_step_time([r[:6] for r in rows], loss="l1")["per_first_decode_s"] == 0.0
+    with pytest.raises(ValueError):
+        profile.step_time_s(4, 10, 2, 1, 3, 3)  # more first decodes than decodes

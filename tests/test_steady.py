@@ -74,7 +74,8 @@ def _controller(spec: str, profile, seed: int) -> Controller:
 
 def _run(spec, workload, capacity, eviction, listed, cancels, fail_at, seed, sync, record=True):
     """Drive one engine; the state after every step, and the requests and the metrics at the end."""
-    profile = step_profile(kv_capacity_tokens=capacity, noise_sigma=0.3, per_token_s=0.05, per_kv_token_s=0.01)
+    profile = step_profile(kv_capacity_tokens=capacity, noise_sigma=0.3, per_token_s=0.05, per_kv_token_s=0.01,
+                           per_prefill_s=0.2, per_prefill_pair_s=0.001, per_first_decode_s=0.5)
     core = make_engine(_controller(spec, profile, seed), capacity, eviction=eviction, record_steps=record)
     executor = (ListedFailing if listed else Failing)(profile, fail_at)
     executor.noise = SimExecutor(profile, seed).noise
@@ -225,3 +226,30 @@ def test_steady_decodes_schedule_exactly_under_evictions_and_chunked_recompute(w
     listed, listed_final, _ = _run(spec, workload, capacity, "recompute", True, {}, frozenset(), seed, True)
     event(f"evictions: {core.metrics.evictions > 0}")
     assert steady == listed and steady_final == listed_final
+
+
+def test_a_requests_first_decode_is_counted_once_listed_or_steady():
+    """Each request's decode right after its prefill is a first decode, whichever way it is counted."""
+    seen = {}
+
+    class Spy(SimExecutor):
+        def execute(self, batch):
+            seen.setdefault(type(self).__name__, []).append(batch.first_decodes)
+            return super().execute(batch)
+
+    class ListedSpy(Spy):
+        reads_requests = True
+
+    profile = step_profile()
+    for executor in (Spy, ListedSpy):
+        core = make_engine(build_controller("greedy", profile))
+        core.executor = executor(profile)
+        for i, arrival in enumerate((0.0, 0.0, 2.0)):
+            core.add_request(req(i, 5, 6, arrival=arrival))
+            if i == 1:  # two prefill together, one first decode each next step
+                core.step()
+                core.step()
+        while core.has_unfinished:
+            core.step()
+    assert seen["Spy"] == seen["ListedSpy"]
+    assert sum(seen["Spy"]) == 3 and seen["Spy"][:2] == [0, 2]

@@ -85,6 +85,7 @@ class _Recorded:
     decodes = [0, 1, 6, 4]
     prefills = [0, 0, 1, 2]
     prefill_pairs = [0, 0, 6, 30000]
+    first_decodes = [0, 1, 2, 0]
 
 
 @pytest.mark.parametrize("per_decode_token_s", [None, 3e-4])
@@ -95,9 +96,9 @@ def test_step_time_errors_predict_with_the_profiles_formula(per_decode_token_s, 
     real = [0.5, 0.003, 0.004, 0.06]
     errors = step_time_errors(_Recorded(), real, profile)
     assert errors["steps"] == 3  # the idle step is left out
-    expected = [profile.step_time_s(t, k, n, c, q) for t, k, n, c, q in
+    expected = [profile.step_time_s(t, k, n, c, q, f) for t, k, n, c, q, f in
                 zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:], _Recorded.decodes[1:], _Recorded.prefills[1:],
-                    _Recorded.prefill_pairs[1:])]
+                    _Recorded.prefill_pairs[1:], _Recorded.first_decodes[1:])]
     assert (expected[2] - profile.step_time_s(300, 20000, 4) == pytest.approx(2 * per_prefill_s))
     np.testing.assert_array_equal(errors["predicted_s"], expected)
     ape = np.abs(np.array(expected) - real[1:]) / real[1:]

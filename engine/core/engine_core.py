@@ -227,6 +227,7 @@ class EngineCore:
         # steady requests by the tick, modulo the block size, at which their next token starts a block
         self._steady_blocks: list[list[Request]] = [[] for _ in range(block_size)]
         self._rotating = False  # the last batch served only some of the decodes
+        self._steady_first = (0, 0)  # (tick, steady requests joined at it with one output token)
         self._evicted_last_step = 0
         self._decode_offset = 0  # round-robin start of the decodes served when the budget cuts them
         self._token_budget = 8192  # the last applied token budget, for TTFT predictions
@@ -738,6 +739,14 @@ class EngineCore:
         self._decode_kv_steps += kv_read
         batch.num_decodes = n_decodes
         batch.kv_tokens_read = kv_read
+        first = 0
+        for r in reqs:  # the listed decodes (all of the list so far)
+            first += r.num_output_tokens == 1
+        if steady:
+            fresh_tick, fresh = self._steady_first
+            if fresh_tick == self._tick:
+                first += fresh
+        batch.first_decodes = first
         return prefilling
 
     def _rotate_decodes(self, decodes: list[Request], budget: int) -> int:
@@ -822,11 +831,10 @@ class EngineCore:
             r.decode_lag = lag
             self._steady += 1
             self._steady_base += r.prompt_len - lag
-            end = r.max_tokens
-            target = r.target_output_len
-            if target is not None and target < end:
-                end = target
-            heappush(self._steady_ends, (end + lag, r.activation_seq, r))
+            heappush(self._steady_ends, (_end_tokens(r) + lag, r.activation_seq, r))
+            if out == 1:  # its next decode is its first (Batch.first_decodes)
+                fresh_tick, fresh = self._steady_first
+                self._steady_first = (tick, fresh + 1 if fresh_tick == tick else 1)
             # its tokens start blocks at ticks t with prompt_len + t - lag = 1 modulo the block size
             self._steady_blocks[(1 + lag - r.prompt_len) % bs_tokens].append(r)
             joined = True
@@ -854,6 +862,9 @@ class EngineCore:
         r.decode_lag = None
         self._steady -= 1
         self._steady_base -= r.prompt_len - lag
+        fresh_tick, fresh = self._steady_first
+        if out == 1 and fresh_tick == self._tick:
+            self._steady_first = (fresh_tick, fresh - 1)
         self._steady_blocks[(1 + lag - r.prompt_len) % self.pool.block_size].remove(r)
 
     def _dissolve_steady(self) -> None:
@@ -864,6 +875,7 @@ class EngineCore:
             r.decode_lag = None
         self._steady = self._steady_base = 0
         self._steady_ends = []
+        self._steady_first = (0, 0)
         for due in self._steady_blocks:
             due.clear()
         self._explicit = list(self.running)
@@ -1025,6 +1037,12 @@ class EngineCore:
                 self._end(r, RequestState.FAILED, reason, now, ended)
         self.running = [r for r in self.running if r.state is _RUNNING]
         self._explicit = [r for r in self._explicit if r.state is _RUNNING]
+
+
+def _end_tokens(r: Request) -> int:
+    """The output length at which ``r`` ends for certain: ``max_tokens``, or the target length."""
+    target = r.target_output_len
+    return target if target is not None and target < r.max_tokens else r.max_tokens
 
 
 def _real(x: object) -> float | None:

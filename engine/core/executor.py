@@ -21,7 +21,7 @@ class Batch:
     """
 
     __slots__ = ("requests", "num_new_tokens", "num_tokens", "kv_tokens_read", "num_decodes", "num_prefills",
-                 "prefill_pairs")
+                 "prefill_pairs", "first_decodes")
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
@@ -33,6 +33,8 @@ class Batch:
         # query-key pairs of the prefills' attention: a chunk of n tokens after c cached ones has
         # n c + n (n + 1) / 2 (each of its tokens attends to every token up to itself)
         self.prefill_pairs = 0
+        # decodes that are a request's first (the one after its prefill sampled the first token)
+        self.first_decodes = 0
 
     def __len__(self) -> int:
         return len(self.requests)

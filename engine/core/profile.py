@@ -3,14 +3,15 @@
 The simulator's step duration is linear in the work of the step::
 
     t = base_s + per_token_s * P + per_decode_token_s * D + per_kv_token_s * K + per_prefill_s * C
-        + per_prefill_pair_s * Q
+        + per_prefill_pair_s * Q + per_first_decode_s * F
 
 where P is the number of prefill tokens the step processes, D the number of decoding requests
 (one new token each), K the number of KV tokens its attention reads (the sum over the batch of
 each request's context length, cached tokens plus the new ones) and C the number of prefill
 chunks (requests prefilling in the step; ``per_prefill_s`` is each one's fixed cost, 0 unless
 fitted) and Q the query-key pairs of their attention (a chunk of n tokens after c cached ones
-has n c + n (n + 1) / 2: prefill attention grows with the square of the prompt; 0 unless fitted). A profile without
+has n c + n (n + 1) / 2: prefill attention grows with the square of the prompt; 0 unless fitted)
+and F the decodes that are a request's first after its prefill (0 unless fitted). A profile without
 ``per_decode_token_s`` charges decode tokens ``per_token_s`` too (``base_s + per_token_s * T +
 per_kv_token_s * K`` with T = P + D, the older one-cost model). A step with no tokens takes
 ``idle_s``, the simulator's tick while nothing can run.
@@ -75,6 +76,7 @@ _FILE_KEY = {
     "noise_corr": "step_time.noise_corr",
     "noise_sigma_below": "step_time.noise_sigma_below",
     "per_prefill_pair_s": "step_time.per_prefill_pair_s",
+    "per_first_decode_s": "step_time.per_first_decode_s",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -84,7 +86,7 @@ _FILE_KEY = {
     "max_num_seqs": "max_num_seqs",
 }
 _NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr",
-                 "per_prefill_pair_s")
+                 "per_prefill_pair_s", "per_first_decode_s")
 #: fields that may be None (absent from the file)
 _OPTIONAL = ("idle_s", "per_decode_token_s", "noise_sigma_below")
 #: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
@@ -113,6 +115,7 @@ class Profile:
         independent steps).
     :param noise_sigma_below: sigma of the factor's log below the median (None: ``noise_sigma``).
     :param per_prefill_pair_s: seconds per query-key pair of the prefills' attention.
+    :param per_first_decode_s: seconds per decode that is a request's first after its prefill.
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -144,6 +147,7 @@ class Profile:
     noise_corr: float = 0.0
     noise_sigma_below: float | None = None
     per_prefill_pair_s: float = 0.0
+    per_first_decode_s: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -160,7 +164,7 @@ class Profile:
         return self.per_token_s if self.per_decode_token_s is None else self.per_decode_token_s
 
     def step_time_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0, num_prefills: int = 0,
-                    prefill_pairs: int = 0) -> float:
+                    prefill_pairs: int = 0, first_decodes: int = 0) -> float:
         """Median duration of one engine step in seconds (the noise, if any, is the simulator's).
 
         :param num_tokens: new tokens processed in the step (T = P + D); 0 for an idle tick.
@@ -168,11 +172,14 @@ class Profile:
         :param num_decodes: how many of the T tokens are decodes (D, one per decoding request).
         :param num_prefills: prefill chunks among the step's work (C, at most P).
         :param prefill_pairs: query-key pairs of the prefill chunks' attention (Q).
+        :param first_decodes: decodes that are a request's first after its prefill (F, at most D).
         :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K +
-            per_prefill_s * C + per_prefill_pair_s * Q``, or the idle tick when T is 0.
+            per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F``, or the idle tick
+            when T is 0.
         """
         if (num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= num_tokens
-                or not 0 <= num_prefills <= num_tokens - num_decodes or prefill_pairs < 0):
+                or not 0 <= num_prefills <= num_tokens - num_decodes or prefill_pairs < 0
+                or not 0 <= first_decodes <= num_decodes):
             raise ValueError(
                 f"step token counts must be non-negative with decodes and prefill chunks among the tokens, got "
                 f"{num_tokens} tokens, {num_decodes} decodes, {num_prefills} prefill chunks and {kv_tokens_read} "
@@ -186,6 +193,8 @@ class Profile:
             t += self.per_prefill_s * num_prefills
         if self.per_prefill_pair_s:
             t += self.per_prefill_pair_s * prefill_pairs
+        if self.per_first_decode_s:
+            t += self.per_first_decode_s * first_decodes
         return t
 
     def to_dict(self) -> dict:
@@ -202,6 +211,8 @@ class Profile:
             step_time["noise_sigma_below"] = self.noise_sigma_below
         if self.per_prefill_pair_s:
             step_time["per_prefill_pair_s"] = self.per_prefill_pair_s
+        if self.per_first_decode_s:
+            step_time["per_first_decode_s"] = self.per_first_decode_s
         if self.per_prefill_s:
             step_time["per_prefill_s"] = self.per_prefill_s
         if self.idle_s is not None:
@@ -290,7 +301,8 @@ def _fields_from_file(data: Any) -> dict:
             raise _Invalid(f"missing required key {key!r}")
     step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s",
                                              "per_decode_token_s", "noise_sigma", "per_prefill_s",
-                                             "noise_corr", "noise_sigma_below", "per_prefill_pair_s"})
+                                             "noise_corr", "noise_sigma_below", "per_prefill_pair_s",
+                                             "per_first_decode_s"})
     for key in ("base_s", "per_token_s", "per_kv_token_s"):
         if key not in step_time:
             raise _Invalid(f"missing required key 'step_time.{key}'")
@@ -311,6 +323,7 @@ def _fields_from_file(data: Any) -> dict:
         "noise_corr": step_time.get("noise_corr", 0.0),
         "noise_sigma_below": step_time.get("noise_sigma_below"),
         "per_prefill_pair_s": step_time.get("per_prefill_pair_s", 0.0),
+        "per_first_decode_s": step_time.get("per_first_decode_s", 0.0),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

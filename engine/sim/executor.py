@@ -48,7 +48,7 @@ class StepNoise:
 
 
 class SimExecutor:
-    """A step takes ``profile.step_time_s(T, K, D, C, Q)``, the profile's one step-time formula, times a
+    """A step takes ``profile.step_time_s(T, K, D, C, Q, F)``, the profile's one step-time formula, times a
     seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact).
 
     :param profile: the replica's profile (``engine.core.profile.Profile``).
@@ -66,7 +66,7 @@ class SimExecutor:
 
     def execute(self, batch: Batch) -> StepResult:
         t = self.step_time_s(batch.num_tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
-                             batch.prefill_pairs)
+                             batch.prefill_pairs, batch.first_decodes)
         if self.noise is not None and batch.num_tokens:
             t *= self.noise()
         return StepResult(t)

@@ -1,14 +1,14 @@
 """Fit the simulator's step-time model to timed steps (numpy only).
 
 The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * P + per_decode_token_s * D +
-per_kv_token_s * K + per_prefill_s * C + per_prefill_pair_s * Q`` for a step with P prefill
-tokens in C chunks whose attention has Q query-key pairs and D decodes, that reads K KV tokens.
-Rows that do not say D, or that never mix the two, get one cost per token (``base_s +
-per_token_s * T + per_kv_token_s * K``); rows that do not say C leave ``per_prefill_s`` at 0,
-and rows that do not say Q ``per_prefill_pair_s``. The fit keeps the coefficients non-negative
-and weighs every step by its relative error, so short steps count as much as long ones. The
-rows come from the profiler's grid (``engine.real.profiler``) or from serving runs
-(``engine.twin.fit``).
+per_kv_token_s * K + per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F`` for
+a step with P prefill tokens in C chunks whose attention has Q query-key pairs and D decodes, F
+of them a request's first, that reads K KV tokens. Rows that do not say D, or that never mix the
+two, get one cost per token (``base_s + per_token_s * T + per_kv_token_s * K``); rows that do not
+say C, Q or F leave ``per_prefill_s``, ``per_prefill_pair_s`` or ``per_first_decode_s`` at 0.
+The fit keeps the coefficients non-negative and weighs every step by its relative error, so
+short steps count as much as long ones. The rows come from the profiler's grid
+(``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
 
 The noise model is fitted from what the linear model leaves, the log of real over predicted step
 time in the order the steps ran. Real steps rarely run much faster than their median and now
@@ -44,8 +44,9 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     """Fit the step-time model to timed steps; returns coefficients, the noise sigma and fit quality.
 
     :param rows: ``(new tokens, KV tokens read, seconds)``, ``(new tokens, KV tokens read, seconds,
-        decodes)``, ``(..., decodes, prefill chunks)`` or ``(..., prefill chunks, prefill pairs)``
-        of timed steps, in the order they ran; rows with no time are dropped.
+        decodes)``, ``(..., decodes, prefill chunks)``, ``(..., prefill chunks, prefill pairs)`` or
+        ``(..., prefill pairs, first decodes)`` of timed steps, in the order they ran; rows with
+        no time are dropped.
     :param heldout_fraction: share of the rows (at least 8 needed) held out to report ``heldout_mape``.
     :param seed: seeds the choice of held-out rows.
     :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute error
@@ -55,7 +56,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         relative to the real time instead would put the model below the median, by a factor
         ``exp(-sigma^2)`` under log-normal noise).
     :return: ``base_s``, ``per_token_s``, ``per_kv_token_s``, ``per_decode_token_s`` (None without
-        a split), ``per_prefill_s`` and ``per_prefill_pair_s`` (0 without their counts),
+        a split), ``per_prefill_s``, ``per_prefill_pair_s`` and ``per_first_decode_s`` (0 without
+        their counts),
         ``noise_sigma``, ``noise_sigma_below`` and ``noise_corr``
         (fitted on all rows), ``r2`` and ``mape`` on all rows, ``heldout_mape`` of a fit on the
         other rows, and ``points``.
@@ -80,7 +82,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
             "per_decode_token_s": float(coef[3]) if split else None,
             "per_prefill_s": float(coef[4]) if data.shape[1] >= 5 else 0.0,
-            "per_prefill_pair_s": float(coef[5]) if data.shape[1] == 6 else 0.0,
+            "per_prefill_pair_s": float(coef[5]) if data.shape[1] >= 6 else 0.0,
+            "per_first_decode_s": float(coef[6]) if data.shape[1] == 7 else 0.0,
             "noise_sigma": noise_sigma(t / pred), "noise_sigma_below": noise_sigma_below(t / pred),
             "noise_corr": noise_corr(t / pred), "loss": loss,
             "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
@@ -146,6 +149,7 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     fields["per_decode_token_s"] = fit.get("per_decode_token_s")
     fields["per_prefill_s"] = fit.get("per_prefill_s", 0.0)
     fields["per_prefill_pair_s"] = fit.get("per_prefill_pair_s", 0.0)
+    fields["per_first_decode_s"] = fit.get("per_first_decode_s", 0.0)
     with_noise = noise and fit.get("loss") == "l1"
     fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if with_noise else 0.0
     fields["noise_corr"] = fit.get("noise_corr", 0.0) if with_noise and fields["noise_sigma"] else 0.0
@@ -155,8 +159,8 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
 
 def _with_split(data: np.ndarray) -> np.ndarray:
     """Rows with a time, as ``(T, K, t)`` or, where prefill and decode costs can be told apart,
-    ``(P, K, t, D)`` (P = T - D prefill tokens), with the prefill chunks C as a fifth column and
-    their pairs Q as a sixth where rows say them."""
+    ``(P, K, t, D)`` (P = T - D prefill tokens), with the prefill chunks C as a fifth column,
+    their pairs Q as a sixth and the first decodes F as a seventh where rows say them."""
     data = data[data[:, 2] > 0]
     if data.shape[1] < 4:
         return data[:, :3]
@@ -166,7 +170,9 @@ def _with_split(data: np.ndarray) -> np.ndarray:
         return data[:, :3]
     if data.shape[1] >= 5:
         cols = [prefill, data[:, 1], data[:, 2], decodes, np.minimum(data[:, 4], prefill)]
-        return np.column_stack(cols + [data[:, 5]] if data.shape[1] >= 6 else cols)
+        cols += [data[:, 5]] if data.shape[1] >= 6 else []
+        cols += [np.minimum(data[:, 6], decodes)] if data.shape[1] >= 7 else []
+        return np.column_stack(cols)
     return np.column_stack([prefill, data[:, 1], data[:, 2], decodes])
 
 
@@ -187,7 +193,7 @@ def binned_samples(rows, max_bins: int = 120) -> list[dict]:
 
 def _design(data) -> np.ndarray:
     """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, ``[1, P, K, D]``,
-    ``[1, P, K, D, C]`` or ``[1, P, K, D, C, Q]``."""
+    and on up to ``[1, P, K, D, C, Q, F]``."""
     cols = [np.ones(len(data)), data[:, 0], data[:, 1]]
     cols += [data[:, i] for i in range(3, data.shape[1])]
     return np.column_stack(cols)
@@ -195,7 +201,7 @@ def _design(data) -> np.ndarray:
 
 def _predict(coef, data) -> np.ndarray:
     """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s[, per_prefill_s[,
-    per_prefill_pair_s]]])``
+    per_prefill_pair_s[, per_first_decode_s]]]])``
     predict for the rows while fitting (the linear model being fitted; a finished fit becomes a ``Profile``)."""
     return _design(data) @ coef
 

@@ -45,13 +45,16 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -
     dec = np.asarray(recorder.decodes, dtype=float)
     chunks = np.asarray(recorder.prefills, dtype=float)
     pairs = np.asarray(recorder.prefill_pairs, dtype=float)
+    firsts = np.asarray(recorder.first_decodes, dtype=float)
     d = np.asarray(durations, dtype=float)[:len(t)]
     busy = t > 0
     t, k, dec, chunks, pairs, d = t[busy], k[busy], dec[busy], chunks[busy], pairs[busy], d[busy]
-    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n), int(c), int(q))
-                     for tokens, kv, n, c, q in zip(t, k, dec, chunks, pairs)], dtype=float)
+    firsts = firsts[busy]
+    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n), int(c), int(q), int(f))
+                     for tokens, kv, n, c, q, f in zip(t, k, dec, chunks, pairs, firsts)], dtype=float)
     ape = np.abs(pred - d) / d
     return {"tokens": t, "kv_tokens_read": k, "decodes": dec, "prefills": chunks, "prefill_pairs": pairs,
+            "first_decodes": firsts,
             "real_s": d, "predicted_s": pred,
             "mape": float(ape.mean()), "median_ape": float(np.median(ape)),
             "total_time_error": float(pred.sum() / d.sum() - 1.0), "steps": int(busy.sum())}
@@ -62,11 +65,12 @@ def refit_floor(errors: dict) -> dict:
     model's median can do, so the part of the MAPE above it is the profile's, the rest step-to-step
     noise or beyond the linear model."""
     floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["decodes"],
-                                   errors["prefills"], errors["prefill_pairs"])), loss="l1")
+                                   errors["prefills"], errors["prefill_pairs"], errors["first_decodes"])), loss="l1")
     return {"refit_mape": floor["mape"],
             "refit_coefficients": {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s",
                                                          "per_decode_token_s", "per_prefill_s",
-                                                         "per_prefill_pair_s", "noise_sigma", "noise_sigma_below",
+                                                         "per_prefill_pair_s", "per_first_decode_s", "noise_sigma",
+                                                         "noise_sigma_below",
                                                          "noise_corr")}}
 
 
@@ -105,14 +109,14 @@ def step_errors_by_size(errors: dict) -> list[dict]:
 
 def _write_steps_csv(path: Path, errors: dict) -> None:
     """Every non-empty real step, in the order they ran: T, K, real and predicted seconds, decodes D
-    among the T tokens, prefill chunks C and their attention's query-key pairs Q (``tidegate
-    profile --from-steps`` reads it)."""
+    among the T tokens, prefill chunks C, their attention's query-key pairs Q and the first
+    decodes F (``tidegate profile --from-steps`` reads it)."""
     with open(path, "w") as f:
-        f.write("tokens,kv_tokens_read,real_s,predicted_s,decodes,prefills,prefill_pairs\n")
-        for t, k, r, p, n, c, q in zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"],
-                                       errors["predicted_s"], errors["decodes"], errors["prefills"],
-                                       errors["prefill_pairs"]):
-            f.write(f"{int(t)},{int(k)},{r:.7g},{p:.7g},{int(n)},{int(c)},{int(q)}\n")
+        f.write("tokens,kv_tokens_read,real_s,predicted_s,decodes,prefills,prefill_pairs,first_decodes\n")
+        for t, k, r, p, n, c, q, fd in zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"],
+                                           errors["predicted_s"], errors["decodes"], errors["prefills"],
+                                           errors["prefill_pairs"], errors["first_decodes"]):
+            f.write(f"{int(t)},{int(k)},{r:.7g},{p:.7g},{int(n)},{int(c)},{int(q)},{int(fd)}\n")
 
 
 def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:

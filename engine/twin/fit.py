@@ -84,19 +84,19 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
 
 
 def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, model: str, device, dtype,
-                      seed: int, log) -> tuple[list[tuple[int, int, float, int, int, int]], list[dict]]:
-    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds, D, C, Q)`` of every non-empty
-    step in the order they ran, and per run its step count and median single-token step."""
-    rows: list[tuple[int, int, float, int, int, int]] = []
+                      seed: int, log) -> tuple[list[tuple[int, int, float, int, int, int, int]], list[dict]]:
+    """Replay ``arrivals`` ``runs`` times; the pooled ``(T, K, seconds, D, C, Q, F)`` of every
+    non-empty step in the order they ran, and per run its step count and median single-token step."""
+    rows: list[tuple[int, int, float, int, int, int, int]] = []
     per_run = []
     for run in range(runs):
         controller = build_controller(controller_spec, base, arrivals)
         core, recorder = replay_real(arrivals, base, controller, model=model, device=device, dtype=dtype, seed=seed,
                                      log=log)
         durations = core.metrics.step_duration_s
-        got = [(t, k, d, n, c, q) for t, k, d, n, c, q in zip(recorder.tokens, recorder.kv_tokens_read, durations,
-                                                                 recorder.decodes, recorder.prefills,
-                                                                 recorder.prefill_pairs) if t > 0]
+        got = [(t, k, d, n, c, q, f) for t, k, d, n, c, q, f in
+               zip(recorder.tokens, recorder.kv_tokens_read, durations, recorder.decodes, recorder.prefills,
+                   recorder.prefill_pairs, recorder.first_decodes) if t > 0]
         rows += got
         single = [row[2] for row in got if row[0] == 1]
         per_run.append({"steps": len(got), "batch1_decode_median_s": float(np.median(single)) if single else None})
@@ -109,7 +109,8 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
 def read_steps_csv(path) -> list[tuple]:
     """``(T, K, seconds)`` rows of a ``twin_steps.csv`` written by ``twin-check``, ``(T, K, seconds,
     D)`` when it has the ``decodes`` column, ``(T, K, seconds, D, C)`` when it has ``prefills`` too
-    and ``(T, K, seconds, D, C, Q)`` with ``prefill_pairs`` (files from before any of them still read)."""
+    ``(T, K, seconds, D, C, Q)`` with ``prefill_pairs`` and ``(..., F)`` with ``first_decodes``
+    (files from before any of them still read)."""
     rows: list[tuple] = []
     with open(path) as f:
         header = f.readline().strip().split(",")
@@ -121,6 +122,7 @@ def read_steps_csv(path) -> list[tuple]:
         idec = header.index("decodes") if "decodes" in header else None
         ipre = header.index("prefills") if idec is not None and "prefills" in header else None
         ipairs = header.index("prefill_pairs") if ipre is not None and "prefill_pairs" in header else None
+        ifirst = header.index("first_decodes") if ipairs is not None and "first_decodes" in header else None
         for line in f:
             parts = line.strip().split(",")
             if len(parts) == len(header) and int(parts[it]) > 0:
@@ -131,6 +133,8 @@ def read_steps_csv(path) -> list[tuple]:
                     row = (*row, int(parts[ipre]))
                 if ipairs is not None:
                     row = (*row, int(parts[ipairs]))
+                if ifirst is not None:
+                    row = (*row, int(parts[ifirst]))
                 rows.append(row)
     if len(rows) < 3:
         raise ValueError(f"{path}: fewer than 3 steps to fit")

@@ -28,8 +28,8 @@ LOG_EVERY_S = 10.0
 
 
 class RecordingExecutor:
-    """Wraps an executor and records the work (T, K, the decodes D among T, the prefill chunks C
-    and their attention's query-key pairs Q) of every step it runs."""
+    """Wraps an executor and records the work (T, K, the decodes D among T, the prefill chunks C,
+    their attention's query-key pairs Q and the first decodes F) of every step it runs."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -38,6 +38,7 @@ class RecordingExecutor:
         self.decodes: list[int] = []
         self.prefills: list[int] = []
         self.prefill_pairs: list[int] = []
+        self.first_decodes: list[int] = []
 
     def execute(self, batch: Batch) -> StepResult:
         self.tokens.append(batch.num_tokens)
@@ -45,6 +46,7 @@ class RecordingExecutor:
         self.decodes.append(batch.num_decodes)
         self.prefills.append(batch.num_prefills)
         self.prefill_pairs.append(batch.prefill_pairs)
+        self.first_decodes.append(batch.first_decodes)
         return self.inner.execute(batch)
 
     def release(self, request: Request) -> None:
@@ -57,6 +59,7 @@ class RecordingExecutor:
         self.decodes.clear()
         self.prefills.clear()
         self.prefill_pairs.clear()
+        self.first_decodes.clear()
 
 
 def replay_real(arrivals, profile: Profile, controller, model: str = "tiny", device=None, dtype=None,

@@ -63,10 +63,7 @@ class BlockPool:
             return True
         if need > len(self._free):
             return False
-        if need == 1:  # the common case: a decode whose new token starts a block
-            request.block_ids.append(self._free.popleft())
-        else:
-            request.block_ids.extend(map(_popleft, repeat(self._free, need)))
+        request.block_ids.extend(map(_popleft, repeat(self._free, need)))
         return True
 
     def add_one_block(self, requests: list[Request]) -> None:

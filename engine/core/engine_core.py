@@ -847,9 +847,8 @@ class EngineCore:
         heap = self._steady_ends
         if not heap or heap[0][0] > tick:
             return False
-        for r in self._due(heap, tick):  # each ends at min(max_tokens, target_output_len) tokens
-            target = r.target_output_len
-            self._end(r, _FINISHED, "stop" if target is not None and target < r.max_tokens else "length", now, ended)
+        for r in self._due(heap, tick):
+            self._end(r, _FINISHED, "length" if _end_tokens(r) == r.max_tokens else "stop", now, ended)
         return True
 
     def _leave_steady(self, r: Request) -> None:

@@ -14,6 +14,12 @@ UNLIMITED = 1 << 60
 STEADY_RATE_EVENTS = 256
 
 
+class _RateSource(Protocol):
+    """An events-per-second estimate (``engine.core.engine_core.RateEstimator``)."""
+
+    def rate(self, now_s: float) -> float: ...
+
+
 class ReplicaProfile(Protocol):
     """What controllers read of a replica's profile (``engine.core.profile.Profile`` has it all):
     the step-time model ``base_s + per_token_s * T + per_kv_token_s * K`` (a profile may add a
@@ -46,11 +52,24 @@ class Observation:
     they must not keep references to it across steps if they need history.
     """
 
-    __slots__ = (
+    #: the fields, in order
+    FIELDS = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
         "num_waiting", "num_running", "waiting_prompt_tokens", "head_prompt_tokens",
         "arrival_rate_rps", "offered_rate_rps", "completion_rate_rps", "served_rate_rps", "last_step_time_s",
         "last_step_tokens",
+        "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
+        "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
+        "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
+        "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
+        "running_prompt_tokens", "ttft_error_p90_s",
+    )
+    __slots__ = (
+        "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
+        "num_waiting", "num_running", "waiting_prompt_tokens", "head_prompt_tokens",
+        "_arrival_rate_rps", "_offered_rate_rps", "_completion_rate_rps", "_served_rate_rps",
+        "_arrival_sources", "_completion_sources",
+        "last_step_time_s", "last_step_tokens",
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
@@ -69,13 +88,12 @@ class Observation:
         #: tokens waiting requests must prefill (an evicted request's kept output included)
         self.waiting_prompt_tokens = 0
         self.head_prompt_tokens = 0
-        self.arrival_rate_rps = 0.0
-        #: arrivals per second over at least the last ``STEADY_RATE_EVENTS`` arrivals: steadier
-        #: than ``arrival_rate_rps`` (a Poisson rate within about 6%), slower to follow a change
-        self.offered_rate_rps = 0.0
-        self.completion_rate_rps = 0.0
-        #: completions per second over at least the last ``STEADY_RATE_EVENTS`` completions
-        self.served_rate_rps = 0.0
+        self._arrival_sources: tuple[_RateSource, _RateSource] | None = None
+        self._completion_sources: tuple[_RateSource, _RateSource] | None = None
+        self._arrival_rate_rps = 0.0
+        self._offered_rate_rps = 0.0
+        self._completion_rate_rps = 0.0
+        self._served_rate_rps = 0.0
         self.last_step_time_s = 0.0
         self.last_step_tokens = 0
         self.ttft_recent_s = 0.0
@@ -134,12 +152,88 @@ class Observation:
         #: choice of order, which no prediction at arrival is meant to foresee
         self.ttft_error_p90_s = 0.0
 
+    # The four rates are computed when first read, not at every step: most controllers read none
+    # of them, and the estimates are a tenth of a simulated step. ``defer_rates`` hands the
+    # estimators in at the step's start; the first read, write or copy of a rate computes it and
+    # its pair's at ``now_s``. The engine settles a pair before it adds an event to its
+    # estimators, so a late read sees what an eager one would have.
+    def defer_rates(self, arrivals: _RateSource, offered: _RateSource, completions: _RateSource,
+                    served: _RateSource) -> None:
+        """Compute the four rates from these estimators at ``now_s`` when first read."""
+        self._arrival_sources = (arrivals, offered)
+        self._completion_sources = (completions, served)
+
+    def settle_arrival_rates(self) -> None:
+        """Compute ``arrival_rate_rps`` and ``offered_rate_rps`` now, if they are deferred."""
+        sources = self._arrival_sources
+        if sources is not None:
+            self._arrival_sources = None
+            self._arrival_rate_rps = sources[0].rate(self.now_s)
+            self._offered_rate_rps = sources[1].rate(self.now_s)
+
+    def settle_completion_rates(self) -> None:
+        """Compute ``completion_rate_rps`` and ``served_rate_rps`` now, if they are deferred."""
+        sources = self._completion_sources
+        if sources is not None:
+            self._completion_sources = None
+            self._completion_rate_rps = sources[0].rate(self.now_s)
+            self._served_rate_rps = sources[1].rate(self.now_s)
+
+    @property
+    def arrival_rate_rps(self) -> float:
+        """Arrivals per second (``engine.core.engine_core.RateEstimator``)."""
+        if self._arrival_sources is not None:
+            self.settle_arrival_rates()
+        return self._arrival_rate_rps
+
+    @arrival_rate_rps.setter
+    def arrival_rate_rps(self, value: float) -> None:
+        self.settle_arrival_rates()
+        self._arrival_rate_rps = value
+
+    @property
+    def offered_rate_rps(self) -> float:
+        """Arrivals per second over at least the last ``STEADY_RATE_EVENTS`` arrivals: steadier
+        than ``arrival_rate_rps`` (a Poisson rate within about 6%), slower to follow a change."""
+        if self._arrival_sources is not None:
+            self.settle_arrival_rates()
+        return self._offered_rate_rps
+
+    @offered_rate_rps.setter
+    def offered_rate_rps(self, value: float) -> None:
+        self.settle_arrival_rates()
+        self._offered_rate_rps = value
+
+    @property
+    def completion_rate_rps(self) -> float:
+        """Completions per second."""
+        if self._completion_sources is not None:
+            self.settle_completion_rates()
+        return self._completion_rate_rps
+
+    @completion_rate_rps.setter
+    def completion_rate_rps(self, value: float) -> None:
+        self.settle_completion_rates()
+        self._completion_rate_rps = value
+
+    @property
+    def served_rate_rps(self) -> float:
+        """Completions per second over at least the last ``STEADY_RATE_EVENTS`` completions."""
+        if self._completion_sources is not None:
+            self.settle_completion_rates()
+        return self._served_rate_rps
+
+    @served_rate_rps.setter
+    def served_rate_rps(self, value: float) -> None:
+        self.settle_completion_rates()
+        self._served_rate_rps = value
+
     @property
     def kv_usage(self) -> float:
         return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in self.FIELDS}
 
     def copy(self, into: Observation | None = None) -> Observation:
         """A copy of every field, written into ``into`` when given (no allocation) or a new Observation.
@@ -147,6 +241,9 @@ class Observation:
         One plain assignment per slot, many times faster than ``copy.copy``: the shield hands its
         inner controller a copy at every step and every arrival."""
         o = Observation.__new__(Observation) if into is None else into
+        o._arrival_sources = o._completion_sources = None
+        self.settle_arrival_rates()
+        self.settle_completion_rates()
         o.now_s = self.now_s
         o.step_index = self.step_index
         o.kv_used_tokens = self.kv_used_tokens
@@ -156,10 +253,10 @@ class Observation:
         o.num_running = self.num_running
         o.waiting_prompt_tokens = self.waiting_prompt_tokens
         o.head_prompt_tokens = self.head_prompt_tokens
-        o.arrival_rate_rps = self.arrival_rate_rps
-        o.offered_rate_rps = self.offered_rate_rps
-        o.completion_rate_rps = self.completion_rate_rps
-        o.served_rate_rps = self.served_rate_rps
+        o._arrival_rate_rps = self._arrival_rate_rps
+        o._offered_rate_rps = self._offered_rate_rps
+        o._completion_rate_rps = self._completion_rate_rps
+        o._served_rate_rps = self._served_rate_rps
         o.last_step_time_s = self.last_step_time_s
         o.last_step_tokens = self.last_step_tokens
         o.ttft_recent_s = self.ttft_recent_s

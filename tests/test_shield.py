@@ -319,7 +319,7 @@ def assert_safe(d: Decision, seqs_max: int = 64, tokens_max: int = 1024) -> None
 
 def test_observation_copy_copies_every_slot_into_the_object_given():
     src = Observation()
-    for i, name in enumerate(Observation.__slots__):
+    for i, name in enumerate(Observation.FIELDS):
         setattr(src, name, i + 0.5)
     scratch = Observation()
     assert src.copy(scratch) is scratch and scratch.as_dict() == src.as_dict()

@@ -242,6 +242,17 @@ class EngineCore:
         #: steps whose executor (or the commit of its result) raised, by cause
         self.step_errors: dict[str, int] = {}
 
+    @property
+    def executor(self) -> Executor:
+        """What runs the steps; one may be swapped in between steps."""
+        return self._executor
+
+    @executor.setter
+    def executor(self, executor: Executor) -> None:
+        self._executor = executor
+        #: whether the executor reads the batch's requests, not only its counts (``Executor``)
+        self._lists_requests = getattr(executor, "reads_requests", True)
+
     # ------------------------------------------------------------------ arrivals
     def add_request(self, request: Request, admission: Rejection | None | _Ask = ASK) -> Rejection | None:
         """Queue an arrival, unless it can never fit or the controller refuses it.
@@ -251,6 +262,7 @@ class EngineCore:
             or the Rejection it already answered with, which is recorded here.
         """
         now = self.clock.now()
+        self.obs.settle_arrival_rates()  # as of the last observation, before this arrival counts
         self._arrivals.add(now)
         self._offered.add(now)
         self._offered_decay *= 1.0 - self._workload_alpha
@@ -385,7 +397,7 @@ class EngineCore:
         batch = self._build_batch(decision.token_budget, decision.late_after_s)
 
         try:
-            result = self.executor.execute(batch)
+            result = self._executor.execute(batch)
             if result.duration_s is not None:
                 self.clock.advance(result.duration_s)
             self._commit(batch, result, ended)
@@ -434,10 +446,7 @@ class EngineCore:
         obs.waiting_prompt_tokens = self._waiting_prompt_tokens
         obs.running_prompt_tokens = self._running_prompt_tokens
         obs.head_prompt_tokens = self.waiting[0].prompt_len if self.waiting else 0
-        obs.arrival_rate_rps = self._arrivals.rate(now)
-        obs.offered_rate_rps = self._offered.rate(now)
-        obs.completion_rate_rps = self._completions.rate(now)
-        obs.served_rate_rps = self._served.rate(now)
+        obs.defer_rates(self._arrivals, self._offered, self._completions, self._served)
         obs.evicted_last_step = self._evicted_last_step
         obs.ttft_error_p90_s = self._ttft_error.current(now)
         return obs
@@ -706,7 +715,7 @@ class EngineCore:
         """Put the step's decodes in ``batch`` (steady ones counted, the others listed, rotated
         when they exceed the budget); returns the listed requests that prefill, in activation order."""
         steady = self._steady
-        if steady and (self.on_token is not None or getattr(self.executor, "reads_requests", True)):
+        if steady and (self.on_token is not None or self._lists_requests):
             self._dissolve_steady()
             steady = 0
         reqs = batch.requests
@@ -804,7 +813,7 @@ class EngineCore:
         if result.stopped or result.failed:
             any_done |= self._end_stopped_and_failed(result, now, ended)
         joined = (requests and token_ids is None and on_token is None and not self._rotating
-                  and not getattr(self.executor, "reads_requests", True) and self._join_steady(requests))
+                  and not self._lists_requests and self._join_steady(requests))
         if any_done:
             self.running = [r for r in self.running if r.state is _RUNNING]
         if any_done or joined:
@@ -948,6 +957,7 @@ class EngineCore:
             self.metrics.on_terminal(r)
 
     def _record_completion(self, r: Request, now: float) -> None:
+        self.obs.settle_completion_rates()
         self._completions.add(now)
         self._served.add(now)
         obs, a, aw = self.obs, self._ewma_alpha, self._workload_alpha

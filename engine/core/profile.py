@@ -184,6 +184,12 @@ class Profile:
                 f"step token counts must be non-negative with decodes and prefill chunks among the tokens, got "
                 f"{num_tokens} tokens, {num_decodes} decodes, {num_prefills} prefill chunks and {kv_tokens_read} "
                 f"KV tokens read")
+        return self.median_step_s(num_tokens, kv_tokens_read, num_decodes, num_prefills, prefill_pairs, first_decodes)
+
+    def median_step_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0, num_prefills: int = 0,
+                      prefill_pairs: int = 0, first_decodes: int = 0) -> float:
+        """``step_time_s`` without its check of the counts, for a caller whose counts hold by
+        construction (the simulator's executor, at every step)."""
         if num_tokens == 0:
             return self.base_s if self.idle_s is None else self.idle_s
         t = self.base_s + self.per_token_s * num_tokens + self.per_kv_token_s * kv_tokens_read

@@ -116,7 +116,7 @@ class Snapshot:
     decision_times: list[float] = field(default_factory=list)
 
 
-_OBS_SLOTS = Observation.__slots__
+_OBS_SLOTS = Observation.FIELDS
 
 
 def observation_of(values: tuple) -> Observation:

@@ -60,7 +60,7 @@ class SimExecutor:
     reads_requests = False
 
     def __init__(self, profile: Profile, seed: int = 0) -> None:
-        self.step_time_s = profile.step_time_s
+        self.step_time_s = profile.median_step_s  # the engine's counts are consistent by construction
         self.noise = (StepNoise(profile.noise_sigma, seed, profile.noise_corr, profile.noise_sigma_below)
                       if profile.noise_sigma else None)
 

@@ -1,0 +1,93 @@
+"""The observation's rates are computed when first read, and read as if computed at once.
+
+``EngineCore._observe`` hands the rate estimators to the Observation instead of computing the
+four rates; the first read computes them at the observation's ``now_s``. Arrivals and completions
+that come later must not change what a late read sees.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ctrl.base import Controller, Decision, Observation
+from engine.core.request import RequestState
+from tests.helpers import make_engine, req
+
+RATES = ("arrival_rate_rps", "offered_rate_rps", "completion_rate_rps", "served_rate_rps")
+
+
+class Reference(Controller):
+    """Computes the four rates from the engine's estimators at every observation (eagerly, as the
+    engine once did), and reads the observation's own only when told to."""
+
+    def __init__(self, reads: list[bool]) -> None:
+        super().__init__()
+        self.core = None
+        self.reads = reads
+        self.expected: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # a new Observation's
+        self.calls = 0
+
+    def _snapshot(self, obs: Observation) -> None:
+        c = self.core
+        estimators = (c._arrivals, c._offered, c._completions, c._served)
+        self.expected = tuple(e.rate(obs.now_s) for e in estimators)
+        self.calls += 1
+        if self.reads[self.calls % len(self.reads)]:
+            assert tuple(getattr(obs, n) for n in RATES) == self.expected
+
+    def admit(self, obs, prompt_tokens, max_tokens):
+        self._snapshot(obs)
+        return None
+
+    def decide(self, obs):
+        self._snapshot(obs)
+        return Decision(token_budget=32)
+
+
+@given(arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 20), st.integers(1, 12)), min_size=1,
+                         max_size=40),
+       reads=st.lists(st.booleans(), min_size=1, max_size=5), late=st.lists(st.booleans(), min_size=1, max_size=5),
+       asked=st.lists(st.booleans(), min_size=1, max_size=5))
+def test_rates_read_late_equal_the_rates_at_the_observation(arrivals, reads, late, asked):
+    ctrl = Reference(reads)
+    core = make_engine(ctrl, capacity=128)
+    ctrl.core = core
+    pending = sorted(arrivals)
+    for step in range(400):
+        while pending and pending[0][0] <= step:
+            _, prompt, out = pending.pop(0)
+            r = req(step * 100 + len(pending), prompt, out, arrival=core.clock.now())
+            if asked[(step + len(pending)) % len(asked)]:
+                core.add_request(r)
+            else:  # decided already (a server's front end): no new observation
+                core.add_request(r, admission=None)
+            if late[(step + len(pending)) % len(late)]:  # read after the arrival counted
+                assert tuple(getattr(core.obs, n) for n in RATES) == ctrl.expected
+        if not core.has_unfinished and not pending:
+            break
+        core.step()
+        if late[step % len(late)]:  # read after the step's completions counted
+            assert tuple(getattr(core.obs, n) for n in RATES) == ctrl.expected
+    assert core.metrics.ended_by_state[RequestState.FINISHED] == len(arrivals)
+    assert tuple(getattr(core.obs, n) for n in RATES) == ctrl.expected
+
+
+def test_copy_and_write_settle_the_rates():
+    """A copy carries the rates as of the observation, and a written rate stays written."""
+    ctrl = Reference([False])
+    core = make_engine(ctrl, capacity=128)
+    ctrl.core = core
+    for i in range(5):
+        core.add_request(req(i, 4, 3, arrival=core.clock.now()))
+        core.step()
+    copy = core.obs.copy()
+    expected = ctrl.expected
+    assert expected[0] > 0
+    core.add_request(req(9, 4, 3, arrival=core.clock.now()))  # counts after the copy
+    assert tuple(getattr(copy, n) for n in RATES) == expected
+    core.step()
+    core.obs.served_rate_rps = 7.0
+    assert core.obs.served_rate_rps == 7.0 and core.obs.arrival_rate_rps == ctrl.expected[0]
+    fresh = Observation()
+    assert [getattr(fresh, n) for n in RATES] == [0.0] * 4

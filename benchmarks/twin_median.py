@@ -1,10 +1,14 @@
 """Twin fidelity: the median of several twin checks on one pinned core, against the issue's targets.
 
-    python benchmarks/twin_median.py [--checks 3] [--pin-cpu 1] [--profile FILE] [--out docs/bench/twin]
+    python benchmarks/twin_median.py [--checks 3] [--pin-cpu 1] [--profile FILE | --one-profile]
+        [--out docs/bench/twin]
 
-Without ``--profile`` it first fits one (``tidegate profile --from-twin`` on requests 300-599 of
-splitwise_conv, pinned to the same core), then runs ``tidegate twin-check`` on the first 300
-requests ``--checks`` times, each in its own process pinned to that core. Writes
+Runs ``tidegate twin-check`` on the first 300 requests of splitwise_conv ``--checks`` times, each
+in its own process pinned to one core. Before each check it fits a profile of its own
+(``tidegate profile --from-twin`` on requests 300-599, pinned to the same core), so a check is
+judged against the machine as it ran minutes before, not as it ran at the start: the machine's
+speed drifted by x0.72-1.09 within one session, as much as the model's own errors.
+``--one-profile`` fits one profile first for every check; ``--profile`` uses a given one. Writes
 ``twin_median.md`` (per metric: each check's relative error and the median; KS distances; step
 MAPE), ``twin_median.json`` and ``twin_cdf.png`` (TTFT and TPOT distributions of the real engine
 and the simulator in the first check) to ``--out``. Needs a quiet machine: anything else running
@@ -68,28 +72,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checks", type=int, default=3)
     ap.add_argument("--pin-cpu", type=int, default=1)
-    ap.add_argument("--profile", type=Path, default=None, help="A fitted profile (default: fit one first).")
+    ap.add_argument("--profile", type=Path, default=None, help="A fitted profile for every check (default: fit one "
+                    "before each check).")
+    ap.add_argument("--one-profile", action="store_true", help="Fit one profile first, for every check.")
     ap.add_argument("--runs", type=int, default=1, help="Serving runs pooled by the fit.")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/twin"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pin = ["--pin-cpu", str(args.pin_cpu)]
     t0 = time.perf_counter()
-    profile = args.profile
-    if profile is None:
-        profile = args.out / "tiny-pinned.json"
-        tidegate("profile", "--model", "tiny", "--from-twin", "--runs", str(args.runs), *pin, "--out", str(profile),
+
+    def fit_profile(path: Path) -> Path:
+        tidegate("profile", "--model", "tiny", "--from-twin", "--runs", str(args.runs), *pin, "--out", str(path),
                  "--name", "tiny-cpu-pinned")
-    reports = []
+        return path
+
+    shared = args.profile or (fit_profile(args.out / "tiny-pinned.json") if args.one_profile else None)
+    reports, profiles = [], []
     for i in range(args.checks):
         folder = args.out / f"check{i + 1}"
+        folder.mkdir(parents=True, exist_ok=True)
+        profile = shared or fit_profile(folder / "tiny-pinned.json")
+        profiles.append(profile)
         tidegate("twin-check", "--model", "tiny", "--trace", "splitwise_conv", "--first", "300", "--length-scale",
                  "0.1", "--profile", str(profile), "--controller", "greedy", *pin, "--out", str(folder))
         reports.append(json.loads((folder / "twin_report.json").read_text()))
-    fit = load_profile(profile).to_dict()
-    summary = {"checks": args.checks, "pin_cpu": args.pin_cpu, "profile": str(profile),
-               "step_time": fit["step_time"], "wall_s": time.perf_counter() - t0, "metrics": {}, "ks": {}}
-    lines = [f"Profile {profile}: " + ", ".join(f"{k} {v:.4g}" for k, v in fit["step_time"].items()), "",
+    fits = [load_profile(p).to_dict()["step_time"] for p in profiles]
+    summary = {"checks": args.checks, "pin_cpu": args.pin_cpu, "profiles": [str(p) for p in profiles],
+               "step_time": fits, "wall_s": time.perf_counter() - t0, "metrics": {}, "ks": {}}
+    named = list(dict.fromkeys(map(str, profiles)))
+    lines = [f"Profile {p}: " + ", ".join(f"{k} {v:.4g}" for k, v in load_profile(p).to_dict()["step_time"].items())
+             for p in named]
+    lines += ["",
              "| metric | " + " | ".join(f"check {i + 1}" for i in range(args.checks)) + " | median | target |",
              "|---|" + "---|" * (args.checks + 2)]
     for key, bound in TARGETS.items():
@@ -112,7 +126,7 @@ def main() -> None:
     lines.append("| step-time MAPE | " + " | ".join(f"{100 * m:.1f}%" for m in mape)
                  + f" | {100 * statistics.median(mape):.1f}% | reported |")
     drift = [(r.get("speed_drift") or {}).get("ratio") for r in reports]
-    lines.append("\nmachine speed during each check against while profiling (single-token steps): "
+    lines.append("\nmachine speed during each check against while its profile was fitted (single-token steps): "
                  + ", ".join("n/a" if d is None else f"x{d:.2f}" for d in drift))
     (args.out / "twin_median.md").write_text("\n".join(lines) + "\n")
     (args.out / "twin_median.json").write_text(json.dumps(summary, indent=1) + "\n")

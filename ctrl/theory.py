@@ -141,7 +141,8 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     and lifetime KV workload W on a replica with step time a + b*T + c*K and KV capacity M. On a
     profile with its own decode cost b_d, ``b*S`` is ``b*(S - D) + b_d*D`` with D the mean output;
     with step noise, every term is the mean step's (``mean_step_factor``); a profile's fixed costs
-    per prefill chunk and per first decode count once per request.
+    per prefill chunk and per first decode count once per request, and so does the after-cost of
+    one prefill step over the steps after it (``per_after_prefill_s / (1 - after_prefill_decay)``).
 
     :param kv_capacity_tokens: M (default: the profile's).
     :param mean_output_tokens: D, the decode tokens among S (only used with a separate decode cost).
@@ -151,6 +152,9 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     tokens_s = profile.per_token_s * s + (decode_token_s(profile) - profile.per_token_s) * min(mean_output_tokens, s)
     tokens_s += getattr(profile, "per_prefill_s", 0.0) or 0.0  # a request prefills in one chunk at least
     tokens_s += getattr(profile, "per_first_decode_s", 0.0) or 0.0  # and has one first decode at most
+    # a prefill step's after-cost, summed over the steps that follow it: c / (1 - decay)
+    tokens_s += (getattr(profile, "per_after_prefill_s", 0.0) or 0.0) / (
+        1.0 - (getattr(profile, "after_prefill_decay", 0.0) or 0.0))
     return 1.0 / ((profile.base_s * w / m + profile.per_kv_token_s * w + tokens_s) * mean_step_factor(profile))
 
 

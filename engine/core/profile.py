@@ -3,7 +3,7 @@
 The simulator's step duration is linear in the work of the step::
 
     t = base_s + per_token_s * P + per_decode_token_s * D + per_kv_token_s * K + per_prefill_s * C
-        + per_prefill_pair_s * Q + per_first_decode_s * F
+        + per_prefill_pair_s * Q + per_first_decode_s * F + per_after_prefill_s * A
 
 where P is the number of prefill tokens the step processes, D the number of decoding requests
 (one new token each), K the number of KV tokens its attention reads (the sum over the batch of
@@ -11,7 +11,10 @@ each request's context length, cached tokens plus the new ones) and C the number
 chunks (requests prefilling in the step; ``per_prefill_s`` is each one's fixed cost, 0 unless
 fitted) and Q the query-key pairs of their attention (a chunk of n tokens after c cached ones
 has n c + n (n + 1) / 2: prefill attention grows with the square of the prompt; 0 unless fitted)
-and F the decodes that are a request's first after its prefill (0 unless fitted). A profile without
+and F the decodes that are a request's first after its prefill (0 unless fitted). A is what the
+steps before left behind: the sum of ``after_prefill_decay ** k`` over the earlier steps that
+prefilled, k the steps that ran in between (on a CPU, a prefill evicts the caches the decodes
+that follow work from, and they run slow for a few steps; 0 unless fitted). A profile without
 ``per_decode_token_s`` charges decode tokens ``per_token_s`` too (``base_s + per_token_s * T +
 per_kv_token_s * K`` with T = P + D, the older one-cost model). A step with no tokens takes
 ``idle_s``, the simulator's tick while nothing can run.
@@ -77,6 +80,8 @@ _FILE_KEY = {
     "noise_sigma_below": "step_time.noise_sigma_below",
     "per_prefill_pair_s": "step_time.per_prefill_pair_s",
     "per_first_decode_s": "step_time.per_first_decode_s",
+    "per_after_prefill_s": "step_time.per_after_prefill_s",
+    "after_prefill_decay": "step_time.after_prefill_decay",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -86,13 +91,15 @@ _FILE_KEY = {
     "max_num_seqs": "max_num_seqs",
 }
 _NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr",
-                 "per_prefill_pair_s", "per_first_decode_s")
+                 "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay")
 #: fields that may be None (absent from the file)
 _OPTIONAL = ("idle_s", "per_decode_token_s", "noise_sigma_below")
 #: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
 MAX_NOISE_SIGMA = 2.0
 #: the largest noise_corr accepted (1 would freeze the factor at its first draw)
 MAX_NOISE_CORR = 0.999
+#: the largest after_prefill_decay accepted (1 would let a prefill's cost last for ever)
+MAX_AFTER_PREFILL_DECAY = 0.99
 _POSITIVE = ("ttft_slo_s", "tpot_slo_s")
 _POSITIVE_INT = ("kv_capacity_tokens", "block_size", "max_num_batched_tokens", "max_num_seqs")
 
@@ -116,6 +123,9 @@ class Profile:
     :param noise_sigma_below: sigma of the factor's log below the median (None: ``noise_sigma``).
     :param per_prefill_pair_s: seconds per query-key pair of the prefills' attention.
     :param per_first_decode_s: seconds per decode that is a request's first after its prefill.
+    :param per_after_prefill_s: seconds a step takes more for each prefill step before it, weighted
+        by ``after_prefill_decay`` to the power of the steps in between (``after_prefill_weights``).
+    :param after_prefill_decay: how much of a prefill's after-cost is left one step later, in [0, 1).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -148,6 +158,8 @@ class Profile:
     noise_sigma_below: float | None = None
     per_prefill_pair_s: float = 0.0
     per_first_decode_s: float = 0.0
+    per_after_prefill_s: float = 0.0
+    after_prefill_decay: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -164,7 +176,7 @@ class Profile:
         return self.per_token_s if self.per_decode_token_s is None else self.per_decode_token_s
 
     def step_time_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0, num_prefills: int = 0,
-                    prefill_pairs: int = 0, first_decodes: int = 0) -> float:
+                    prefill_pairs: int = 0, first_decodes: int = 0, after_prefill: float = 0.0) -> float:
         """Median duration of one engine step in seconds (the noise, if any, is the simulator's).
 
         :param num_tokens: new tokens processed in the step (T = P + D); 0 for an idle tick.
@@ -173,21 +185,25 @@ class Profile:
         :param num_prefills: prefill chunks among the step's work (C, at most P).
         :param prefill_pairs: query-key pairs of the prefill chunks' attention (Q).
         :param first_decodes: decodes that are a request's first after its prefill (F, at most D).
+        :param after_prefill: the weight A of the prefill steps before this one
+            (``after_prefill_weights``; the simulator's executor keeps it).
         :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K +
-            per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F``, or the idle tick
+            per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F + per_after_prefill_s * A``,
+            or the idle tick
             when T is 0.
         """
         if (num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= num_tokens
                 or not 0 <= num_prefills <= num_tokens - num_decodes or prefill_pairs < 0
-                or not 0 <= first_decodes <= num_decodes):
+                or not 0 <= first_decodes <= num_decodes or not after_prefill >= 0.0):
             raise ValueError(
                 f"step token counts must be non-negative with decodes and prefill chunks among the tokens, got "
                 f"{num_tokens} tokens, {num_decodes} decodes, {num_prefills} prefill chunks and {kv_tokens_read} "
                 f"KV tokens read")
-        return self.median_step_s(num_tokens, kv_tokens_read, num_decodes, num_prefills, prefill_pairs, first_decodes)
+        return self.median_step_s(num_tokens, kv_tokens_read, num_decodes, num_prefills, prefill_pairs, first_decodes,
+                                  after_prefill)
 
     def median_step_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0, num_prefills: int = 0,
-                      prefill_pairs: int = 0, first_decodes: int = 0) -> float:
+                      prefill_pairs: int = 0, first_decodes: int = 0, after_prefill: float = 0.0) -> float:
         """``step_time_s`` without its check of the counts, for a caller whose counts hold by
         construction (the simulator's executor, at every step)."""
         if num_tokens == 0:
@@ -201,6 +217,8 @@ class Profile:
             t += self.per_prefill_pair_s * prefill_pairs
         if self.per_first_decode_s:
             t += self.per_first_decode_s * first_decodes
+        if self.per_after_prefill_s:
+            t += self.per_after_prefill_s * after_prefill
         return t
 
     def to_dict(self) -> dict:
@@ -219,6 +237,9 @@ class Profile:
             step_time["per_prefill_pair_s"] = self.per_prefill_pair_s
         if self.per_first_decode_s:
             step_time["per_first_decode_s"] = self.per_first_decode_s
+        if self.per_after_prefill_s:
+            step_time["per_after_prefill_s"] = self.per_after_prefill_s
+            step_time["after_prefill_decay"] = self.after_prefill_decay
         if self.per_prefill_s:
             step_time["per_prefill_s"] = self.per_prefill_s
         if self.idle_s is not None:
@@ -239,6 +260,18 @@ class Profile:
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON (indent 2) to ``path``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def after_prefill_weights(prefilled, decay: float) -> list[float]:
+    """The weight A of ``Profile.step_time_s`` for each of a run's non-empty steps, in the order they
+    ran: the sum of ``decay ** k`` over the earlier steps that prefilled (``prefilled``, one truth
+    value per step), k the steps in between (0 for the step right before)."""
+    weights = []
+    a = 0.0
+    for p in prefilled:
+        weights.append(a)
+        a = decay * a + (1.0 if p else 0.0)
+    return weights
 
 
 def shipped_profiles() -> list[str]:
@@ -308,7 +341,7 @@ def _fields_from_file(data: Any) -> dict:
     step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s",
                                              "per_decode_token_s", "noise_sigma", "per_prefill_s",
                                              "noise_corr", "noise_sigma_below", "per_prefill_pair_s",
-                                             "per_first_decode_s"})
+                                             "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay"})
     for key in ("base_s", "per_token_s", "per_kv_token_s"):
         if key not in step_time:
             raise _Invalid(f"missing required key 'step_time.{key}'")
@@ -330,6 +363,8 @@ def _fields_from_file(data: Any) -> dict:
         "noise_sigma_below": step_time.get("noise_sigma_below"),
         "per_prefill_pair_s": step_time.get("per_prefill_pair_s", 0.0),
         "per_first_decode_s": step_time.get("per_first_decode_s", 0.0),
+        "per_after_prefill_s": step_time.get("per_after_prefill_s", 0.0),
+        "after_prefill_decay": step_time.get("after_prefill_decay", 0.0),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -380,6 +415,8 @@ def _checked(values: dict, key_of) -> dict:
             raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_SIGMA}, got {_show(v)}")
         if f == "noise_corr" and v > MAX_NOISE_CORR:
             raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_CORR}, got {_show(v)}")
+        if f == "after_prefill_decay" and v > MAX_AFTER_PREFILL_DECAY:
+            raise _Invalid(f"{key_of(f)} must be at most {MAX_AFTER_PREFILL_DECAY}, got {_show(v)}")
         if f not in _NON_NEGATIVE and f in _POSITIVE + ("idle_s",) and v <= 0:
             raise _Invalid(f"{key_of(f)} must be a positive number of seconds, got {_show(v)}")
         out[f] = float(v)

@@ -48,8 +48,9 @@ class StepNoise:
 
 
 class SimExecutor:
-    """A step takes ``profile.step_time_s(T, K, D, C, Q, F)``, the profile's one step-time formula, times a
-    seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact).
+    """A step takes ``profile.step_time_s(T, K, D, C, Q, F, A)``, the profile's one step-time formula, times
+    a seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact). A,
+    the weight of the prefill steps before, is kept here from the steps this executor ran.
 
     :param profile: the replica's profile (``engine.core.profile.Profile``).
     :param seed: seeds the step-time noise.
@@ -63,11 +64,22 @@ class SimExecutor:
         self.step_time_s = profile.median_step_s  # the engine's counts are consistent by construction
         self.noise = (StepNoise(profile.noise_sigma, seed, profile.noise_corr, profile.noise_sigma_below)
                       if profile.noise_sigma else None)
+        self._after_cost = profile.per_after_prefill_s
+        self._after_decay = profile.after_prefill_decay
+        #: the weight A of the prefill steps so far (``engine.core.profile.after_prefill_weights``)
+        self.after_prefill = 0.0
 
     def execute(self, batch: Batch) -> StepResult:
-        t = self.step_time_s(batch.num_tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
-                             batch.prefill_pairs, batch.first_decodes)
-        if self.noise is not None and batch.num_tokens:
+        tokens = batch.num_tokens
+        if self._after_cost and tokens:
+            after = self.after_prefill
+            self.after_prefill = self._after_decay * after + (1.0 if tokens > batch.num_decodes else 0.0)
+            t = self.step_time_s(tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
+                                 batch.prefill_pairs, batch.first_decodes, after)
+        else:
+            t = self.step_time_s(tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
+                                 batch.prefill_pairs, batch.first_decodes)
+        if self.noise is not None and tokens:
             t *= self.noise()
         return StepResult(t)
 

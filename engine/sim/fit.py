@@ -1,11 +1,16 @@
 """Fit the simulator's step-time model to timed steps (numpy only).
 
 The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * P + per_decode_token_s * D +
-per_kv_token_s * K + per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F`` for
-a step with P prefill tokens in C chunks whose attention has Q query-key pairs and D decodes, F
-of them a request's first, that reads K KV tokens. Rows that do not say D, or that never mix the
-two, get one cost per token (``base_s + per_token_s * T + per_kv_token_s * K``); rows that do not
-say C, Q or F leave ``per_prefill_s``, ``per_prefill_pair_s`` or ``per_first_decode_s`` at 0.
+per_kv_token_s * K + per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F +
+per_after_prefill_s * A`` for a step with P prefill tokens in C chunks whose attention has Q
+query-key pairs and D decodes, F of them a request's first, that reads K KV tokens, A being the
+weight of the prefill steps before it (``engine.core.profile.after_prefill_weights``: on a CPU a
+prefill evicts the caches the next decodes work from, and they run slow for a few steps). Rows
+that do not say D, or that never mix the two, get one cost per token (``base_s + per_token_s * T
++ per_kv_token_s * K``); rows that do not say C, Q or F leave ``per_prefill_s``,
+``per_prefill_pair_s`` or ``per_first_decode_s`` at 0. Rows that say C come from serving in the
+order the steps ran, and their fit tries A for each decay of ``AFTER_DECAYS``, keeping the best
+when it cuts the loss by 1% or more (else ``per_after_prefill_s`` stays 0).
 The fit keeps the coefficients non-negative and weighs every step by its relative error, so
 short steps count as much as long ones. The rows come from the profiler's grid
 (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.core.profile import MAX_NOISE_CORR, MAX_NOISE_SIGMA
+from engine.core.profile import MAX_NOISE_CORR, MAX_NOISE_SIGMA, after_prefill_weights
 
 
 #: fewer rows than this with prefill tokens, or with decodes, and the fit keeps one cost per token
@@ -38,9 +43,14 @@ _HALF_NORMAL_MEDIAN = 0.6745
 NOISE_LAGS = 50
 #: the autocorrelation below which a lag no longer counts (noise, not signal)
 NOISE_ACF_FLOOR = 0.05
+#: the decays of the after-prefill cost the fit tries (how much of it is left one step later)
+AFTER_DECAYS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: the least relative cut in the fit's loss for which the after-prefill cost is kept
+AFTER_MIN_GAIN = 0.01
 
 
-def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str = "l2") -> dict:
+def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str = "l2",
+                  after_prefill: bool = True) -> dict:
     """Fit the step-time model to timed steps; returns coefficients, the noise sigma and fit quality.
 
     :param rows: ``(new tokens, KV tokens read, seconds)``, ``(new tokens, KV tokens read, seconds,
@@ -49,6 +59,9 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         no time are dropped.
     :param heldout_fraction: share of the rows (at least 8 needed) held out to report ``heldout_mape``.
     :param seed: seeds the choice of held-out rows.
+    :param after_prefill: with rows that say their prefill chunks (so they come from serving, in
+        the order they ran), also fit the cost a step pays after prefill steps
+        (``per_after_prefill_s``) and its decay from step to step (the best of ``AFTER_DECAYS``).
     :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute error
         relative to the prediction (iteratively reweighted least squares), which makes the model
         the median step: half the steps of any size run longer than predicted. Robust to the
@@ -57,7 +70,7 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         ``exp(-sigma^2)`` under log-normal noise).
     :return: ``base_s``, ``per_token_s``, ``per_kv_token_s``, ``per_decode_token_s`` (None without
         a split), ``per_prefill_s``, ``per_prefill_pair_s`` and ``per_first_decode_s`` (0 without
-        their counts),
+        their counts), ``per_after_prefill_s`` and ``after_prefill_decay`` (0 when not fitted),
         ``noise_sigma``, ``noise_sigma_below`` and ``noise_corr``
         (fitted on all rows), ``r2`` and ``mape`` on all rows, ``heldout_mape`` of a fit on the
         other rows, and ``points``.
@@ -66,6 +79,9 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     fit = _nonneg_relative_lstsq if loss == "l2" else _nonneg_relative_l1
     data = _with_split(np.asarray(rows, dtype=float))
+    decay = None
+    if after_prefill and data.shape[1] >= 5 and (data[:, 0] > 0).sum() >= MIN_SPLIT_ROWS:
+        data, decay = _with_after_prefill(data, fit, loss)
     idx = np.random.default_rng(seed).permutation(len(data))
     n_test = max(1, int(round(heldout_fraction * len(data)))) if len(data) >= 8 else 0
     test, train = idx[:n_test], idx[n_test:]
@@ -79,15 +95,41 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     if n_test:
         heldout = float(np.mean(np.abs(_predict(coef_train, data[test]) - data[test, 2]) / data[test, 2]))
     split = data.shape[1] >= 4
+    after_s = float(coef[7]) if decay is not None else 0.0
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
             "per_decode_token_s": float(coef[3]) if split else None,
             "per_prefill_s": float(coef[4]) if data.shape[1] >= 5 else 0.0,
             "per_prefill_pair_s": float(coef[5]) if data.shape[1] >= 6 else 0.0,
-            "per_first_decode_s": float(coef[6]) if data.shape[1] == 7 else 0.0,
+            "per_first_decode_s": float(coef[6]) if data.shape[1] >= 7 else 0.0,
+            "per_after_prefill_s": after_s, "after_prefill_decay": decay if after_s and decay is not None else 0.0,
             "noise_sigma": noise_sigma(t / pred), "noise_sigma_below": noise_sigma_below(t / pred),
             "noise_corr": noise_corr(t / pred), "loss": loss,
             "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
+
+
+def _with_after_prefill(data: np.ndarray, fit, loss: str) -> tuple[np.ndarray, float | None]:
+    """``data`` as ``(P, K, t, D, C, Q, F, A)`` (Q and F 0 where the rows lack them), A the weight
+    of the prefill steps before each row (``after_prefill_weights``) for the decay in
+    ``AFTER_DECAYS`` that fits best, and that decay; ``data`` unchanged and None when no decay
+    improves the fit by ``AFTER_MIN_GAIN`` or more."""
+    base = np.column_stack([data] + [np.zeros(len(data))] * (7 - data.shape[1]))
+    prefilled = data[:, 0] > 0
+
+    def score(d: np.ndarray) -> float:
+        rel = (d[:, 2] - _predict(fit(d), d)) / d[:, 2]
+        return float(np.mean(np.abs(rel)) if loss == "l1" else np.mean(rel * rel))
+
+    best, best_decay = score(data), None
+    threshold = best * (1.0 - AFTER_MIN_GAIN)
+    for decay in AFTER_DECAYS:
+        candidate = np.column_stack([base, after_prefill_weights(prefilled, decay)])
+        got = score(candidate)
+        if got < min(best, threshold):
+            best, best_decay = got, decay
+    if best_decay is None:
+        return data, None
+    return np.column_stack([base, after_prefill_weights(prefilled, best_decay)]), best_decay
 
 
 def noise_sigma(ratios) -> float:
@@ -150,6 +192,8 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     fields["per_prefill_s"] = fit.get("per_prefill_s", 0.0)
     fields["per_prefill_pair_s"] = fit.get("per_prefill_pair_s", 0.0)
     fields["per_first_decode_s"] = fit.get("per_first_decode_s", 0.0)
+    fields["per_after_prefill_s"] = fit.get("per_after_prefill_s", 0.0)
+    fields["after_prefill_decay"] = fit.get("after_prefill_decay", 0.0)
     with_noise = noise and fit.get("loss") == "l1"
     fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if with_noise else 0.0
     fields["noise_corr"] = fit.get("noise_corr", 0.0) if with_noise and fields["noise_sigma"] else 0.0
@@ -193,7 +237,7 @@ def binned_samples(rows, max_bins: int = 120) -> list[dict]:
 
 def _design(data) -> np.ndarray:
     """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, ``[1, P, K, D]``,
-    and on up to ``[1, P, K, D, C, Q, F]``."""
+    and on up to ``[1, P, K, D, C, Q, F, A]``."""
     cols = [np.ones(len(data)), data[:, 0], data[:, 1]]
     cols += [data[:, i] for i in range(3, data.shape[1])]
     return np.column_stack(cols)
@@ -201,7 +245,7 @@ def _design(data) -> np.ndarray:
 
 def _predict(coef, data) -> np.ndarray:
     """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s[, per_prefill_s[,
-    per_prefill_pair_s[, per_first_decode_s]]]])``
+    per_prefill_pair_s[, per_first_decode_s[, per_after_prefill_s]]]]])``
     predict for the rows while fitting (the linear model being fitted; a finished fit becomes a ``Profile``)."""
     return _design(data) @ coef
 

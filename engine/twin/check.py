@@ -25,7 +25,7 @@ import numpy as np
 from scipy.stats import ks_2samp
 
 from ctrl import build_controller
-from engine.core.profile import Profile, load_profile
+from engine.core.profile import Profile, after_prefill_weights, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time
 from engine.sim.simulate import simulate
@@ -50,8 +50,9 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -
     busy = t > 0
     t, k, dec, chunks, pairs, d = t[busy], k[busy], dec[busy], chunks[busy], pairs[busy], d[busy]
     firsts = firsts[busy]
-    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n), int(c), int(q), int(f))
-                     for tokens, kv, n, c, q, f in zip(t, k, dec, chunks, pairs, firsts)], dtype=float)
+    after = after_prefill_weights(t > dec, profile.after_prefill_decay)
+    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n), int(c), int(q), int(f), a)
+                     for tokens, kv, n, c, q, f, a in zip(t, k, dec, chunks, pairs, firsts, after)], dtype=float)
     ape = np.abs(pred - d) / d
     return {"tokens": t, "kv_tokens_read": k, "decodes": dec, "prefills": chunks, "prefill_pairs": pairs,
             "first_decodes": firsts,
@@ -69,7 +70,8 @@ def refit_floor(errors: dict) -> dict:
     return {"refit_mape": floor["mape"],
             "refit_coefficients": {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s",
                                                          "per_decode_token_s", "per_prefill_s",
-                                                         "per_prefill_pair_s", "per_first_decode_s", "noise_sigma",
+                                                         "per_prefill_pair_s", "per_first_decode_s",
+                                                         "per_after_prefill_s", "after_prefill_decay", "noise_sigma",
                                                          "noise_sigma_below",
                                                          "noise_corr")}}
 

@@ -21,7 +21,9 @@ Variants (the fitted coefficients, the noise changed):
   steps above it instead of their median distance;
 - ``no prefill chunk or pair cost``: ``correlated, split`` refitted without the chunk and pair counts;
 - ``no first-decode cost``: ``correlated, split`` refitted without the first-decode counts (on
-  checks that recorded them).
+  checks that recorded them);
+- ``no after-prefill cost``: ``correlated, split`` refitted without the decaying cost of the steps
+  after a prefill (every other variant has it where the fit finds it).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import numpy as np
 from scipy.stats import ks_2samp
 
 from ctrl import build_controller
-from engine.core.profile import Profile, load_profile
+from engine.core.profile import Profile, after_prefill_weights, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time, profile_fields
 from engine.sim.simulate import simulate
@@ -44,7 +46,8 @@ from engine.workloads import read_trace, resolve_trace
 
 FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
 VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
-            "correlated, split, mean above", "no prefill chunk or pair cost", "no first-decode cost")
+            "correlated, split, mean above", "no prefill chunk or pair cost", "no first-decode cost",
+            "no after-prefill cost")
 
 
 def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -76,8 +79,9 @@ def _half_mean_sigma(logs: np.ndarray) -> float:
 def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
     fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1")))
     real = np.array([r[2] for r in rows])
+    after = after_prefill_weights([r[0] > r[3] for r in rows], fitted.after_prefill_decay)
     pred = np.array([fitted.step_time_s(int(r[0]), int(r[1]), int(r[3]), int(r[4]), int(r[5]) if len(r) > 5 else 0,
-                                        int(r[6]) if len(r) > 6 else 0) for r in rows])
+                                        int(r[6]) if len(r) > 6 else 0, a) for r, a in zip(rows, after)])
     logs = np.log(real / pred)
     logs -= np.median(logs)
     mad = float(1.4826 * np.median(np.abs(logs)))
@@ -91,6 +95,8 @@ def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
         "no prefill chunk or pair cost": no_chunks,
         "no first-decode cost": dataclasses.replace(base, **profile_fields(fit_step_time([r[:6] for r in rows],
                                                                                         loss="l1"))),
+        "no after-prefill cost": dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1",
+                                                                                         after_prefill=False))),
     }
 
 

@@ -663,3 +663,99 @@ def test_fit_recovers_the_cost_of_a_first_decode(tmp_path):
     assert fit_step_time([r[:6] for r in rows], loss="l1")["per_first_decode_s"] == 0.0
     with pytest.raises(ValueError):
         profile.step_time_s(4, 10, 2, 1, 3, 3)  # more first decodes than decodes
+
+
+def test_after_prefill_weights_sum_the_decayed_prefill_steps_before():
+    from engine.core.profile import after_prefill_weights
+
+    assert after_prefill_weights([True, False, False, True, False], 0.5) == [0.0, 1.0, 0.5, 0.25, 1.125]
+    assert after_prefill_weights([True, False, True], 0.0) == [0.0, 1.0, 0.0]
+    p = replace(split_profile(), per_after_prefill_s=1e-3, after_prefill_decay=0.5)
+    assert p.step_time_s(8, 900, 8, after_prefill=1.5) - split_profile().step_time_s(8, 900, 8) == \
+        pytest.approx(1.5e-3)
+    with pytest.raises(ValueError):
+        p.step_time_s(8, 900, 8, after_prefill=-1.0)
+
+
+def _after_rows(n: int, cost: float, decay: float, seed: int = 0) -> list[tuple]:
+    """Serving-like steps in order: a prefill now and then, decodes between, each step charged the
+    after-prefill cost of the prefill steps before it, with AR(1) log-normal noise."""
+    import numpy as np
+
+    from engine.core.profile import after_prefill_weights
+
+    rng = np.random.default_rng(seed)
+    p = replace(split_profile(), per_prefill_s=2e-3, per_after_prefill_s=cost, after_prefill_decay=decay)
+    shapes = []
+    for _ in range(n):
+        decodes = int(rng.integers(0, 16))
+        chunk = int(rng.choice([128, 512])) if rng.random() < 0.12 or decodes == 0 else 0
+        shapes.append((decodes, chunk))
+    weights = after_prefill_weights([c > 0 for _, c in shapes], decay)
+    rows, z = [], float(rng.standard_normal())
+    for (decodes, chunk), a in zip(shapes, weights):
+        kv = decodes * int(rng.integers(50, 2000)) + chunk
+        t, c, q = decodes + chunk, int(chunk > 0), chunk * (chunk + 1) // 2
+        z = 0.5 * z + math.sqrt(0.75) * float(rng.standard_normal())
+        rows.append((t, kv, p.step_time_s(t, kv, decodes, c, q, 0, a) * math.exp(0.05 * z), decodes, c, q, 0))
+    return rows
+
+
+def test_fit_recovers_the_after_prefill_cost_and_its_decay(tmp_path):
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    fit = fit_step_time(_after_rows(5000, 1.5e-3, 0.4), loss="l1")
+    assert fit["after_prefill_decay"] == pytest.approx(0.4, abs=0.1)
+    assert fit["per_after_prefill_s"] == pytest.approx(1.5e-3, rel=0.2)
+    for key, value in SPLIT.items():
+        assert fit[key] == pytest.approx(value, rel=0.15), key
+    profile = replace(split_profile(), **profile_fields(fit))
+    profile.save(tmp_path / "after.json")
+    assert load_profile(tmp_path / "after.json") == profile
+    # steps without the effect, or rows that do not say their prefill chunks: no after-prefill cost
+    assert fit_step_time(_after_rows(3000, 0.0, 0.4), loss="l1")["per_after_prefill_s"] == 0.0
+    assert fit_step_time([r[:4] for r in _after_rows(3000, 1.5e-3, 0.4)], loss="l1")["per_after_prefill_s"] == 0.0
+    assert fit_step_time(_after_rows(3000, 1.5e-3, 0.4), loss="l1",
+                         after_prefill=False)["per_after_prefill_s"] == 0.0
+
+
+def test_simulator_charges_the_decaying_after_prefill_cost():
+    from engine.core.executor import Batch
+    from engine.sim.executor import SimExecutor
+
+    base = split_profile()
+    p = replace(base, per_after_prefill_s=1e-3, after_prefill_decay=0.5)
+    ex, plain = SimExecutor(p), SimExecutor(base)
+
+    def batch(tokens: int, decodes: int) -> Batch:
+        b = Batch()
+        b.num_tokens, b.num_decodes, b.kv_tokens_read = tokens, decodes, 100 * tokens
+        b.num_prefills = int(tokens > decodes)
+        return b
+
+    steps = [batch(64, 0), batch(2, 2), batch(2, 2), batch(0, 0), batch(2, 2), batch(66, 2), batch(2, 2)]
+    extra = [ex.execute(b).duration_s - plain.execute(b).duration_s for b in steps]
+    # the idle tick neither pays nor moves the weight
+    assert extra == pytest.approx([0.0, 1e-3, 0.5e-3, 0.0, 0.25e-3, 0.125e-3, 1.0625e-3])
+    assert SimExecutor(base).after_prefill == 0.0
+
+
+def test_bad_after_prefill_keys_name_themselves(tmp_path):
+    for key, value, expected in (("per_after_prefill_s", -1e-3, "non-negative"),
+                                 ("after_prefill_decay", 1.0, "at most"),
+                                 ("after_prefill_decay", "slow", "finite number")):
+        data = minimal_profile_dict()
+        data["step_time"][key] = value
+        with pytest.raises(ProfileError, match=f"step_time.{key}.*{expected}"):
+            load_profile(write_json(tmp_path, data))
+
+
+def test_capacity_counts_the_after_prefill_cost_once_per_request():
+    from ctrl.theory import fluid_lambda_max
+
+    p = split_profile()
+    after = replace(p, per_after_prefill_s=1e-3, after_prefill_decay=0.5)
+    s, w = 600.0, 50_000.0
+    slower = 1.0 / fluid_lambda_max(s, w, after, mean_output_tokens=200) - 1.0 / fluid_lambda_max(
+        s, w, p, mean_output_tokens=200)
+    assert slower == pytest.approx(2e-3)

@@ -242,8 +242,10 @@ class Observation:
         inner controller a copy at every step and every arrival."""
         o = Observation.__new__(Observation) if into is None else into
         o._arrival_sources = o._completion_sources = None
-        self.settle_arrival_rates()
-        self.settle_completion_rates()
+        if self._arrival_sources is not None:
+            self.settle_arrival_rates()
+        if self._completion_sources is not None:
+            self.settle_completion_rates()
         o.now_s = self.now_s
         o.step_index = self.step_index
         o.kv_used_tokens = self.kv_used_tokens

@@ -45,8 +45,8 @@ class Reference(Controller):
         return Decision(token_budget=32)
 
 
-@given(arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 20), st.integers(1, 12)), min_size=1,
-                         max_size=40),
+@given(arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 20) | st.just(300), st.integers(1, 12)),
+                         min_size=1, max_size=40),  # 300 prompt tokens never fit: refused on arrival
        reads=st.lists(st.booleans(), min_size=1, max_size=5), late=st.lists(st.booleans(), min_size=1, max_size=5),
        asked=st.lists(st.booleans(), min_size=1, max_size=5))
 def test_rates_read_late_equal_the_rates_at_the_observation(arrivals, reads, late, asked):
@@ -69,7 +69,9 @@ def test_rates_read_late_equal_the_rates_at_the_observation(arrivals, reads, lat
         core.step()
         if late[step % len(late)]:  # read after the step's completions counted
             assert tuple(getattr(core.obs, n) for n in RATES) == ctrl.expected
-    assert core.metrics.ended_by_state[RequestState.FINISHED] == len(arrivals)
+    ended = core.metrics.ended_by_state
+    assert ended[RequestState.FINISHED] == sum(p < 300 for _, p, _ in arrivals)
+    assert ended[RequestState.REJECTED] == sum(p == 300 for _, p, _ in arrivals)
     assert tuple(getattr(core.obs, n) for n in RATES) == ctrl.expected
 
 

@@ -262,14 +262,16 @@ class EngineCore:
             or the Rejection it already answered with, which is recorded here.
         """
         now = self.clock.now()
-        self.obs.settle_arrival_rates()  # as of the last observation, before this arrival counts
+        never = unservable_reason(request.prompt_len, request.max_tokens, self.pool.capacity_tokens)
+        ask = isinstance(admission, _Ask)
+        if never is not None or not ask:  # no observation follows: keep the rates the last one saw
+            self.obs.settle_arrival_rates()
         self._arrivals.add(now)
         self._offered.add(now)
         self._offered_decay *= 1.0 - self._workload_alpha
         self.obs.offered_prompt_tokens += (self._workload_alpha / (1.0 - self._offered_decay)
                                            * (request.prompt_len - self.obs.offered_prompt_tokens))
         self.metrics.on_arrival(request)
-        never = unservable_reason(request.prompt_len, request.max_tokens, self.pool.capacity_tokens)
         if never is not None:
             return self._reject(request, never, 0.0)
         rejection = self.admit(request) if isinstance(admission, _Ask) else admission

@@ -27,7 +27,7 @@ def test_grow_is_all_or_nothing():
     assert pool.num_free_blocks == 4
 
 
-ops = st.lists(st.tuples(st.sampled_from(["grow", "free"]), st.integers(0, 7), st.integers(1, 200)),
+ops = st.lists(st.tuples(st.sampled_from(["grow", "free", "add_one"]), st.integers(0, 7), st.integers(1, 200)),
                max_size=200)
 
 
@@ -44,9 +44,13 @@ def test_blocks_are_conserved(ops, block_size, capacity):
                 assert len(r.block_ids) * block_size >= n
             else:
                 assert len(r.block_ids) == before
+        elif op == "add_one":
+            some = reqs[:1 + n % 8]
+            if len(some) <= pool.num_free_blocks:
+                pool.add_one_block(some)
         else:
             pool.free(r)
         held = [b for q in reqs for b in q.block_ids]
         assert len(held) == len(set(held)), "a block is held twice"
         assert len(held) + pool.num_free_blocks == pool.num_blocks
-        assert pool.used_tokens <= pool.capacity_tokens
+        assert pool.used_tokens == len(held) * block_size <= pool.capacity_tokens

@@ -31,6 +31,9 @@ class BlockPool:
         self.num_blocks = kv_capacity_tokens // block_size
         self.capacity_tokens = self.num_blocks * block_size
         self._free: deque[int] = deque(range(self.num_blocks))
+        #: KV usage in tokens, counted in whole blocks (what the cache really holds back); kept
+        #: current by every change, since the engine reads it several times a step
+        self.used_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,11 +42,6 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
-
-    @property
-    def used_tokens(self) -> int:
-        """KV usage in tokens, counted in whole blocks (what the cache really holds back)."""
-        return (self.num_blocks - len(self._free)) * self.block_size
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -64,6 +62,7 @@ class BlockPool:
         if need > len(self._free):
             return False
         request.block_ids.extend(map(_popleft, repeat(self._free, need)))
+        self.used_tokens += need * self.block_size
         return True
 
     def add_one_block(self, requests: list[Request]) -> None:
@@ -74,9 +73,11 @@ class BlockPool:
         take = self._free.popleft
         for r in requests:
             r.block_ids.append(take())
+        self.used_tokens += len(requests) * self.block_size
 
     def free(self, request: Request) -> None:
         """Return all of ``request``'s blocks to the pool."""
         if request.block_ids:
             self._free.extend(request.block_ids)
+            self.used_tokens -= len(request.block_ids) * self.block_size
             request.block_ids = []

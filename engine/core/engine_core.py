@@ -263,8 +263,7 @@ class EngineCore:
         """
         now = self.clock.now()
         never = unservable_reason(request.prompt_len, request.max_tokens, self.pool.capacity_tokens)
-        ask = isinstance(admission, _Ask)
-        if never is not None or not ask:  # no observation follows: keep the rates the last one saw
+        if never is not None or not isinstance(admission, _Ask):  # no observation follows: keep the last one's rates
             self.obs.settle_arrival_rates()
         self._arrivals.add(now)
         self._offered.add(now)

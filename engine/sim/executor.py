@@ -71,14 +71,12 @@ class SimExecutor:
 
     def execute(self, batch: Batch) -> StepResult:
         tokens = batch.num_tokens
+        after = 0.0
         if self._after_cost and tokens:
             after = self.after_prefill
             self.after_prefill = self._after_decay * after + (1.0 if tokens > batch.num_decodes else 0.0)
-            t = self.step_time_s(tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
-                                 batch.prefill_pairs, batch.first_decodes, after)
-        else:
-            t = self.step_time_s(tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
-                                 batch.prefill_pairs, batch.first_decodes)
+        t = self.step_time_s(tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
+                             batch.prefill_pairs, batch.first_decodes, after)
         if self.noise is not None and tokens:
             t *= self.noise()
         return StepResult(t)

@@ -105,7 +105,7 @@ def run_checks(args: argparse.Namespace, pin: list[str]) -> tuple[list[dict], li
             set_aside.append((kept, report))
             print(f"check {i + 1}: the machine ran at x{ratio:.2f} its profiling speed; set aside in {kept}",
                   flush=True)
-        profiles.append(folder / "tiny-pinned.json" if shared is None else shared)
+        profiles.append(profile)
         reports.append(report)
     return reports, profiles, set_aside
 

@@ -189,16 +189,16 @@ class Profile:
             (``after_prefill_weights``; the simulator's executor keeps it).
         :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K +
             per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F + per_after_prefill_s * A``,
-            or the idle tick
-            when T is 0.
+            or the idle tick when T is 0.
         """
         if (num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= num_tokens
                 or not 0 <= num_prefills <= num_tokens - num_decodes or prefill_pairs < 0
                 or not 0 <= first_decodes <= num_decodes or not after_prefill >= 0.0):
             raise ValueError(
                 f"step token counts must be non-negative with decodes and prefill chunks among the tokens, got "
-                f"{num_tokens} tokens, {num_decodes} decodes, {num_prefills} prefill chunks and {kv_tokens_read} "
-                f"KV tokens read")
+                f"{num_tokens} tokens, {num_decodes} decodes ({first_decodes} of them first), {num_prefills} prefill "
+                f"chunks with {prefill_pairs} pairs, {kv_tokens_read} KV tokens read and an after-prefill weight of "
+                f"{after_prefill}")
         return self.median_step_s(num_tokens, kv_tokens_read, num_decodes, num_prefills, prefill_pairs, first_decodes,
                                   after_prefill)
 

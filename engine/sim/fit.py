@@ -120,16 +120,14 @@ def _with_after_prefill(data: np.ndarray, fit, loss: str) -> tuple[np.ndarray, f
         rel = (d[:, 2] - _predict(fit(d), d)) / d[:, 2]
         return float(np.mean(np.abs(rel)) if loss == "l1" else np.mean(rel * rel))
 
-    best, best_decay = score(data), None
+    best, best_data, best_decay = score(data), data, None
     threshold = best * (1.0 - AFTER_MIN_GAIN)
     for decay in AFTER_DECAYS:
         candidate = np.column_stack([base, after_prefill_weights(prefilled, decay)])
         got = score(candidate)
         if got < min(best, threshold):
-            best, best_decay = got, decay
-    if best_decay is None:
-        return data, None
-    return np.column_stack([base, after_prefill_weights(prefilled, best_decay)]), best_decay
+            best, best_data, best_decay = got, candidate, decay
+    return best_data, best_decay
 
 
 def noise_sigma(ratios) -> float:

@@ -4,10 +4,12 @@
         [--out docs/bench/twin]
 
 Runs ``tidegate twin-check`` on the first 300 requests of splitwise_conv ``--checks`` times, each
-in its own process pinned to one core. Before each check it fits a profile of its own
-(``tidegate profile --from-twin`` on requests 300-599, pinned to the same core), so a check is
-judged against the machine as it ran minutes before, not as it ran at the start: the machine's
-speed drifted by x0.72-1.09 within one session, as much as the model's own errors.
+in its own process pinned to one core. Each check fits a profile of its own around it
+(``twin-check --fit-around``: requests 300-449 served through the real engine before the check,
+450-599 after, one fit on both), so a check is judged against the machine as it ran during the
+check, on average, not as it ran at the start or minutes before: the machine's speed drifted by
+x0.72-1.09 within one session, as much as the model's own errors. ``--fit-before`` fits each
+check's profile right before it instead (``tidegate profile --from-twin`` on requests 300-599),
 ``--one-profile`` fits one profile first for every check; ``--profile`` uses a given one. With
 ``--max-drift 0.05`` a check whose machine ran more than 5% off its profile's speed (single-token
 steps) is set aside, folder and figures kept and reported, and run again (``--retries`` times at
@@ -82,6 +84,7 @@ def run_checks(args: argparse.Namespace, pin: list[str]) -> tuple[list[dict], li
         return path
 
     shared = args.profile or (fit_profile(args.out / "tiny-pinned.json") if args.one_profile else None)
+    around = shared is None and not args.fit_before
     reports, profiles, set_aside = [], [], []
     for i in range(args.checks):
         for attempt in range(1 + args.retries):
@@ -89,9 +92,14 @@ def run_checks(args: argparse.Namespace, pin: list[str]) -> tuple[list[dict], li
             if folder.exists():
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
-            profile = shared or fit_profile(folder / "tiny-pinned.json")
+            if around:
+                profile = folder / "profile.json"
+                fitting = ["--fit-around"]
+            else:
+                profile = shared or fit_profile(folder / "tiny-pinned.json")
+                fitting = ["--profile", str(profile)]
             tidegate("twin-check", "--model", "tiny", "--trace", "splitwise_conv", "--first", "300", "--length-scale",
-                     "0.1", "--profile", str(profile), "--controller", "greedy", *pin, "--out", str(folder))
+                     "0.1", *fitting, "--controller", "greedy", *pin, "--out", str(folder))
             report = json.loads((folder / "twin_report.json").read_text())
             ratio = (report.get("speed_drift") or {}).get("ratio")
             if (args.max_drift is None or ratio is None or abs(ratio - 1.0) <= args.max_drift
@@ -108,6 +116,15 @@ def run_checks(args: argparse.Namespace, pin: list[str]) -> tuple[list[dict], li
         profiles.append(profile)
         reports.append(report)
     return reports, profiles, set_aside
+
+
+def speed_text(drift: dict | None) -> str:
+    """``x1.03`` (the check against its profile), with the check against each serving run of a
+    profile fitted around it: ``x1.03 (x1.05 before, x1.01 after)``."""
+    if drift is None:
+        return "n/a"
+    runs = {when: drift["check_s"] / s for when, s in (drift.get("runs_s") or {}).items() if s}
+    return f"x{drift['ratio']:.2f}" + (" (" + ", ".join(f"x{v:.2f} {w}" for w, v in runs.items()) + ")" if runs else "")
 
 
 def set_aside_lines(set_aside: list[tuple[Path, dict]], max_drift: float) -> list[str]:
@@ -129,10 +146,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checks", type=int, default=3)
     ap.add_argument("--pin-cpu", type=int, default=1)
-    ap.add_argument("--profile", type=Path, default=None, help="A fitted profile for every check (default: fit one "
-                    "before each check).")
+    ap.add_argument("--profile", type=Path, default=None, help="A fitted profile for every check (default: each "
+                    "check fits its own around it, half before and half after: twin-check --fit-around).")
+    ap.add_argument("--fit-before", action="store_true",
+                    help="Fit each check's profile right before it (tidegate profile --from-twin) instead.")
     ap.add_argument("--one-profile", action="store_true", help="Fit one profile first, for every check.")
-    ap.add_argument("--runs", type=int, default=1, help="Serving runs pooled by the fit.")
+    ap.add_argument("--runs", type=int, default=1, help="With --fit-before or --one-profile: serving runs pooled "
+                    "by the fit.")
     ap.add_argument("--max-drift", type=float, default=None,
                     help="Run a check again (profile included) when the machine's speed during it is off its "
                          "profiling speed by more than this share, e.g. 0.05; every attempt is reported.")
@@ -145,7 +165,9 @@ def main() -> None:
 
     reports, profiles, set_aside = run_checks(args, pin)
     fits = [load_profile(p).to_dict()["step_time"] for p in profiles]
-    summary = {"checks": args.checks, "pin_cpu": args.pin_cpu, "profiles": [str(p) for p in profiles],
+    fitting = "given" if args.profile else "one" if args.one_profile else "before" if args.fit_before else "around"
+    summary = {"checks": args.checks, "pin_cpu": args.pin_cpu, "fitting": fitting,
+               "profiles": [str(p) for p in profiles],
                "step_time": fits, "wall_s": time.perf_counter() - t0, "metrics": {}, "ks": {}}
     named = list(dict.fromkeys(map(str, profiles)))
     lines = [f"Profile {p}: " + ", ".join(f"{k} {v:.4g}" for k, v in load_profile(p).to_dict()["step_time"].items())
@@ -172,9 +194,8 @@ def main() -> None:
     summary["step_mape"] = {"values": mape, "median": statistics.median(mape)}
     lines.append("| step-time MAPE | " + " | ".join(f"{100 * m:.1f}%" for m in mape)
                  + f" | {100 * statistics.median(mape):.1f}% | reported |")
-    drift = [(r.get("speed_drift") or {}).get("ratio") for r in reports]
     lines.append("\nmachine speed during each check against while its profile was fitted (single-token steps): "
-                 + ", ".join("n/a" if d is None else f"x{d:.2f}" for d in drift))
+                 + ", ".join(speed_text(r.get("speed_drift")) for r in reports))
     if set_aside:
         lines += set_aside_lines(set_aside, args.max_drift)
         summary["set_aside"] = [{"folder": str(kept), "speed": r["speed_drift"]["ratio"],

@@ -201,6 +201,61 @@ def test_twin_check_end_to_end(tmp_path):
     assert (tmp_path / "twin_requests.csv").read_text().count("\n") == 17
 
 
+@pytest.mark.slow
+def test_fit_around_serves_half_the_profiling_slice_before_the_check_and_half_after():
+    from engine.twin.fit import fit_around
+
+    events: list[str] = []
+    seen: list[Profile] = []
+
+    def check(first: Profile) -> str:
+        events.append("check")
+        seen.append(first)
+        return "checked"
+
+    profile, first, result = fit_around(check, model="tiny", device="cpu", trace="splitwise_conv", skip=16,
+                                        first_n=12, length_scale=0.05, rate_scale=10.0,
+                                        log=lambda line: events.append(line.split(":")[0]))
+    order = [e for e in events if e in ("check", "profiling before the check", "profiling after the check")]
+    assert order == ["profiling before the check", "check", "profiling after the check"]
+    assert result == "checked" and seen == [first]
+    runs = profile.extra["serving"]["runs"]
+    assert [r["when"] for r in runs] == ["before", "after"]
+    assert [r["when"] for r in first.extra["serving"]["runs"]] == ["before"]
+    # the pooled fit has the steps of both halves, the first one only its own
+    assert profile.extra["fit"]["points"] == runs[0]["steps"] + runs[1]["steps"] > first.extra["fit"]["points"]
+    assert first.extra["fit"]["points"] == runs[0]["steps"]
+
+
+@pytest.mark.slow
+def test_twin_check_fitted_around_simulates_with_the_profile_it_wrote(tmp_path):
+    from ctrl import build_controller
+    from engine.sim.simulate import simulate
+    from engine.twin.check import run_twin_check
+    from engine.workloads import read_trace, resolve_trace
+
+    report = run_twin_check(model="tiny", trace="splitwise_conv", first_n=8, length_scale=0.05, rate_scale=10.0,
+                            device="cpu", out_dir=tmp_path, fit_around=True)
+    profile = load_profile(str(tmp_path / "profile.json"))
+    assert report["fit_around"] and report["profile"] == profile.name == "around-check"
+    assert set(report["speed_drift"]["runs_s"]) == {"before", "after"}
+    assert "(before " in report["table"] and ", after " in report["table"]
+    arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=8, rate_scale=10.0, length_scale=0.05,
+                          max_tokens_cap=256)
+    again = simulate(arrivals, profile, build_controller("greedy", profile, arrivals), record_steps=True).summary
+    virtual = {k: v for k, v in json.loads(json.dumps(again, default=float)).items() if k != "wall_time_s"}
+    assert {k: report["sim_summary"][k] for k in virtual} == virtual
+
+
+def test_twin_check_takes_a_profile_or_fits_one_around_not_both():
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    res = CliRunner().invoke(main, ["twin-check", "--trace", "splitwise_conv", "--fit-around", "--profile", "tiny-cpu"])
+    assert res.exit_code == 2 and "exclude each other" in res.output and "Traceback" not in res.output
+
+
 def test_steps_file_with_decodes_reads_them_and_an_old_one_still_reads(tmp_path):
     path = tmp_path / "twin_steps.csv"
     path.write_text("tokens,kv_tokens_read,real_s,predicted_s,decodes\n0,0,0.5,0.5,0\n9,300,0.01,0,8\n"

@@ -170,8 +170,12 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
               help="Replay at this multiple of the trace's speed.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Cap on output lengths (max_tokens of every request).")
-@click.option("--profile", "profile_name", default="tiny-cpu", show_default=True,
-              help="The fitted profile the simulator uses (name or file).")
+@click.option("--profile", "profile_name", default=None,
+              help="The fitted profile the simulator uses (name or file) [default: tiny-cpu].")
+@click.option("--fit-around", is_flag=True,
+              help="Fit the profile on the trace's next --first requests served through the real engine, half "
+                   "before the check and half after (a machine whose speed drifts is profiled at its speed during "
+                   "the check, on average); writes it to the output folder's profile.json.")
 @click.option("--controller", "controller_spec", default="greedy", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("twin-out"),
@@ -182,19 +186,22 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 @threads_option
 @pin_option
 @friendly(ValueError)
-def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, controller_spec,
-                       seed, out_dir, as_json, device, dtype, threads, pin_cpu):
+def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, fit_around,
+                       controller_spec, seed, out_dir, as_json, device, dtype, threads, pin_cpu):
     """Run one workload through the real engine and the simulator twin and compare them."""
     from engine.twin.check import run_twin_check
 
+    if fit_around and profile_name is not None:
+        raise click.UsageError("--profile and --fit-around exclude each other: --fit-around fits the profile itself")
     _threads(threads, pin_cpu)
     report = run_twin_check(model=model, trace=trace, first_n=first_n, length_scale=length_scale,
-                            rate_scale=rate_scale, max_tokens=max_tokens, profile_name=profile_name,
+                            rate_scale=rate_scale, max_tokens=max_tokens, profile_name=profile_name or "tiny-cpu",
                             controller_spec=controller_spec, seed=seed, out_dir=out_dir, device=device,
-                            dtype=dtype, log=lambda s: click.echo(s, err=True))
+                            dtype=dtype, fit_around=fit_around, log=lambda s: click.echo(s, err=True))
     if as_json:
         click.echo(json.dumps(report))
         return
     click.echo(report["table"])
-    click.echo(f"\nwrote {out_dir}/twin_report.json and {out_dir}/twin_step_time.png")
+    fitted = f", {out_dir}/profile.json" if fit_around else ""
+    click.echo(f"\nwrote {out_dir}/twin_report.json{fitted} and {out_dir}/twin_step_time.png")
 

@@ -30,6 +30,7 @@ from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time
 from engine.sim.simulate import simulate
 from engine.twin.plot import plot_step_times
+from engine.twin.fit import fit_around as fit_around_check
 from engine.twin.replay import RecordingExecutor, replay_real
 from engine.workloads import read_trace, resolve_trace
 
@@ -79,8 +80,9 @@ def refit_floor(errors: dict) -> dict:
 def speed_drift(profile, errors: dict) -> dict | None:
     """How fast the machine ran during the check against while the profile was fitted.
 
-    Compares the median single-token step of this check with the one recorded by
-    ``tidegate profile --from-twin`` (``extra.serving.runs``); None for other profiles.
+    Compares the median single-token step of this check with the median over the profile's
+    serving runs (``extra.serving.runs``: ``tidegate profile --from-twin``'s, or the runs before
+    and after a check fitted around it); None for other profiles.
     """
     runs = (profile.extra.get("serving") or {}).get("runs") or []
     ref = [r["batch1_decode_median_s"] for r in runs if r.get("batch1_decode_median_s")]
@@ -88,7 +90,10 @@ def speed_drift(profile, errors: dict) -> dict | None:
     if not ref or not len(single):
         return None
     profile_s, check_s = float(np.median(ref)), float(np.median(single))
-    return {"profile_s": profile_s, "check_s": check_s, "ratio": check_s / profile_s}
+    drift = {"profile_s": profile_s, "check_s": check_s, "ratio": check_s / profile_s}
+    if all("when" in r for r in runs):
+        drift["runs_s"] = {r["when"]: r["batch1_decode_median_s"] for r in runs}
+    return drift
 
 
 SIZE_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 16), (17, 64), (65, 256), (257, 1 << 30))
@@ -185,6 +190,12 @@ def _speed_adjusted_errors(arrivals, profile: Profile, controller, ratio: float,
             for key in COMPARED if rows[key]["real"]}
 
 
+def _runs_text(drift: dict) -> str:
+    """`` (before 1.02 ms, after 1.05 ms)`` for a profile fitted around the check, else nothing."""
+    runs = drift.get("runs_s") or {}
+    return (" (" + ", ".join(f"{when} {1e3 * s:.2f} ms" for when, s in runs.items() if s) + ")") if runs else ""
+
+
 def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], drift: dict | None,
                  met: dict, ks: dict[str, float] | None = None) -> str:
     """The check as text: the step-time headline, the metric table, step times by size, targets."""
@@ -208,7 +219,8 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
     if drift is not None:
         adj = drift["rel_error_speed_adjusted"]
         lines.append(f"\nmachine speed: single-token steps took {1e3 * drift['check_s']:.2f} ms (median) in this check "
-                     f"against {1e3 * drift['profile_s']:.2f} ms while profiling (x{drift['ratio']:.2f}). Diagnostic, "
+                     f"against {1e3 * drift['profile_s']:.2f} ms while profiling{_runs_text(drift)} "
+                     f"(x{drift['ratio']:.2f}). Diagnostic, "
                      f"with the profile scaled by that ratio: TTFT p50 {100 * adj['ttft_p50_s']:+.1f}%, "
                      f"TTFT p99 {100 * adj['ttft_p99_s']:+.1f}%, TPOT p50 {100 * adj['tpot_p50_s']:+.1f}%, "
                      f"TPOT p99 {100 * adj['tpot_p99_s']:+.1f}%")
@@ -220,33 +232,49 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
 def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: int | None = 300,
                    length_scale: float = 0.1, rate_scale: float = 1.0, max_tokens: int = 256,
                    profile_name: str = "tiny-cpu", controller_spec: str = "greedy", seed: int = 0,
-                   out_dir: Path | str = "twin-out", device=None, dtype=None,
+                   out_dir: Path | str = "twin-out", device=None, dtype=None, fit_around: bool = False,
                    log: Callable[[str], None] | None = None) -> dict:
     """Run the workload through both engines; writes ``twin_report.json``, ``twin_step_time.png``,
     ``twin_steps.csv`` (every real step) and ``twin_requests.csv`` (TTFT and TPOT per request).
 
+    :param fit_around: instead of ``profile_name``, fit the profile on the trace's next
+        ``first_n`` requests served through the real engine, half before the check and half after
+        (``engine.twin.fit.fit_around``), and write it to ``profile.json``; the controllers of
+        both runs are built with the profile fitted on the first half.
     :return: the report: per-metric real, simulated and relative error, step-time errors, targets met.
     """
 
-    profile = load_profile(profile_name)
     arrivals = read_trace(resolve_trace(trace), first_n=first_n, rate_scale=rate_scale,
                           length_scale=length_scale, max_tokens_cap=max_tokens)
 
-    def controller():
-        c = build_controller(controller_spec, profile, arrivals)
+    def controller(p: Profile):
+        c = build_controller(controller_spec, p, arrivals)
         if hasattr(c, "seed"):
             c.seed = seed
         return c
 
+    def real_run(p: Profile) -> tuple:
+        if log:
+            log(f"replaying {len(arrivals)} requests through the real engine ({model}); "
+                f"about {arrivals[-1].arrival_time_s:.0f}s of arrivals")
+        return replay_real(arrivals, p, controller(p), model=model, device=device, dtype=dtype, seed=seed, log=log)
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if fit_around:
+        if first_n is None:
+            raise ValueError("fitting around the check needs --first: the profile is fitted on the requests after them")
+        profile, control_profile, (core, recorder) = fit_around_check(
+            real_run, model=model, device=device, dtype=dtype, name="around-check", trace=trace,
+            skip=len(arrivals), first_n=len(arrivals), length_scale=length_scale, rate_scale=rate_scale,
+            max_tokens=max_tokens, controller_spec=controller_spec, seed=seed, log=log)
+        profile.save(out_dir / "profile.json")
+    else:
+        profile = control_profile = load_profile(profile_name)
+        core, recorder = real_run(profile)
     if log:
         log(f"simulating {len(arrivals)} requests with profile {profile.name}")
-    sim_result = simulate(arrivals, profile, controller(), record_steps=True)
-    if log:
-        log(f"replaying them through the real engine ({model}); about {arrivals[-1].arrival_time_s:.0f}s of arrivals")
-    core, recorder = replay_real(arrivals, profile, controller(), model=model, device=device, dtype=dtype,
-                                 seed=seed, log=log)
+    sim_result = simulate(arrivals, profile, controller(control_profile), record_steps=True)
     real = core.metrics.summary(core.pool.capacity_tokens, profile.ttft_slo_s, profile.tpot_slo_s,
                                 final_waiting=len(core.waiting))
     errors = step_time_errors(recorder, core.metrics.step_duration_s, profile)
@@ -259,14 +287,14 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     ks = ks_distances(core.metrics.terminal, sim_result.core.metrics.terminal)
     drift = speed_drift(profile, errors)
     if drift is not None:
-        drift["rel_error_speed_adjusted"] = _speed_adjusted_errors(arrivals, profile, controller(), drift["ratio"],
-                                                                   rows)
+        drift["rel_error_speed_adjusted"] = _speed_adjusted_errors(arrivals, profile, controller(control_profile),
+                                                                   drift["ratio"], rows)
     met = targets_met(errors, rows)
     headline = (f"twin check: {len(arrivals)} requests of {trace} (length x{length_scale}, rate x{rate_scale}), "
                 f"controller {controller_spec}, profile {profile.name}")
     report = {
         "trace": trace, "requests": len(arrivals), "length_scale": length_scale, "rate_scale": rate_scale,
-        "controller": controller_spec, "profile": profile.name, "model": model,
+        "controller": controller_spec, "profile": profile.name, "model": model, "fit_around": fit_around,
         "step_time": {k: v for k, v in errors.items() if not isinstance(v, np.ndarray)},
         "step_time_by_size": by_size, "speed_drift": drift, "metrics": rows, "ks_distance": ks, "targets_met": met,
         "real_summary": real, "sim_summary": sim_result.summary,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +29,8 @@ from engine.real.profiler import describe_device, serving_defaults
 from engine.sim.fit import binned_samples, fit_step_time, profile_fields
 from engine.twin.replay import replay_real
 from engine.workloads import read_trace, resolve_trace
+
+T = TypeVar("T")
 
 
 def serving_arrivals(trace: str = "splitwise_conv", skip: int = 300, first_n: int = 300, length_scale: float = 0.1,
@@ -57,30 +59,90 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    config = load_model(model, device, dtype)[0].config
-    base = serving_defaults(config, name, block_size, kv_capacity_tokens)
+    base = serving_defaults(load_model(model, device, dtype)[0].config, name, block_size, kv_capacity_tokens)
     arrivals = serving_arrivals(trace, skip, first_n, length_scale, rate_scale, max_tokens)
     if log:
         log(f"replaying requests {skip}-{skip + len(arrivals) - 1} of {trace} (length x{length_scale}, "
             f"rate x{rate_scale}) through the real engine: about {arrivals[-1].arrival_time_s:.0f}s")
     t0 = time.perf_counter()
     rows, per_run = _serve_and_record(arrivals, base, controller_spec, runs, model, device, dtype, seed, log)
-    fit = fit_step_time(rows, loss=loss)
-    described = describe_device(device)
     source = (f"fitted on serving steps (tidegate profile --from-twin --model {model} --device {device.type} "
               f"--trace {trace} --skip {skip} --first {first_n} --length-scale {length_scale} "
               f"--rate-scale {rate_scale} --runs {runs})")
     serving = {"trace": trace, "skip": skip, "first": first_n, "length_scale": length_scale,
                "rate_scale": rate_scale, "max_tokens": max_tokens, "controller": controller_spec,
                "steps": len(rows), "runs": per_run}
+    return _serving_profile(base, rows, loss, model, device, dtype, source, serving, time.perf_counter() - t0)
+
+
+def _serving_profile(base: Profile, rows: list[tuple], loss: str, model: str, device, dtype, source: str,
+                     serving: dict, seconds: float) -> Profile:
+    """``base`` with the step-time model fitted on serving ``rows`` (in the order they ran)."""
+    fit = fit_step_time(rows, loss=loss)
+    described = describe_device(device)
     return dataclasses.replace(
         base, **profile_fields(fit),
         description=f"{model} model ({str(dtype).removeprefix('torch.')}) on {described} (fitted on serving steps).",
         source=source,
         extra={"fit": fit, "device": described, "torch": torch.__version__,
-               "profiling_time_s": time.perf_counter() - t0, "method": "serving", "serving": serving,
+               "profiling_time_s": seconds, "method": "serving", "serving": serving,
                "samples": binned_samples(rows)},
     )
+
+
+def fit_around(check: Callable[[Profile], T], model: str = "tiny", device=None, dtype=None, name: str = "around",
+               trace: str = "splitwise_conv", skip: int = 300, first_n: int = 300, length_scale: float = 0.1,
+               rate_scale: float = 1.0, max_tokens: int = 256, controller_spec: str = "greedy",
+               kv_capacity_tokens: int | None = None, block_size: int = 16, loss: str = "l1", seed: int = 0,
+               log: Callable[[str], None] | None = None) -> tuple[Profile, Profile, T]:
+    """Fit a profile on serving runs placed around ``check``: the first half of the profiling
+    slice (requests ``skip .. skip+first_n-1``) is served before it, the second half after it,
+    and the fit pools both. A machine whose speed drifts steadily during the three runs is then
+    profiled, on average, at the speed it checked at; fitted on a run before the check only, the
+    profile is off by the whole drift.
+
+    :param check: runs the check (the real engine's part of it) given the profile fitted on the
+        first half, which is what it may need before the second half exists (a controller's
+        step-time model, the KV capacity).
+    :return: the profile fitted on both halves, the one fitted on the first half, and what
+        ``check`` returned.
+    """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    base = serving_defaults(load_model(model, device, dtype)[0].config, name, block_size, kv_capacity_tokens)
+    arrivals = serving_arrivals(trace, skip, first_n, length_scale, rate_scale, max_tokens)
+    if len(arrivals) < 2:
+        raise ValueError(f"fitting around a check needs at least 2 profiling requests, got {len(arrivals)}")
+    half = len(arrivals) // 2
+    t_half = arrivals[half].arrival_time_s
+    halves = (arrivals[:half], [dataclasses.replace(a, arrival_time_s=a.arrival_time_s - t_half)
+                                for a in arrivals[half:]])
+    t0 = time.perf_counter()
+
+    def serve(when: str, part) -> tuple[list[tuple], dict]:
+        if log:
+            log(f"profiling {when} the check: {len(part)} requests of {trace} through the real engine, "
+                f"about {part[-1].arrival_time_s:.0f}s")
+        got, info = _serve_and_record(part, base, controller_spec, 1, model, device, dtype, seed, log)
+        return got, {**info[0], "when": when}
+
+    rows, before = serve("before", halves[0])
+    if len(rows) < 3:
+        raise ValueError(f"the first {half} profiling requests ran fewer than 3 steps: too few to fit")
+    first = _serving_profile(base, rows, loss, model, device, dtype, "fitted on the serving run before a check",
+                             {"runs": [before]}, time.perf_counter() - t0)
+    result = check(first)
+    more, after = serve("after", halves[1])
+    rows += more
+    per_run = [before, after]
+    source = (f"fitted on serving steps around a check (--model {model} --device {device.type} --trace {trace} "
+              f"--skip {skip} --first {first_n} --length-scale {length_scale} --rate-scale {rate_scale}): "
+              f"requests {skip}-{skip + half - 1} served before it, {skip + half}-{skip + len(arrivals) - 1} after")
+    serving = {"trace": trace, "skip": skip, "first": first_n, "length_scale": length_scale,
+               "rate_scale": rate_scale, "max_tokens": max_tokens, "controller": controller_spec,
+               "steps": len(rows), "runs": per_run, "around_check": True}
+    profile = _serving_profile(base, rows, loss, model, device, dtype, source, serving, time.perf_counter() - t0)
+    return profile, first, result
 
 
 def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, model: str, device, dtype,

@@ -23,7 +23,9 @@ Variants (the fitted coefficients, the noise changed):
 - ``no first-decode cost``: ``correlated, split`` refitted without the first-decode counts (on
   checks that recorded them);
 - ``no after-prefill cost``: ``correlated, split`` refitted without the decaying cost of the steps
-  after a prefill (every other variant has it where the fit finds it).
+  after a prefill (every other variant has it where the fit finds it);
+- ``no after-prefill token cost``: ``correlated, split`` refitted with that cost per prefill step
+  only, none per prefill token.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from engine.workloads import read_trace, resolve_trace
 FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
 VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
             "correlated, split, mean above", "no prefill chunk or pair cost", "no first-decode cost",
-            "no after-prefill cost")
+            "no after-prefill cost", "no after-prefill token cost")
 
 
 def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -80,8 +82,10 @@ def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
     fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1")))
     real = np.array([r[2] for r in rows])
     after = after_prefill_weights([r[0] > r[3] for r in rows], fitted.after_prefill_decay)
+    after_tokens = after_prefill_weights([r[0] - r[3] for r in rows], fitted.after_prefill_decay)
     pred = np.array([fitted.step_time_s(int(r[0]), int(r[1]), int(r[3]), int(r[4]), int(r[5]) if len(r) > 5 else 0,
-                                        int(r[6]) if len(r) > 6 else 0, a) for r, a in zip(rows, after)])
+                                        int(r[6]) if len(r) > 6 else 0, a, b)
+                     for r, a, b in zip(rows, after, after_tokens)])
     logs = np.log(real / pred)
     logs -= np.median(logs)
     mad = float(1.4826 * np.median(np.abs(logs)))
@@ -97,6 +101,8 @@ def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
                                                                                         loss="l1"))),
         "no after-prefill cost": dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1",
                                                                                          after_prefill=False))),
+        "no after-prefill token cost": dataclasses.replace(base, **profile_fields(fit_step_time(
+            rows, loss="l1", after_prefill_tokens=False))),
     }
 
 

@@ -142,7 +142,8 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     profile with its own decode cost b_d, ``b*S`` is ``b*(S - D) + b_d*D`` with D the mean output;
     with step noise, every term is the mean step's (``mean_step_factor``); a profile's fixed costs
     per prefill chunk and per first decode count once per request, and so does the after-cost of
-    one prefill step over the steps after it (``per_after_prefill_s / (1 - after_prefill_decay)``).
+    one prefill step over the steps after it (``(per_after_prefill_s + per_after_prefill_token_s *
+    (S - D)) / (1 - after_prefill_decay)``).
 
     :param kv_capacity_tokens: M (default: the profile's).
     :param mean_output_tokens: D, the decode tokens among S (only used with a separate decode cost).
@@ -153,8 +154,10 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     tokens_s += getattr(profile, "per_prefill_s", 0.0) or 0.0  # a request prefills in one chunk at least
     tokens_s += getattr(profile, "per_first_decode_s", 0.0) or 0.0  # and has one first decode at most
     # a prefill step's after-cost, summed over the steps that follow it: c / (1 - decay)
-    tokens_s += (getattr(profile, "per_after_prefill_s", 0.0) or 0.0) / (
-        1.0 - (getattr(profile, "after_prefill_decay", 0.0) or 0.0))
+    # (and its prompt's tokens' after-cost: the prompt is S - D tokens, S when D is not given)
+    after_s = (getattr(profile, "per_after_prefill_s", 0.0) or 0.0) + (
+        getattr(profile, "per_after_prefill_token_s", 0.0) or 0.0) * max(s - mean_output_tokens, 0.0)
+    tokens_s += after_s / (1.0 - (getattr(profile, "after_prefill_decay", 0.0) or 0.0))
     return 1.0 / ((profile.base_s * w / m + profile.per_kv_token_s * w + tokens_s) * mean_step_factor(profile))
 
 

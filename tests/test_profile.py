@@ -670,34 +670,42 @@ def test_after_prefill_weights_sum_the_decayed_prefill_steps_before():
 
     assert after_prefill_weights([True, False, False, True, False], 0.5) == [0.0, 1.0, 0.5, 0.25, 1.125]
     assert after_prefill_weights([True, False, True], 0.0) == [0.0, 1.0, 0.0]
-    p = replace(split_profile(), per_after_prefill_s=1e-3, after_prefill_decay=0.5)
+    # given prefill token counts, each step weighs by its tokens: the weight B
+    assert after_prefill_weights([64, 0, 0, 16, 0], 0.5) == [0.0, 64.0, 32.0, 16.0, 24.0]
+    p = replace(split_profile(), per_after_prefill_s=1e-3, after_prefill_decay=0.5, per_after_prefill_token_s=2e-6)
     assert p.step_time_s(8, 900, 8, after_prefill=1.5) - split_profile().step_time_s(8, 900, 8) == \
         pytest.approx(1.5e-3)
-    with pytest.raises(ValueError):
-        p.step_time_s(8, 900, 8, after_prefill=-1.0)
+    assert p.step_time_s(8, 900, 8, after_prefill=1.5, after_prefill_tokens=100.0) - \
+        split_profile().step_time_s(8, 900, 8) == pytest.approx(1.7e-3)
+    for bad in ({"after_prefill": -1.0}, {"after_prefill_tokens": -1.0}):
+        with pytest.raises(ValueError, match="after-prefill weights"):
+            p.step_time_s(8, 900, 8, **bad)
 
 
-def _after_rows(n: int, cost: float, decay: float, seed: int = 0) -> list[tuple]:
+def _after_rows(n: int, cost: float, decay: float, seed: int = 0, token_cost: float = 0.0) -> list[tuple]:
     """Serving-like steps in order: a prefill now and then, decodes between, each step charged the
-    after-prefill cost of the prefill steps before it, with AR(1) log-normal noise."""
+    after-prefill cost of the prefill steps before it (and ``token_cost`` per their prefill
+    tokens), with AR(1) log-normal noise."""
     import numpy as np
 
     from engine.core.profile import after_prefill_weights
 
     rng = np.random.default_rng(seed)
-    p = replace(split_profile(), per_prefill_s=2e-3, per_after_prefill_s=cost, after_prefill_decay=decay)
+    p = replace(split_profile(), per_prefill_s=2e-3, per_after_prefill_s=cost, after_prefill_decay=decay,
+                per_after_prefill_token_s=token_cost)
     shapes = []
     for _ in range(n):
         decodes = int(rng.integers(0, 16))
         chunk = int(rng.choice([128, 512])) if rng.random() < 0.12 or decodes == 0 else 0
         shapes.append((decodes, chunk))
     weights = after_prefill_weights([c > 0 for _, c in shapes], decay)
+    token_weights = after_prefill_weights([c for _, c in shapes], decay)
     rows, z = [], float(rng.standard_normal())
-    for (decodes, chunk), a in zip(shapes, weights):
+    for (decodes, chunk), a, b in zip(shapes, weights, token_weights):
         kv = decodes * int(rng.integers(50, 2000)) + chunk
         t, c, q = decodes + chunk, int(chunk > 0), chunk * (chunk + 1) // 2
         z = 0.5 * z + math.sqrt(0.75) * float(rng.standard_normal())
-        rows.append((t, kv, p.step_time_s(t, kv, decodes, c, q, 0, a) * math.exp(0.05 * z), decodes, c, q, 0))
+        rows.append((t, kv, p.step_time_s(t, kv, decodes, c, q, 0, a, b) * math.exp(0.05 * z), decodes, c, q, 0))
     return rows
 
 
@@ -717,6 +725,24 @@ def test_fit_recovers_the_after_prefill_cost_and_its_decay(tmp_path):
     assert fit_step_time([r[:4] for r in _after_rows(3000, 1.5e-3, 0.4)], loss="l1")["per_after_prefill_s"] == 0.0
     assert fit_step_time(_after_rows(3000, 1.5e-3, 0.4), loss="l1",
                          after_prefill=False)["per_after_prefill_s"] == 0.0
+    # a cost per prefill step only: none per token
+    assert fit["per_after_prefill_token_s"] < 0.05 * 1.5e-3 / 512
+
+
+def test_fit_tells_the_after_prefill_cost_per_token_from_the_one_per_step(tmp_path):
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    rows = _after_rows(6000, 0.5e-3, 0.5, token_cost=2e-6)
+    fit = fit_step_time(rows, loss="l1")
+    assert fit["after_prefill_decay"] == pytest.approx(0.5, abs=0.1)
+    assert fit["per_after_prefill_token_s"] == pytest.approx(2e-6, rel=0.25)
+    assert fit["per_after_prefill_s"] == pytest.approx(0.5e-3, abs=0.3e-3)
+    profile = replace(split_profile(), **profile_fields(fit))
+    profile.save(tmp_path / "after-tokens.json")
+    assert load_profile(tmp_path / "after-tokens.json") == profile
+    # kept to the cost per step, the fit misses the token cost it was asked to leave out
+    alone = fit_step_time(rows, loss="l1", after_prefill_tokens=False)
+    assert alone["per_after_prefill_token_s"] == 0.0 and alone["mape"] > fit["mape"]
 
 
 def test_simulator_charges_the_decaying_after_prefill_cost():
@@ -738,10 +764,18 @@ def test_simulator_charges_the_decaying_after_prefill_cost():
     # the idle tick neither pays nor moves the weight
     assert extra == pytest.approx([0.0, 1e-3, 0.5e-3, 0.0, 0.25e-3, 0.125e-3, 1.0625e-3])
     assert SimExecutor(base).after_prefill == 0.0
+    # with a cost per prefill token too: 64 tokens, then 64 more, weighed by the same decay
+    per_token = SimExecutor(replace(p, per_after_prefill_token_s=1e-5))
+    extra = [per_token.execute(b).duration_s - plain.execute(b).duration_s for b in steps]
+    tokens = [0.0, 64.0, 32.0, 0.0, 16.0, 8.0, 68.0]
+    assert extra == pytest.approx([a + 1e-5 * t for a, t in
+                                   zip([0.0, 1e-3, 0.5e-3, 0.0, 0.25e-3, 0.125e-3, 1.0625e-3], tokens)])
 
 
 def test_bad_after_prefill_keys_name_themselves(tmp_path):
     for key, value, expected in (("per_after_prefill_s", -1e-3, "non-negative"),
+                                 ("per_after_prefill_token_s", -1e-6, "non-negative"),
+                                 ("per_after_prefill_token_s", [1e-6], "finite number"),
                                  ("after_prefill_decay", 1.0, "at most"),
                                  ("after_prefill_decay", "slow", "finite number")):
         data = minimal_profile_dict()
@@ -759,3 +793,8 @@ def test_capacity_counts_the_after_prefill_cost_once_per_request():
     slower = 1.0 / fluid_lambda_max(s, w, after, mean_output_tokens=200) - 1.0 / fluid_lambda_max(
         s, w, p, mean_output_tokens=200)
     assert slower == pytest.approx(2e-3)
+    # and the prompt's tokens' after-cost: S - D = 400 tokens at 1e-6 s, over 1 - 0.5
+    tokens = replace(after, per_after_prefill_token_s=1e-6)
+    more = 1.0 / fluid_lambda_max(s, w, tokens, mean_output_tokens=200) - 1.0 / fluid_lambda_max(
+        s, w, after, mean_output_tokens=200)
+    assert more == pytest.approx(8e-4)

@@ -91,18 +91,23 @@ class _Recorded:
 @pytest.mark.parametrize("per_decode_token_s", [None, 3e-4])
 @pytest.mark.parametrize("per_prefill_s", [0.0, 2e-3])
 @pytest.mark.parametrize("per_after_prefill_s", [0.0, 1e-3])
-def test_step_time_errors_predict_with_the_profiles_formula(per_decode_token_s, per_prefill_s, per_after_prefill_s):
+@pytest.mark.parametrize("per_after_prefill_token_s", [0.0, 1e-6])
+def test_step_time_errors_predict_with_the_profiles_formula(per_decode_token_s, per_prefill_s, per_after_prefill_s,
+                                                            per_after_prefill_token_s):
     profile = Profile("toy", "a toy", kv_capacity_tokens=4096, idle_s=0.5, per_decode_token_s=per_decode_token_s,
                       per_prefill_s=per_prefill_s, per_after_prefill_s=per_after_prefill_s, after_prefill_decay=0.5,
-                      **COEFFICIENTS)
+                      per_after_prefill_token_s=per_after_prefill_token_s, **COEFFICIENTS)
     real = [0.5, 0.003, 0.004, 0.06]
     errors = step_time_errors(_Recorded(), real, profile)
     assert errors["steps"] == 3  # the idle step is left out
     after = [0.0, 0.0, 1.0]  # the third busy step follows the second, which prefilled
-    expected = [profile.step_time_s(t, k, n, c, q, f, a) for t, k, n, c, q, f, a in
+    prefilled = _Recorded.tokens[2] - _Recorded.decodes[2]
+    after_tokens = [0.0, 0.0, float(prefilled)]
+    expected = [profile.step_time_s(t, k, n, c, q, f, a, b) for t, k, n, c, q, f, a, b in
                 zip(_Recorded.tokens[1:], _Recorded.kv_tokens_read[1:], _Recorded.decodes[1:], _Recorded.prefills[1:],
-                    _Recorded.prefill_pairs[1:], _Recorded.first_decodes[1:], after)]
-    assert (expected[2] - profile.step_time_s(300, 20000, 4) == pytest.approx(2 * per_prefill_s + per_after_prefill_s))
+                    _Recorded.prefill_pairs[1:], _Recorded.first_decodes[1:], after, after_tokens)]
+    assert (expected[2] - profile.step_time_s(300, 20000, 4) == pytest.approx(
+        2 * per_prefill_s + per_after_prefill_s + per_after_prefill_token_s * prefilled))
     np.testing.assert_array_equal(errors["predicted_s"], expected)
     ape = np.abs(np.array(expected) - real[1:]) / real[1:]
     assert errors["mape"] == pytest.approx(ape.mean())

@@ -149,10 +149,11 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
     click.echo(f"base_s={profile.base_s:.6g} per_token_s={profile.per_token_s:.6g}{split} "
                f"per_kv_token_s={profile.per_kv_token_s:.6g} per_prefill_s={profile.per_prefill_s:.6g} "
                f"noise_sigma={profile.noise_sigma:.3g} noise_corr={profile.noise_corr:.3g}")
-    if profile.per_first_decode_s or profile.per_after_prefill_s:
+    if profile.per_first_decode_s or profile.per_after_prefill_s or profile.per_after_prefill_token_s:
         click.echo(f"per_prefill_pair_s={profile.per_prefill_pair_s:.6g} "
                    f"per_first_decode_s={profile.per_first_decode_s:.6g} "
                    f"per_after_prefill_s={profile.per_after_prefill_s:.6g} "
+                   f"per_after_prefill_token_s={profile.per_after_prefill_token_s:.6g} "
                    f"after_prefill_decay={profile.after_prefill_decay:.2g}")
     what = "serving steps" if (from_twin or from_steps) else "grid points"
     click.echo(f"R^2={fit['r2']:.4f} MAPE={100 * fit['mape']:.2f}% held-out MAPE={100 * fit['heldout_mape']:.2f}% "

@@ -4,6 +4,7 @@ The simulator's step duration is linear in the work of the step::
 
     t = base_s + per_token_s * P + per_decode_token_s * D + per_kv_token_s * K + per_prefill_s * C
         + per_prefill_pair_s * Q + per_first_decode_s * F + per_after_prefill_s * A
+        + per_after_prefill_token_s * B
 
 where P is the number of prefill tokens the step processes, D the number of decoding requests
 (one new token each), K the number of KV tokens its attention reads (the sum over the batch of
@@ -14,7 +15,9 @@ has n c + n (n + 1) / 2: prefill attention grows with the square of the prompt; 
 and F the decodes that are a request's first after its prefill (0 unless fitted). A is what the
 steps before left behind: the sum of ``after_prefill_decay ** k`` over the earlier steps that
 prefilled, k the steps that ran in between (on a CPU, a prefill evicts the caches the decodes
-that follow work from, and they run slow for a few steps; 0 unless fitted). A profile without
+that follow work from, and they run slow for a few steps; 0 unless fitted), and B the same sum
+with each of those steps weighted by its prefill tokens (a longer prefill evicts more, and the
+steps after it pay longer; 0 unless fitted). A profile without
 ``per_decode_token_s`` charges decode tokens ``per_token_s`` too (``base_s + per_token_s * T +
 per_kv_token_s * K`` with T = P + D, the older one-cost model). A step with no tokens takes
 ``idle_s``, the simulator's tick while nothing can run.
@@ -82,6 +85,7 @@ _FILE_KEY = {
     "per_first_decode_s": "step_time.per_first_decode_s",
     "per_after_prefill_s": "step_time.per_after_prefill_s",
     "after_prefill_decay": "step_time.after_prefill_decay",
+    "per_after_prefill_token_s": "step_time.per_after_prefill_token_s",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -91,7 +95,8 @@ _FILE_KEY = {
     "max_num_seqs": "max_num_seqs",
 }
 _NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr",
-                 "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay")
+                 "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
+                 "per_after_prefill_token_s")
 #: fields that may be None (absent from the file)
 _OPTIONAL = ("idle_s", "per_decode_token_s", "noise_sigma_below")
 #: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
@@ -126,6 +131,8 @@ class Profile:
     :param per_after_prefill_s: seconds a step takes more for each prefill step before it, weighted
         by ``after_prefill_decay`` to the power of the steps in between (``after_prefill_weights``).
     :param after_prefill_decay: how much of a prefill's after-cost is left one step later, in [0, 1).
+    :param per_after_prefill_token_s: seconds a step takes more for each prefill token of the
+        steps before it, weighted as ``per_after_prefill_s``'s steps are (the same decay).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -160,6 +167,7 @@ class Profile:
     per_first_decode_s: float = 0.0
     per_after_prefill_s: float = 0.0
     after_prefill_decay: float = 0.0
+    per_after_prefill_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -176,7 +184,8 @@ class Profile:
         return self.per_token_s if self.per_decode_token_s is None else self.per_decode_token_s
 
     def step_time_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0, num_prefills: int = 0,
-                    prefill_pairs: int = 0, first_decodes: int = 0, after_prefill: float = 0.0) -> float:
+                    prefill_pairs: int = 0, first_decodes: int = 0, after_prefill: float = 0.0,
+                    after_prefill_tokens: float = 0.0) -> float:
         """Median duration of one engine step in seconds (the noise, if any, is the simulator's).
 
         :param num_tokens: new tokens processed in the step (T = P + D); 0 for an idle tick.
@@ -187,23 +196,27 @@ class Profile:
         :param first_decodes: decodes that are a request's first after its prefill (F, at most D).
         :param after_prefill: the weight A of the prefill steps before this one
             (``after_prefill_weights``; the simulator's executor keeps it).
+        :param after_prefill_tokens: the weight B of the prefill tokens of the steps before
+            (``after_prefill_weights`` of their prefill token counts).
         :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K +
-            per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F + per_after_prefill_s * A``,
-            or the idle tick when T is 0.
+            per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F + per_after_prefill_s * A
+            + per_after_prefill_token_s * B``, or the idle tick when T is 0.
         """
         if (num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= num_tokens
                 or not 0 <= num_prefills <= num_tokens - num_decodes or prefill_pairs < 0
-                or not 0 <= first_decodes <= num_decodes or not after_prefill >= 0.0):
+                or not 0 <= first_decodes <= num_decodes or not after_prefill >= 0.0
+                or not after_prefill_tokens >= 0.0):
             raise ValueError(
                 f"step token counts must be non-negative with decodes and prefill chunks among the tokens, got "
                 f"{num_tokens} tokens, {num_decodes} decodes ({first_decodes} of them first), {num_prefills} prefill "
-                f"chunks with {prefill_pairs} pairs, {kv_tokens_read} KV tokens read and an after-prefill weight of "
-                f"{after_prefill}")
+                f"chunks with {prefill_pairs} pairs, {kv_tokens_read} KV tokens read and after-prefill weights of "
+                f"{after_prefill} (steps) and {after_prefill_tokens} (tokens)")
         return self.median_step_s(num_tokens, kv_tokens_read, num_decodes, num_prefills, prefill_pairs, first_decodes,
-                                  after_prefill)
+                                  after_prefill, after_prefill_tokens)
 
     def median_step_s(self, num_tokens: int, kv_tokens_read: int, num_decodes: int = 0, num_prefills: int = 0,
-                      prefill_pairs: int = 0, first_decodes: int = 0, after_prefill: float = 0.0) -> float:
+                      prefill_pairs: int = 0, first_decodes: int = 0, after_prefill: float = 0.0,
+                      after_prefill_tokens: float = 0.0) -> float:
         """``step_time_s`` without its check of the counts, for a caller whose counts hold by
         construction (the simulator's executor, at every step)."""
         if num_tokens == 0:
@@ -219,6 +232,8 @@ class Profile:
             t += self.per_first_decode_s * first_decodes
         if self.per_after_prefill_s:
             t += self.per_after_prefill_s * after_prefill
+        if self.per_after_prefill_token_s:
+            t += self.per_after_prefill_token_s * after_prefill_tokens
         return t
 
     def to_dict(self) -> dict:
@@ -237,9 +252,11 @@ class Profile:
             step_time["per_prefill_pair_s"] = self.per_prefill_pair_s
         if self.per_first_decode_s:
             step_time["per_first_decode_s"] = self.per_first_decode_s
-        if self.per_after_prefill_s:
+        if self.per_after_prefill_s or self.per_after_prefill_token_s:
             step_time["per_after_prefill_s"] = self.per_after_prefill_s
             step_time["after_prefill_decay"] = self.after_prefill_decay
+        if self.per_after_prefill_token_s:
+            step_time["per_after_prefill_token_s"] = self.per_after_prefill_token_s
         if self.per_prefill_s:
             step_time["per_prefill_s"] = self.per_prefill_s
         if self.idle_s is not None:
@@ -265,12 +282,13 @@ class Profile:
 def after_prefill_weights(prefilled, decay: float) -> list[float]:
     """The weight A of ``Profile.step_time_s`` for each of a run's non-empty steps, in the order they
     ran: the sum of ``decay ** k`` over the earlier steps that prefilled (``prefilled``, one truth
-    value per step), k the steps in between (0 for the step right before)."""
+    value per step), k the steps in between (0 for the step right before). Given each step's
+    prefill token count instead of a truth value, the sum weighs each step by it: the weight B."""
     weights = []
     a = 0.0
     for p in prefilled:
         weights.append(a)
-        a = decay * a + (1.0 if p else 0.0)
+        a = decay * a + float(p)
     return weights
 
 
@@ -341,7 +359,8 @@ def _fields_from_file(data: Any) -> dict:
     step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s",
                                              "per_decode_token_s", "noise_sigma", "per_prefill_s",
                                              "noise_corr", "noise_sigma_below", "per_prefill_pair_s",
-                                             "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay"})
+                                             "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
+                                             "per_after_prefill_token_s"})
     for key in ("base_s", "per_token_s", "per_kv_token_s"):
         if key not in step_time:
             raise _Invalid(f"missing required key 'step_time.{key}'")
@@ -365,6 +384,7 @@ def _fields_from_file(data: Any) -> dict:
         "per_first_decode_s": step_time.get("per_first_decode_s", 0.0),
         "per_after_prefill_s": step_time.get("per_after_prefill_s", 0.0),
         "after_prefill_decay": step_time.get("after_prefill_decay", 0.0),
+        "per_after_prefill_token_s": step_time.get("per_after_prefill_token_s", 0.0),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

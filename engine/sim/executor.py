@@ -48,9 +48,10 @@ class StepNoise:
 
 
 class SimExecutor:
-    """A step takes ``profile.step_time_s(T, K, D, C, Q, F, A)``, the profile's one step-time formula, times
-    a seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact). A,
-    the weight of the prefill steps before, is kept here from the steps this executor ran.
+    """A step takes ``profile.step_time_s(T, K, D, C, Q, F, A, B)``, the profile's one step-time formula,
+    times a seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact).
+    A and B, the weights of the prefill steps before and of their prefill tokens, are kept here
+    from the steps this executor ran.
 
     :param profile: the replica's profile (``engine.core.profile.Profile``).
     :param seed: seeds the step-time noise.
@@ -64,19 +65,23 @@ class SimExecutor:
         self.step_time_s = profile.median_step_s  # the engine's counts are consistent by construction
         self.noise = (StepNoise(profile.noise_sigma, seed, profile.noise_corr, profile.noise_sigma_below)
                       if profile.noise_sigma else None)
-        self._after_cost = profile.per_after_prefill_s
+        self._after_cost = profile.per_after_prefill_s or profile.per_after_prefill_token_s
         self._after_decay = profile.after_prefill_decay
-        #: the weight A of the prefill steps so far (``engine.core.profile.after_prefill_weights``)
+        #: the weights A and B of the prefill steps so far and of their prefill tokens
+        #: (``engine.core.profile.after_prefill_weights``)
         self.after_prefill = 0.0
+        self.after_prefill_tokens = 0.0
 
     def execute(self, batch: Batch) -> StepResult:
         tokens = batch.num_tokens
-        after = 0.0
+        after = after_tokens = 0.0
         if self._after_cost and tokens:
-            after = self.after_prefill
-            self.after_prefill = self._after_decay * after + (1.0 if tokens > batch.num_decodes else 0.0)
+            after, after_tokens = self.after_prefill, self.after_prefill_tokens
+            decay, prefill = self._after_decay, tokens - batch.num_decodes
+            self.after_prefill = decay * after + (1.0 if prefill else 0.0)
+            self.after_prefill_tokens = decay * after_tokens + prefill
         t = self.step_time_s(tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
-                             batch.prefill_pairs, batch.first_decodes, after)
+                             batch.prefill_pairs, batch.first_decodes, after, after_tokens)
         if self.noise is not None and tokens:
             t *= self.noise()
         return StepResult(t)

@@ -2,15 +2,16 @@
 
 The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * P + per_decode_token_s * D +
 per_kv_token_s * K + per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F +
-per_after_prefill_s * A`` for a step with P prefill tokens in C chunks whose attention has Q
-query-key pairs and D decodes, F of them a request's first, that reads K KV tokens, A being the
-weight of the prefill steps before it (``engine.core.profile.after_prefill_weights``: on a CPU a
-prefill evicts the caches the next decodes work from, and they run slow for a few steps). Rows
+per_after_prefill_s * A + per_after_prefill_token_s * B`` for a step with P prefill tokens in C
+chunks whose attention has Q query-key pairs and D decodes, F of them a request's first, that
+reads K KV tokens, A being the weight of the prefill steps before it and B that of their prefill
+tokens (``engine.core.profile.after_prefill_weights``: on a CPU a prefill evicts the caches the
+next decodes work from, a longer one more of them, and they run slow for a few steps). Rows
 that do not say D, or that never mix the two, get one cost per token (``base_s + per_token_s * T
 + per_kv_token_s * K``); rows that do not say C, Q or F leave ``per_prefill_s``,
 ``per_prefill_pair_s`` or ``per_first_decode_s`` at 0. Rows that say C come from serving in the
-order the steps ran, and their fit tries A for each decay of ``AFTER_DECAYS``, keeping the best
-when it cuts the loss by 1% or more (else ``per_after_prefill_s`` stays 0).
+order the steps ran, and their fit tries A and B for each decay of ``AFTER_DECAYS``, keeping the
+best when it cuts the loss by 1% or more (else both costs stay 0).
 The fit keeps the coefficients non-negative and weighs every step by its relative error, so
 short steps count as much as long ones. The rows come from the profiler's grid
 (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
@@ -50,7 +51,7 @@ AFTER_MIN_GAIN = 0.01
 
 
 def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str = "l2",
-                  after_prefill: bool = True) -> dict:
+                  after_prefill: bool = True, after_prefill_tokens: bool = True) -> dict:
     """Fit the step-time model to timed steps; returns coefficients, the noise sigma and fit quality.
 
     :param rows: ``(new tokens, KV tokens read, seconds)``, ``(new tokens, KV tokens read, seconds,
@@ -61,7 +62,10 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     :param seed: seeds the choice of held-out rows.
     :param after_prefill: with rows that say their prefill chunks (so they come from serving, in
         the order they ran), also fit the cost a step pays after prefill steps
-        (``per_after_prefill_s``) and its decay from step to step (the best of ``AFTER_DECAYS``).
+        (``per_after_prefill_s``, and ``per_after_prefill_token_s`` per prefill token) and its
+        decay from step to step (the best of ``AFTER_DECAYS``).
+    :param after_prefill_tokens: False leaves the cost per prefill token at 0 (the cost per prefill
+        step alone, as profiles before it had).
     :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute error
         relative to the prediction (iteratively reweighted least squares), which makes the model
         the median step: half the steps of any size run longer than predicted. Robust to the
@@ -70,7 +74,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         ``exp(-sigma^2)`` under log-normal noise).
     :return: ``base_s``, ``per_token_s``, ``per_kv_token_s``, ``per_decode_token_s`` (None without
         a split), ``per_prefill_s``, ``per_prefill_pair_s`` and ``per_first_decode_s`` (0 without
-        their counts), ``per_after_prefill_s`` and ``after_prefill_decay`` (0 when not fitted),
+        their counts), ``per_after_prefill_s``, ``per_after_prefill_token_s`` and
+        ``after_prefill_decay`` (0 when not fitted),
         ``noise_sigma``, ``noise_sigma_below`` and ``noise_corr``
         (fitted on all rows), ``r2`` and ``mape`` on all rows, ``heldout_mape`` of a fit on the
         other rows, and ``points``.
@@ -81,7 +86,7 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     data = _with_split(np.asarray(rows, dtype=float))
     decay = None
     if after_prefill and data.shape[1] >= 5 and (data[:, 0] > 0).sum() >= MIN_SPLIT_ROWS:
-        data, decay = _with_after_prefill(data, fit, loss)
+        data, decay = _with_after_prefill(data, fit, loss, after_prefill_tokens)
     idx = np.random.default_rng(seed).permutation(len(data))
     n_test = max(1, int(round(heldout_fraction * len(data)))) if len(data) >= 8 else 0
     test, train = idx[:n_test], idx[n_test:]
@@ -96,24 +101,28 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         heldout = float(np.mean(np.abs(_predict(coef_train, data[test]) - data[test, 2]) / data[test, 2]))
     split = data.shape[1] >= 4
     after_s = float(coef[7]) if decay is not None else 0.0
+    after_token_s = float(coef[8]) if decay is not None else 0.0
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
             "per_decode_token_s": float(coef[3]) if split else None,
             "per_prefill_s": float(coef[4]) if data.shape[1] >= 5 else 0.0,
             "per_prefill_pair_s": float(coef[5]) if data.shape[1] >= 6 else 0.0,
             "per_first_decode_s": float(coef[6]) if data.shape[1] >= 7 else 0.0,
-            "per_after_prefill_s": after_s, "after_prefill_decay": decay if after_s and decay is not None else 0.0,
+            "per_after_prefill_s": after_s, "per_after_prefill_token_s": after_token_s,
+            "after_prefill_decay": decay if (after_s or after_token_s) and decay is not None else 0.0,
             "noise_sigma": noise_sigma(t / pred), "noise_sigma_below": noise_sigma_below(t / pred),
             "noise_corr": noise_corr(t / pred), "loss": loss,
             "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
 
 
-def _with_after_prefill(data: np.ndarray, fit, loss: str) -> tuple[np.ndarray, float | None]:
-    """``data`` as ``(P, K, t, D, C, Q, F, A)`` (Q and F 0 where the rows lack them), A the weight
-    of the prefill steps before each row (``after_prefill_weights``) for the decay in
-    ``AFTER_DECAYS`` that fits best, and that decay; ``data`` unchanged and None when no decay
-    improves the fit by ``AFTER_MIN_GAIN`` or more."""
+def _with_after_prefill(data: np.ndarray, fit, loss: str, tokens: bool = True) -> tuple[np.ndarray, float | None]:
+    """``data`` as ``(P, K, t, D, C, Q, F, A, B)`` (Q and F 0 where the rows lack them), A and B the
+    weights of the prefill steps before each row and of their prefill tokens
+    (``after_prefill_weights``) for the decay in ``AFTER_DECAYS`` that fits best, and that decay;
+    ``data`` unchanged and None when no decay improves the fit by ``AFTER_MIN_GAIN`` or more.
+    Without ``tokens``, B is 0 on every row."""
     base = np.column_stack([data] + [np.zeros(len(data))] * (7 - data.shape[1]))
+    prefill = data[:, 0] if tokens else np.zeros(len(data))
     prefilled = data[:, 0] > 0
 
     def score(d: np.ndarray) -> float:
@@ -123,7 +132,8 @@ def _with_after_prefill(data: np.ndarray, fit, loss: str) -> tuple[np.ndarray, f
     best, best_data, best_decay = score(data), data, None
     threshold = best * (1.0 - AFTER_MIN_GAIN)
     for decay in AFTER_DECAYS:
-        candidate = np.column_stack([base, after_prefill_weights(prefilled, decay)])
+        candidate = np.column_stack([base, after_prefill_weights(prefilled, decay),
+                                     after_prefill_weights(prefill, decay)])
         got = score(candidate)
         if got < min(best, threshold):
             best, best_data, best_decay = got, candidate, decay
@@ -192,6 +202,7 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     fields["per_first_decode_s"] = fit.get("per_first_decode_s", 0.0)
     fields["per_after_prefill_s"] = fit.get("per_after_prefill_s", 0.0)
     fields["after_prefill_decay"] = fit.get("after_prefill_decay", 0.0)
+    fields["per_after_prefill_token_s"] = fit.get("per_after_prefill_token_s", 0.0)
     with_noise = noise and fit.get("loss") == "l1"
     fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if with_noise else 0.0
     fields["noise_corr"] = fit.get("noise_corr", 0.0) if with_noise and fields["noise_sigma"] else 0.0
@@ -235,7 +246,7 @@ def binned_samples(rows, max_bins: int = 120) -> list[dict]:
 
 def _design(data) -> np.ndarray:
     """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, ``[1, P, K, D]``,
-    and on up to ``[1, P, K, D, C, Q, F, A]``."""
+    and on up to ``[1, P, K, D, C, Q, F, A, B]``."""
     cols = [np.ones(len(data)), data[:, 0], data[:, 1]]
     cols += [data[:, i] for i in range(3, data.shape[1])]
     return np.column_stack(cols)
@@ -243,7 +254,7 @@ def _design(data) -> np.ndarray:
 
 def _predict(coef, data) -> np.ndarray:
     """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s[, per_prefill_s[,
-    per_prefill_pair_s[, per_first_decode_s[, per_after_prefill_s]]]]])``
+    per_prefill_pair_s[, per_first_decode_s[, per_after_prefill_s, per_after_prefill_token_s]]]]])``
     predict for the rows while fitting (the linear model being fitted; a finished fit becomes a ``Profile``)."""
     return _design(data) @ coef
 

@@ -52,8 +52,10 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -
     t, k, dec, chunks, pairs, d = t[busy], k[busy], dec[busy], chunks[busy], pairs[busy], d[busy]
     firsts = firsts[busy]
     after = after_prefill_weights(t > dec, profile.after_prefill_decay)
-    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n), int(c), int(q), int(f), a)
-                     for tokens, kv, n, c, q, f, a in zip(t, k, dec, chunks, pairs, firsts, after)], dtype=float)
+    after_tokens = after_prefill_weights(t - dec, profile.after_prefill_decay)
+    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n), int(c), int(q), int(f), a, b)
+                     for tokens, kv, n, c, q, f, a, b in zip(t, k, dec, chunks, pairs, firsts, after, after_tokens)],
+                    dtype=float)
     ape = np.abs(pred - d) / d
     return {"tokens": t, "kv_tokens_read": k, "decodes": dec, "prefills": chunks, "prefill_pairs": pairs,
             "first_decodes": firsts,
@@ -72,7 +74,8 @@ def refit_floor(errors: dict) -> dict:
             "refit_coefficients": {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s",
                                                          "per_decode_token_s", "per_prefill_s",
                                                          "per_prefill_pair_s", "per_first_decode_s",
-                                                         "per_after_prefill_s", "after_prefill_decay", "noise_sigma",
+                                                         "per_after_prefill_s", "per_after_prefill_token_s",
+                                                         "after_prefill_decay", "noise_sigma",
                                                          "noise_sigma_below",
                                                          "noise_corr")}}
 

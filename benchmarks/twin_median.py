@@ -3,7 +3,7 @@
     python benchmarks/twin_median.py [--checks 3] [--pin-cpu 1] [--profile FILE | --one-profile]
         [--out docs/bench/twin]
 
-Runs ``tidegate twin-check`` on the first 300 requests of splitwise_conv ``--checks`` times, each
+Runs ``tidegate twin-check`` on the first 300 requests of ``--trace`` (splitwise_conv) ``--checks`` times, each
 in its own process pinned to one core. Each check fits a profile of its own around it
 (``twin-check --fit-around``: requests 300-449 served through the real engine before the check,
 450-599 after, one fit on both), so a check is judged against the machine as it ran during the
@@ -79,7 +79,8 @@ def run_checks(args: argparse.Namespace, pin: list[str]) -> tuple[list[dict], li
     """Each check's report and profile, and the attempts set aside for the machine's drift."""
 
     def fit_profile(path: Path) -> Path:
-        tidegate("profile", "--model", "tiny", "--from-twin", "--runs", str(args.runs), *pin, "--out", str(path),
+        tidegate("profile", "--model", "tiny", "--from-twin", "--trace", args.trace, "--runs", str(args.runs), *pin,
+                 "--out", str(path),
                  "--name", "tiny-cpu-pinned")
         return path
 
@@ -98,7 +99,7 @@ def run_checks(args: argparse.Namespace, pin: list[str]) -> tuple[list[dict], li
             else:
                 profile = shared or fit_profile(folder / "tiny-pinned.json")
                 fitting = ["--profile", str(profile)]
-            tidegate("twin-check", "--model", "tiny", "--trace", "splitwise_conv", "--first", "300", "--length-scale",
+            tidegate("twin-check", "--model", "tiny", "--trace", args.trace, "--first", "300", "--length-scale",
                      "0.1", *fitting, "--controller", "greedy", *pin, "--out", str(folder))
             report = json.loads((folder / "twin_report.json").read_text())
             ratio = (report.get("speed_drift") or {}).get("ratio")
@@ -145,6 +146,7 @@ def set_aside_lines(set_aside: list[tuple[Path, dict]], max_drift: float) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checks", type=int, default=3)
+    ap.add_argument("--trace", default="splitwise_conv", help="Trace the checks and their profiles replay.")
     ap.add_argument("--pin-cpu", type=int, default=1)
     ap.add_argument("--profile", type=Path, default=None, help="A fitted profile for every check (default: each "
                     "check fits its own around it, half before and half after: twin-check --fit-around).")
@@ -166,7 +168,7 @@ def main() -> None:
     reports, profiles, set_aside = run_checks(args, pin)
     fits = [load_profile(p).to_dict()["step_time"] for p in profiles]
     fitting = "given" if args.profile else "one" if args.one_profile else "before" if args.fit_before else "around"
-    summary = {"checks": args.checks, "pin_cpu": args.pin_cpu, "fitting": fitting,
+    summary = {"checks": args.checks, "trace": args.trace, "pin_cpu": args.pin_cpu, "fitting": fitting,
                "profiles": [str(p) for p in profiles],
                "step_time": fits, "wall_s": time.perf_counter() - t0, "metrics": {}, "ks": {}}
     named = list(dict.fromkeys(map(str, profiles)))

@@ -1,12 +1,17 @@
 """Step-model variants judged across twin checks: fit on one check's real steps, simulate its
 requests, compare with another check's real requests.
 
-    python benchmarks/twin_noise.py --check DIR [--check DIR ...] [--seeds 3] [--out FILE]
+    python benchmarks/twin_noise.py --check DIR [--check DIR ...] [--seeds 3] [--in-sample] [--out FILE]
+
+With ``--in-sample`` each fit is judged on the very check it was fitted on instead: the drift
+of the machine between checks is left out, and what is left is how the step model's errors show
+in the requests' latencies. ``short TPOT p50`` is the median TPOT of the requests of 4-7 output
+tokens, whose TPOT is the few steps right after their own prefill.
 
 Each DIR is a ``tidegate twin-check`` output folder (``twin_steps.csv`` with the prefill chunk
 column, ``twin_requests.csv``). For every ordered pair of different checks, the step model is
 fitted (``fit_step_time``, the median step) on the first one's steps and each variant below
-simulates the 300 requests of the check (``splitwise_conv``, first 300, length x0.1) with
+simulates the 300 requests of the check (``--trace``, splitwise_conv by default, first 300, length x0.1) with
 ``--seeds`` noise seeds; its TTFT and TPOT are compared with the second check's real ones. A
 variant that only does well on the steps it was fitted on does not show here; the machine's
 drift between the two checks counts against every variant alike.
@@ -46,22 +51,26 @@ from engine.sim.simulate import simulate
 from engine.twin.fit import read_steps_csv
 from engine.workloads import read_trace, resolve_trace
 
-FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "short TPOT p50")
+#: output lengths of the short requests, whose TPOT is the few steps right after their prefill
+SHORT = (4, 7)
 VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
             "correlated, split, mean above", "no prefill chunk or pair cost", "no first-decode cost",
             "no after-prefill cost", "no after-prefill token cost")
 
 
-def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The real engine's TTFT and TPOT of a check's requests, and the TPOT of its ``SHORT`` ones."""
     import csv
 
     with open(folder / "twin_requests.csv") as f:
         rows = list(csv.DictReader(f))
 
-    def column(key: str) -> np.ndarray:
-        return np.array([float(r[key]) for r in rows if r[key] not in ("", "nan")])
+    def column(key: str, keep=lambda r: True) -> np.ndarray:
+        return np.array([float(r[key]) for r in rows if r[key] not in ("", "nan") and keep(r)])
 
-    return column("ttft_real_s"), column("tpot_real_s")
+    short = column("tpot_real_s", lambda r: SHORT[0] <= int(r["output_tokens"]) <= SHORT[1])
+    return column("ttft_real_s"), column("tpot_real_s"), short
 
 
 def _half_mean_sigma(logs: np.ndarray) -> float:
@@ -106,7 +115,8 @@ def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
     }
 
 
-def compare(profile: Profile, arrivals, ttft_real: np.ndarray, tpot_real: np.ndarray, seeds: int) -> np.ndarray:
+def compare(profile: Profile, arrivals, ttft_real: np.ndarray, tpot_real: np.ndarray, short_real: np.ndarray,
+            seeds: int) -> np.ndarray:
     """The figures of ``FIGURES`` (relative errors for percentiles), median over noise seeds."""
     out = []
     for seed in range(seeds):
@@ -114,9 +124,11 @@ def compare(profile: Profile, arrivals, ttft_real: np.ndarray, tpot_real: np.nda
         done = [r for r in core.metrics.terminal if r.first_token_time_s is not None]
         ttft = np.array([time_to_first_token_s(r) for r in done])
         tpot = np.array([t for t in map(time_per_output_token_s, done) if t is not None])
+        short = np.array([t for r in done if SHORT[0] <= r.num_output_tokens <= SHORT[1]
+                          and (t := time_per_output_token_s(r)) is not None])
         out.append([ks_2samp(tpot_real, tpot).statistic, ks_2samp(ttft_real, ttft).statistic,
                     _rel(ttft, ttft_real, 50), _rel(ttft, ttft_real, 99),
-                    _rel(tpot, tpot_real, 50), _rel(tpot, tpot_real, 99)])
+                    _rel(tpot, tpot_real, 50), _rel(tpot, tpot_real, 99), _rel(short, short_real, 50)])
     return np.median(np.array(out), axis=0)
 
 
@@ -130,25 +142,30 @@ def main() -> None:
     ap.add_argument("--check", type=Path, action="append", required=True, help="a twin-check output folder")
     ap.add_argument("--base", default="tiny-cpu", help="profile whose capacity, block size and SLOs the fits keep")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--trace", default="splitwise_conv", help="the trace the checks replayed (first 300, length x0.1)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    ap.add_argument("--in-sample", action="store_true",
+                    help="Judge each fit on the requests of the check it was fitted on: the machine's drift "
+                         "between checks left out, the step model's errors as the requests see them left in.")
     args = ap.parse_args()
-    if len(args.check) < 2:
-        ap.error("give at least two --check folders")
+    if len(args.check) < 2 and not args.in_sample:
+        ap.error("give at least two --check folders (or --in-sample)")
     base = load_profile(args.base)
-    arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=300, length_scale=0.1, max_tokens_cap=256)
+    arrivals = read_trace(resolve_trace(args.trace), first_n=300, length_scale=0.1, max_tokens_cap=256)
     steps = {c: read_steps_csv(c / "twin_steps.csv") for c in args.check}
     for c, rows in steps.items():
         if len(rows[0]) < 5:
             raise SystemExit(f"{c}/twin_steps.csv has no prefill chunk column: rerun the check with this version.")
     real = {c: real_latencies(c) for c in args.check}
     results: dict[str, list[np.ndarray]] = {v: [] for v in VARIANTS}
-    pairs = list(itertools.permutations(args.check, 2))
+    pairs = [(c, c) for c in args.check] if args.in_sample else list(itertools.permutations(args.check, 2))
     for n, (fit_on, judge_on) in enumerate(pairs, 1):
         print(f"[{n}/{len(pairs)}] fit on {fit_on}, judged on {judge_on}", flush=True)
         for name, profile in variant_profiles(base, steps[fit_on]).items():
             results[name].append(compare(profile, arrivals, *real[judge_on], args.seeds))
-    lines = [f"{len(pairs)} pairs of checks (fit on one, judged on another), {args.seeds} noise seeds each; "
-             "median over pairs (mean of |value| in brackets)", "",
+    judged = "each judged on its own requests" if args.in_sample else "pairs of checks (fit on one, judged on another)"
+    lines = [f"{len(pairs)} {judged}, {args.seeds} noise seeds each; median over them (mean of |value| in brackets); "
+             f"short: requests of {SHORT[0]}-{SHORT[1]} output tokens", "",
              "| variant | " + " | ".join(FIGURES) + " |", "|---|" + "---|" * len(FIGURES)]
     for name in VARIANTS:
         a = np.array(results[name])

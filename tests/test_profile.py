@@ -423,6 +423,24 @@ def test_fit_recovers_the_split_costs_and_the_noise():
     assert plain["per_decode_token_s"] is None and plain["mape"] > 1e-3
 
 
+def test_noise_of_pooled_runs_is_fitted_within_each_run():
+    from engine.sim.fit import fit_step_time
+
+    # two runs of the same steps, the machine 30% slower in the second: drift, not step noise
+    first, second = _split_rows(2000, 0.05, seed=1), _split_rows(2000, 0.05, seed=2)
+    rows = first + [(t, k, 1.3 * sec, d) for t, k, sec, d in second]
+    runs = ["before"] * len(first) + ["after"] * len(second)
+    pooled = fit_step_time(rows, loss="l1")
+    within = fit_step_time(rows, loss="l1", runs=runs)
+    assert within["noise_sigma"] == pytest.approx(0.05, abs=0.015)
+    assert within["noise_sigma_below"] == pytest.approx(0.05, abs=0.015)
+    assert pooled["noise_sigma"] > 2 * within["noise_sigma"]
+    # the coefficients are the pooled median step's either way
+    assert within["base_s"] == pooled["base_s"] and within["mape"] == pooled["mape"]
+    with pytest.raises(ValueError, match="label every row"):
+        fit_step_time(rows, loss="l1", runs=runs[1:])
+
+
 def test_step_noise_is_seeded_median_one_and_off_at_zero():
     import math
     import statistics

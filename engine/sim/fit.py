@@ -51,7 +51,7 @@ AFTER_MIN_GAIN = 0.01
 
 
 def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str = "l2",
-                  after_prefill: bool = True, after_prefill_tokens: bool = True) -> dict:
+                  after_prefill: bool = True, after_prefill_tokens: bool = True, runs=None) -> dict:
     """Fit the step-time model to timed steps; returns coefficients, the noise sigma and fit quality.
 
     :param rows: ``(new tokens, KV tokens read, seconds)``, ``(new tokens, KV tokens read, seconds,
@@ -66,6 +66,10 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         decay from step to step (the best of ``AFTER_DECAYS``).
     :param after_prefill_tokens: False leaves the cost per prefill token at 0 (the cost per prefill
         step alone, as profiles before it had).
+    :param runs: for rows pooled from several serving runs, each row's run (any labels): the
+        noise is then fitted on each run's steps against that run's own median, so a machine that
+        ran faster in one run than in another does not count as step noise (the coefficients
+        are fitted on all rows, the median step over the runs).
     :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute error
         relative to the prediction (iteratively reweighted least squares), which makes the model
         the median step: half the steps of any size run longer than predicted. Robust to the
@@ -83,7 +87,12 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     if loss not in ("l1", "l2"):
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
     fit = _nonneg_relative_lstsq if loss == "l2" else _nonneg_relative_l1
-    data = _with_split(np.asarray(rows, dtype=float))
+    raw = np.asarray(rows, dtype=float)
+    if runs is not None:
+        if len(runs) != len(raw):
+            raise ValueError(f"runs must label every row: {len(runs)} labels for {len(raw)} rows")
+        runs = np.asarray(runs)[raw[:, 2] > 0]
+    data = _with_split(raw)
     decay = None
     if after_prefill and data.shape[1] >= 5 and (data[:, 0] > 0).sum() >= MIN_SPLIT_ROWS:
         data, decay = _with_after_prefill(data, fit, loss, after_prefill_tokens)
@@ -100,6 +109,7 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     if n_test:
         heldout = float(np.mean(np.abs(_predict(coef_train, data[test]) - data[test, 2]) / data[test, 2]))
     split = data.shape[1] >= 4
+    ratios = t / pred if runs is None else _within_runs(t / pred, runs)
     after_s = float(coef[7]) if decay is not None else 0.0
     after_token_s = float(coef[8]) if decay is not None else 0.0
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
@@ -109,8 +119,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
             "per_first_decode_s": float(coef[6]) if data.shape[1] >= 7 else 0.0,
             "per_after_prefill_s": after_s, "per_after_prefill_token_s": after_token_s,
             "after_prefill_decay": decay if (after_s or after_token_s) and decay is not None else 0.0,
-            "noise_sigma": noise_sigma(t / pred), "noise_sigma_below": noise_sigma_below(t / pred),
-            "noise_corr": noise_corr(t / pred), "loss": loss,
+            "noise_sigma": noise_sigma(ratios), "noise_sigma_below": noise_sigma_below(ratios),
+            "noise_corr": noise_corr(ratios), "loss": loss,
             "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
 
@@ -138,6 +148,18 @@ def _with_after_prefill(data: np.ndarray, fit, loss: str, tokens: bool = True) -
         if got < min(best, threshold):
             best, best_data, best_decay = got, candidate, decay
     return best_data, best_decay
+
+
+def _within_runs(ratios: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """``ratios`` (real / predicted step times) over the median of their own run's, each run's
+    steps kept in order."""
+    out = np.array(ratios, dtype=float)
+    for run in dict.fromkeys(runs.tolist()):
+        mine = runs == run
+        logs = _logs(out[mine])
+        if len(logs):
+            out[mine] /= float(np.exp(np.median(logs)))
+    return out
 
 
 def noise_sigma(ratios) -> float:

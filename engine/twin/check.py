@@ -242,7 +242,8 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
 
     :param fit_around: instead of ``profile_name``, fit the profile on the trace's next
         ``first_n`` requests served through the real engine, half before the check and half after
-        (``engine.twin.fit.fit_around``), and write it to ``profile.json``; the controllers of
+        (``engine.twin.fit.fit_around``), and write it to ``profile.json`` (its serving steps to
+        ``profile_steps.csv``); the controllers of
         both runs are built with the profile fitted on the first half.
     :return: the report: per-metric real, simulated and relative error, step-time errors, targets met.
     """
@@ -270,7 +271,8 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
         profile, control_profile, (core, recorder) = fit_around_check(
             real_run, model=model, device=device, dtype=dtype, name="around-check", trace=trace,
             skip=len(arrivals), first_n=len(arrivals), length_scale=length_scale, rate_scale=rate_scale,
-            max_tokens=max_tokens, controller_spec=controller_spec, seed=seed, log=log)
+            max_tokens=max_tokens, controller_spec=controller_spec, seed=seed, steps_out=out_dir / "profile_steps.csv",
+            log=log)
         profile.save(out_dir / "profile.json")
     else:
         profile = control_profile = load_profile(profile_name)

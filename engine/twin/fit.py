@@ -77,8 +77,11 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
 
 def _serving_profile(base: Profile, rows: list[tuple], loss: str, model: str, device, dtype, source: str,
                      serving: dict, seconds: float) -> Profile:
-    """``base`` with the step-time model fitted on serving ``rows`` (in the order they ran)."""
-    fit = fit_step_time(rows, loss=loss)
+    """``base`` with the step-time model fitted on serving ``rows`` (in the order they ran; the
+    noise within each of ``serving["runs"]``, the rows of one run after another's)."""
+    counts = [r["steps"] for r in serving.get("runs", [])]
+    runs = np.repeat(np.arange(len(counts)), counts) if len(counts) > 1 and sum(counts) == len(rows) else None
+    fit = fit_step_time(rows, loss=loss, runs=runs)
     described = describe_device(device)
     return dataclasses.replace(
         base, **profile_fields(fit),
@@ -94,16 +97,19 @@ def fit_around(check: Callable[[Profile], T], model: str = "tiny", device=None, 
                trace: str = "splitwise_conv", skip: int = 300, first_n: int = 300, length_scale: float = 0.1,
                rate_scale: float = 1.0, max_tokens: int = 256, controller_spec: str = "greedy",
                kv_capacity_tokens: int | None = None, block_size: int = 16, loss: str = "l1", seed: int = 0,
-               log: Callable[[str], None] | None = None) -> tuple[Profile, Profile, T]:
+               steps_out=None, log: Callable[[str], None] | None = None) -> tuple[Profile, Profile, T]:
     """Fit a profile on serving runs placed around ``check``: the first half of the profiling
     slice (requests ``skip .. skip+first_n-1``) is served before it, the second half after it,
     and the fit pools both. A machine whose speed drifts steadily during the three runs is then
     profiled, on average, at the speed it checked at; fitted on a run before the check only, the
-    profile is off by the whole drift.
+    profile is off by the whole drift. The noise is fitted within each half (``fit_step_time``'s
+    ``runs``): the two halves' speeds differing is drift, not step noise.
 
     :param check: runs the check (the real engine's part of it) given the profile fitted on the
         first half, which is what it may need before the second half exists (a controller's
         step-time model, the KV capacity).
+    :param steps_out: also write the two halves' steps there (``write_steps_csv``; ``tidegate
+        profile --from-steps`` fits the same profile on them).
     :return: the profile fitted on both halves, the one fitted on the first half, and what
         ``check`` returned.
     """
@@ -133,6 +139,8 @@ def fit_around(check: Callable[[Profile], T], model: str = "tiny", device=None, 
                              {"runs": [before]}, time.perf_counter() - t0)
     result = check(first)
     more, after = serve("after", halves[1])
+    if steps_out is not None:
+        write_steps_csv(steps_out, rows + more, ["before"] * len(rows) + ["after"] * len(more))
     rows += more
     per_run = [before, after]
     source = (f"fitted on serving steps around a check (--model {model} --device {device.type} --trace {trace} "
@@ -203,6 +211,27 @@ def read_steps_csv(path) -> list[tuple]:
     return rows
 
 
+def read_step_runs(path) -> list[str] | None:
+    """The ``run`` column of a steps file, one label per row ``read_steps_csv`` returns (the
+    serving steps of a profile fitted around a check have one); None without it."""
+    with open(path) as f:
+        header = f.readline().strip().split(",")
+        if "run" not in header:
+            return None
+        it, irun = header.index("tokens"), header.index("run")
+        return [parts[irun] for parts in (line.strip().split(",") for line in f)
+                if len(parts) == len(header) and int(parts[it]) > 0]
+
+
+def write_steps_csv(path, rows: list[tuple], runs: list[str]) -> None:
+    """Serving steps ``(T, K, seconds, D, C, Q, F)`` as a steps file ``read_steps_csv`` reads,
+    with each row's run."""
+    with open(path, "w") as f:
+        f.write("tokens,kv_tokens_read,real_s,decodes,prefills,prefill_pairs,first_decodes,run\n")
+        for (t, k, sec, d, c, q, first), run in zip(rows, runs):
+            f.write(f"{t},{k},{sec:.9g},{d},{c},{q},{first},{run}\n")
+
+
 def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv_capacity_tokens: int | None = None,
                            block_size: int = 16, loss: str = "l1") -> Profile:
     """Fit the profile on the steps a ``twin-check`` recorded (its ``twin_steps.csv``), without serving again.
@@ -211,7 +240,7 @@ def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv
     how far a linear profile can get, and fit on a different run for an honest check.
     """
     rows = read_steps_csv(path)
-    fit = fit_step_time(rows, loss=loss)
+    fit = fit_step_time(rows, loss=loss, runs=read_step_runs(path))
     base = serving_defaults(_config_of(model), name, block_size, kv_capacity_tokens)
     return dataclasses.replace(
         base, **profile_fields(fit),

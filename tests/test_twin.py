@@ -282,3 +282,31 @@ def test_steps_file_with_prefill_chunks_and_pairs_reads_them(tmp_path):
     path.write_text("tokens,kv_tokens_read,real_s,predicted_s,decodes,prefills\n9,300,0.01,0,8,1\n"
                     "1,40,0.002,0,1,0\n128,128,0.02,0,0,1\n")
     assert read_steps_csv(path) == [(9, 300, 0.01, 8, 1), (1, 40, 0.002, 1, 0), (128, 128, 0.02, 0, 1)]
+
+
+def test_speed_adjusted_errors_scale_every_cost_of_the_profile():
+    import dataclasses
+
+    from ctrl import build_controller
+    from engine.sim.simulate import simulate
+    from engine.twin.check import COMPARED, _speed_adjusted_errors, compare_metrics
+    from engine.workloads import read_trace, resolve_trace
+
+    profile = Profile("toy", "a toy", kv_capacity_tokens=8192, per_decode_token_s=3e-4, per_prefill_s=2e-3,
+                      per_first_decode_s=1e-3, per_after_prefill_s=1e-3, after_prefill_decay=0.5,
+                      per_after_prefill_token_s=2e-6, per_prefill_pair_s=1e-8, **COEFFICIENTS)
+    costs = ("base_s", "per_token_s", "per_kv_token_s", "per_decode_token_s", "per_prefill_s", "per_prefill_pair_s",
+             "per_first_decode_s", "per_after_prefill_s", "per_after_prefill_token_s")
+    slower = dataclasses.replace(profile, **{c: 1.5 * getattr(profile, c) for c in costs})
+    arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=40, length_scale=0.1, max_tokens_cap=256)
+
+    def summary(p):
+        return simulate(arrivals, p, build_controller("greedy", p, arrivals), record_steps=False).summary
+
+    # a machine 1.5x slower than profiled: the profile scaled by 1.5 predicts it exactly
+    rows = compare_metrics(summary(slower), summary(profile))
+    adjusted = _speed_adjusted_errors(arrivals, profile, build_controller("greedy", profile, arrivals), 1.5, rows)
+    assert set(adjusted) <= set(COMPARED)
+    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s"):
+        assert adjusted[key] == pytest.approx(0.0, abs=1e-9), key
+        assert abs(rows[key]["rel_error"]) > 0.1, key

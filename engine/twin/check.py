@@ -183,11 +183,10 @@ def _speed_adjusted_errors(arrivals, profile: Profile, controller, ratio: float,
     """Diagnostic only: the simulator's relative errors with the profile scaled by how much slower
     (or faster) the machine ran single-token steps during the check than while profiling."""
 
-    scaled = dataclasses.replace(profile, base_s=profile.base_s * ratio, per_token_s=profile.per_token_s * ratio,
-                                 per_kv_token_s=profile.per_kv_token_s * ratio,
-                                 per_decode_token_s=None if profile.per_decode_token_s is None
-                                 else profile.per_decode_token_s * ratio,
-                                 idle_s=None if profile.idle_s is None else profile.idle_s * ratio)
+    costs = ("base_s", "per_token_s", "per_kv_token_s", "per_decode_token_s", "idle_s", "per_prefill_s",
+             "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "per_after_prefill_token_s")
+    scaled = dataclasses.replace(profile, **{c: None if getattr(profile, c) is None else getattr(profile, c) * ratio
+                                             for c in costs})
     sim_scaled = simulate(arrivals, scaled, controller, record_steps=False).summary
     return {key: (float(sim_scaled[key]) - rows[key]["real"]) / rows[key]["real"]
             for key in COMPARED if rows[key]["real"]}

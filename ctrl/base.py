@@ -394,6 +394,12 @@ class Controller:
         """The Decision for the next step."""
         raise NotImplementedError
 
+    def steady_decision(self) -> Decision | None:
+        """The Decision ``decide`` returns, with no other effect, whatever the observation: the
+        engine may then run the steps in which only decodes can happen without asking
+        (``EngineCore.run_steady``). None (the default): ask at every step."""
+        return None
+
     def reset(self) -> None:
         """Forget per-run state (called when an engine starts a new run)."""
 

@@ -22,3 +22,6 @@ class GreedyController(Controller):
 
     def decide(self, obs: Observation) -> Decision:
         return self._decision
+
+    def steady_decision(self) -> Decision:
+        return self._decision

@@ -21,3 +21,6 @@ class NoEvictController(Controller):
 
     def decide(self, obs: Observation) -> Decision:
         return self._decision
+
+    def steady_decision(self) -> Decision:
+        return self._decision

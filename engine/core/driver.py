@@ -3,6 +3,7 @@ the twin's real replay (wall clock)."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from engine.core.engine_core import EngineCore
@@ -10,17 +11,20 @@ from engine.core.request import Request
 
 
 def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Callable[[int], Request],
-           on_step: Callable[[int], None] | None = None) -> None:
+           on_step: Callable[[int], None] | None = None, steady_runs: bool = True) -> None:
     """Add request ``i`` once the clock reaches ``arrival_times_s[i]`` and step the engine
     until every request has ended. While nothing is queued or running, the clock jumps to (on a
     wall clock: waits for) the next arrival.
 
     :param arrival_times_s: non-decreasing arrival times on the core's clock.
     :param make_request: builds request ``i`` when it arrives.
-    :param on_step: called after every step with the number of requests added so far; the
-        running requests' token counts lag until the replay ends (``EngineCore.step(sync=False)``).
+    :param on_step: called after every step (or stretch of steady steps) with the number of
+        requests added so far; the running requests' token counts lag until the replay ends
+        (``EngineCore.step(sync=False)``).
+    :param steady_runs: run the stretches in which only steady decodes can happen in one call
+        (``EngineCore.run_steady``: the same steps, without asking the controller at each).
     """
-    clock, step, add = core.clock, core.step, core.add_request
+    clock, step, add, run_steady = core.clock, core.step, core.add_request, core.run_steady
     n, i = len(arrival_times_s), 0
     while i < n or core.has_unfinished:
         now = clock.now()
@@ -32,6 +36,12 @@ def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Cal
                 break
             clock.advance_to(arrival_times_s[i])
             continue
+        if steady_runs:
+            run_steady(arrival_times_s[i] if i < n else math.inf)
+            if core.steady_steps:
+                if on_step is not None:
+                    on_step(i)
+                continue
         step(False)
         if on_step is not None:
             on_step(i)

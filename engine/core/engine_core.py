@@ -57,6 +57,9 @@ ASK = _Ask()
 _FINISHED = RequestState.FINISHED
 _RUNNING = RequestState.RUNNING
 _by_activation = attrgetter("activation_seq")
+#: the fewest steps ``run_steady`` expects to run (by the next end, and the next arrival at the
+#: mean step time) for it to run any: below, setting the stretch up costs more than it saves
+MIN_STEADY_RUN = 4
 
 
 class RateEstimator:
@@ -359,6 +362,189 @@ class EngineCore:
                 self._notify_finished(ended)
         return ended
 
+    #: how many steps the last ``run_steady`` ran
+    steady_steps = 0
+    #: ``run_steady`` runs nothing before this tick (a request ends too soon after it)...
+    _steady_retry_tick = 0
+    #: ...nor while the next arrival is this one (it comes too soon)
+    _steady_retry_until = -1.0
+
+    def run_steady(self, until_s: float, max_steps: int | None = None) -> list[Request]:
+        """Run the steps in which nothing but the steady decodes can happen, each exactly as
+        ``step(False)`` would, without asking the controller or observing; returns the requests
+        that reached a terminal state (only a failing step ends any). ``steady_steps`` says how
+        many ran: none when the next step could do anything else.
+
+        Requests may wait while the queue's head cannot start (the running cap is reached, or the
+        pool lacks the blocks for its prompt: steady steps only take blocks, so it cannot start
+        before the stretch ends). It stops before a step that starts at or after ``until_s`` (the
+        next arrival), in which a request ends or expires, that needs a block the pool does not
+        have, past ``max_steps``, or when the controller does not promise its decision
+        (``Controller.steady_decision``). Afterwards the observation reads as after stepping one by one.
+        """
+        self.steady_steps = 0
+        if (self._explicit or not self._steady or self._tick < self._steady_retry_tick
+                or until_s == self._steady_retry_until):  # the common misses, kept cheap
+            return []
+        start_with = self._steady_start(until_s)
+        if start_with is None:
+            return []
+        d, expires_after = start_with
+        clock, pool, execute, heap = self.clock, self.pool, self._executor.execute, self._steady_ends
+        blocks, bs = self._steady_blocks, self.pool.block_size
+        steady, base = self._steady, self._steady_base
+        limit = UNLIMITED if max_steps is None else max_steps
+        ended: list[Request] = []
+        ran, start, used, decoded = 0, 0.0, 0, 0.0
+        while ran < limit:
+            now = clock.now()
+            tick = self._tick
+            if now >= until_s or (heap and heap[0][0] <= tick + 1):
+                break
+            if expires_after is not None and expires_after[0] < now - expires_after[1]:
+                break  # the queue's first request expires in this step
+            held = pool.used_tokens
+            if blocks[tick % bs] and not self._grow_steady(tick):
+                break  # an eviction: the full step does it
+            start, used = now, held
+            self._kv_steps += held
+            batch = Batch()
+            batch.num_tokens = batch.num_decodes = steady
+            batch.kv_tokens_read = kv_read = base + steady * tick
+            decoded = self._decode_kv_steps  # as this step's observation saw it
+            self._decode_kv_steps = decoded + kv_read
+            fresh_tick, fresh = self._steady_first
+            if fresh_tick == tick:
+                batch.first_decodes = fresh
+            ran += 1
+            try:
+                result = execute(batch)
+                if result.duration_s is not None:
+                    clock.advance(result.duration_s)
+                if result.token_ids is not None or result.stopped or result.failed:
+                    self._steady_step_ends((now, held, decoded), batch, result, ended)
+                    start = -1.0
+                    break
+            except Exception as exc:
+                self._steady_step_ends((now, held, decoded), batch, exc, ended)
+                start = -1.0
+                break
+            self._tick = tick + 1
+            self._finish_step(now, batch)
+        if ran:
+            self.steady_steps = ran
+            self._after_steady(d, start, used, decoded, ended)
+        return ended
+
+    def _grow_steady(self, tick: int) -> bool:
+        """``_make_room`` for a step in which only steady decodes run: the blocks due at ``tick``,
+        in activation order; False, and nothing given, when the pool has too few (an eviction)."""
+        bs = self.pool.block_size
+        growing = [r for r in self._steady_blocks[tick % bs]
+                   if r.prompt_len + tick - (r.decode_lag or 0) > len(r.block_ids) * bs]
+        if len(growing) > self.pool.num_free_blocks:
+            return False
+        if growing:
+            growing.sort(key=_by_activation)
+            self.pool.add_one_block(growing)
+        return True
+
+    def _steady_step_ends(self, seen: tuple[float, int, float], batch: Batch, outcome, ended: list[Request]) -> None:
+        """A steady step whose executor failed (``outcome`` the exception) or said more than a
+        duration (``outcome`` the StepResult: token ids, stopped or failed requests), finished as
+        a full step finishes it, after the observation its start made (``seen``: start, KV held,
+        the decodes' KV steps before it; ``_observe_steady``)."""
+        start = seen[0]
+        self._observe_steady(*seen)
+        if isinstance(outcome, BaseException):  # the step's requests fail, the engine keeps serving
+            self._count_error(self.step_errors, f"step failed: {type(outcome).__name__}", outcome)
+            self._fail_batch(batch, f"step failed: {type(outcome).__name__}: {outcome}", ended)
+        else:
+            self._commit(batch, outcome, ended)
+        self._finish_step(start, batch)
+
+    def _after_steady(self, d: Decision, start: float, used: int, decoded: float, ended: list[Request]) -> None:
+        """What the steps ``run_steady`` ran leave as a full step leaves it: the decision's
+        settings, and the observation as the last step's start made it (``start`` < 0: the last
+        step, which ended requests, made it already)."""
+        self._token_budget, self._running_cap = d.token_budget, d.running_cap
+        self._late_after_s = d.late_after_s
+        self._evicted_last_step = 0
+        self._rotating = False
+        if start >= 0.0:
+            self._observe_steady(start, used, decoded)
+            self.obs.step_index = self.step_index - 1
+        if ended:
+            self._notify_finished(ended)
+
+    def _observe_steady(self, start: float, used: int, decoded: float) -> None:
+        """The observation a steady step starting at ``start`` made: ``used`` KV tokens held (before
+        its blocks), its KV steps counted, ``decoded`` the decodes' KV steps before its own."""
+        obs = self._observe(start)
+        obs.kv_used_tokens = used
+        if self._kv_completions > 0:
+            obs.occupied_kv_workload = self._kv_steps / self._kv_completions
+            obs.decode_kv_workload = decoded / self._kv_completions
+        obs.running_prefill_tokens = 0
+
+    def _steady_start(self, until_s: float) -> tuple[Decision, tuple[float, float] | None] | None:
+        """The decision a steady stretch runs under and the queue's first expiry, when one may
+        start now and is not too short to be worth it (``MIN_STEADY_RUN``)."""
+        heap, tick = self._steady_ends, self._tick
+        if heap and heap[0][0] <= tick + MIN_STEADY_RUN:
+            self._steady_retry_tick = heap[0][0]  # a stretch this short is cheaper stepped one by one
+            return None
+        if until_s - self.clock.now() < MIN_STEADY_RUN * self.obs.mean_step_time_s:
+            self._steady_retry_until = until_s  # nor before the next arrival, as the gap only shrinks
+            return None
+        d = self._steady_decision()
+        expiry = self._first_expiry() if d is not None else False
+        if d is None or expiry is False:
+            return None
+        return d, expiry if isinstance(expiry, tuple) else None
+
+    def _steady_decision(self) -> Decision | None:
+        """The controller's promised decision while only steady decodes run, when the engine may
+        step without asking: nothing is listed, cancelled or short of a block, the decodes fit
+        the token budget, the decision is one ``_decide`` takes as it is, and the queue's head,
+        if any, cannot start."""
+        if (not self._steady or self._explicit or self._cancel or self._needs_block
+                or self.on_token is not None or self._lists_requests):
+            return None
+        try:
+            d = self.controller.steady_decision()
+            if type(d) is not Decision or not _plainly_usable(d) or d.token_budget < self._steady:
+                return None
+        except Exception:
+            return None
+        if self.waiting:
+            head = self.waiting[0]
+            if (d.kv_reserve_ratio is not None or min(d.activation_budget, d.running_cap - len(self.running)) > 0
+                    and self.pool.extra_blocks_needed(head, head.prompt_len + head.num_output_tokens)
+                    <= self.pool.num_free_blocks):
+                return None
+        return d
+
+    def _first_expiry(self) -> tuple[float, float] | None | bool:
+        """(arrival, queue timeout) of the first waiting request that never started, which
+        ``_expire`` looks at first; None when nothing can expire; False when the timeout is not
+        a number (each full step counts that as a controller error)."""
+        if not self.waiting:
+            return None
+        try:
+            timeout = self.controller.queue_timeout_s
+        except Exception:
+            return None
+        if timeout is None:
+            return None
+        seconds = _real(timeout)
+        if seconds is None:
+            return False
+        for r in self.waiting:
+            if not r.ever_activated:
+                return r.arrival_time_s, seconds
+        return None
+
     def sync(self) -> None:
         """Write the current token counts into the requests in steady decode (they lag while the
         engine steps with ``sync=False``; everything else is always current)."""
@@ -462,13 +648,8 @@ class EngineCore:
             return self._conservative(f"controller.decide raised {type(exc).__name__}", exc)
         try:
             if type(d) is Decision:
-                act, tok, cap, ratio = d.activation_budget, d.token_budget, d.running_cap, d.kv_reserve_ratio
-                late = d.late_after_s
-                if (type(act) is int and type(tok) is int and type(cap) is int and d.class_budgets is None
-                        and 0 <= act <= UNLIMITED and 0 < tok <= UNLIMITED and 0 <= cap <= UNLIMITED
-                        and (ratio is None or type(ratio) is float and 0.0 <= ratio <= _MAX_RESERVE_RATIO)
-                        and (late is None or type(late) is float and late >= 0.0)):
-                    self._token_budget, self._running_cap = tok, cap
+                if _plainly_usable(d):
+                    self._token_budget, self._running_cap = d.token_budget, d.running_cap
                     return d  # the common case: usable as it is
             elif not isinstance(d, Decision):
                 return self._conservative(f"controller.decide returned {type(d).__name__}, not a Decision")
@@ -1047,6 +1228,15 @@ class EngineCore:
                 self._end(r, RequestState.FAILED, reason, now, ended)
         self.running = [r for r in self.running if r.state is _RUNNING]
         self._explicit = [r for r in self._explicit if r.state is _RUNNING]
+
+
+def _plainly_usable(d: Decision) -> bool:
+    """Whether ``d``'s numbers are whole and within bounds as they are (the common case)."""
+    act, tok, cap, ratio, late = d.activation_budget, d.token_budget, d.running_cap, d.kv_reserve_ratio, d.late_after_s
+    return (type(act) is int and type(tok) is int and type(cap) is int and d.class_budgets is None
+            and 0 <= act <= UNLIMITED and 0 < tok <= UNLIMITED and 0 <= cap <= UNLIMITED
+            and (ratio is None or type(ratio) is float and 0.0 <= ratio <= _MAX_RESERVE_RATIO)
+            and (late is None or type(late) is float and late >= 0.0))
 
 
 def _end_tokens(r: Request) -> int:

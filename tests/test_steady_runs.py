@@ -3,10 +3,10 @@
 ``EngineCore.run_steady`` runs, without asking the controller, the steps in which only steady
 decodes can happen, for a controller that promises its decision (``steady_decision``). The same
 replay with and without it must agree on everything: each step's record (time, duration, KV,
-queue and batch), every request's counts, times and ending, the summary, the errors counted and
-the observation at the end. Workloads draw arrivals, lengths, tight KV (evictions), queue
-timeouts, running caps, small token budgets, failing steps, noisy step times and after-prefill
-costs, in both eviction and both record modes.
+queue and batch), every request's counts, times and ending (and the order ``on_finish`` saw
+them in), the summary, the errors counted, and the observation after every stretch. Workloads
+draw arrivals, lengths, tight KV (evictions), queue timeouts, running caps, small token budgets,
+failing steps, noisy step times and after-prefill costs, in both eviction and both record modes.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, s
                            per_after_prefill_s=0.3, after_prefill_decay=0.5, per_after_prefill_token_s=0.01)
     controller = (Fixed(*controller_args) if isinstance(controller_args, tuple)
                   else build_controller(controller_args or "greedy", profile))
+    finished: list = []
     core = EngineCore(controller, Failing(profile, seed, fail_at), VirtualClock(), capacity, profile.block_size,
-                      eviction=eviction, record_steps=record)
+                      eviction=eviction, record_steps=record,
+                      on_finish=lambda r: finished.append((r.request_id, r.state, r.finish_time_s)))
     times, t = [], 0.0
     for gap, *_ in workload:
         t += gap
@@ -93,7 +95,12 @@ def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, s
             return ended
 
         core.run_steady = counted  # type: ignore[method-assign]
-    replay(core, times, make, steady_runs=steady_runs)
+    seen = {}  # the observation after each step (stepping) or stretch, by the steps run so far
+
+    def on_step(_):
+        seen[core.step_index] = repr(sorted(core.obs.as_dict().items()))
+
+    replay(core, times, make, on_step=on_step, steady_runs=steady_runs)
     metrics = core.metrics
     final = [(r.state, r.finish_reason, r.num_output_tokens, r.num_computed_tokens, r.num_evictions,
               r.wasted_tokens, r.first_token_time_s, r.finish_time_s, r.start_time_s, r.predicted_ttft_s,
@@ -102,7 +109,7 @@ def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, s
                                                    "step_waiting", "step_running", "step_tokens")]
     summary = sorted((k, repr(v)) for k, v in metrics.summary(capacity, 20.0, 2.0).items())
     errors = (dict(core.step_errors), dict(core.controller_errors), dict(core.callback_errors))
-    return final, records, summary, errors, repr(sorted(core.obs.as_dict().items())), core, steady[0]
+    return final, records, summary, errors, finished, repr(sorted(core.obs.as_dict().items())), seen, core, steady[0]
 
 
 @given(workload=workloads, controller=st.one_of(
@@ -116,12 +123,15 @@ def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, s
 # (one request running at a cap of one, the next waiting for it: it expires in the middle of a stretch)
 def test_steady_runs_give_exactly_what_stepping_gives(workload, controller, capacity, eviction, record, fail_at,
                                                       seed):
-    *fast, core, steady = _run(controller, workload, capacity, eviction, record, fail_at, seed, True)
-    *slow, _, none = _run(controller, workload, capacity, eviction, record, fail_at, seed, False)
+    *fast, seen, core, steady = _run(controller, workload, capacity, eviction, record, fail_at, seed, True)
+    *slow, seen_stepping, _, none = _run(controller, workload, capacity, eviction, record, fail_at, seed, False)
     event(f"steady steps: {'some' if steady else 'none'}")
     event(f"evictions: {core.metrics.evictions > 0}")
     assert none == 0
     assert fast == slow
+    # after each stretch, the observation stepping one by one leaves after the same step
+    for step, observation in seen.items():
+        assert observation == seen_stepping[step], step
     assert core.pool.num_free_blocks == core.pool.num_blocks
 
 
@@ -132,10 +142,10 @@ def test_steady_runs_skip_the_controller_and_keep_every_step():
     args = (64, UNLIMITED, UNLIMITED, None)
     fast = _run(args, workload, 256, "recompute", True, frozenset(), 0, True)
     slow = _run(args, workload, 256, "recompute", True, frozenset(), 0, False)
-    assert fast[:5] == slow[:5]
-    steps = fast[5].metrics.steps
-    assert fast[6] > 0.8 * steps
-    assert fast[5].controller.asked < 0.2 * slow[5].controller.asked
+    assert fast[:6] == slow[:6]
+    steps = fast[7].metrics.steps
+    assert fast[8] > 0.8 * steps
+    assert fast[7].controller.asked < 0.2 * slow[7].controller.asked
     assert len(fast[1][0]) == steps  # a record for every step
 
 

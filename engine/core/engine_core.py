@@ -35,7 +35,7 @@ from ctrl.base import STEADY_RATE_EVENTS, UNLIMITED, Controller, Decision, Obser
 from ctrl.slo_flow import predicted_ttft_s
 from engine.core.block_pool import BlockPool
 from engine.core.clock import Clock
-from engine.core.executor import Batch, Executor
+from engine.core.executor import Batch, Executor, StepResult
 from engine.core.metrics import EngineMetrics
 from engine.core.offered import OfferedSizes
 from engine.core.request import Request, RequestState, unservable_reason
@@ -395,45 +395,44 @@ class EngineCore:
         steady, base = self._steady, self._steady_base
         limit = UNLIMITED if max_steps is None else max_steps
         ended: list[Request] = []
-        ran, start, used, decoded = 0, 0.0, 0, 0.0
-        while ran < limit:
-            now = clock.now()
-            tick = self._tick
-            if now >= until_s or (heap and heap[0][0] <= tick + 1):
-                break
-            if expires_after is not None and expires_after[0] < now - expires_after[1]:
-                break  # the queue's first request expires in this step
-            held = pool.used_tokens
-            if blocks[tick % bs] and not self._grow_steady(tick):
-                break  # an eviction: the full step does it
-            start, used = now, held
-            self._kv_steps += held
-            batch = Batch()
-            batch.num_tokens = batch.num_decodes = steady
-            batch.kv_tokens_read = kv_read = base + steady * tick
-            decoded = self._decode_kv_steps  # as this step's observation saw it
-            self._decode_kv_steps = decoded + kv_read
-            fresh_tick, fresh = self._steady_first
-            if fresh_tick == tick:
-                batch.first_decodes = fresh
-            ran += 1
-            try:
-                result = execute(batch)
-                if result.duration_s is not None:
-                    clock.advance(result.duration_s)
-                if result.token_ids is not None or result.stopped or result.failed:
-                    self._steady_step_ends((now, held, decoded), batch, result, ended)
-                    start = -1.0
+        ran, seen = 0, None  # seen: what the last step's observation saw (``_observe_steady``)
+        try:
+            while ran < limit:
+                now, tick = clock.now(), self._tick
+                if now >= until_s or (heap and heap[0][0] <= tick + 1):
                     break
-            except Exception as exc:
-                self._steady_step_ends((now, held, decoded), batch, exc, ended)
-                start = -1.0
-                break
-            self._tick = tick + 1
-            self._finish_step(now, batch)
-        if ran:
-            self.steady_steps = ran
-            self._after_steady(d, start, used, decoded, ended)
+                if expires_after is not None and expires_after[0] < now - expires_after[1]:
+                    break  # the queue's first request expires in this step
+                held = pool.used_tokens
+                if blocks[tick % bs] and not self._grow_steady(tick):
+                    break  # an eviction: the full step does it
+                self._kv_steps += held
+                batch = Batch()
+                batch.num_tokens = batch.num_decodes = steady
+                batch.kv_tokens_read = kv_read = base + steady * tick
+                seen = (now, held, self._decode_kv_steps, self._evicted_last_step)
+                self._evicted_last_step = 0
+                self._decode_kv_steps += kv_read
+                fresh = self._steady_first
+                batch.first_decodes = fresh[1] if fresh[0] == tick else 0
+                ran += 1
+                try:
+                    result = execute(batch)
+                    if result.duration_s is not None:
+                        clock.advance(result.duration_s)
+                    outcome: StepResult | Exception = result
+                except Exception as exc:
+                    outcome = exc
+                if isinstance(outcome, Exception) or result.token_ids is not None or result.stopped or result.failed:
+                    self._steady_step_ends(seen, batch, outcome, ended)
+                    seen = None  # that step's observation is made
+                    break
+                self._tick = tick + 1
+                self._finish_step(now, batch)
+        finally:
+            if ran:
+                self.steady_steps = ran
+                self._after_steady(d, seen, ended)
         return ended
 
     def _grow_steady(self, tick: int) -> bool:
@@ -449,39 +448,43 @@ class EngineCore:
             self.pool.add_one_block(growing)
         return True
 
-    def _steady_step_ends(self, seen: tuple[float, int, float], batch: Batch, outcome, ended: list[Request]) -> None:
-        """A steady step whose executor failed (``outcome`` the exception) or said more than a
+    def _steady_step_ends(self, seen: tuple[float, int, float, int], batch: Batch, outcome,
+                          ended: list[Request]) -> None:
+        """A steady step whose executor raised (``outcome`` the exception) or said more than a
         duration (``outcome`` the StepResult: token ids, stopped or failed requests), finished as
-        a full step finishes it, after the observation its start made (``seen``: start, KV held,
-        the decodes' KV steps before it; ``_observe_steady``)."""
-        start = seen[0]
+        a full step finishes it, after the observation its start made (``seen``, see
+        ``_observe_steady``): a commit that raises fails the step's requests too."""
         self._observe_steady(*seen)
-        if isinstance(outcome, BaseException):  # the step's requests fail, the engine keeps serving
+        if not isinstance(outcome, BaseException):
+            try:
+                self._commit(batch, outcome, ended)
+                outcome = None
+            except Exception as exc:
+                outcome = exc
+        if outcome is not None:  # the step's requests fail, the engine keeps serving
             self._count_error(self.step_errors, f"step failed: {type(outcome).__name__}", outcome)
             self._fail_batch(batch, f"step failed: {type(outcome).__name__}: {outcome}", ended)
-        else:
-            self._commit(batch, outcome, ended)
-        self._finish_step(start, batch)
+        self._finish_step(seen[0], batch)
 
-    def _after_steady(self, d: Decision, start: float, used: int, decoded: float, ended: list[Request]) -> None:
-        """What the steps ``run_steady`` ran leave as a full step leaves it: the decision's
-        settings, and the observation as the last step's start made it (``start`` < 0: the last
-        step, which ended requests, made it already)."""
+    def _after_steady(self, d: Decision, seen: tuple[float, int, float, int] | None, ended: list[Request]) -> None:
+        """What the steps ``run_steady`` ran leave as full steps leave it: the decision's settings,
+        and the observation as the last step's start made it (``seen``; None: made already)."""
         self._token_budget, self._running_cap = d.token_budget, d.running_cap
         self._late_after_s = d.late_after_s
-        self._evicted_last_step = 0
         self._rotating = False
-        if start >= 0.0:
-            self._observe_steady(start, used, decoded)
+        if seen is not None:
+            self._observe_steady(*seen)
             self.obs.step_index = self.step_index - 1
         if ended:
             self._notify_finished(ended)
 
-    def _observe_steady(self, start: float, used: int, decoded: float) -> None:
+    def _observe_steady(self, start: float, used: int, decoded: float, evicted: int) -> None:
         """The observation a steady step starting at ``start`` made: ``used`` KV tokens held (before
-        its blocks), its KV steps counted, ``decoded`` the decodes' KV steps before its own."""
+        its blocks), its KV steps counted, ``decoded`` the decodes' KV steps before its own,
+        ``evicted`` the evictions of the step before it."""
         obs = self._observe(start)
         obs.kv_used_tokens = used
+        obs.evicted_last_step = evicted
         if self._kv_completions > 0:
             obs.occupied_kv_workload = self._kv_steps / self._kv_completions
             obs.decode_kv_workload = decoded / self._kv_completions
@@ -537,7 +540,10 @@ class EngineCore:
             return None
         if timeout is None:
             return None
-        seconds = _real(timeout)
+        try:
+            seconds = _real(timeout)
+        except Exception:
+            return False
         if seconds is None:
             return False
         for r in self.waiting:

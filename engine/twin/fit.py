@@ -123,20 +123,22 @@ def fit_around(check: Callable[[Profile], T], model: str = "tiny", device=None, 
     t_half = arrivals[half].arrival_time_s
     halves = (arrivals[:half], [dataclasses.replace(a, arrival_time_s=a.arrival_time_s - t_half)
                                 for a in arrivals[half:]])
-    t0 = time.perf_counter()
+    serving_s = [0.0]  # the profiling runs' time, the check's left out
 
     def serve(when: str, part) -> tuple[list[tuple], dict]:
         if log:
             log(f"profiling {when} the check: {len(part)} requests of {trace} through the real engine, "
                 f"about {part[-1].arrival_time_s:.0f}s")
+        t0 = time.perf_counter()
         got, info = _serve_and_record(part, base, controller_spec, 1, model, device, dtype, seed, log)
+        serving_s[0] += time.perf_counter() - t0
         return got, {**info[0], "when": when}
 
     rows, before = serve("before", halves[0])
     if len(rows) < 3:
         raise ValueError(f"the first {half} profiling requests ran fewer than 3 steps: too few to fit")
     first = _serving_profile(base, rows, loss, model, device, dtype, "fitted on the serving run before a check",
-                             {"runs": [before]}, time.perf_counter() - t0)
+                             {"runs": [before]}, serving_s[0])
     result = check(first)
     more, after = serve("after", halves[1])
     if steps_out is not None:
@@ -149,7 +151,7 @@ def fit_around(check: Callable[[Profile], T], model: str = "tiny", device=None, 
     serving = {"trace": trace, "skip": skip, "first": first_n, "length_scale": length_scale,
                "rate_scale": rate_scale, "max_tokens": max_tokens, "controller": controller_spec,
                "steps": len(rows), "runs": per_run, "around_check": True}
-    profile = _serving_profile(base, rows, loss, model, device, dtype, source, serving, time.perf_counter() - t0)
+    profile = _serving_profile(base, rows, loss, model, device, dtype, source, serving, serving_s[0])
     return profile, first, result
 
 

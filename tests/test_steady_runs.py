@@ -23,6 +23,7 @@ from engine.core.driver import replay
 from engine.core.engine_core import EngineCore
 from engine.sim.executor import SimExecutor
 from tests.helpers import req, step_profile
+from tests.test_steady import Failing
 
 # (gap to the previous arrival in steps, prompt tokens, output tokens, max_tokens - output tokens)
 workloads = st.lists(st.tuples(st.floats(0.0, 30.0), st.integers(1, 40), st.integers(1, 80), st.integers(0, 4)),
@@ -48,21 +49,6 @@ class Fixed(Controller):
         return self.decision
 
 
-class Failing(SimExecutor):
-    """The simulator's executor, raising at chosen calls (one call per step)."""
-
-    def __init__(self, profile, seed: int, fail_at: frozenset[int]) -> None:
-        super().__init__(profile, seed)
-        self.fail_at = fail_at
-        self.calls = 0
-
-    def execute(self, batch):
-        self.calls += 1
-        if self.calls in self.fail_at:
-            raise RuntimeError("device lost")
-        return super().execute(batch)
-
-
 def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, steady_runs):
     profile = step_profile(kv_capacity_tokens=capacity, noise_sigma=0.3, noise_corr=0.8, per_token_s=0.05,
                            per_kv_token_s=0.01, per_prefill_s=0.2, per_first_decode_s=0.5,
@@ -70,7 +56,9 @@ def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, s
     controller = (Fixed(*controller_args) if isinstance(controller_args, tuple)
                   else build_controller(controller_args or "greedy", profile))
     finished: list = []
-    core = EngineCore(controller, Failing(profile, seed, fail_at), VirtualClock(), capacity, profile.block_size,
+    executor = Failing(profile, fail_at)
+    executor.noise = SimExecutor(profile, seed).noise
+    core = EngineCore(controller, executor, VirtualClock(), capacity, profile.block_size,
                       eviction=eviction, record_steps=record,
                       on_finish=lambda r: finished.append((r.request_id, r.state, r.finish_time_s)))
     times, t = [], 0.0

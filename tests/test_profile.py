@@ -747,6 +747,22 @@ def test_fit_recovers_the_after_prefill_cost_and_its_decay(tmp_path):
     assert fit["per_after_prefill_token_s"] < 0.05 * 1.5e-3 / 512
 
 
+def test_after_prefill_weights_of_pooled_runs_start_again_with_each_run():
+    import numpy as np
+
+    from engine.sim.fit import _run_weights, fit_step_time
+
+    prefilled = np.array([1.0, 0.0, 0.0, 1.0, 0.0])
+    assert _run_weights(prefilled, 0.5, None) == [0.0, 1.0, 0.5, 0.25, 1.125]
+    # the second run's first step follows nothing: a simulation starts at 0, so does the fit
+    assert _run_weights(prefilled, 0.5, np.array([0, 0, 0, 1, 1])) == [0.0, 1.0, 0.5, 0.0, 1.0]
+    # two runs, each timed from a fresh start: labelled, the pooled fit sees the weights they ran with
+    first, second = _after_rows(3000, 1.5e-3, 0.4, seed=1), _after_rows(3000, 1.5e-3, 0.4, seed=2)
+    labelled = fit_step_time(first + second, loss="l1", runs=[0] * len(first) + [1] * len(second))
+    assert labelled["per_after_prefill_s"] == pytest.approx(1.5e-3, rel=0.2)
+    assert labelled["after_prefill_decay"] == pytest.approx(0.4, abs=0.1)
+
+
 def test_fit_tells_the_after_prefill_cost_per_token_from_the_one_per_step(tmp_path):
     from engine.sim.fit import fit_step_time, profile_fields
 

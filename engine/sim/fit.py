@@ -95,7 +95,7 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     data = _with_split(raw)
     decay = None
     if after_prefill and data.shape[1] >= 5 and (data[:, 0] > 0).sum() >= MIN_SPLIT_ROWS:
-        data, decay = _with_after_prefill(data, fit, loss, after_prefill_tokens)
+        data, decay = _with_after_prefill(data, fit, loss, after_prefill_tokens, runs)
     idx = np.random.default_rng(seed).permutation(len(data))
     n_test = max(1, int(round(heldout_fraction * len(data)))) if len(data) >= 8 else 0
     test, train = idx[:n_test], idx[n_test:]
@@ -125,12 +125,14 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
 
 
-def _with_after_prefill(data: np.ndarray, fit, loss: str, tokens: bool = True) -> tuple[np.ndarray, float | None]:
+def _with_after_prefill(data: np.ndarray, fit, loss: str, tokens: bool = True,
+                        runs=None) -> tuple[np.ndarray, float | None]:
     """``data`` as ``(P, K, t, D, C, Q, F, A, B)`` (Q and F 0 where the rows lack them), A and B the
     weights of the prefill steps before each row and of their prefill tokens
     (``after_prefill_weights``) for the decay in ``AFTER_DECAYS`` that fits best, and that decay;
     ``data`` unchanged and None when no decay improves the fit by ``AFTER_MIN_GAIN`` or more.
-    Without ``tokens``, B is 0 on every row."""
+    Without ``tokens``, B is 0 on every row. With ``runs`` (each row's run), A and B start
+    from 0 at each run's first row, as a simulation's do."""
     base = np.column_stack([data] + [np.zeros(len(data))] * (7 - data.shape[1]))
     prefill = data[:, 0] if tokens else np.zeros(len(data))
     prefilled = data[:, 0] > 0
@@ -142,12 +144,23 @@ def _with_after_prefill(data: np.ndarray, fit, loss: str, tokens: bool = True) -
     best, best_data, best_decay = score(data), data, None
     threshold = best * (1.0 - AFTER_MIN_GAIN)
     for decay in AFTER_DECAYS:
-        candidate = np.column_stack([base, after_prefill_weights(prefilled, decay),
-                                     after_prefill_weights(prefill, decay)])
+        candidate = np.column_stack([base, _run_weights(prefilled, decay, runs),
+                                     _run_weights(prefill, decay, runs)])
         got = score(candidate)
         if got < min(best, threshold):
             best, best_data, best_decay = got, candidate, decay
     return best_data, best_decay
+
+
+def _run_weights(values: np.ndarray, decay: float, runs) -> list[float]:
+    """``after_prefill_weights`` of ``values``, started again at each run's first row."""
+    if runs is None:
+        return after_prefill_weights(values, decay)
+    out: list[float] = []
+    starts = [0] + [i for i in range(1, len(runs)) if runs[i] != runs[i - 1]] + [len(runs)]
+    for a, b in zip(starts, starts[1:]):
+        out += after_prefill_weights(values[a:b], decay)
+    return out
 
 
 def _within_runs(ratios: np.ndarray, runs: np.ndarray) -> np.ndarray:

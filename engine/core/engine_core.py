@@ -508,11 +508,10 @@ class EngineCore:
 
     def _steady_decision(self) -> Decision | None:
         """The controller's promised decision while only steady decodes run, when the engine may
-        step without asking: nothing is listed, cancelled or short of a block, the decodes fit
-        the token budget, the decision is one ``_decide`` takes as it is, and the queue's head,
-        if any, cannot start."""
-        if (not self._steady or self._explicit or self._cancel or self._needs_block
-                or self.on_token is not None or self._lists_requests):
+        step without asking: nothing is cancelled or short of a block (``run_steady`` has seen
+        that some decode steadily and none is listed), the decodes fit the token budget, the
+        decision is one ``_decide`` takes as it is, and the queue's head, if any, cannot start."""
+        if self._cancel or self._needs_block or self.on_token is not None or self._lists_requests:
             return None
         try:
             d = self.controller.steady_decision()

@@ -52,9 +52,14 @@ def test_smoke_training_saves_model_and_vecnormalize(trained):
             "serving/kv_usage"} <= tags
 
 
-def test_resume_from_checkpoint(trained, tmp_path):
+def test_resume_from_checkpoint(trained, tmp_path, monkeypatch):
+    import tempfile
+
     from training.train import train
 
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     out, _ = trained
     ckpts = sorted(out.glob("ppo_serving_*_steps.zip"))
     assert ckpts, "CheckpointCallback wrote nothing"
@@ -62,6 +67,9 @@ def test_resume_from_checkpoint(trained, tmp_path):
                   tensorboard=False, resume=ckpts[0], env_kwargs={"episode_steps": 64, "control_interval": 5},
                   overrides=SMALL_RUN)
     assert model.exists()
+    # without TensorBoard, SB3's log lands in the run folder, not in an empty folder of the temp dir
+    assert "time/total_timesteps" in (tmp_path / "progress.csv").read_text().splitlines()[0]
+    assert not list(temp.iterdir())
 
 
 def test_training_seeds_run_as_parallel_tasks_each_in_its_folder(tmp_path):

@@ -22,6 +22,7 @@ import yaml
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback, CallbackList, CheckpointCallback, EvalCallback
 from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import configure
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNormalize
 
 import env  # noqa: F401  (registers tidegate/Serving-v0)
@@ -192,7 +193,8 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
     :param n_envs: override the config's ``n_envs``.
     :param env_kwargs: override entries of the config's ``env_kwargs``.
     :param progress_bar: show SB3's progress bar.
-    :param tensorboard: write TensorBoard logs to ``out_dir/tb``.
+    :param tensorboard: write TensorBoard logs to ``out_dir/tb``; without them, SB3's log goes to
+        ``out_dir/progress.csv``.
     :param vec_env: ``dummy`` forces DummyVecEnv.
     :param overrides: replace top-level config entries (``n_steps``, ``eval_freq``, ``save_freq``, ...).
     :param verbose: SB3's verbosity.
@@ -220,6 +222,8 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
         venv = VecNormalize(venv, **norm)
         model = PPO(cfg.get("policy", "MlpPolicy"), venv, policy_kwargs=cfg.get("policy_kwargs"), **ppo_options,
                     **hyper)
+    if not tensorboard:  # SB3 would otherwise make an empty folder in the system's temp dir at every learn()
+        model.set_logger(configure(str(out), ["csv"]))
 
     t0 = time.perf_counter()
     model.learn(total_timesteps=int(n_timesteps or cfg.get("n_timesteps", 100_000)),

@@ -21,7 +21,9 @@ Variants (the fitted coefficients, the noise changed):
 - ``independent, symmetric``: one sigma (the scaled median absolute deviation), no correlation;
 - ``correlated, symmetric``: that sigma, the fitted AR(1) correlation;
 - ``independent, split``: a sigma above and one below the median, no correlation;
-- ``correlated, split``: both sigmas and the correlation (what ``tidegate profile`` fits);
+- ``correlated, split``: both sigmas and the correlation, the sigmas the same for every step length;
+- ``correlated, split, by length``: and the sigmas falling for steps longer than a knee
+  (``noise_knee_s``, ``noise_floor``: what ``tidegate profile`` fits);
 - ``correlated, split, mean above``: the sigma above the median matched to the mean of the
   steps above it instead of their median distance;
 - ``no prefill chunk or pair cost``: ``correlated, split`` refitted without the chunk and pair counts;
@@ -55,8 +57,8 @@ FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
 #: output lengths of the short requests, whose TPOT is the few steps right after their prefill
 SHORT = (4, 7)
 VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
-            "correlated, split, mean above", "no prefill chunk or pair cost", "no first-decode cost",
-            "no after-prefill cost", "no after-prefill token cost")
+            "correlated, split, by length", "correlated, split, mean above", "no prefill chunk or pair cost",
+            "no first-decode cost", "no after-prefill cost", "no after-prefill token cost")
 
 
 def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,7 +90,8 @@ def _half_mean_sigma(logs: np.ndarray) -> float:
 
 
 def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
-    fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1")))
+    fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1", noise_by_length=False)))
+    sized = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1")))
     real = np.array([r[2] for r in rows])
     after = after_prefill_weights([r[0] > r[3] for r in rows], fitted.after_prefill_decay)
     after_tokens = after_prefill_weights([r[0] - r[3] for r in rows], fitted.after_prefill_decay)
@@ -104,6 +107,7 @@ def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
         "correlated, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None),
         "independent, split": dataclasses.replace(fitted, noise_corr=0.0),
         "correlated, split": fitted,
+        "correlated, split, by length": sized,
         "correlated, split, mean above": dataclasses.replace(fitted, noise_sigma=_half_mean_sigma(logs)),
         "no prefill chunk or pair cost": no_chunks,
         "no first-decode cost": dataclasses.replace(base, **profile_fields(fit_step_time([r[:6] for r in rows],

@@ -164,7 +164,9 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
 def mean_step_factor(profile: ReplicaProfile) -> float:
     """The mean over the median step time: ``exp(noise_sigma^2 / 2)`` on a profile with log-normal
     step noise (the formula is its median step), 1 without; with a sigma ``b`` below the median and
-    ``a`` above, ``exp(a^2 / 2) Phi(a) + exp(b^2 / 2) Phi(-b)``."""
+    ``a`` above, ``exp(a^2 / 2) Phi(a) + exp(b^2 / 2) Phi(-b)``. That of the steps up to the
+    noise's knee (``noise_knee_s``): longer ones, whose sigmas are smaller, have a smaller factor,
+    so the bound it enters errs low."""
     sigma = getattr(profile, "noise_sigma", 0.0) or 0.0
     if not sigma:
         return 1.0

@@ -832,3 +832,105 @@ def test_capacity_counts_the_after_prefill_cost_once_per_request():
     more = 1.0 / fluid_lambda_max(s, w, tokens, mean_output_tokens=200) - 1.0 / fluid_lambda_max(
         s, w, after, mean_output_tokens=200)
     assert more == pytest.approx(8e-4)
+
+
+# --- noise that falls with the step's length ---------------------------------------------------
+
+def test_noise_scale_is_one_up_to_the_knee_then_falls_towards_the_floor(tmp_path):
+    p = replace(split_profile(0.2), noise_knee_s=2e-3, noise_floor=0.3)
+    assert p.noise_scale(1e-3) == p.noise_scale(2e-3) == 1.0
+    assert p.noise_scale(4e-3) == pytest.approx(math.sqrt(0.09 + 0.91 * 0.25))
+    assert p.noise_scale(1.0) == pytest.approx(0.3, abs=1e-4)
+    scales = [p.noise_scale(t) for t in (2e-3, 3e-3, 5e-3, 1e-2, 1e-1)]
+    assert scales == sorted(scales, reverse=True)
+    assert replace(p, noise_floor=0.0).noise_scale(8e-3) == pytest.approx(0.25)  # jitter of fixed seconds
+    assert replace(p, noise_knee_s=0.0).noise_scale(1.0) == 1.0
+    p.save(tmp_path / "sized.json")
+    assert load_profile(tmp_path / "sized.json") == p
+    old = load_profile(write_json(tmp_path, minimal_profile_dict()))  # a file from before: one sigma
+    assert old.noise_knee_s == 0.0 and "noise_knee_s" not in old.to_dict()["step_time"]
+    for key, value, expected in (("noise_knee_s", -1e-3, "non-negative"), ("noise_floor", 1.5, "at most 1"),
+                                 ("noise_floor", -0.1, "non-negative"), ("noise_knee_s", "long", "finite number")):
+        data = minimal_profile_dict()
+        data["step_time"][key] = value
+        with pytest.raises(ProfileError, match=f"step_time.{key}.*{expected}"):
+            load_profile(write_json(tmp_path, data))
+
+
+def test_scaled_noise_draws_the_same_normals():
+    import numpy as np
+
+    from engine.sim.executor import StepNoise
+
+    for kwargs in ({}, {"corr": 0.9}, {"corr": 0.5, "sigma_below": 0.1}):
+        plain = np.log(_draws(StepNoise(0.3, seed=9, **kwargs), 500))
+        noise = StepNoise(0.3, seed=9, **kwargs)
+        half = np.log([noise(0.5) for _ in range(500)])
+        assert half == pytest.approx(0.5 * plain, rel=1e-9, abs=1e-12)
+
+
+def test_simulator_gives_long_steps_their_smaller_noise():
+    import numpy as np
+
+    from engine.core.executor import Batch
+    from engine.sim.executor import SimExecutor
+
+    flat = replace(split_profile(0.2), noise_corr=0.8, noise_sigma_below=0.1)
+    sized = replace(flat, noise_knee_s=6e-3, noise_floor=0.25)
+
+    def batch(tokens: int, decodes: int) -> Batch:
+        b = Batch()
+        b.num_tokens, b.num_decodes, b.kv_tokens_read = tokens, decodes, 100 * tokens
+        b.num_prefills = int(tokens > decodes)
+        return b
+
+    steps = [batch(4, 4), batch(64, 4), batch(8, 8), batch(2048, 0), batch(1, 1)] * 40
+    a, b = SimExecutor(flat, seed=3), SimExecutor(sized, seed=3)
+    for s in steps:
+        median = flat.median_step_s(s.num_tokens, s.kv_tokens_read, s.num_decodes, s.num_prefills)
+        log_flat = math.log(a.execute(s).duration_s / median)
+        log_sized = math.log(b.execute(s).duration_s / median)
+        assert log_sized == pytest.approx(sized.noise_scale(median) * log_flat, rel=1e-9, abs=1e-12)
+    assert sized.noise_scale(flat.median_step_s(2048, 204800, 0, 1)) < 0.3 < sized.noise_scale(
+        flat.median_step_s(64, 6400, 4, 1)) < 1.0 == sized.noise_scale(flat.median_step_s(8, 800, 8))
+    assert np.isfinite([a.execute(batch(0, 0)).duration_s, b.execute(batch(0, 0)).duration_s]).all()
+
+
+def _sized_rows(n: int, sigma: float, knee: float, floor: float, corr: float = 0.9, seed: int = 0):
+    """Serving-like steps (mostly short decodes, some long prefills), timed with AR(1) noise whose
+    sigma falls with the step's length as ``Profile.noise_scale`` says, in order."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    p = replace(split_profile(sigma), per_prefill_s=2e-3, noise_knee_s=knee, noise_floor=floor)
+    rows, z = [], float(rng.standard_normal())
+    for _ in range(n):
+        decodes = int(rng.integers(1, 8))
+        chunks = int(rng.random() < 0.15)
+        prefill = chunks * int(rng.choice([64, 256, 1024, 4096]))
+        kv = int(decodes * rng.integers(50, 500) + prefill)
+        t = decodes + prefill
+        z = corr * z + math.sqrt(1 - corr * corr) * float(rng.standard_normal())
+        median = p.step_time_s(t, kv, decodes, chunks)
+        rows.append((t, kv, median * math.exp(sigma * p.noise_scale(median) * z), decodes, chunks))
+    return rows
+
+
+def test_fit_finds_how_the_noise_falls_with_the_step_length():
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    fit = fit_step_time(_sized_rows(8000, 0.2, knee=8e-3, floor=0.25), loss="l1")
+    assert fit["noise_floor"] == pytest.approx(0.25, abs=0.1)
+    assert 8e-3 / 1.6 < fit["noise_knee_s"] < 8e-3 * 1.6
+    # the sigmas and the correlation are the short steps', not diluted by the quiet long ones
+    assert fit["noise_sigma"] == pytest.approx(0.2, abs=0.03)
+    assert fit["noise_sigma_below"] == pytest.approx(0.2, abs=0.03)
+    assert fit["noise_corr"] == pytest.approx(0.9, abs=0.05)
+    fields = profile_fields(fit)
+    assert (fields["noise_knee_s"], fields["noise_floor"]) == (fit["noise_knee_s"], fit["noise_floor"])
+    # the same sigma at every length: no knee, and none when asked for one sigma
+    flat = fit_step_time(_sized_rows(8000, 0.2, knee=0.0, floor=0.0), loss="l1")
+    assert flat["noise_knee_s"] == 0.0 and flat["noise_sigma"] == pytest.approx(0.2, abs=0.03)
+    one = fit_step_time(_sized_rows(8000, 0.2, knee=8e-3, floor=0.25), loss="l1", noise_by_length=False)
+    assert one["noise_knee_s"] == 0.0 and profile_fields(one)["noise_knee_s"] == 0.0
+    assert profile_fields(fit, noise=False)["noise_knee_s"] == 0.0

@@ -29,7 +29,11 @@ steps of a real engine are. With ``noise_corr`` > 0 the Z of successive steps fo
 series with that lag-one correlation (a machine's speed wanders over many steps); each Z is
 still standard normal. With ``noise_sigma_below`` the factor is ``exp(noise_sigma_below * Z)``
 when Z < 0: a real step rarely runs much faster than its median, while slow ones run far
-slower.
+slower. With ``noise_knee_s`` > 0 the noise depends on the step's length: a step whose median t
+is longer than the knee has its sigmas times ``noise_scale(t)`` = sqrt(f^2 + (1 - f^2) (knee /
+t)^2), f = ``noise_floor``: part of the jitter is a fixed number of seconds that a long step
+amortises (on a CPU, single-token decodes of about 1 ms vary by 12-20%, 10-40 ms prefills by
+3-6%), and part grows with the step.
 
 Profiles live in JSON or YAML files; the shipped ones are in ``engine/core/profiles/``. The file
 format and the derivation of the shipped numbers are in docs/PROFILES.md.
@@ -86,6 +90,8 @@ _FILE_KEY = {
     "per_after_prefill_s": "step_time.per_after_prefill_s",
     "after_prefill_decay": "step_time.after_prefill_decay",
     "per_after_prefill_token_s": "step_time.per_after_prefill_token_s",
+    "noise_knee_s": "step_time.noise_knee_s",
+    "noise_floor": "step_time.noise_floor",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -96,7 +102,7 @@ _FILE_KEY = {
 }
 _NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr",
                  "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
-                 "per_after_prefill_token_s")
+                 "per_after_prefill_token_s", "noise_knee_s", "noise_floor")
 #: fields that may be None (absent from the file)
 _OPTIONAL = ("idle_s", "per_decode_token_s", "noise_sigma_below")
 #: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
@@ -105,6 +111,9 @@ MAX_NOISE_SIGMA = 2.0
 MAX_NOISE_CORR = 0.999
 #: the largest after_prefill_decay accepted (1 would let a prefill's cost last for ever)
 MAX_AFTER_PREFILL_DECAY = 0.99
+#: the largest value of each bounded field (noise_floor is a share of the noise's sigma)
+_AT_MOST = {"noise_sigma": MAX_NOISE_SIGMA, "noise_sigma_below": MAX_NOISE_SIGMA, "noise_corr": MAX_NOISE_CORR,
+            "after_prefill_decay": MAX_AFTER_PREFILL_DECAY, "noise_floor": 1.0}
 _POSITIVE = ("ttft_slo_s", "tpot_slo_s")
 _POSITIVE_INT = ("kv_capacity_tokens", "block_size", "max_num_batched_tokens", "max_num_seqs")
 
@@ -133,6 +142,9 @@ class Profile:
     :param after_prefill_decay: how much of a prefill's after-cost is left one step later, in [0, 1).
     :param per_after_prefill_token_s: seconds a step takes more for each prefill token of the
         steps before it, weighted as ``per_after_prefill_s``'s steps are (the same decay).
+    :param noise_knee_s: the median step length up to which the noise has its whole sigma; longer
+        steps get less (:meth:`noise_scale`). 0: every step the same sigma.
+    :param noise_floor: the share of the sigma that very long steps keep, in [0, 1] (with a knee).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -168,6 +180,8 @@ class Profile:
     per_after_prefill_s: float = 0.0
     after_prefill_decay: float = 0.0
     per_after_prefill_token_s: float = 0.0
+    noise_knee_s: float = 0.0
+    noise_floor: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -236,6 +250,16 @@ class Profile:
             t += self.per_after_prefill_token_s * after_prefill_tokens
         return t
 
+    def noise_scale(self, median_s: float) -> float:
+        """What the noise's sigmas are multiplied by for a step whose median is ``median_s``: 1 up
+        to ``noise_knee_s``, then ``sqrt(f^2 + (1 - f^2) (knee / t)^2)`` (f = ``noise_floor``)."""
+        knee = self.noise_knee_s
+        if not knee or median_s <= knee:
+            return 1.0
+        r = knee / median_s
+        floor2 = self.noise_floor * self.noise_floor
+        return math.sqrt(floor2 + (1.0 - floor2) * r * r)
+
     def to_dict(self) -> dict:
         """The profile in file format (the structure :func:`load_profile` reads)."""
         step_time = {"base_s": self.base_s, "per_token_s": self.per_token_s,
@@ -248,6 +272,9 @@ class Profile:
             step_time["noise_corr"] = self.noise_corr
         if self.noise_sigma_below is not None:
             step_time["noise_sigma_below"] = self.noise_sigma_below
+        if self.noise_knee_s:
+            step_time["noise_knee_s"] = self.noise_knee_s
+            step_time["noise_floor"] = self.noise_floor
         if self.per_prefill_pair_s:
             step_time["per_prefill_pair_s"] = self.per_prefill_pair_s
         if self.per_first_decode_s:
@@ -360,7 +387,7 @@ def _fields_from_file(data: Any) -> dict:
                                              "per_decode_token_s", "noise_sigma", "per_prefill_s",
                                              "noise_corr", "noise_sigma_below", "per_prefill_pair_s",
                                              "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
-                                             "per_after_prefill_token_s"})
+                                             "per_after_prefill_token_s", "noise_knee_s", "noise_floor"})
     for key in ("base_s", "per_token_s", "per_kv_token_s"):
         if key not in step_time:
             raise _Invalid(f"missing required key 'step_time.{key}'")
@@ -385,6 +412,8 @@ def _fields_from_file(data: Any) -> dict:
         "per_after_prefill_s": step_time.get("per_after_prefill_s", 0.0),
         "after_prefill_decay": step_time.get("after_prefill_decay", 0.0),
         "per_after_prefill_token_s": step_time.get("per_after_prefill_token_s", 0.0),
+        "noise_knee_s": step_time.get("noise_knee_s", 0.0),
+        "noise_floor": step_time.get("noise_floor", 0.0),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -431,12 +460,8 @@ def _checked(values: dict, key_of) -> dict:
             raise _Invalid(f"{key_of(f)} must be a finite number, got {_show(v)}")
         if f in _NON_NEGATIVE and v < 0 or f in _OPTIONAL and f != "idle_s" and v < 0:
             raise _Invalid(f"{key_of(f)} must be a non-negative number, got {_show(v)}")
-        if f in ("noise_sigma", "noise_sigma_below") and v > MAX_NOISE_SIGMA:
-            raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_SIGMA}, got {_show(v)}")
-        if f == "noise_corr" and v > MAX_NOISE_CORR:
-            raise _Invalid(f"{key_of(f)} must be at most {MAX_NOISE_CORR}, got {_show(v)}")
-        if f == "after_prefill_decay" and v > MAX_AFTER_PREFILL_DECAY:
-            raise _Invalid(f"{key_of(f)} must be at most {MAX_AFTER_PREFILL_DECAY}, got {_show(v)}")
+        if f in _AT_MOST and v > _AT_MOST[f]:
+            raise _Invalid(f"{key_of(f)} must be at most {_AT_MOST[f]}, got {_show(v)}")
         if f not in _NON_NEGATIVE and f in _POSITIVE + ("idle_s",) and v <= 0:
             raise _Invalid(f"{key_of(f)} must be a positive number of seconds, got {_show(v)}")
         out[f] = float(v)

@@ -36,20 +36,23 @@ class StepNoise:
         self._rng = random.Random(seed)
         self._z: float | None = None
 
-    def __call__(self) -> float:
+    def __call__(self, scale: float = 1.0) -> float:
+        """The next factor, its sigmas times ``scale`` (``Profile.noise_scale``); the draws are the
+        same whatever the scale."""
         if not self.sigma:
             return 1.0
         below = self.sigma_below
         if not self.corr and below is None:
-            return self._rng.lognormvariate(0.0, self.sigma)
+            return self._rng.lognormvariate(0.0, self.sigma * scale)
         e = self._rng.gauss(0.0, 1.0)
         z = self._z = e if self._z is None or not self.corr else self.corr * self._z + self._fresh * e
-        return math.exp((self.sigma if z >= 0.0 or below is None else below) * z)
+        return math.exp((self.sigma if z >= 0.0 or below is None else below) * scale * z)
 
 
 class SimExecutor:
     """A step takes ``profile.step_time_s(T, K, D, C, Q, F, A, B)``, the profile's one step-time formula,
-    times a seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact).
+    times a seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact),
+    whose sigmas shrink for steps longer than ``noise_knee_s`` (``Profile.noise_scale``).
     A and B, the weights of the prefill steps before and of their prefill tokens, are kept here
     from the steps this executor ran.
 
@@ -65,6 +68,8 @@ class SimExecutor:
         self.step_time_s = profile.median_step_s  # the engine's counts are consistent by construction
         self.noise = (StepNoise(profile.noise_sigma, seed, profile.noise_corr, profile.noise_sigma_below)
                       if profile.noise_sigma else None)
+        self._noise_knee = profile.noise_knee_s
+        self._noise_scale = profile.noise_scale
         self._after_cost = profile.per_after_prefill_s or profile.per_after_prefill_token_s
         self._after_decay = profile.after_prefill_decay
         #: the weights A and B of the prefill steps so far and of their prefill tokens
@@ -83,7 +88,7 @@ class SimExecutor:
         t = self.step_time_s(tokens, batch.kv_tokens_read, batch.num_decodes, batch.num_prefills,
                              batch.prefill_pairs, batch.first_decodes, after, after_tokens)
         if self.noise is not None and tokens:
-            t *= self.noise()
+            t *= self.noise(self._noise_scale(t) if self._noise_knee and t > self._noise_knee else 1.0)
         return StepResult(t)
 
     def release(self, request: Request) -> None:

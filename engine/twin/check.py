@@ -76,8 +76,8 @@ def refit_floor(errors: dict) -> dict:
                                                          "per_prefill_pair_s", "per_first_decode_s",
                                                          "per_after_prefill_s", "per_after_prefill_token_s",
                                                          "after_prefill_decay", "noise_sigma",
-                                                         "noise_sigma_below",
-                                                         "noise_corr")}}
+                                                         "noise_sigma_below", "noise_corr",
+                                                         "noise_knee_s", "noise_floor")}}
 
 
 def speed_drift(profile, errors: dict) -> dict | None:
@@ -184,7 +184,8 @@ def _speed_adjusted_errors(arrivals, profile: Profile, controller, ratio: float,
     (or faster) the machine ran single-token steps during the check than while profiling."""
 
     costs = ("base_s", "per_token_s", "per_kv_token_s", "per_decode_token_s", "idle_s", "per_prefill_s",
-             "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "per_after_prefill_token_s")
+             "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "per_after_prefill_token_s",
+             "noise_knee_s")  # and the noise's knee, a length of step
     scaled = dataclasses.replace(profile, **{c: None if getattr(profile, c) is None else getattr(profile, c) * ratio
                                              for c in costs})
     sim_scaled = simulate(arrivals, scaled, controller, record_steps=False).summary

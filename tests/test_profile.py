@@ -934,3 +934,24 @@ def test_fit_finds_how_the_noise_falls_with_the_step_length():
     one = fit_step_time(_sized_rows(8000, 0.2, knee=8e-3, floor=0.25), loss="l1", noise_by_length=False)
     assert one["noise_knee_s"] == 0.0 and profile_fields(one)["noise_knee_s"] == 0.0
     assert profile_fields(fit, noise=False)["noise_knee_s"] == 0.0
+
+
+def test_noise_by_length_of_pooled_runs_is_judged_within_each_run():
+    import numpy as np
+
+    from engine.sim.fit import _within_runs, noise_size
+
+    # the second run's machine was slower for short steps only: the long steps' spread is unchanged
+    first = _sized_rows(5000, 0.15, knee=8e-3, floor=0.25, seed=4)
+    second = [(t, k, s * (1.25 if s < 8e-3 else 1.0), d, c)
+              for t, k, s, d, c in _sized_rows(5000, 0.15, knee=8e-3, floor=0.25, seed=5)]
+    p = replace(split_profile(), per_prefill_s=2e-3)
+    median = [p.step_time_s(t, k, d, c) for t, k, _, d, c in first + second]
+    runs = np.array(["before"] * len(first) + ["after"] * len(second))
+    # as the fit hands them over: each run over its own median, which is its short steps'
+    ratios = _within_runs(np.array([s / m for (_, _, s, _, _), m in zip(first + second, median)]), runs)
+    knee, floor = noise_size(ratios, median, runs)
+    assert 8e-3 / 1.6 < knee < 8e-3 * 1.6 and floor == pytest.approx(0.25, abs=0.1)
+    # judged against one median per run, the second run's long steps sit 25% below the first's
+    shifted = noise_size(ratios, median)
+    assert shifted[1] > floor + 0.1 or shifted[0] == 0.0

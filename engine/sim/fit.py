@@ -130,7 +130,7 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         heldout = float(np.mean(np.abs(_predict(coef_train, data[test]) - data[test, 2]) / data[test, 2]))
     split = data.shape[1] >= 4
     ratios = t / pred if runs is None else _within_runs(t / pred, runs)
-    knee, floor = noise_size(ratios, pred) if noise_by_length else (0.0, 0.0)
+    knee, floor = noise_size(ratios, pred, runs) if noise_by_length else (0.0, 0.0)
     if knee:  # the short steps' noise: each residual over its length's share of the sigma
         ratios = ratios ** (1.0 / _noise_scales(pred, knee, floor))
     after_s = float(coef[7]) if decay is not None else 0.0
@@ -198,7 +198,7 @@ def _within_runs(ratios: np.ndarray, runs: np.ndarray) -> np.ndarray:
     return out
 
 
-def noise_size(ratios, median_s) -> tuple[float, float]:
+def noise_size(ratios, median_s, runs=None) -> tuple[float, float]:
     """How the noise falls with the step's length: ``(noise_knee_s, noise_floor)`` of the
     ``Profile.noise_scale`` curve that best fits (least squares on the log, each bin weighed by its
     steps) the robust sigma (1.4826 times the median absolute deviation from the bin's median) of
@@ -207,20 +207,25 @@ def noise_size(ratios, median_s) -> tuple[float, float]:
     ``NOISE_BIN_MIN`` steps or the curve's cut in the error is not significant at
     ``NOISE_SIZE_SIGNIFICANCE`` (the F test of nested least squares: the bins' sigmas scatter
     more than their step counts say when the noise is correlated from step to step, and the test
-    judges the cut against the curve's own residuals, not against the counts)."""
+    judges the cut against the curve's own residuals, not against the counts). With ``runs`` (each
+    step's run), a bin's deviations are each run's from its own median in the bin: a machine that
+    ran slower in one run slowed its short steps more than its long ones, and taking out one
+    median per run would leave that difference in the long steps' spread."""
     r = np.asarray(ratios, dtype=float)
     t = np.asarray(median_s, dtype=float)
     keep = np.isfinite(r) & (r > 0) & np.isfinite(t) & (t > 0)
     logs, t = np.log(r[keep]), t[keep]
+    labels = np.zeros(len(t), dtype=int) if runs is None else np.unique(np.asarray(runs)[keep], return_inverse=True)[1]
     if len(t) < 2 * NOISE_BIN_MIN or t.max() <= t.min():
         return 0.0, 0.0
     edges = np.geomspace(t.min(), t.max(), NOISE_BINS + 1)
     which = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, NOISE_BINS - 1)
     lengths, sigmas, counts = [], [], []
     for b in range(NOISE_BINS):
-        x = logs[which == b]
+        x, run = logs[which == b], labels[which == b]
         if len(x) >= NOISE_BIN_MIN:
-            mad = float(np.median(np.abs(x - np.median(x))))
+            deviations = np.concatenate([x[run == k] - np.median(x[run == k]) for k in np.unique(run)])
+            mad = float(np.median(np.abs(deviations)))
             if mad > 0:
                 lengths.append(float(np.median(t[which == b])))
                 sigmas.append(np.log(1.4826 * mad))

@@ -35,7 +35,7 @@ fixed number of seconds that a long step amortises. ``Profile.noise_knee_s`` and
 step length (:func:`noise_size`), and the sigmas and the correlation above are then fitted on the
 residuals divided by that curve, so they are the sigmas of the short steps. (One sigma for every
 length gave the long prefill steps three times their noise: over 12 twin checks judged in sample,
-TPOT p99 came out +23% at the median and TTFT p50 -6%, against +2% and -1% with the curve.)
+TPOT p99 came out +23% at the median and TTFT p50 -6%, against +4% and -1% with the curve.)
 """
 
 from __future__ import annotations

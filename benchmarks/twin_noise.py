@@ -46,7 +46,7 @@ import numpy as np
 from scipy.stats import ks_2samp
 
 from ctrl import build_controller
-from engine.core.profile import Profile, after_prefill_weights, load_profile
+from engine.core.profile import Profile, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time, profile_fields
 from engine.sim.simulate import simulate
@@ -93,11 +93,7 @@ def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
     fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1", noise_by_length=False)))
     sized = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1")))
     real = np.array([r[2] for r in rows])
-    after = after_prefill_weights([r[0] > r[3] for r in rows], fitted.after_prefill_decay)
-    after_tokens = after_prefill_weights([r[0] - r[3] for r in rows], fitted.after_prefill_decay)
-    pred = np.array([fitted.step_time_s(int(r[0]), int(r[1]), int(r[3]), int(r[4]), int(r[5]) if len(r) > 5 else 0,
-                                        int(r[6]) if len(r) > 6 else 0, a, b)
-                     for r, a, b in zip(rows, after, after_tokens)])
+    pred = np.array(fitted.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
     logs = np.log(real / pred)
     logs -= np.median(logs)
     mad = float(1.4826 * np.median(np.abs(logs)))

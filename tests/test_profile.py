@@ -955,3 +955,23 @@ def test_noise_by_length_of_pooled_runs_is_judged_within_each_run():
     # judged against one median per run, the second run's long steps sit 25% below the first's
     shifted = noise_size(ratios, median)
     assert shifted[1] > floor + 0.1 or shifted[0] == 0.0
+
+
+def test_predicted_steps_carry_the_after_prefill_weights_through_the_run():
+    from engine.core.executor import Batch
+    from engine.sim.executor import SimExecutor
+
+    p = replace(split_profile(), per_prefill_s=2e-3, per_after_prefill_s=1e-3, after_prefill_decay=0.5,
+                per_after_prefill_token_s=1e-6, per_first_decode_s=3e-4)
+    steps = [(64, 64, 0, 1, 2080, 0), (2, 130, 2, 0, 0, 1), (40, 300, 8, 1, 528, 0), (8, 400, 8), (8, 408, 8)]
+    sim = SimExecutor(p)
+
+    def batch(t, k, d, c=0, q=0, f=0) -> Batch:
+        b = Batch()
+        b.num_tokens, b.kv_tokens_read, b.num_decodes, b.num_prefills, b.prefill_pairs, b.first_decodes = \
+            t, k, d, c, q, f
+        return b
+
+    # the simulator's executor, which keeps the weights as it runs, times them the same
+    assert p.predict_steps(steps) == pytest.approx([sim.execute(batch(*s)).duration_s for s in steps], rel=1e-12)
+    assert p.predict_steps(steps[3:]) == [p.step_time_s(8, 400, 8), p.step_time_s(8, 408, 8)]

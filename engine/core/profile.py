@@ -250,6 +250,19 @@ class Profile:
             t += self.per_after_prefill_token_s * after_prefill_tokens
         return t
 
+    def predict_steps(self, steps) -> list[float]:
+        """The median time of each of a run's non-empty steps, in the order they ran, the weights A
+        and B of the prefill steps before each built from the run itself (:func:`after_prefill_weights`).
+
+        :param steps: ``(new tokens, KV tokens read, decodes, prefill chunks, prefill pairs, first
+            decodes)`` per step; the last three may be left out (0).
+        """
+        counts = [[int(x) for x in step] + [0] * (6 - len(step)) for step in steps]
+        after = after_prefill_weights([c[0] > c[2] for c in counts], self.after_prefill_decay)
+        after_tokens = after_prefill_weights([c[0] - c[2] for c in counts], self.after_prefill_decay)
+        return [self.step_time_s(t, k, d, c, q, f, a, b)
+                for (t, k, d, c, q, f), a, b in zip(counts, after, after_tokens)]
+
     def noise_scale(self, median_s: float) -> float:
         """What the noise's sigmas are multiplied by for a step whose median is ``median_s``: 1 up
         to ``noise_knee_s``, then ``sqrt(f^2 + (1 - f^2) (knee / t)^2)`` (f = ``noise_floor``)."""

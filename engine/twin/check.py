@@ -25,7 +25,7 @@ import numpy as np
 from scipy.stats import ks_2samp
 
 from ctrl import build_controller
-from engine.core.profile import Profile, after_prefill_weights, load_profile
+from engine.core.profile import Profile, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time
 from engine.sim.simulate import simulate
@@ -51,11 +51,7 @@ def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -
     busy = t > 0
     t, k, dec, chunks, pairs, d = t[busy], k[busy], dec[busy], chunks[busy], pairs[busy], d[busy]
     firsts = firsts[busy]
-    after = after_prefill_weights(t > dec, profile.after_prefill_decay)
-    after_tokens = after_prefill_weights(t - dec, profile.after_prefill_decay)
-    pred = np.array([profile.step_time_s(int(tokens), int(kv), int(n), int(c), int(q), int(f), a, b)
-                     for tokens, kv, n, c, q, f, a, b in zip(t, k, dec, chunks, pairs, firsts, after, after_tokens)],
-                    dtype=float)
+    pred = np.array(profile.predict_steps(zip(t, k, dec, chunks, pairs, firsts)), dtype=float)
     ape = np.abs(pred - d) / d
     return {"tokens": t, "kv_tokens_read": k, "decodes": dec, "prefills": chunks, "prefill_pairs": pairs,
             "first_decodes": firsts,

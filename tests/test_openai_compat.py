@@ -299,6 +299,10 @@ def test_openai_metadata_is_accepted(server):
     ({"min_p": 1.5}, "min_p"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {" 5 ": 1}}, "logit_bias"),
+    ({"logit_bias": {"5_0": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u0665": 1}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ({"stop_token_ids": ["1"]}, "stop_token_ids"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
     ({"seed": 2**70}, "seed"),
@@ -437,3 +441,15 @@ def test_openai_client_sees_400s_as_bad_request(server):
     with pytest.raises(openai.BadRequestError) as err:
         server.client.completions.create(model="tiny", prompt="x", max_tokens=2, suffix="tail")
     assert err.value.body["param"] == "suffix"
+
+
+def test_stop_strings_are_bounded_in_number_and_length(server):
+    from engine.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    # every generated token of every choice is checked against each stop string inside the engine's
+    # step: an unbounded list would let one request slow every other request's tokens
+    for stop in (["ab"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_CHARS + 1)], "x" * (MAX_STOP_CHARS + 1)):
+        r = post(server, "/v1/completions", _body("/v1/completions", {"stop": stop}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    ok = post(server, "/v1/completions", _body("/v1/completions", {"stop": ["zq"] * MAX_STOP_STRINGS}))
+    assert ok.status_code == 200, ok.text

@@ -234,3 +234,22 @@ def test_a_quick_profile_fit_at_start_up(tmp_path):
     profile = load_profile(path)
     assert profile.name == "fit-tiny" and profile.base_s > 0 and "fitted" in profile.description
     assert time.perf_counter() - t0 < 120
+
+
+def test_tokenize_refuses_what_the_completion_routes_refuse(server):
+    # longer than the context: refused before it is tokenized, as the completion routes do
+    assert_error_body(server.http.post("/tokenize", json={"prompt": "y" * 3 * CONTEXT}), 400, "model context")
+    long_chat = {"messages": [{"role": "user", "content": "y" * 3 * CONTEXT}]}
+    assert_error_body(server.http.post("/tokenize", json=long_chat), 400, "model context")
+    r = server.http.post("/tokenize", content=b'{"prompt": "\\ud800"}', headers=JSON)
+    assert_error_body(r, 400, "not valid Unicode")
+    assert r.json()["error"]["param"] == "prompt"
+    # the bodies' types are strict, as the completion bodies' are
+    assert_error_body(server.http.post("/tokenize", json={"prompt": "a", "add_special_tokens": "no"}), 400)
+    assert_error_body(server.http.post("/detokenize", json={"tokens": [5.0]}), 400)
+
+
+def test_probes_answer_head(server):
+    for path in ("/health", "/ready", "/metrics"):
+        r = server.http.head(path)
+        assert r.status_code == 200 and not r.content, path

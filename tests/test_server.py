@@ -259,7 +259,7 @@ def test_queue_timeout_ends_a_waiting_request_with_503(tiny):
             waited = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "second", "max_tokens": 3},
                                 timeout=30)
         assert waited.status_code == 503
-        assert "queue timeout" in waited.json()["error"]["message"]
+        assert "past the queue timeout of 0.3 s" in waited.json()["error"]["message"]
         s.wait_idle()
     finally:
         s.close()

@@ -56,7 +56,8 @@ class _StartError(Exception):
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Requests admitted and not yet answered before new ones get 429.")
 @click.option("--queue-timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
-              help="A request that waits this long without starting ends with 503.")
+              help="A request that waits this long without starting ends with 503. A controller with a tighter "
+                   "limit of its own keeps it (the learned one's shield: 5 x the TTFT SLO); the 503 says which.")
 @click.option("--stream-buffer-chunks", type=click.IntRange(min=1), default=512, show_default=True,
               help="Chunks buffered for one slow client before its stream is ended.")
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=30.0, show_default=True,

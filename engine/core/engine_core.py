@@ -1220,7 +1220,7 @@ class EngineCore:
             elif r.arrival_time_s < cutoff_s:
                 waiting.popleft()
                 self._waiting_prompt_tokens -= r.prompt_len
-                self._end(r, RequestState.EXPIRED, "queue timeout", now, ended)
+                self._end(r, RequestState.EXPIRED, f"queue timeout of {seconds:.3g} s", now, ended)
             else:
                 break
         waiting.extendleft(reversed(resumed))

@@ -292,7 +292,8 @@ def _ended_badly(r: Outcome | None, stream: Stream, fallback: str | None = None)
     if r.state is RequestState.FINISHED:
         return None
     if r.state is RequestState.EXPIRED:
-        return 503, "queue_timeout", "the request waited longer than the queue timeout without starting"
+        limit = r.finish_reason or "queue timeout"
+        return 503, "queue_timeout", f"the request waited past the {limit} without starting"
     if r.state is RequestState.REJECTED:
         return 429, "rate_limited", r.finish_reason or "rejected"
     if r.unavailable:

@@ -38,8 +38,9 @@ def create_app(service: EngineService, config: ServeConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(Exception, _unexpected)
     _add_probe_routes(app, service)
-    _add_openai_routes(app, OpenAIServing(service, config))
-    add_extra_routes(app, service, config)
+    serving = OpenAIServing(service, config)
+    _add_openai_routes(app, serving)
+    add_extra_routes(app, serving, config)
     install_operator(app, config)  # after the handlers above: it wraps the validation one
     return app
 
@@ -48,7 +49,7 @@ def create_app(service: EngineService, config: ServeConfig) -> FastAPI:
 def _add_probe_routes(app: FastAPI, service: EngineService) -> None:
     """Liveness, readiness and Prometheus metrics."""
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: uptime monitors
     async def health():
         if not service.alive:
             return error_response(503, "the engine is not running; a new one is starting", "unavailable",
@@ -57,7 +58,7 @@ def _add_probe_routes(app: FastAPI, service: EngineService) -> None:
         # backing off); guarded (in "controller"): the runtime guard found the policy losing
         return {"status": "degraded" if service.degraded else "ok", **service.status()}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])  # HEAD: uptime monitors
     async def ready():
         if service.draining:
             return error_response(503, "the server is shutting down", "unavailable", retry_after_s=5)
@@ -65,7 +66,7 @@ def _add_probe_routes(app: FastAPI, service: EngineService) -> None:
             return error_response(503, "the engine is restarting", "unavailable", retry_after_s=5)
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: uptime monitors
     async def prometheus_metrics():
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

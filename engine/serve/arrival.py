@@ -107,14 +107,19 @@ def named_param(message: str, names) -> str | None:
     return _PARAM_OF.get(named[0], named[0]) if named else None
 
 
+#: the most digits a token id given as text may have (no vocabulary reaches 10^12 tokens)
+_MAX_ID_DIGITS = 12
+
+
 def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token ids as string keys) with int keys, each within the vocabulary."""
     out = {}
     for key, value in bias.items():
-        try:
-            tid = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        # ASCII digits only: int() would also read " 5 ", "5_0" and other scripts' digits
+        if not (key.isascii() and key.isdigit()) or len(key) > _MAX_ID_DIGITS:
+            shown = key if len(key) <= 20 else key[:20] + "..."
+            raise bad_request(f"logit_bias keys must be token ids (decimal digits), got {shown!r}", "logit_bias")
+        tid = int(key)
         if not 0 <= tid < vocab_size:
             raise bad_request(f"logit_bias holds token id {tid}, outside the vocabulary of {vocab_size}", "logit_bias")
         out[tid] = value

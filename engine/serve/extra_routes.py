@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.serve.arrival import Refused, bad_request
 from engine.serve.chat import chat_prompt
 from engine.serve.protocol import ChatMessage, error_response
 
 if TYPE_CHECKING:
     from engine.serve.config import ServeConfig
-    from engine.serve.service import EngineService
+    from engine.serve.serving import OpenAIServing
 
 
 def package_version() -> str:
@@ -31,7 +32,7 @@ def package_version() -> str:
 class TokenizeBody(BaseModel):
     """A prompt, or chat messages rendered with the chat template, as vLLM's ``/tokenize`` takes them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
@@ -42,21 +43,23 @@ class TokenizeBody(BaseModel):
 
 
 class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     tokens: list[int]
 
 
 # ---------------------------------------------------------------------------------- routes
-def add_extra_routes(app: FastAPI, service: EngineService, config: ServeConfig) -> None:
+def add_extra_routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
     """``/version``, ``/tokenize`` and ``/detokenize`` on ``app``.
 
     :param app: the application
-    :param service: the running engine service (its tokenizer, vocabulary and context length)
+    :param serving: the OpenAI routes' server (the engine service, its tokenizer, vocabulary and
+        context length, and the prompt checks the completion routes make)
     :param config: the server settings (the served model's name, the chat template)
     """
     version = package_version()
+    service = serving.service
 
     @app.get("/version")
     async def get_version():
@@ -69,9 +72,9 @@ def add_extra_routes(app: FastAPI, service: EngineService, config: ServeConfig) 
         if (body.prompt is None) == (body.messages is None):
             return error_response(400, "give exactly one of prompt or messages", param="prompt")
         try:
-            ids = await asyncio.to_thread(_token_ids, service.tokenizer, body, config.chat_template)
-        except ValueError as exc:
-            return error_response(400, str(exc), param="messages")
+            ids = await asyncio.to_thread(_token_ids, serving, body, config.chat_template)
+        except Refused as refused:
+            return refused.response
         return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -90,14 +93,19 @@ def _unknown_model(model: str, config: ServeConfig):
     return error_response(400, f"the model {model!r} is not served here; use {config.model_name!r}", param="model")
 
 
-def _token_ids(tokenizer, body: TokenizeBody, chat_template: str | None) -> list[int]:
-    """The ids the completion routes would serve for this prompt or these messages."""
+def _token_ids(serving: OpenAIServing, body: TokenizeBody, chat_template: str | None) -> list[int]:
+    """The ids the completion routes would serve for this prompt or these messages; raises
+    :class:`Refused` (400) for what they would refuse before tokenizing: text that is not valid
+    Unicode, or that has more tokens than the model's context holds (a text of any length would
+    otherwise cost the server its tokenization and an answer four times its size)."""
+    tokenizer = serving.tokenizer
     if body.messages is not None:
-        text = chat_prompt(tokenizer, body.messages, chat_template, body.add_generation_prompt)
+        try:
+            text = chat_prompt(tokenizer, body.messages, chat_template, body.add_generation_prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
         # a template writes BOS as text; the byte tokenizer has none, so its BOS is added as a token
         special = (not hasattr(tokenizer, "apply_chat_template") if body.add_special_tokens is None
                    else body.add_special_tokens)
-    else:
-        text = body.prompt or ""
-        special = body.add_special_tokens is not False
-    return list(tokenizer.encode(text, add_special_tokens=special))
+        return serving.encode(text, special, "messages")
+    return serving.encode(body.prompt or "", body.add_special_tokens is not False, "prompt")

@@ -25,6 +25,11 @@ SSE_DONE = "data: [DONE]\n\n"
 MAX_CHOICES = 16
 #: The most alternatives per token (``logprobs``, ``top_logprobs``), as vLLM's default ``max_logprobs``.
 MAX_LOGPROBS = 20
+#: the most stop strings a request may give, and the longest one: every generated token of every
+#: choice is checked against each of them inside the engine's step, so an unbounded list would let
+#: one request slow every other request's tokens (OpenAI takes 4; vLLM sets no bound)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
 #: A logprob of -inf on the wire (JSON has no infinity), as vLLM writes it.
 _MIN_LOGPROB = -9999.0
 
@@ -51,7 +56,9 @@ class SamplingBody(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+           | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)]
+           | None) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)

@@ -88,7 +88,7 @@ class OpenAIServing:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("the prompt is empty", "prompt")
-            return self._encode(prompt, True, "prompt"), prompt
+            return self.encode(prompt, True, "prompt"), prompt
         ids = list(prompt)
         vocab = self.service.info.vocab_size if self.service.info is not None else None
         if vocab is not None and any(t < 0 or t >= vocab for t in ids):
@@ -103,9 +103,9 @@ class OpenAIServing:
             text = chat_prompt(self.tokenizer, messages, getattr(self.config, "chat_template", None))
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
-        return self._encode(text, not hasattr(self.tokenizer, "apply_chat_template"), "messages")
+        return self.encode(text, not hasattr(self.tokenizer, "apply_chat_template"), "messages")
 
-    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """The token ids of a prompt text; raises :class:`Refused` (400) for a text that is not valid
         Unicode or is too long to fit, before tokenizing a long one whole."""
         try:

@@ -49,7 +49,8 @@ def create_app(service: EngineService, config: ServeConfig) -> FastAPI:
 def _add_probe_routes(app: FastAPI, service: EngineService) -> None:
     """Liveness, readiness and Prometheus metrics."""
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: uptime monitors
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # uptime monitors
     async def health():
         if not service.alive:
             return error_response(503, "the engine is not running; a new one is starting", "unavailable",
@@ -58,7 +59,8 @@ def _add_probe_routes(app: FastAPI, service: EngineService) -> None:
         # backing off); guarded (in "controller"): the runtime guard found the policy losing
         return {"status": "degraded" if service.degraded else "ok", **service.status()}
 
-    @app.api_route("/ready", methods=["GET", "HEAD"])  # HEAD: uptime monitors
+    @app.get("/ready")
+    @app.head("/ready", include_in_schema=False)  # uptime monitors
     async def ready():
         if service.draining:
             return error_response(503, "the server is shutting down", "unavailable", retry_after_s=5)
@@ -66,7 +68,8 @@ def _add_probe_routes(app: FastAPI, service: EngineService) -> None:
             return error_response(503, "the engine is restarting", "unavailable", retry_after_s=5)
         return {"status": "ready"}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: uptime monitors
+    @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)  # uptime monitors
     async def prometheus_metrics():
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

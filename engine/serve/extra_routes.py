@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.serve.arrival import Refused, bad_request
-from engine.serve.chat import chat_prompt
+from engine.serve.arrival import Refused
 from engine.serve.protocol import ChatMessage, error_response
 
 if TYPE_CHECKING:
@@ -72,7 +71,7 @@ def add_extra_routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) 
         if (body.prompt is None) == (body.messages is None):
             return error_response(400, "give exactly one of prompt or messages", param="prompt")
         try:
-            ids = await asyncio.to_thread(_token_ids, serving, body, config.chat_template)
+            ids = await asyncio.to_thread(_token_ids, serving, body)
         except Refused as refused:
             return refused.response
         return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids}
@@ -93,19 +92,11 @@ def _unknown_model(model: str, config: ServeConfig):
     return error_response(400, f"the model {model!r} is not served here; use {config.model_name!r}", param="model")
 
 
-def _token_ids(serving: OpenAIServing, body: TokenizeBody, chat_template: str | None) -> list[int]:
+def _token_ids(serving: OpenAIServing, body: TokenizeBody) -> list[int]:
     """The ids the completion routes would serve for this prompt or these messages; raises
     :class:`Refused` (400) for what they would refuse before tokenizing: text that is not valid
     Unicode, or that has more tokens than the model's context holds (a text of any length would
     otherwise cost the server its tokenization and an answer four times its size)."""
-    tokenizer = serving.tokenizer
     if body.messages is not None:
-        try:
-            text = chat_prompt(tokenizer, body.messages, chat_template, body.add_generation_prompt)
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
-        # a template writes BOS as text; the byte tokenizer has none, so its BOS is added as a token
-        special = (not hasattr(tokenizer, "apply_chat_template") if body.add_special_tokens is None
-                   else body.add_special_tokens)
-        return serving.encode(text, special, "messages")
+        return serving.chat_prompt_ids(body.messages, body.add_generation_prompt, body.add_special_tokens)
     return serving.encode(body.prompt or "", body.add_special_tokens is not False, "prompt")

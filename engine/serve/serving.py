@@ -69,7 +69,7 @@ class OpenAIServing:
     async def create_chat_completion(self, body: ChatBody, http: HttpRequest) -> Response:
         try:
             refuse_unserved(body)
-            ids = await asyncio.to_thread(self._chat_prompt, body.messages)
+            ids = await asyncio.to_thread(self.chat_prompt_ids, body.messages)
         except Refused as refused:
             return refused.response
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -95,15 +95,20 @@ class OpenAIServing:
             raise bad_request(f"the prompt holds token ids outside the vocabulary of {vocab}", "prompt")
         return ids, self.tokenizer.decode(ids, skip_special_tokens=True) if echo else None
 
-    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                        add_special_tokens: bool | None = None) -> list[int]:
         """The token ids of the conversation (:func:`engine.serve.chat.chat_prompt`). A template writes
         the BOS text where the model wants it, so its text is tokenized without adding special tokens:
-        one BOS, not two; the tiny model's byte tokenizer has no BOS text, so its BOS is added."""
+        one BOS, not two; the tiny model's byte tokenizer has no BOS text, so its BOS is added
+        (``add_special_tokens`` None; True or False overrides it, as ``/tokenize`` may)."""
         try:
-            text = chat_prompt(self.tokenizer, messages, getattr(self.config, "chat_template", None))
+            text = chat_prompt(self.tokenizer, messages, getattr(self.config, "chat_template", None),
+                               add_generation_prompt)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
-        return self.encode(text, not hasattr(self.tokenizer, "apply_chat_template"), "messages")
+        special = (not hasattr(self.tokenizer, "apply_chat_template") if add_special_tokens is None
+                   else add_special_tokens)
+        return self.encode(text, special, "messages")
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """The token ids of a prompt text; raises :class:`Refused` (400) for a text that is not valid

@@ -235,9 +235,7 @@ def noise_size(ratios, median_s, runs=None) -> tuple[float, float]:
     at, log_s, n = np.array(lengths), np.array(sigmas), np.array(counts, dtype=float)
     knees = np.geomspace(at.min(), at.max(), 40)[:, None, None]
     floors = np.linspace(0.0, 1.0, 41)[None, :, None]
-    ratio = np.minimum(1.0, knees / at[None, None, :])
-    log_g = 0.5 * np.log(floors ** 2 + (1.0 - floors ** 2) * ratio ** 2)
-    resid = log_s - log_g
+    resid = log_s - np.log(_noise_scales(at[None, None, :], knees, floors))
     resid -= (resid * n).sum(axis=2, keepdims=True) / n.sum()  # the short steps' sigma, best for each curve
     err = (n * resid ** 2).sum(axis=2)
     flat = float((n * (log_s - (log_s * n).sum() / n.sum()) ** 2).sum())
@@ -251,8 +249,9 @@ def noise_size(ratios, median_s, runs=None) -> tuple[float, float]:
     return float(knees[k, 0, 0]), float(floors[0, f, 0])
 
 
-def _noise_scales(median_s: np.ndarray, knee: float, floor: float) -> np.ndarray:
-    """``Profile.noise_scale`` of each predicted step length."""
+def _noise_scales(median_s: np.ndarray, knee, floor) -> np.ndarray:
+    """``Profile.noise_scale`` of each predicted step length (``knee`` and ``floor`` may be arrays
+    that broadcast with it)."""
     ratio = np.minimum(1.0, knee / np.maximum(median_s, 1e-300))
     return np.sqrt(floor * floor + (1.0 - floor * floor) * ratio * ratio)
 

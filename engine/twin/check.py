@@ -27,7 +27,7 @@ from scipy.stats import ks_2samp
 from ctrl import build_controller
 from engine.core.profile import Profile, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
-from engine.sim.fit import fit_step_time
+from engine.sim.fit import fit_step_time, profile_fields
 from engine.sim.simulate import simulate
 from engine.twin.plot import plot_step_times
 from engine.twin.fit import fit_around as fit_around_check
@@ -66,14 +66,7 @@ def refit_floor(errors: dict) -> dict:
     noise or beyond the linear model."""
     floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["decodes"],
                                    errors["prefills"], errors["prefill_pairs"], errors["first_decodes"])), loss="l1")
-    return {"refit_mape": floor["mape"],
-            "refit_coefficients": {k: floor[k] for k in ("base_s", "per_token_s", "per_kv_token_s",
-                                                         "per_decode_token_s", "per_prefill_s",
-                                                         "per_prefill_pair_s", "per_first_decode_s",
-                                                         "per_after_prefill_s", "per_after_prefill_token_s",
-                                                         "after_prefill_decay", "noise_sigma",
-                                                         "noise_sigma_below", "noise_corr",
-                                                         "noise_knee_s", "noise_floor")}}
+    return {"refit_mape": floor["mape"], "refit_coefficients": {k: floor[k] for k in profile_fields(floor)}}
 
 
 def speed_drift(profile, errors: dict) -> dict | None:
@@ -179,9 +172,8 @@ def _speed_adjusted_errors(arrivals, profile: Profile, controller, ratio: float,
     """Diagnostic only: the simulator's relative errors with the profile scaled by how much slower
     (or faster) the machine ran single-token steps during the check than while profiling."""
 
-    costs = ("base_s", "per_token_s", "per_kv_token_s", "per_decode_token_s", "idle_s", "per_prefill_s",
-             "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "per_after_prefill_token_s",
-             "noise_knee_s")  # and the noise's knee, a length of step
+    # every duration of the step model (the costs, the idle tick, the noise's knee), not the SLOs
+    costs = [f.name for f in dataclasses.fields(Profile) if f.name.endswith("_s") and "_slo_" not in f.name]
     scaled = dataclasses.replace(profile, **{c: None if getattr(profile, c) is None else getattr(profile, c) * ratio
                                              for c in costs})
     sim_scaled = simulate(arrivals, scaled, controller, record_steps=False).summary

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidegate-installed
 
-.PHONY: setup test lint run bench clean
+.PHONY: setup test lint run bench compile clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,13 @@ lint: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tidegate serve --model tiny --controller learned $(SERVE_ARGS)
 
+# The simulator's core compiled with mypyc into build/compiled, for `tidegate --compiled ...` and the speed
+# benchmarks' --compiled (engine/compiled.py); needs a C compiler.
+compile: $(STAMP)
+	$(BIN)/tidegate compile
+
 bench: $(STAMP)
 	$(BIN)/tidegate bench --trace splitwise_conv --trace splitwise_code --out bench-out
 
 clean:
-	rm -rf $(VENV) bench-out .pytest_cache .hypothesis
+	rm -rf $(VENV) bench-out .pytest_cache .hypothesis build/compiled build/compiled.partial

@@ -1,7 +1,7 @@
 """Simulator scaling: wall time and peak memory against trace size, on a steady synthetic trace.
 
     python benchmarks/sim_scaling.py [--sizes 10000,100000,1000000] [--controller greedy]
-        [--profile a100-llama2-7b] [--load 0.8] [--keep-requests] [--out docs/bench/scaling]
+        [--profile a100-llama2-7b] [--load 0.8] [--keep-requests] [--out docs/bench/scaling] [--compiled]
 
 The trace is Poisson at ``--load`` x the fluid bound lambda_max of the profile, with lognormal
 prompt and output lengths from a fixed seed (a smaller trace is the start of a larger one). Each
@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from engine.compiled import script_core
 
 PROMPT_MEDIAN_TOKENS, PROMPT_SIGMA, PROMPT_MAX_TOKENS = 512, 1.0, 8192
 OUTPUT_MEDIAN_TOKENS, OUTPUT_SIGMA, MAX_TOKENS = 128, 1.0, 2048
@@ -125,7 +127,10 @@ def main() -> None:
                     help="keep every ended Request in the metrics (as callers that read them do)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/scaling"))
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: run one size, print JSON
+    ap.add_argument("--compiled", action="store_true",
+                    help="run on the compiled core (tidegate compile); the children inherit it")
     args = ap.parse_args()
+    core = script_core()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     if args.one is not None:
@@ -140,8 +145,9 @@ def main() -> None:
         print(f"  {r['wall_s']:.2f} s wall, {r['steps']:,} steps, peak RSS {r['peak_rss_mib']:,.0f} MiB",
               file=sys.stderr, flush=True)
     command = "python benchmarks/sim_scaling.py " + " ".join(sys.argv[1:])
-    text = (f"Simulator scaling, {args.controller} on {args.profile}, Poisson at {args.load:g} x lambda_max, "
-            f"record_steps=False, keep_requests={args.keep_requests}.\n\n    {command.strip()}\n\n{table(rows)}\n")
+    text = (f"Simulator scaling, {core} core, {args.controller} on {args.profile}, "
+            f"Poisson at {args.load:g} x lambda_max, record_steps=False, keep_requests={args.keep_requests}."
+            f"\n\n    {command.strip()}\n\n{table(rows)}\n")
     if len(rows) > 1:
         a, b = rows[0], rows[-1]
         slope = math.log(b["wall_s"] / a["wall_s"]) / math.log(b["requests"] / a["requests"])

@@ -1,10 +1,10 @@
 """Simulator speed: the whole splitwise_conv trace at 1x with greedy on the A100 preset.
 
-    python benchmarks/sim_speed.py [--repeats 3] [--controller greedy] [--profile a100-llama2-7b]
+    python benchmarks/sim_speed.py [--repeats 3] [--controller greedy] [--profile a100-llama2-7b] [--compiled]
 
 Runs pinned to one core where the OS allows it. Prints wall time, simulated requests per wall
 second, the speed-up over real time and the process's peak RSS. Targets: <= 1.0 s wall on one
-core, <= 300 MB RSS.
+core, <= 300 MB RSS. ``--compiled`` runs on the copy ``tidegate compile`` built.
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ import resource
 import statistics
 import time
 
-from ctrl import build_controller
-from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
-from engine.workloads import read_trace, resolve_trace
+from engine.compiled import script_core
 
 
 def main() -> None:
@@ -27,7 +24,14 @@ def main() -> None:
     ap.add_argument("--profile", default="a100-llama2-7b")
     ap.add_argument("--controller", default="greedy")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compiled", action="store_true", help="run on the compiled core (tidegate compile)")
     args = ap.parse_args()
+    core = script_core()
+    from ctrl import build_controller
+    from engine.core.profile import load_profile
+    from engine.sim.simulate import simulate
+    from engine.workloads import read_trace, resolve_trace
+
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     profile = load_profile(args.profile)
@@ -41,10 +45,11 @@ def main() -> None:
         summary = simulate(arrivals, profile, controller, record_steps=True).summary
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
-    print(f"| trace | requests | controller | profile | steps | simulated s | wall s (median of {args.repeats}) "
+    print(f"| core | trace | requests | controller | profile | steps | simulated s | wall s (median of {args.repeats}) "
           f"| requests / wall s | speed-up over real time |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.trace} | {summary['requests']:,} | {args.controller} | {profile.name} | {summary['steps']:,} "
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {core} | {args.trace} | {summary['requests']:,} | {args.controller} | {profile.name} "
+          f"| {summary['steps']:,} "
           f"| {summary['sim_time_s']:,.0f} | {wall:.2f} | {summary['requests'] / wall:,.0f} "
           f"| {summary['sim_time_s'] / wall:,.0f}x |")
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -3,7 +3,10 @@ one from a command-line spec such as ``flow:budget=2,dist=poisson``."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import sys
+from pathlib import Path
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection
 from ctrl.class_budgets import ClassBudgetsController
@@ -47,10 +50,56 @@ def controller_options(cls: type[Controller]) -> dict[str, inspect.Parameter]:
     """The options a controller accepts: its own and the overload options of every controller."""
     params: dict[str, inspect.Parameter] = {}
     for klass in (cls, Controller):
-        for name, p in inspect.signature(klass.__init__).parameters.items():
-            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+        for name, p in _init_parameters(klass).items():
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
                 params.setdefault(name, p)
     return params
+
+
+def _init_parameters(klass: type) -> dict[str, inspect.Parameter]:
+    """The parameters of ``klass(...)``, without ``self``.
+
+    A class compiled by mypyc (``tidegate compile``, engine/compiled.py) has no signature of its
+    own to inspect. For one, the first ``__init__`` along its MRO is read from its module's
+    Python file, which the compiled copy keeps beside the extension: the annotations are the
+    strings the interpreted class has (``from __future__ import annotations``) and the defaults
+    are evaluated in the module's namespace, so the options parse exactly as interpreted."""
+    for owner in klass.__mro__:
+        if "__init__" not in owner.__dict__:
+            continue
+        module = sys.modules.get(owner.__module__)
+        file = getattr(module, "__file__", None) or ""
+        if not file or file.endswith(".py"):
+            return dict(list(inspect.signature(owner.__dict__["__init__"]).parameters.items())[1:])
+        init = _source_init(Path(file).with_name(Path(file).name.split(".", 1)[0] + ".py"), owner.__name__)
+        if init is None:
+            raise TypeError(f"the options of the compiled {owner.__name__} cannot be read: its source is missing")
+        a = init.args
+        args = [*a.posonlyargs, *a.args][1:]
+        defaults = [None] * (len(args) - len(a.defaults)) + list(a.defaults)
+        namespace = vars(module)
+        out = {}
+        for arg, default in (*zip(args, defaults), *zip(a.kwonlyargs, a.kw_defaults)):
+            kind = inspect.Parameter.KEYWORD_ONLY if arg in a.kwonlyargs else inspect.Parameter.POSITIONAL_OR_KEYWORD
+            out[arg.arg] = inspect.Parameter(
+                arg.arg, kind,
+                default=inspect.Parameter.empty if default is None else eval(ast.unparse(default), namespace),
+                annotation=inspect.Parameter.empty if arg.annotation is None else ast.unparse(arg.annotation))
+        return out
+    return {}
+
+
+def _source_init(path: Path, class_name: str) -> ast.FunctionDef | None:
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    return item
+    return None
 
 
 def _convert(name: str, text: str, param: inspect.Parameter):

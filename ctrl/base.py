@@ -6,7 +6,9 @@ Gymnasium env, the real engine and the server.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol
+
+from mypy_extensions import mypyc_attr
 
 UNLIMITED = 1 << 60
 #: events the steady rate estimates span at least (``Observation.offered_rate_rps`` and
@@ -364,6 +366,7 @@ def retry_after_s(obs: Observation, backlog: float | None = None) -> float:
     return min(wait, RETRY_AFTER_MAX_S)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # controllers are the plug-in point, compiled or not
 class Controller:
     """Base class: accepts every arrival (unless the queue limit is hit) and lets everything run.
 
@@ -374,7 +377,7 @@ class Controller:
         (None: never).
     """
 
-    name = "base"
+    name: ClassVar[str] = "base"
 
     def __init__(self, max_waiting: int | None = None, queue_timeout_s: float | None = None) -> None:
         if max_waiting is not None and max_waiting < 0:

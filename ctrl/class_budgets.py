@@ -9,6 +9,7 @@ so over any n steps a class activates at most b_k * n + 1 requests (never a save
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation
 
@@ -18,10 +19,11 @@ class ClassBudgetsController(Controller):
     :param max_num_batched_tokens: most new tokens per step.
     """
 
-    name = "class-budgets"
+    name: ClassVar[str] = "class-budgets"
 
-    def __init__(self, budgets: list[float], max_num_batched_tokens: int = UNLIMITED, **overload) -> None:
-        super().__init__(**overload)
+    def __init__(self, budgets: list[float], max_num_batched_tokens: int = UNLIMITED, max_waiting: int | None = None,
+                 queue_timeout_s: float | None = None) -> None:
+        super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not budgets or any(b < 0 or not math.isfinite(b) for b in budgets):
             raise ValueError("budgets must be a non-empty list of finite numbers >= 0")
         self.budgets = [float(b) for b in budgets]

@@ -20,6 +20,7 @@ than memory can hold in steady state.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 
@@ -42,14 +43,15 @@ class FlowController(Controller):
     :param seed: seed of the budget draws.
     """
 
-    name = "flow"
+    name: ClassVar[str] = "flow"
     DISTS = ("fixed", "poisson", "bernoulli")
 
     def __init__(self, budget: float | None = None, dist: str = "fixed", adaptive: bool | None = None,
                  target_usage: float = 1.0, headroom: float = 0.2, drain_steps: float = 20.0,
                  prior_output_tokens: int = 128, max_num_batched_tokens: int = 8192,
-                 max_num_seqs: int = UNLIMITED, seed: int = 0, **overload) -> None:
-        super().__init__(**overload)
+                 max_num_seqs: int = UNLIMITED, seed: int = 0, max_waiting: int | None = None,
+                 queue_timeout_s: float | None = None) -> None:
+        super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if dist not in self.DISTS:
             raise ValueError(f"dist must be one of {', '.join(self.DISTS)}, got {dist!r}")
         if adaptive is None:

@@ -40,6 +40,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -240,7 +241,7 @@ class LearnedController(Controller):
         file records it (``residual_scale`` in its metadata).
     """
 
-    name = "learned"
+    name: ClassVar[str] = "learned"
 
     def __init__(self, policy, features: ObservationFeatures, prior: SloFlowController, control_interval: int = 10,
                  time_budget_s: float | None = None, load_error: str | None = None, policy_source: str = "",

@@ -4,6 +4,8 @@ jumps back up, otherwise it decays linearly towards a floor."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ctrl.base import UNLIMITED, Controller, Decision, Observation
 
 
@@ -15,12 +17,13 @@ class SGLangController(Controller):
     :param max_num_batched_tokens: most new tokens per step (SGLang's chunked_prefill_size).
     """
 
-    name = "sglang"
+    name: ClassVar[str] = "sglang"
 
     def __init__(self, init_new_token_ratio: float = 0.7, min_new_token_ratio: float = 0.1,
                  decay_steps: int = 600, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 **overload) -> None:
-        super().__init__(**overload)
+                 max_waiting: int | None = None,
+                 queue_timeout_s: float | None = None) -> None:
+        super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not 0 <= min_new_token_ratio <= init_new_token_ratio <= 1:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
         if decay_steps < 1:

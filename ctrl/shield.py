@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from typing import ClassVar
 
 from ctrl.base import (RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection,
                        retry_after_s)
@@ -142,7 +143,7 @@ class ShieldedController(Controller):
         empty (at or below 0).
     """
 
-    name = "shielded"
+    name: ClassVar[str] = "shielded"
 
     def __init__(self, inner: Controller, mode: str = "strict", target_usage: float = 0.9,
                  prior_output_tokens: int = 128, max_num_seqs: int | None = None,

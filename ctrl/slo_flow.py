@@ -42,6 +42,7 @@ multipliers 1 (its action 0) it is exactly this heuristic.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 from ctrl.base import (STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection,
                        ReplicaProfile, retry_after_s)
@@ -147,7 +148,7 @@ class SloFlowController(Controller):
     :param max_num_seqs: most running requests.
     """
 
-    name = "slo-flow"
+    name: ClassVar[str] = "slo-flow"
 
     def __init__(self, ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.1, reject_above: float = 1.0,
                  overload_margin: float = 0.2, min_completions: int = 1,
@@ -156,8 +157,9 @@ class SloFlowController(Controller):
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
                  steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, occupied_pacing: bool = True,
-                 **overload) -> None:
-        super().__init__(**overload)
+                 max_waiting: int | None = None,
+                 queue_timeout_s: float | None = None) -> None:
+        super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
                 and overload_power >= 0 and min_load >= 0 and steady_overload >= 0):
             raise ValueError("need ttft_slo_s > 0, tpot_slo_s > 0, reject_above > 0, overload_margin >= 0, "

@@ -6,6 +6,7 @@ j-th output token.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ class Capacity:
     lambda_max_rps: float            # fluid bound 1 / (a W / M + c W + b S)
 
     def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+        return dataclasses.asdict(self)
 
 
 def capacity(prompt_tokens, output_tokens, profile: ReplicaProfile) -> Capacity:
@@ -239,14 +240,18 @@ def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_
     finite and positive: a cold or idle server gets the bound of requests as large as one step's
     token budget, never one of empty requests."""
     # a completed request has at least a prompt token: means below one are not a sample's
-    s = obs.mean_prompt_tokens + obs.mean_output_tokens
+    # floats throughout (int-valued where they come from token counts), so that a compiled core
+    # (``tidegate compile``) types them as the interpreter computes them
+    s: float = obs.mean_prompt_tokens + obs.mean_output_tokens
+    w: float
+    d: float
     if obs.completed_total > 0 and obs.lifetime_kv_workload > 0 and s >= 1:
         w = obs.lifetime_kv_workload
         d = obs.mean_output_tokens
     else:
-        prompt = obs.head_prompt_tokens or obs.mean_prompt_tokens or profile.max_num_batched_tokens
+        prompt: float = obs.head_prompt_tokens or obs.mean_prompt_tokens or profile.max_num_batched_tokens
         s = prompt + prior_output_tokens
-        d = prior_output_tokens
+        d = float(prior_output_tokens)
         w = estimated_kv_workload(obs, prior_output_tokens) if (obs.head_prompt_tokens or obs.mean_prompt_tokens) \
             else prompt * prior_output_tokens + prior_output_tokens * (prior_output_tokens + 1) / 2
     return fluid_lambda_max(s, w, profile, obs.kv_capacity_tokens or profile.kv_capacity_tokens, d)

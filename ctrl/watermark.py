@@ -7,6 +7,8 @@ within the TPOT SLO and halves when it did not (AIMD), so long prefills cannot s
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ctrl.base import UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, retry_after_s
 
 
@@ -21,13 +23,14 @@ class WatermarkController(Controller):
     :param max_num_seqs: most running requests.
     """
 
-    name = "watermark"
+    name: ClassVar[str] = "watermark"
 
     def __init__(self, watermark: float = 0.9, queue_limit: int = 100, tpot_slo_s: float = 0.1,
                  min_token_budget: int | None = None, max_num_batched_tokens: int = 8192,
                  additive_tokens: int = 64, backoff: float = 0.5, max_num_seqs: int = 256,
-                 **overload) -> None:
-        super().__init__(**overload)
+                 max_waiting: int | None = None,
+                 queue_timeout_s: float | None = None) -> None:
+        super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not 0 < watermark <= 1:
             raise ValueError(f"watermark must be in (0, 1], got {watermark}")
         if queue_limit < 0:

@@ -2,4 +2,4 @@
 
 from engine.cli import main
 
-main()
+main(prog_name="tidegate")

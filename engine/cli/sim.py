@@ -148,3 +148,20 @@ def roofline(write, out_dir):
             path = folder / f"{profile.name}.json"
             profile.save(path)
             click.echo(f"wrote {path}")
+
+
+@click.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of the compiled copy [default: $TIDEGATE_COMPILED_DIR, else build/compiled in the "
+                   "project].")
+def compile_command(out):
+    """Compile the simulator's core (engine loop, executor, heuristics, shield) with mypyc, for
+    `tidegate --compiled ...` and the speed benchmarks' --compiled. Needs a C compiler."""
+    from engine import compiled
+
+    try:
+        where = compiled.build(out, log=lambda line: click.echo(line, err=True))
+    except compiled.CompileError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"compiled {len(compiled.MODULES)} modules into {where}; run `tidegate --compiled <command>`")

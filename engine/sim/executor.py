@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import random
 
+from mypy_extensions import mypyc_attr
+
 from engine.core.executor import Batch, StepResult
 from engine.core.profile import Profile
 from engine.core.request import Request
@@ -49,6 +51,7 @@ class StepNoise:
         return math.exp((self.sigma if z >= 0.0 or below is None else below) * scale * z)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # an executor with other step times or outputs
 class SimExecutor:
     """A step takes ``profile.step_time_s(T, K, D, C, Q, F, A, B)``, the profile's one step-time formula,
     times a seeded log-normal factor when the profile has ``noise_sigma`` > 0 (idle ticks are exact),

@@ -1,0 +1,175 @@
+"""A compiled copy of the simulator's core, for throughput: the env, training and sweeps.
+
+``tidegate compile`` copies the project's packages into ``build/compiled/`` and compiles the
+modules every simulated step runs (:data:`MODULES`: the engine's core, the simulator's executor,
+the heuristic controllers and the shield) to C extensions with mypyc, the compiler that ships
+with mypy; the other modules stay Python. ``tidegate --compiled <command>`` and the speed
+benchmarks' ``--compiled`` run the same command again in a fresh interpreter whose imports
+resolve to that copy. The compiled modules are the same source: a simulation gives the same
+steps, times and summaries to the bit (``tests/test_compiled.py``).
+
+What changes is what a bad value does. A compiled function checks its arguments' annotated
+types when called, so a value the interpreter would have carried on with (a string where a
+float is annotated, say) is a ``TypeError`` at once. That is why the server and the real engine
+never run from this copy: their robustness to whatever a client or a broken policy sends is
+tested on the interpreted source, and the copy is for simulations fed by the project's own code.
+
+The copy remembers the sources it was built from. A command asked to run compiled refuses, in
+one sentence, when any Python file of the project changed since (:func:`stale`), so the copy
+can never run code older than the source beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+#: the project's packages, copied whole (their data files too) so the copy is self-contained
+PACKAGES = ("ctrl", "engine", "env", "training", "checkpoints")
+
+#: the modules compiled: what a simulated step runs, mypy-clean and free of torch
+MODULES = (
+    "engine/core/block_pool.py", "engine/core/clock.py", "engine/core/engine_core.py", "engine/core/executor.py",
+    "engine/core/metrics.py", "engine/core/offered.py", "engine/core/profile.py", "engine/core/request.py",
+    "engine/core/slo.py", "engine/sim/executor.py",
+    "ctrl/base.py", "ctrl/theory.py", "ctrl/shield.py", "ctrl/slo_flow.py", "ctrl/greedy.py", "ctrl/no_evict.py",
+    "ctrl/watermark.py", "ctrl/sglang.py", "ctrl/flow.py", "ctrl/class_budgets.py",
+)
+
+MANIFEST = "tidegate-compiled.json"
+#: set by :func:`rerun` in the process it starts: the compiled copy that process should import
+ENV_VAR = "TIDEGATE_COMPILED"
+#: where ``tidegate compile`` builds and ``--compiled`` looks, when set
+DIR_VAR = "TIDEGATE_COMPILED_DIR"
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class CompileError(RuntimeError):
+    """The compiled copy could not be built or is not usable; the message is one sentence."""
+
+
+def default_dir(root: Path = SOURCE_ROOT) -> Path:
+    """``$TIDEGATE_COMPILED_DIR``, else ``build/compiled`` in the project."""
+    return Path(os.environ.get(DIR_VAR) or root / "build" / "compiled")
+
+
+def _sources(root: Path) -> dict[str, str]:
+    """Every Python file of the project's packages under ``root`` -> its SHA-256."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                out[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def _python() -> str:
+    return f"{sys.implementation.cache_tag}-{sys.platform}"
+
+
+def build(out: Path | None = None, root: Path = SOURCE_ROOT, log: Callable[[str], None] = print) -> Path:
+    """Copy the packages under ``root`` to ``out`` and compile :data:`MODULES` there in place.
+
+    Built in a sibling folder and moved into place at the end, so a failed build leaves the
+    previous copy as it was. Raises :class:`CompileError` with the compiler's last lines."""
+    out = Path(out) if out is not None else default_dir(root)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sources = _sources(root)
+    for package in PACKAGES:
+        shutil.copytree(root / package, tmp / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
+    log(f"compiling {len(MODULES)} modules with mypyc into {out} (a minute or two) ...")
+    cmd = [sys.executable, "-m", "mypyc", "--config-file", str(root / "pyproject.toml"), *MODULES]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise CompileError(f"could not start mypyc ({exc})") from None
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        if "No module named mypyc" in tail:
+            raise CompileError("mypyc is not installed: pip install -e '.[compile]' (it comes with mypy)")
+        raise CompileError(f"mypyc failed (exit {proc.returncode}); its last lines:\n{tail}")
+    shutil.rmtree(tmp / "build", ignore_errors=True)
+    (tmp / MANIFEST).write_text(json.dumps({"python": _python(), "modules": list(MODULES), "sources": sources},
+                                           indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def stale(out: Path | None = None, root: Path = SOURCE_ROOT) -> str | None:
+    """Why the copy in ``out`` may not run for the sources under ``root``, or None when it may."""
+    out = Path(out) if out is not None else default_dir(root)
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"there is no compiled copy in {out}: build it with `tidegate compile`"
+    if manifest.get("python") != _python():
+        return f"the compiled copy in {out} was built for {manifest.get('python')}, not {_python()}: " \
+               "build it again with `tidegate compile`"
+    now, then = _sources(root), manifest.get("sources", {})
+    changed = sorted(set(now) ^ set(then) | {k for k in now.keys() & then.keys() if now[k] != then[k]})
+    if changed:
+        more = f" and {len(changed) - 1} other file(s)" if len(changed) > 1 else ""
+        return f"{changed[0]}{more} changed since the compiled copy in {out} was built: " \
+               "build it again with `tidegate compile`"
+    return None
+
+
+def active() -> bool:
+    """Whether this process runs the compiled core (its engine loop is an extension module)."""
+    from engine.core import engine_core
+    return not engine_core.__file__.endswith(".py")
+
+
+def check() -> None:
+    """In a process started by :func:`rerun`: raise :class:`CompileError` unless its imports
+    resolved to the compiled copy (a source tree earlier on ``sys.path`` would shadow it)."""
+    if os.environ.get(ENV_VAR) and not active():
+        from engine.core import engine_core
+        raise CompileError(f"asked to run compiled from {os.environ[ENV_VAR]}, but the engine was imported "
+                           f"from {engine_core.__file__}")
+
+
+def script_core(argv: Sequence[str] | None = None) -> str:
+    """For a benchmark script, first thing in ``main()`` and before it imports the core: with
+    ``--compiled`` among its arguments, run the script again on the compiled copy (this process
+    ends); a missing or stale copy is one sentence and exit 2. Returns ``"compiled"`` or
+    ``"interpreted"``, for the script's report."""
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        if "--compiled" in argv[1:] and not os.environ.get(ENV_VAR):
+            rerun(argv)
+        check()
+    except CompileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    return "compiled" if active() else "interpreted"
+
+
+def rerun(argv: Sequence[str], out: Path | None = None, root: Path = SOURCE_ROOT) -> NoReturn:
+    """Replace this process by ``python *argv`` with imports resolving to the compiled copy
+    (``PYTHONPATH`` first; ``argv`` should start with ``-P`` when it runs a module, so that the
+    working directory's source does not come first). The new process finds ``TIDEGATE_COMPILED``
+    set, and :func:`check` there says whether its imports did resolve to the copy.
+
+    Raises :class:`CompileError` (before replacing anything) when the copy is missing or stale."""
+    out = Path(out) if out is not None else default_dir(root)
+    reason = stale(out, root)
+    if reason is not None:
+        raise CompileError(reason)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(out.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    env[ENV_VAR] = str(out.resolve())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv], env)

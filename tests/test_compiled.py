@@ -1,0 +1,121 @@
+"""The compiled copy of the simulator's core (engine/compiled.py, ``tidegate compile``): it gives
+the interpreted source's results to the bit, and refuses to run when missing or stale.
+
+Building it takes mypyc and a C compiler (half a minute); without them these tests skip."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from engine import compiled
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") is None
+    or not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists(),
+    reason="needs a C compiler and the Python headers")
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory) -> Path:
+    pytest.importorskip("mypyc")
+    return compiled.build(tmp_path_factory.mktemp("compiled") / "core", log=lambda _: None)
+
+
+def _env(copy: Path | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", compiled.ENV_VAR)}
+    if copy is not None:
+        env["PYTHONPATH"] = str(copy)
+        env[compiled.ENV_VAR] = str(copy)
+    return env
+
+
+def _probe(copy: Path | None) -> dict:
+    done = subprocess.run([sys.executable, str(HERE / "compiled_probe.py"), "400"], env=_env(copy),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_compiled_core_gives_the_interpreted_results_to_the_bit(copy):
+    """Every controller (the learned one behind the shield too) on a quiet and on a noisy, tight
+    profile, both eviction modes, an interpreted controller subclassing the compiled base, and an
+    env rollout: step traces, every request's end, summaries and observations are identical."""
+    interpreted, fast = _probe(None), _probe(copy)
+    assert interpreted.pop("compiled") is False
+    assert fast.pop("compiled") is True
+    assert interpreted.keys() == fast.keys()
+    different = [k for k in interpreted if interpreted[k] != fast[k]]
+    assert not different, f"compiled results differ for {different}"
+    # the probe exercised what it claims: refusals, evictions and both noise settings
+    summaries = [v["summary"] for k, v in interpreted.items() if isinstance(v, dict)]
+    assert any(s["evictions"] > 0 for s in summaries)
+    assert any(s["rejected"] > 0 for s in summaries)
+
+
+def test_the_copy_remembers_its_sources(copy, tmp_path):
+    assert compiled.stale(copy) is None
+    root = tmp_path / "src"
+    for package in compiled.PACKAGES:
+        shutil.copytree(compiled.SOURCE_ROOT / package, root / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    assert compiled.stale(copy, root) is None
+    greedy = root / "ctrl" / "greedy.py"
+    greedy.write_text(greedy.read_text() + "\n# changed\n")
+    reason = compiled.stale(copy, root)
+    assert reason is not None and reason.startswith("ctrl/greedy.py changed") and "tidegate compile" in reason
+    (root / "ctrl" / "extra.py").write_text("")
+    assert "1 other file" in compiled.stale(copy, root)
+    assert "no compiled copy" in compiled.stale(tmp_path / "nowhere")
+
+
+def _tidegate(*args: str, copy_dir: Path, compiled_env: bool = False) -> subprocess.CompletedProcess:
+    env = _env(None)
+    env["TIDEGATE_COMPILED_DIR"] = str(copy_dir)
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=False, cwd=compiled.SOURCE_ROOT)
+
+
+def test_the_cli_runs_a_command_compiled(copy):
+    args = ("simulate", "--trace", "splitwise_conv", "--first", "300", "--controller", "slo-flow", "--json",
+            "--no-progress")
+    plain = _tidegate(*args, copy_dir=copy)
+    fast = _tidegate("--compiled", *args, copy_dir=copy)
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+    a, b = json.loads(plain.stdout), json.loads(fast.stdout)
+    a.pop("wall_time_s")
+    b.pop("wall_time_s")
+    assert a == b
+
+
+def test_a_missing_copy_is_one_sentence(tmp_path):
+    done = _tidegate("--compiled", "simulate", "--trace", "splitwise_conv", "--first", "10", copy_dir=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: there is no compiled copy in ")
+    assert "tidegate compile" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_server_never_runs_compiled(copy):
+    done = _tidegate("--compiled", "serve", "--model", "tiny", copy_dir=copy)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: --compiled applies to simulate") and "not to serve" in done.stderr
+
+
+def test_a_shadowed_copy_is_refused(copy, tmp_path):
+    """A process told to run compiled whose imports resolved to the source says so."""
+    env = _env(None)
+    env[compiled.ENV_VAR] = str(copy)
+    done = subprocess.run([sys.executable, str(compiled.SOURCE_ROOT / "benchmarks" / "env_speed.py"), "--steps", "1"],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: asked to run compiled from ") and "Traceback" not in done.stderr

@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -74,11 +75,25 @@ def _python() -> str:
     return f"{sys.implementation.cache_tag}-{sys.platform}"
 
 
+def missing_toolchain() -> str | None:
+    """What building needs and this machine lacks (a C compiler, the Python headers), or None."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        return f"compiling needs a C compiler, and `{cc}` is not on the PATH"
+    include = Path(sysconfig.get_paths()["include"])
+    if not (include / "Python.h").exists():
+        return f"compiling needs the Python headers, and {include} has no Python.h"
+    return None
+
+
 def build(out: Path | None = None, root: Path = SOURCE_ROOT, log: Callable[[str], None] = print) -> Path:
     """Copy the packages under ``root`` to ``out`` and compile :data:`MODULES` there in place.
 
     Built in a sibling folder and moved into place at the end, so a failed build leaves the
     previous copy as it was. Raises :class:`CompileError` with the compiler's last lines."""
+    missing = missing_toolchain()
+    if missing is not None:
+        raise CompileError(missing)
     out = Path(out) if out is not None else default_dir(root)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,7 @@ from engine import compiled
 
 HERE = Path(__file__).resolve().parent
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") is None
-    or not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists(),
-    reason="needs a C compiler and the Python headers")
+pytestmark = pytest.mark.skipif(compiled.missing_toolchain() is not None, reason=str(compiled.missing_toolchain()))
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +115,10 @@ def test_a_shadowed_copy_is_refused(copy, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2
     assert done.stderr.startswith("error: asked to run compiled from ") and "Traceback" not in done.stderr
+
+
+def test_a_machine_without_a_compiler_is_told_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(compiled.sysconfig, "get_config_var", lambda name: "no-such-cc -pthread")
+    with pytest.raises(compiled.CompileError, match="needs a C compiler, and `no-such-cc` is not on the PATH"):
+        compiled.build(tmp_path / "core")
+    assert not (tmp_path / "core").exists()

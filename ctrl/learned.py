@@ -172,30 +172,34 @@ class ObservationFeatures:
             if step_s > 0 else lam
         head = obs.head_prompt_tokens or obs.mean_prompt_tokens
         delay = predicted_ttft_s(obs, int(head), budget, self.target_usage, self.prior_output_tokens, occupied=False)
-        v = self.vector
-        v[0] = usage
-        v[1] = 10.0 * (usage - self._kv_usage)
-        v[2] = math.log1p(obs.num_waiting) / 4.0
-        v[3] = math.log1p(obs.waiting_prompt_tokens / budget)
-        v[4] = obs.arrival_rate_rps / lam
-        v[5] = obs.completion_rate_rps / lam
-        v[6] = math.log1p(obs.ttft_recent_s / self.ttft_slo_s)
-        v[7] = math.log1p(obs.tpot_recent_s / self.tpot_slo_s)
-        v[8] = math.log1p(max(evicted, 0))
-        v[9] = math.log1p(max(rejected, 0))
-        v[10] = _log_ratio(safe_rps, lam)
-        v[11] = obs.num_running / prof.max_num_seqs
-        v[12] = last_action[0]
-        v[13] = last_action[1]
-        v[14] = last_action[2]
-        v[15] = math.log1p(delay / self.ttft_slo_s) if math.isfinite(delay) else OBS_CLIP
-        v[16] = math.log1p(obs.last_step_time_s / self.tpot_slo_s)
         done = obs.completion_rate_rps
-        v[17] = _log_ratio(obs.arrival_rate_rps, done) if done > 0 else (1.0 if obs.arrival_rate_rps > 0 else 0.0)
-        np.nan_to_num(v, copy=False, nan=0.0, posinf=OBS_CLIP, neginf=-OBS_CLIP)
-        np.clip(v, -OBS_CLIP, OBS_CLIP, out=v)
+        features = (
+            usage,
+            10.0 * (usage - self._kv_usage),
+            math.log1p(obs.num_waiting) / 4.0,
+            math.log1p(obs.waiting_prompt_tokens / budget),
+            obs.arrival_rate_rps / lam,
+            done / lam,
+            math.log1p(obs.ttft_recent_s / self.ttft_slo_s),
+            math.log1p(obs.tpot_recent_s / self.tpot_slo_s),
+            math.log1p(max(evicted, 0)),
+            math.log1p(max(rejected, 0)),
+            _log_ratio(safe_rps, lam),
+            obs.num_running / prof.max_num_seqs,
+            float(last_action[0]),
+            float(last_action[1]),
+            float(last_action[2]),
+            math.log1p(delay / self.ttft_slo_s) if math.isfinite(delay) else OBS_CLIP,
+            math.log1p(obs.last_step_time_s / self.tpot_slo_s),
+            _log_ratio(obs.arrival_rate_rps, done) if done > 0 else (1.0 if obs.arrival_rate_rps > 0 else 0.0),
+        )
+        # NaN -> 0, everything else clipped to +-OBS_CLIP (infinities too), in Python floats and
+        # written at once: the same float32 values as writing each and clipping the array, since
+        # OBS_CLIP is a float32 and rounding to float32 is monotonic
+        self.vector[:] = [0.0 if x != x else (OBS_CLIP if x > OBS_CLIP else (-OBS_CLIP if x < -OBS_CLIP else x))
+                          for x in features]
         self._kv_usage = usage
-        return v
+        return self.vector
 
 
 class LearnedController(Controller):

@@ -55,7 +55,7 @@ class Observation:
     """
 
     #: the fields, in order
-    FIELDS = (
+    FIELDS: ClassVar[tuple[str, ...]] = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
         "num_waiting", "num_running", "waiting_prompt_tokens", "head_prompt_tokens",
         "arrival_rate_rps", "offered_rate_rps", "completion_rate_rps", "served_rate_rps", "last_step_time_s",

@@ -44,7 +44,7 @@ class FlowController(Controller):
     """
 
     name: ClassVar[str] = "flow"
-    DISTS = ("fixed", "poisson", "bernoulli")
+    DISTS: ClassVar[tuple[str, ...]] = ("fixed", "poisson", "bernoulli")
 
     def __init__(self, budget: float | None = None, dist: str = "fixed", adaptive: bool | None = None,
                  target_usage: float = 1.0, headroom: float = 0.2, drain_steps: float = 20.0,

@@ -8,14 +8,19 @@ import dataclasses
 import hashlib
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
 from ctrl import CONTROLLERS, build_controller
 from ctrl.base import Controller, Decision, Observation
+from ctrl.flow import FlowController
 from engine import compiled
 from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
+from engine.core.driver import replay
+from engine.sim.executor import SimExecutor
+from engine.sim.simulate import make_request, make_sim_engine, simulate
 from engine.workloads import Arrival, read_trace, resolve_trace
 
 
@@ -24,6 +29,15 @@ class Alternating(Controller):
 
     def decide(self, obs: Observation) -> Decision:
         return Decision(2 if obs.step_index % 2 else 0, 512, 64)
+
+
+class Slower(SimExecutor):
+    """An interpreted executor subclassing the compiled one: every step 10% longer."""
+
+    def execute(self, batch):
+        result = super().execute(batch)
+        result.duration_s *= 1.1
+        return result
 
 
 def exact(value):
@@ -69,6 +83,21 @@ def main() -> None:
             controller = build_controller(name, profile, arrivals)
             out[f"{name}/{profile.noise_sigma}/{eviction}"] = run(arrivals, profile, controller, eviction)
     out["interpreted-subclass"] = run(arrivals, quiet, Alternating(max_waiting=50), "recompute")
+    core = make_sim_engine(quiet, build_controller("slo-flow", quiet))
+    core.executor = Slower(quiet)
+    replay(core, [a.arrival_time_s for a in arrivals], lambda i: make_request(i, arrivals[i]))
+    out["interpreted-executor"] = exact(core.metrics.summary(core.pool.capacity_tokens, quiet.ttft_slo_s,
+                                                             quiet.tpot_slo_s))
+    # a profile file that writes its counts as floats (4096.0), as a hand-edited one may
+    data = noisy.to_dict()
+    data["kv_capacity_tokens"] = float(data["kv_capacity_tokens"])
+    data["max_num_seqs"] = 64.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "counts-as-floats.json"
+        path.write_text(json.dumps(data))
+        from_file = load_profile(path)
+    out["profile-file"] = run(arrivals, from_file, build_controller("slo-flow", from_file), "recompute")
+    out["class-constants"] = [list(FlowController.DISTS), list(Observation.FIELDS)]
 
     from env.serving_env import ServingEnv
 

@@ -439,11 +439,13 @@ def _fields_from_file(data: Any) -> dict:
 
     # Check with the file's spelling of the keys, so the message points into the file.
     defaults = {f: Profile.__dataclass_fields__[f].default for f in _FILE_KEY}
-    _checked({**defaults, **{f: v for f, v in fields.items() if f in _FILE_KEY}},
-             key_of=_FILE_KEY.__getitem__)
+    checked = _checked({**defaults, **{f: v for f, v in fields.items() if f in _FILE_KEY}},
+                       key_of=_FILE_KEY.__getitem__)
     _check_text(fields["name"], fields["description"], fields["source"], fields["extra"],
                 key_of=lambda f: f)
-    return fields
+    # normalised here too (a count written 4096.0 is the int 4096), not only by Profile itself: a
+    # compiled Profile (engine/compiled.py) takes only an int where it annotates one
+    return {**fields, **{f: checked[f] for f in fields if f in checked}}
 
 
 def _section(data: dict, key: str, allowed: set[str]) -> dict:

@@ -106,6 +106,11 @@ class Capacity:
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
+    def __reduce__(self) -> tuple[type[Capacity], tuple[float, float, int, float, float]]:
+        """Pickled by its fields (a compiled frozen dataclass's default would set them one by one)."""
+        return Capacity, (self.mean_tokens_per_request, self.lifetime_kv_workload, self.kv_capacity_tokens,
+                          self.memory_bound_rps, self.lambda_max_rps)
+
 
 def capacity(prompt_tokens, output_tokens, profile: ReplicaProfile) -> Capacity:
     """The fluid throughput bound for a workload on a profile.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import pickle
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 from ctrl import CONTROLLERS, build_controller
 from ctrl.base import Controller, Decision, Observation
 from ctrl.flow import FlowController
+from ctrl.theory import capacity
 from engine import compiled
 from engine.core.profile import load_profile
 from engine.core.driver import replay
@@ -98,6 +100,9 @@ def main() -> None:
         from_file = load_profile(path)
     out["profile-file"] = run(arrivals, from_file, build_controller("slo-flow", from_file), "recompute")
     out["class-constants"] = [list(FlowController.DISTS), list(Observation.FIELDS)]
+    # what crosses to worker processes (bench sends profiles): pickled and back, the same
+    pickled = pickle.loads(pickle.dumps((noisy, capacity([100, 300], [20, 50], noisy))))
+    out["pickled"] = [pickled[0] == noisy, pickled[1] == capacity([100, 300], [20, 50], noisy)]
 
     from env.serving_env import ServingEnv
 

@@ -94,6 +94,21 @@ def test_the_cli_runs_a_command_compiled(copy):
     assert a == b
 
 
+def test_bench_runs_compiled_in_worker_processes(copy, tmp_path):
+    """bench sends profiles to worker processes: a compiled Profile pickles by its fields."""
+    import csv
+
+    args = ("bench", "--trace", "splitwise_conv", "--first", "200", "--loads", "1.0",
+            "--controllers", "greedy,slo-flow", "--jobs", "2")
+    plain = _tidegate(*args, "--out", str(tmp_path / "plain"), copy_dir=copy)
+    fast = _tidegate("--compiled", *args, "--out", str(tmp_path / "fast"), copy_dir=copy)
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr[-2000:] + fast.stderr[-2000:]
+    rows = [list(csv.DictReader((tmp_path / d / "results.csv").open())) for d in ("plain", "fast")]
+    for row in rows[0] + rows[1]:
+        row.pop("wall_time_s")
+    assert rows[0] == rows[1] and len(rows[0]) == 2
+
+
 def test_a_missing_copy_is_one_sentence(tmp_path):
     done = _tidegate("--compiled", "simulate", "--trace", "splitwise_conv", "--first", "10", copy_dir=tmp_path)
     assert done.returncode == 2

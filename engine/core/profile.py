@@ -183,6 +183,11 @@ class Profile:
     noise_knee_s: float = 0.0
     noise_floor: float = 0.0
 
+    def __reduce__(self) -> tuple[type[Profile], tuple[Any, ...]]:
+        """Pickled and copied by its fields, built (and checked) again: compiled
+        (``tidegate compile``), a frozen dataclass's default would set them one by one."""
+        return Profile, tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
     def __post_init__(self) -> None:
         try:
             values = _checked({f: getattr(self, f) for f in _FILE_KEY}, key_of=lambda f: f)

@@ -121,6 +121,10 @@ def test_the_server_never_runs_compiled(copy):
     done = _tidegate("--compiled", "serve", "--model", "tiny", copy_dir=copy)
     assert done.returncode == 2
     assert done.stderr.startswith("error: --compiled applies to simulate") and "not to serve" in done.stderr
+    alone = _tidegate("--compiled", copy_dir=copy)
+    assert alone.returncode == 2 and alone.stderr.strip().endswith("and needs one of them")
+    helped = _tidegate("--compiled", "--help", copy_dir=copy)
+    assert helped.returncode == 0 and helped.stdout.startswith("Usage:") and "--compiled" in helped.stdout
 
 
 def test_a_shadowed_copy_is_refused(copy, tmp_path):

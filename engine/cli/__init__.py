@@ -64,9 +64,11 @@ def _run_compiled(ctx: click.Context, _param: click.Parameter, value: bool) -> N
             argv = list(sys.argv[1:])
             argv.remove("--compiled")
             command = next((a for a in argv if not a.startswith("-")), None)
+            if command is None and any(a in ("-h", "--help", "--version") for a in argv):
+                return  # the group's own help or version: nothing to run
             if command not in COMPILED_COMMANDS:
-                raise compiled.CompileError(f"--compiled applies to {', '.join(COMPILED_COMMANDS)}, not to "
-                                            f"{command or 'no command'}")
+                which = f"not to {command}" if command else "and needs one of them"
+                raise compiled.CompileError(f"--compiled applies to {', '.join(COMPILED_COMMANDS)}, {which}")
             compiled.rerun(["-P", "-m", "engine.cli", *argv])
         compiled.check()
     except compiled.CompileError as exc:

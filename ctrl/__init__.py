@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import sys
+import types
 from pathlib import Path
 
 from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection
@@ -67,13 +68,14 @@ def _init_parameters(klass: type) -> dict[str, inspect.Parameter]:
     for owner in klass.__mro__:
         if "__init__" not in owner.__dict__:
             continue
-        module = sys.modules.get(owner.__module__)
-        file = getattr(module, "__file__", None) or ""
-        if not file or file.endswith(".py"):
+        if isinstance(owner.__dict__["__init__"], types.FunctionType):  # interpreted: its own signature
             return dict(list(inspect.signature(owner.__dict__["__init__"]).parameters.items())[1:])
-        init = _source_init(Path(file).with_name(Path(file).name.split(".", 1)[0] + ".py"), owner.__name__)
+        module = sys.modules.get(owner.__module__)
+        file = Path(getattr(module, "__file__", None) or "")
+        init = _source_init(file.with_name(file.name.split(".", 1)[0] + ".py"), owner.__name__)
         if init is None:
-            raise TypeError(f"the options of the compiled {owner.__name__} cannot be read: its source is missing")
+            raise ControllerSpecError(f"the options of {owner.__name__} cannot be read: it is compiled and "
+                                      f"{file.with_name(file.name.split('.', 1)[0] + '.py')} is missing")
         a = init.args
         args = [*a.posonlyargs, *a.args][1:]
         defaults = [None] * (len(args) - len(a.defaults)) + list(a.defaults)

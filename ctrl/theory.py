@@ -108,7 +108,7 @@ class Capacity:
 
     def __reduce__(self) -> tuple[type[Capacity], tuple[float, float, int, float, float]]:
         """Pickled by its fields (a compiled frozen dataclass's default would set them one by one)."""
-        return Capacity, (self.mean_tokens_per_request, self.lifetime_kv_workload, self.kv_capacity_tokens,
+        return type(self), (self.mean_tokens_per_request, self.lifetime_kv_workload, self.kv_capacity_tokens,
                           self.memory_bound_rps, self.lambda_max_rps)
 
 

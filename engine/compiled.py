@@ -14,9 +14,10 @@ float is annotated, say) is a ``TypeError`` at once. That is why the server and 
 never run from this copy: their robustness to whatever a client or a broken policy sends is
 tested on the interpreted source, and the copy is for simulations fed by the project's own code.
 
-The copy remembers the sources it was built from. A command asked to run compiled refuses, in
-one sentence, when any Python file of the project changed since (:func:`stale`), so the copy
-can never run code older than the source beside it.
+The copy remembers the files it was built from. A command asked to run compiled refuses, in
+one sentence, when any file of the project's packages changed since (:func:`stale`): a module,
+a profile, a workload or the shipped policy, so the copy never runs code or data older than the
+tree beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -62,12 +64,31 @@ def default_dir(root: Path = SOURCE_ROOT) -> Path:
 
 
 def _sources(root: Path) -> dict[str, str]:
-    """Every Python file of the project's packages under ``root`` -> its SHA-256."""
+    """Every file of the project's packages under ``root`` -> its SHA-256: the Python files, and
+    the data the copy reads from beside its modules (profiles, workloads, the shipped policy)."""
     out = {}
     for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            if "__pycache__" not in path.parts:
+        for path in sorted((root / package).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in _BUILT:
                 out[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+#: what a build leaves in a tree, never a source
+_BUILT = (".so", ".pyd", ".pyc")
+
+
+def _checked_out(out: Path | None, root: Path) -> Path:
+    """``out`` made absolute, or :class:`CompileError` when building there could destroy anything
+    but an earlier copy: the folder must be new, empty or a copy (it holds :data:`MANIFEST`), and
+    neither the project nor a folder above it."""
+    out = (Path(out) if out is not None else default_dir(root)).expanduser().resolve()
+    if out == root.resolve() or out in root.resolve().parents:
+        raise CompileError(f"{out} holds the project itself: give --out a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise CompileError(f"{out} is a file, not a folder for the compiled copy")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise CompileError(f"{out} is not empty and holds no compiled copy: give --out a new or empty folder")
     return out
 
 
@@ -89,20 +110,31 @@ def missing_toolchain() -> str | None:
 def build(out: Path | None = None, root: Path = SOURCE_ROOT, log: Callable[[str], None] = print) -> Path:
     """Copy the packages under ``root`` to ``out`` and compile :data:`MODULES` there in place.
 
-    Built in a sibling folder and moved into place at the end, so a failed build leaves the
-    previous copy as it was. Raises :class:`CompileError` with the compiler's last lines."""
+    Built in a new sibling folder and moved into place at the end, so a failed build leaves the
+    previous copy as it was; ``out`` is replaced only when it is new, empty or an earlier copy.
+    Raises :class:`CompileError` with one sentence, or with the compiler's last lines."""
     missing = missing_toolchain()
     if missing is not None:
         raise CompileError(missing)
-    out = Path(out) if out is not None else default_dir(root)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out = _checked_out(out, root)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    try:
+        _compile_into(tmp, root, out, log)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _compile_into(tmp: Path, root: Path, out: Path, log: Callable[[str], None]) -> None:
     sources = _sources(root)
     for package in PACKAGES:
         shutil.copytree(root / package, tmp / package,
                         ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
-    log(f"compiling {len(MODULES)} modules with mypyc into {out} (a minute or two) ...")
+    log(f"compiling {len(MODULES)} modules with mypyc into {out} (about half a minute) ...")
     cmd = [sys.executable, "-m", "mypyc", "--config-file", str(root / "pyproject.toml"), *MODULES]
     try:
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, check=False)
@@ -116,9 +148,6 @@ def build(out: Path | None = None, root: Path = SOURCE_ROOT, log: Callable[[str]
     shutil.rmtree(tmp / "build", ignore_errors=True)
     (tmp / MANIFEST).write_text(json.dumps({"python": _python(), "modules": list(MODULES), "sources": sources},
                                            indent=1) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
 
 
 def stale(out: Path | None = None, root: Path = SOURCE_ROOT) -> str | None:

@@ -32,6 +32,7 @@ from ctrl.learned import (
     make_prior,
 )
 from ctrl.shield import ShieldedController
+from engine import compiled
 from engine.core.builder import build_engine
 from engine.core.clock import WallClock
 from engine.core.profile import load_profile
@@ -50,6 +51,8 @@ def _check_options(backend, load_range, control_interval, episode_steps, reward_
     """One sentence for the first bad option; the load range as floats."""
     if backend not in ("sim", "engine"):
         raise ValueError(f"backend must be 'sim' or 'engine', got {backend!r}")
+    if backend == "engine" and compiled.active():
+        raise ValueError("backend 'engine' runs the real engine, which runs the interpreted source: drop --compiled")
     low, high = (float(x) for x in load_range)
     if not 0 < low <= high:
         raise ValueError(f"load_range must be (low, high) with 0 < low <= high, got {load_range}")
@@ -187,7 +190,10 @@ class ServingEnv(gym.Env):
                                                  tpot_slo_s=tpot_slo_s or p.tpot_slo_s) for p in self.profiles]
         self.reward_weights = {**DEFAULT_REWARD_WEIGHTS, **(reward_weights or {})}
         self.shield_mode = shield_mode
-        self.max_waiting = max_waiting
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, (int, float)) \
+                or not math.isfinite(max_waiting) or max_waiting < 1 or max_waiting != int(max_waiting):
+            raise ValueError(f"max_waiting must be a whole number >= 1, got {max_waiting!r}")
+        self.max_waiting = int(max_waiting)
         self._queue_timeout_s = queue_timeout_s
         self._seed = seed
 

@@ -73,6 +73,33 @@ def test_the_copy_remembers_its_sources(copy, tmp_path):
     (root / "ctrl" / "extra.py").write_text("")
     assert "1 other file" in compiled.stale(copy, root)
     assert "no compiled copy" in compiled.stale(tmp_path / "nowhere")
+    # data the copy reads from beside its modules counts too: a profile, the shipped policy
+    fresh = tmp_path / "fresh"
+    for package in compiled.PACKAGES:
+        shutil.copytree(compiled.SOURCE_ROOT / package, fresh / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for data in ("engine/core/profiles/a100-llama2-7b.json", "checkpoints/policy.onnx"):
+        (fresh / data).write_bytes((fresh / data).read_bytes() + b" ")
+        assert compiled.stale(copy, fresh).startswith(f"{data} changed")
+        shutil.copyfile(compiled.SOURCE_ROOT / data, fresh / data)
+    assert compiled.stale(copy, fresh) is None
+
+
+def test_compile_replaces_only_an_earlier_copy(tmp_path):
+    """--out must be new, empty or an earlier copy: nothing else in it is ever deleted."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "run1.csv").write_text("precious")
+    with pytest.raises(compiled.CompileError, match="not empty and holds no compiled copy"):
+        compiled.build(tmp_path)
+    with pytest.raises(compiled.CompileError, match="holds the project itself"):
+        compiled.build(compiled.SOURCE_ROOT)
+    with pytest.raises(compiled.CompileError, match="holds the project itself"):
+        compiled.build(compiled.SOURCE_ROOT.parent)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(compiled.CompileError, match="is a file"):
+        compiled.build(tmp_path / "file")
+    assert (tmp_path / "results" / "run1.csv").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "results"]
 
 
 def _tidegate(*args: str, copy_dir: Path, compiled_env: bool = False) -> subprocess.CompletedProcess:

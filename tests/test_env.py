@@ -131,6 +131,10 @@ def test_bad_kwargs_give_one_sentence():
         ServingEnv(load_range=(2.0, 1.0))
     with pytest.raises(ValueError, match="split"):
         ServingEnv(split="test")
+    for bad in (0, 2.5, float("inf"), "100", True):
+        with pytest.raises(ValueError, match="max_waiting must be a whole number"):
+            ServingEnv(max_waiting=bad)
+    assert ServingEnv(max_waiting=100.0).max_waiting == 100  # a YAML 100.0 is the count 100
 
 
 def test_baseline_prior_pays_only_for_what_the_policy_adds():

@@ -28,11 +28,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import reprlib
+import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import click
 from tqdm import tqdm
+
+from engine import compiled
 
 BACKENDS = ("auto", "ray", "process", "serial")
 
@@ -142,6 +145,10 @@ def _run_processes(fn: Callable, tasks: list[dict], workers: int | None, bar: tq
 
 def _run_ray(fn: Callable, tasks: list[dict], address: str | None, workers: int | None, bar: tqdm) -> list:
     ray = _import_ray()
+    if compiled.active():
+        # Ray puts the driver's working directory, or a node's own install, ahead of PYTHONPATH
+        bar.write("note: Ray's workers run the interpreted source, not the compiled copy: the same results, "
+                  "without its speed (--backend process keeps it)", file=sys.stderr)
     started_here = not ray.is_initialized()
     if started_here:
         # "local" rather than None: without an address Ray would join RAY_ADDRESS or the last cluster

@@ -5,6 +5,7 @@ a higher one to offer its commands (the training commands live in ``training/cli
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -60,7 +61,7 @@ def _run_compiled(ctx: click.Context, _param: click.Parameter, value: bool) -> N
     from engine import compiled
 
     try:
-        if value and not ctx.resilient_parsing:
+        if value and not ctx.resilient_parsing and not os.environ.get(compiled.ENV_VAR):
             argv = list(sys.argv[1:])
             argv.remove("--compiled")
             command = next((a for a in argv if not a.startswith("-")), None)
@@ -80,6 +81,6 @@ def _run_compiled(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 @click.version_option(package_name="tidegate", prog_name="tidegate")
 @click.option("--compiled", is_flag=True, is_eager=True, expose_value=False, callback=_run_compiled,
               help="Run the command on the compiled copy of the simulator's core that `tidegate compile` "
-                   "built: several times faster, the same results (simulate, bench, capacity, train, evaluate).")
+                   "built: faster, the same results (simulate, bench, capacity, train, evaluate).")
 def main() -> None:
     """tidegate: admission and batching control for streaming LLM inference."""

@@ -186,7 +186,7 @@ class Profile:
     def __reduce__(self) -> tuple[type[Profile], tuple[Any, ...]]:
         """Pickled and copied by its fields, built (and checked) again: compiled
         (``tidegate compile``), a frozen dataclass's default would set them one by one."""
-        return Profile, tuple(getattr(self, f) for f in self.__dataclass_fields__)
+        return type(self), tuple(getattr(self, f) for f in self.__dataclass_fields__)
 
     def __post_init__(self) -> None:
         try:

@@ -28,7 +28,7 @@ run: $(STAMP)
 	$(BIN)/tidegate serve --model tiny --controller learned $(SERVE_ARGS)
 
 # The simulator's core compiled with mypyc into build/compiled, for `tidegate --compiled ...` and the speed
-# benchmarks' --compiled (engine/compiled.py); needs a C compiler.
+# benchmarks' --compiled (engine/sim/compiled.py); needs a C compiler.
 compile: $(STAMP)
 	$(BIN)/tidegate compile
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from engine.compiled import script_core
+from engine.sim.compiled import script_core
 
 
 def main() -> None:

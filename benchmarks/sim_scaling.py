@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.compiled import script_core
+from engine.sim.compiled import script_core
 
 PROMPT_MEDIAN_TOKENS, PROMPT_SIGMA, PROMPT_MAX_TOKENS = 512, 1.0, 8192
 OUTPUT_MEDIAN_TOKENS, OUTPUT_SIGMA, MAX_TOKENS = 128, 1.0, 2048

@@ -15,7 +15,7 @@ import resource
 import statistics
 import time
 
-from engine.compiled import script_core
+from engine.sim.compiled import script_core
 
 
 def main() -> None:

@@ -60,7 +60,7 @@ def controller_options(cls: type[Controller]) -> dict[str, inspect.Parameter]:
 def _init_parameters(klass: type) -> dict[str, inspect.Parameter]:
     """The parameters of ``klass(...)``, without ``self``.
 
-    A class compiled by mypyc (``tidegate compile``, engine/compiled.py) has no signature of its
+    A class compiled by mypyc (``tidegate compile``, engine/sim/compiled.py) has no signature of its
     own to inspect. For one, the first ``__init__`` along its MRO is read from its module's
     Python file, which the compiled copy keeps beside the extension: the annotations are the
     strings the interpreted class has (``from __future__ import annotations``) and the defaults
@@ -71,11 +71,12 @@ def _init_parameters(klass: type) -> dict[str, inspect.Parameter]:
         if isinstance(owner.__dict__["__init__"], types.FunctionType):  # interpreted: its own signature
             return dict(list(inspect.signature(owner.__dict__["__init__"]).parameters.items())[1:])
         module = sys.modules.get(owner.__module__)
-        file = Path(getattr(module, "__file__", None) or "")
-        init = _source_init(file.with_name(file.name.split(".", 1)[0] + ".py"), owner.__name__)
+        built = Path(getattr(module, "__file__", None) or "")
+        source = built.with_name(built.name.split(".", 1)[0] + ".py")
+        init = _source_init(source, owner.__name__)
         if init is None:
             raise ControllerSpecError(f"the options of {owner.__name__} cannot be read: it is compiled and "
-                                      f"{file.with_name(file.name.split('.', 1)[0] + '.py')} is missing")
+                                      f"{source} is missing")
         a = init.args
         args = [*a.posonlyargs, *a.args][1:]
         defaults = [None] * (len(args) - len(a.defaults)) + list(a.defaults)

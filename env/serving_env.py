@@ -32,7 +32,7 @@ from ctrl.learned import (
     make_prior,
 )
 from ctrl.shield import ShieldedController
-from engine import compiled
+from engine.sim import compiled
 from engine.core.builder import build_engine
 from engine.core.clock import WallClock
 from engine.core.profile import load_profile
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 def _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline, profile_spread,
-                   episode_requests) -> tuple[float, float]:
+                   episode_requests, max_waiting) -> tuple[float, float]:
     """One sentence for the first bad option; the load range as floats."""
     if backend not in ("sim", "engine"):
         raise ValueError(f"backend must be 'sim' or 'engine', got {backend!r}")
@@ -70,6 +70,9 @@ def _check_options(backend, load_range, control_interval, episode_steps, reward_
         raise ValueError(f"profile_spread must be in [0, 1), got {profile_spread}")
     if episode_requests < 2:
         raise ValueError(f"episode_requests must be >= 2, got {episode_requests}")
+    if isinstance(max_waiting, bool) or not isinstance(max_waiting, (int, float)) \
+            or not math.isfinite(max_waiting) or max_waiting < 1 or max_waiting != int(max_waiting):
+        raise ValueError(f"max_waiting must be a whole number >= 1, got {max_waiting!r}")
     return low, high
 
 
@@ -157,7 +160,7 @@ class ServingEnv(gym.Env):
                  profile_spread: float = 0.0, baseline: str = "none", drain: bool = True) -> None:
         super().__init__()
         low, high = _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline,
-                                   profile_spread, episode_requests)
+                                   profile_spread, episode_requests, max_waiting)
         if profile is None:
             profile = "tiny-cpu" if backend == "engine" else "a100-llama2-7b"
         profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile]
@@ -190,10 +193,7 @@ class ServingEnv(gym.Env):
                                                  tpot_slo_s=tpot_slo_s or p.tpot_slo_s) for p in self.profiles]
         self.reward_weights = {**DEFAULT_REWARD_WEIGHTS, **(reward_weights or {})}
         self.shield_mode = shield_mode
-        if isinstance(max_waiting, bool) or not isinstance(max_waiting, (int, float)) \
-                or not math.isfinite(max_waiting) or max_waiting < 1 or max_waiting != int(max_waiting):
-            raise ValueError(f"max_waiting must be a whole number >= 1, got {max_waiting!r}")
-        self.max_waiting = int(max_waiting)
+        self.max_waiting = int(max_waiting)  # a whole number (_check_options); a YAML 100.0 is the count 100
         self._queue_timeout_s = queue_timeout_s
         self._seed = seed
 

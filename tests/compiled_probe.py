@@ -18,7 +18,7 @@ from ctrl import CONTROLLERS, build_controller
 from ctrl.base import Controller, Decision, Observation
 from ctrl.flow import FlowController
 from ctrl.theory import capacity
-from engine import compiled
+from engine.sim import compiled
 from engine.core.profile import load_profile
 from engine.core.driver import replay
 from engine.sim.executor import SimExecutor

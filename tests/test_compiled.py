@@ -1,4 +1,4 @@
-"""The compiled copy of the simulator's core (engine/compiled.py, ``tidegate compile``): it gives
+"""The compiled copy of the simulator's core (engine/sim/compiled.py, ``tidegate compile``): it gives
 the interpreted source's results to the bit, and refuses to run when missing or stale.
 
 Building it takes mypyc and a C compiler (half a minute); without them these tests skip."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import compiled
+from engine.sim import compiled
 
 HERE = Path(__file__).resolve().parent
 

@@ -52,13 +52,13 @@ class LazyGroup(click.Group):
 
 
 #: the commands ``--compiled`` applies to: simulations, fed by the project's own code. The server
-#: and the real engine always run the interpreted source (engine/compiled.py says why).
+#: and the real engine always run the interpreted source (engine/sim/compiled.py says why).
 COMPILED_COMMANDS = ("simulate", "bench", "capacity", "train", "evaluate")
 
 
 def _run_compiled(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    """``--compiled``: run the same command line again on the compiled copy (``engine/compiled.py``)."""
-    from engine import compiled
+    """``--compiled``: run the same command line again on the compiled copy (``engine/sim/compiled.py``)."""
+    from engine.sim import compiled
 
     try:
         if value and not ctx.resilient_parsing and not os.environ.get(compiled.ENV_VAR):

@@ -157,7 +157,7 @@ def roofline(write, out_dir):
 def compile_command(out):
     """Compile the simulator's core (engine loop, executor, heuristics, shield) with mypyc, for
     `tidegate --compiled ...` and the speed benchmarks' --compiled. Needs a C compiler."""
-    from engine import compiled
+    from engine.sim import compiled
 
     try:
         where = compiled.build(out, log=lambda line: click.echo(line, err=True))

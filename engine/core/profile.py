@@ -449,7 +449,7 @@ def _fields_from_file(data: Any) -> dict:
     _check_text(fields["name"], fields["description"], fields["source"], fields["extra"],
                 key_of=lambda f: f)
     # normalised here too (a count written 4096.0 is the int 4096), not only by Profile itself: a
-    # compiled Profile (engine/compiled.py) takes only an int where it annotates one
+    # compiled Profile (engine/sim/compiled.py) takes only an int where it annotates one
     return {**fields, **{f: checked[f] for f in fields if f in checked}}
 
 

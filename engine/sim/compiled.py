@@ -51,7 +51,7 @@ MANIFEST = "tidegate-compiled.json"
 ENV_VAR = "TIDEGATE_COMPILED"
 #: where ``tidegate compile`` builds and ``--compiled`` looks, when set
 DIR_VAR = "TIDEGATE_COMPILED_DIR"
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 class CompileError(RuntimeError):

@@ -62,9 +62,7 @@ def test_the_compiled_core_gives_the_interpreted_results_to_the_bit(copy):
 def test_the_copy_remembers_its_sources(copy, tmp_path):
     assert compiled.stale(copy) is None
     root = tmp_path / "src"
-    for package in compiled.PACKAGES:
-        shutil.copytree(compiled.SOURCE_ROOT / package, root / package,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    compiled.copy_sources(compiled.SOURCE_ROOT, root)
     assert compiled.stale(copy, root) is None
     greedy = root / "ctrl" / "greedy.py"
     greedy.write_text(greedy.read_text() + "\n# changed\n")
@@ -75,9 +73,7 @@ def test_the_copy_remembers_its_sources(copy, tmp_path):
     assert "no compiled copy" in compiled.stale(tmp_path / "nowhere")
     # data the copy reads from beside its modules counts too: a profile, the shipped policy
     fresh = tmp_path / "fresh"
-    for package in compiled.PACKAGES:
-        shutil.copytree(compiled.SOURCE_ROOT / package, fresh / package,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    compiled.copy_sources(compiled.SOURCE_ROOT, fresh)
     for data in ("engine/core/profiles/a100-llama2-7b.json", "checkpoints/policy.onnx"):
         (fresh / data).write_bytes((fresh / data).read_bytes() + b" ")
         assert compiled.stale(copy, fresh).startswith(f"{data} changed")

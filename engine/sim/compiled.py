@@ -63,6 +63,21 @@ def default_dir(root: Path = SOURCE_ROOT) -> Path:
     return Path(os.environ.get(DIR_VAR) or root / "build" / "compiled")
 
 
+#: what a build leaves in a tree, never a source
+_BUILT = (".so", ".pyd", ".pyc")
+
+
+def _folder(out: Path | None, root: Path) -> Path:
+    return Path(out) if out is not None else default_dir(root)
+
+
+def copy_sources(root: Path, dest: Path) -> None:
+    """Copy the project's packages under ``root`` to ``dest``: the files :func:`_sources` hashes."""
+    for package in PACKAGES:
+        shutil.copytree(root / package, dest / package,
+                        ignore=shutil.ignore_patterns("__pycache__", *(f"*{suffix}" for suffix in _BUILT)))
+
+
 def _sources(root: Path) -> dict[str, str]:
     """Every file of the project's packages under ``root`` -> its SHA-256: the Python files, and
     the data the copy reads from beside its modules (profiles, workloads, the shipped policy)."""
@@ -74,15 +89,11 @@ def _sources(root: Path) -> dict[str, str]:
     return out
 
 
-#: what a build leaves in a tree, never a source
-_BUILT = (".so", ".pyd", ".pyc")
-
-
 def _checked_out(out: Path | None, root: Path) -> Path:
     """``out`` made absolute, or :class:`CompileError` when building there could destroy anything
     but an earlier copy: the folder must be new, empty or a copy (it holds :data:`MANIFEST`), and
     neither the project nor a folder above it."""
-    out = (Path(out) if out is not None else default_dir(root)).expanduser().resolve()
+    out = _folder(out, root).expanduser().resolve()
     if out == root.resolve() or out in root.resolve().parents:
         raise CompileError(f"{out} holds the project itself: give --out a folder of its own")
     if out.exists() and not out.is_dir():
@@ -131,9 +142,7 @@ def build(out: Path | None = None, root: Path = SOURCE_ROOT, log: Callable[[str]
 
 def _compile_into(tmp: Path, root: Path, out: Path, log: Callable[[str], None]) -> None:
     sources = _sources(root)
-    for package in PACKAGES:
-        shutil.copytree(root / package, tmp / package,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
+    copy_sources(root, tmp)
     log(f"compiling {len(MODULES)} modules with mypyc into {out} (about half a minute) ...")
     cmd = [sys.executable, "-m", "mypyc", "--config-file", str(root / "pyproject.toml"), *MODULES]
     try:
@@ -152,7 +161,7 @@ def _compile_into(tmp: Path, root: Path, out: Path, log: Callable[[str], None]) 
 
 def stale(out: Path | None = None, root: Path = SOURCE_ROOT) -> str | None:
     """Why the copy in ``out`` may not run for the sources under ``root``, or None when it may."""
-    out = Path(out) if out is not None else default_dir(root)
+    out = _folder(out, root)
     try:
         manifest = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -207,7 +216,7 @@ def rerun(argv: Sequence[str], out: Path | None = None, root: Path = SOURCE_ROOT
     set, and :func:`check` there says whether its imports did resolve to the copy.
 
     Raises :class:`CompileError` (before replacing anything) when the copy is missing or stale."""
-    out = Path(out) if out is not None else default_dir(root)
+    out = _folder(out, root)
     reason = stale(out, root)
     if reason is not None:
         raise CompileError(reason)

@@ -1,12 +1,19 @@
 """Step-model variants judged across twin checks: fit on one check's real steps, simulate its
 requests, compare with another check's real requests.
 
-    python benchmarks/twin_noise.py --check DIR [--check DIR ...] [--seeds 3] [--in-sample] [--out FILE]
+    python benchmarks/twin_noise.py --check DIR [--check DIR ...] [--seeds 3] [--in-sample | --around]
+        [--pooled] [--out FILE]
 
 With ``--in-sample`` each fit is judged on the very check it was fitted on instead: the drift
 of the machine between checks is left out, and what is left is how the step model's errors show
 in the requests' latencies. ``short TPOT p50`` is the median TPOT of the requests of 4-7 output
 tokens, whose TPOT is the few steps right after their own prefill.
+
+With ``--around`` each check's fit is on the steps of the profile fitted around it
+(``profile_steps.csv`` of ``twin-check --fit-around``, the noise measured within each of its runs,
+as ``tidegate profile`` does) and judged on the check's own requests: what a twin check does,
+each variant in its place. ``--pooled`` compares the real requests with the simulated requests of
+all the seeds together (as ``twin-check`` does) instead of taking the median of each seed's figures.
 
 Each DIR is a ``tidegate twin-check`` output folder (``twin_steps.csv`` with the prefill chunk
 column, ``twin_requests.csv``). For every ordered pair of different checks, the step model is
@@ -32,7 +39,11 @@ Variants (the fitted coefficients, the noise changed):
 - ``no after-prefill cost``: ``correlated, split`` refitted without the decaying cost of the steps
   after a prefill (every other variant has it where the fit finds it);
 - ``no after-prefill token cost``: ``correlated, split`` refitted with that cost per prefill step
-  only, none per prefill token.
+  only, none per prefill token;
+- ``detrended over W steps: correlation`` (W = 101, 401): ``correlated, split, by length`` with
+  the correlation fitted on the residuals less their running median over W steps (within each
+  run): a machine's slow wander taken out, the step-to-step correlation left;
+- ``detrended over W steps: sigmas and correlation``: the sigmas fitted on those residuals too.
 """
 
 from __future__ import annotations
@@ -43,12 +54,13 @@ import itertools
 from pathlib import Path
 
 import numpy as np
+from scipy.ndimage import median_filter
 from scipy.stats import ks_2samp
 
 from ctrl import build_controller
 from engine.core.profile import Profile, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
-from engine.sim.fit import fit_step_time, profile_fields
+from engine.sim.fit import fit_step_time, noise_corr, noise_sigma, noise_sigma_below, profile_fields
 from engine.sim.simulate import simulate
 from engine.twin.fit import read_steps_csv
 from engine.workloads import read_trace, resolve_trace
@@ -56,9 +68,22 @@ from engine.workloads import read_trace, resolve_trace
 FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "short TPOT p50")
 #: output lengths of the short requests, whose TPOT is the few steps right after their prefill
 SHORT = (4, 7)
+#: the running-median windows (steps) of the detrended variants
+DETREND_WINDOWS = (101, 401)
 VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
             "correlated, split, by length", "correlated, split, mean above", "no prefill chunk or pair cost",
-            "no first-decode cost", "no after-prefill cost", "no after-prefill token cost")
+            "no first-decode cost", "no after-prefill cost", "no after-prefill token cost",
+            *(f"detrended over {w} steps: {what}" for w in DETREND_WINDOWS
+              for what in ("correlation", "sigmas and correlation")))
+
+
+def step_runs(path: Path) -> list[str]:
+    """The ``run`` of each step ``read_steps_csv`` reads from a ``profile_steps.csv`` (the steps
+    with new tokens, in order)."""
+    import csv
+
+    with open(path) as f:
+        return [row["run"] for row in csv.DictReader(f) if int(row["tokens"]) > 0]
 
 
 def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -89,16 +114,38 @@ def _half_mean_sigma(logs: np.ndarray) -> float:
     return (lo + hi) / 2
 
 
-def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
-    fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1", noise_by_length=False)))
-    sized = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1")))
+def detrended_ratios(rows: list[tuple], runs, profile: Profile, window: int) -> np.ndarray:
+    """Real over predicted step times less their running median over ``window`` steps within each
+    run, each step's log divided by its length's share of the noise (``Profile.noise_scale``)."""
+    pred = np.array(profile.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
+    logs = np.log(np.array([r[2] for r in rows]) / pred)
+    labels = np.asarray(runs if runs is not None else [0] * len(rows))
+    for run in dict.fromkeys(labels.tolist()):
+        mine = labels == run
+        logs[mine] -= median_filter(logs[mine], size=window, mode="nearest")
+    return np.exp(logs / np.array([profile.noise_scale(t) for t in pred]))
+
+
+def variant_profiles(base: Profile, rows: list[tuple], runs=None) -> dict[str, Profile]:
+    fitted = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1", noise_by_length=False,
+                                                                      runs=runs)))
+    sized = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1", runs=runs)))
     real = np.array([r[2] for r in rows])
     pred = np.array(fitted.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
     logs = np.log(real / pred)
-    logs -= np.median(logs)
+    labels = np.asarray(runs if runs is not None else [0] * len(rows))
+    for run in dict.fromkeys(labels.tolist()):
+        logs[labels == run] -= np.median(logs[labels == run])
     mad = float(1.4826 * np.median(np.abs(logs)))
-    no_chunks = dataclasses.replace(base, **profile_fields(fit_step_time([r[:4] for r in rows], loss="l1")))
-    return {
+    no_chunks = dataclasses.replace(base, **profile_fields(fit_step_time([r[:4] for r in rows], loss="l1", runs=runs)))
+    detrended = {}
+    for window in DETREND_WINDOWS:
+        ratios = detrended_ratios(rows, runs, sized, window)
+        corr = noise_corr(ratios)
+        detrended[f"detrended over {window} steps: correlation"] = dataclasses.replace(sized, noise_corr=corr)
+        detrended[f"detrended over {window} steps: sigmas and correlation"] = dataclasses.replace(
+            sized, noise_corr=corr, noise_sigma=noise_sigma(ratios), noise_sigma_below=noise_sigma_below(ratios))
+    return detrended | {
         "independent, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None, noise_corr=0.0),
         "correlated, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None),
         "independent, split": dataclasses.replace(fitted, noise_corr=0.0),
@@ -107,21 +154,25 @@ def variant_profiles(base: Profile, rows: list[tuple]) -> dict[str, Profile]:
         "correlated, split, mean above": dataclasses.replace(fitted, noise_sigma=_half_mean_sigma(logs)),
         "no prefill chunk or pair cost": no_chunks,
         "no first-decode cost": dataclasses.replace(base, **profile_fields(fit_step_time([r[:6] for r in rows],
-                                                                                        loss="l1"))),
-        "no after-prefill cost": dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1",
-                                                                                         after_prefill=False))),
+                                                                                        loss="l1", runs=runs))),
+        "no after-prefill cost": dataclasses.replace(base, **profile_fields(fit_step_time(
+            rows, loss="l1", after_prefill=False, runs=runs))),
         "no after-prefill token cost": dataclasses.replace(base, **profile_fields(fit_step_time(
-            rows, loss="l1", after_prefill_tokens=False))),
+            rows, loss="l1", after_prefill_tokens=False, runs=runs))),
     }
 
 
 def compare(profile: Profile, arrivals, ttft_real: np.ndarray, tpot_real: np.ndarray, short_real: np.ndarray,
-            seeds: int) -> np.ndarray:
-    """The figures of ``FIGURES`` (relative errors for percentiles), median over noise seeds."""
-    out = []
+            seeds: int, pooled: bool = False) -> np.ndarray:
+    """The figures of ``FIGURES`` (relative errors for percentiles): the median of each noise seed's,
+    or with ``pooled`` those of every seed's simulated requests together."""
+    runs = []
     for seed in range(seeds):
         core = simulate(arrivals, profile, build_controller("greedy", profile, arrivals), noise_seed=seed).core
-        done = [r for r in core.metrics.terminal if r.first_token_time_s is not None]
+        runs.append([r for r in core.metrics.terminal if r.first_token_time_s is not None])
+    groups = [[r for done in runs for r in done]] if pooled else runs
+    out = []
+    for done in groups:
         ttft = np.array([time_to_first_token_s(r) for r in done])
         tpot = np.array([t for t in map(time_per_output_token_s, done) if t is not None])
         short = np.array([t for r in done if SHORT[0] <= r.num_output_tokens <= SHORT[1]
@@ -147,25 +198,42 @@ def main() -> None:
     ap.add_argument("--in-sample", action="store_true",
                     help="Judge each fit on the requests of the check it was fitted on: the machine's drift "
                          "between checks left out, the step model's errors as the requests see them left in.")
+    ap.add_argument("--around", action="store_true",
+                    help="Fit each check's variants on the steps of the profile fitted around it "
+                         "(profile_steps.csv, twin-check --fit-around) and judge them on its own requests.")
+    ap.add_argument("--pooled", action="store_true",
+                    help="Compare with the simulated requests of all the seeds pooled (as twin-check does), "
+                         "not the median of each seed's figures.")
     args = ap.parse_args()
-    if len(args.check) < 2 and not args.in_sample:
-        ap.error("give at least two --check folders (or --in-sample)")
+    if args.in_sample and args.around:
+        ap.error("--in-sample and --around exclude each other")
+    if len(args.check) < 2 and not (args.in_sample or args.around):
+        ap.error("give at least two --check folders (or --in-sample, or --around)")
     base = load_profile(args.base)
     arrivals = read_trace(resolve_trace(args.trace), first_n=300, length_scale=0.1, max_tokens_cap=256)
-    steps = {c: read_steps_csv(c / "twin_steps.csv") for c in args.check}
+    name = "profile_steps.csv" if args.around else "twin_steps.csv"
+    for c in args.check:
+        if not (c / name).exists():
+            raise SystemExit(f"{c} has no {name}" + (": was it checked with --fit-around?" if args.around else ""))
+    steps = {c: read_steps_csv(c / name) for c in args.check}
+    runs = {c: step_runs(c / name) if args.around else None for c in args.check}
     for c, rows in steps.items():
         if len(rows[0]) < 5:
-            raise SystemExit(f"{c}/twin_steps.csv has no prefill chunk column: rerun the check with this version.")
+            raise SystemExit(f"{c}/{name} has no prefill chunk column: rerun the check with this version.")
     real = {c: real_latencies(c) for c in args.check}
     results: dict[str, list[np.ndarray]] = {v: [] for v in VARIANTS}
-    pairs = [(c, c) for c in args.check] if args.in_sample else list(itertools.permutations(args.check, 2))
+    own = args.in_sample or args.around
+    pairs = [(c, c) for c in args.check] if own else list(itertools.permutations(args.check, 2))
     for n, (fit_on, judge_on) in enumerate(pairs, 1):
-        print(f"[{n}/{len(pairs)}] fit on {fit_on}, judged on {judge_on}", flush=True)
-        for name, profile in variant_profiles(base, steps[fit_on]).items():
-            results[name].append(compare(profile, arrivals, *real[judge_on], args.seeds))
-    judged = "each judged on its own requests" if args.in_sample else "pairs of checks (fit on one, judged on another)"
-    lines = [f"{len(pairs)} {judged}, {args.seeds} noise seeds each; median over them (mean of |value| in brackets); "
-             f"short: requests of {SHORT[0]}-{SHORT[1]} output tokens", "",
+        print(f"[{n}/{len(pairs)}] fit on {fit_on}/{name}, judged on {judge_on}", flush=True)
+        for variant, profile in variant_profiles(base, steps[fit_on], runs[fit_on]).items():
+            results[variant].append(compare(profile, arrivals, *real[judge_on], args.seeds, args.pooled))
+    judged = ("checks, each fitted on the profiling steps around it and judged on its own requests" if args.around
+              else "checks, each judged on its own requests" if args.in_sample
+              else "pairs of checks (fit on one, judged on another)")
+    seeds = "their requests pooled" if args.pooled else "median over them"
+    lines = [f"{len(pairs)} {judged}, {args.seeds} noise seeds each, {seeds}; median over those (mean of |value| "
+             f"in brackets); short: requests of {SHORT[0]}-{SHORT[1]} output tokens", "",
              "| variant | " + " | ".join(FIGURES) + " |", "|---|" + "---|" * len(FIGURES)]
     for name in VARIANTS:
         a = np.array(results[name])

@@ -3,6 +3,7 @@ recorded serving steps and the twin check end to end (tiny model, CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -14,7 +15,8 @@ import torch
 from engine.core.profile import Profile, load_profile
 from engine.sim.fit import binned_samples, fit_step_time
 from engine.core.request import Request
-from engine.twin.check import COMPARED, step_time_errors
+from engine.twin.check import (COMPARED, NOISE_SEEDS, POOLED, ks_distances, latencies, seed_spread,
+                                simulate_seeds, step_time_errors)
 from engine.twin.fit import read_steps_csv, run_profile_from_steps
 
 torch.set_num_threads(1)  # as the tiny-cpu profile was fitted
@@ -251,9 +253,80 @@ def test_twin_check_fitted_around_simulates_with_the_profile_it_wrote(tmp_path):
         assert getattr(refit, key) == pytest.approx(getattr(profile, key), rel=1e-6), key
     arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=8, rate_scale=10.0, length_scale=0.05,
                           max_tokens_cap=256)
-    again = simulate(arrivals, profile, build_controller("greedy", profile, arrivals), record_steps=True).summary
+    seeds = report["noise_seeds"]
+    assert seeds == (NOISE_SEEDS if profile.noise_sigma else 1)
+    again, requests = simulate_seeds(arrivals, profile, lambda: build_controller("greedy", profile, arrivals), seeds)
     virtual = {k: v for k, v in json.loads(json.dumps(again, default=float)).items() if k != "wall_time_s"}
     assert {k: report["sim_summary"][k] for k in virtual} == virtual
+    # every seed's simulated requests are written, and twin_requests.csv has seed 0's
+    pooled = (tmp_path / "twin_sim_requests.csv").read_text().splitlines()
+    assert len(pooled) == 1 + sum(map(len, requests)) and {line.split(",")[0] for line in pooled[1:]} == {
+        str(s) for s in range(seeds)}
+    first = simulate(arrivals, profile, build_controller("greedy", profile, arrivals), noise_seed=0).summary
+    assert report["sim_summary"]["completed"] == first["completed"] == 8
+
+
+def _noisy_check_inputs():
+    from ctrl import build_controller
+    from engine.workloads import read_trace, resolve_trace
+
+    arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=60, length_scale=0.1, max_tokens_cap=256)
+    profile = dataclasses.replace(load_profile("tiny-cpu"), noise_sigma=0.3, noise_corr=0.9)
+    return arrivals, profile, lambda p=profile: build_controller("greedy", p, arrivals)
+
+
+def test_simulate_seeds_pools_every_seeds_requests_into_the_percentiles():
+    from engine.sim.simulate import simulate
+
+    arrivals, profile, controller = _noisy_check_inputs()
+    summary, requests = simulate_seeds(arrivals, profile, controller, 3)
+    assert len(requests) == 3 and all(len(r) == 60 for r in requests)
+    runs = [simulate(arrivals, profile, controller(), noise_seed=s) for s in range(3)]
+    # the same requests as each seed's own simulation
+    assert [[r.finish_time_s for r in reqs] for reqs in requests] == [
+        [r.finish_time_s for r in run.core.metrics.terminal] for run in runs]
+    assert len({run.summary["tpot_p99_s"] for run in runs}) == 3  # the seeds do differ
+    every = latencies([r for reqs in requests for r in reqs])
+    for key, (which, q) in POOLED.items():
+        assert summary[key] == pytest.approx(float(np.percentile(every[which], q)), rel=1e-12), key
+    # a figure the seeds share keeps its value; one they differ on is their mean
+    assert summary["completed"] == 60
+    assert summary["throughput_rps"] == pytest.approx(np.mean([run.summary["throughput_rps"] for run in runs]))
+    # one seed is that simulation's own summary
+    one, _ = simulate_seeds(arrivals, profile, controller, 1)
+    assert {k: v for k, v in one.items() if k != "wall_time_s"} == {
+        k: v for k, v in runs[0].summary.items() if k != "wall_time_s"}
+
+
+def test_simulate_seeds_runs_a_noiseless_profile_once_and_refuses_no_seeds():
+    arrivals, profile, _ = _noisy_check_inputs()
+    quiet = dataclasses.replace(profile, noise_sigma=0.0, noise_corr=0.0)
+    from ctrl import build_controller
+
+    _, requests = simulate_seeds(arrivals, quiet, lambda: build_controller("greedy", quiet, arrivals), 5)
+    assert len(requests) == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        simulate_seeds(arrivals, quiet, lambda: build_controller("greedy", quiet, arrivals), 0)
+
+
+def test_seed_spread_brackets_each_single_seed_figure():
+    arrivals, profile, controller = _noisy_check_inputs()
+    real_summary, (real_requests,) = simulate_seeds(arrivals, dataclasses.replace(profile, noise_sigma=0.0),
+                                                    controller, 1)
+    _, requests = simulate_seeds(arrivals, profile, controller, 4)
+    spread = seed_spread(real_summary, real_requests, requests)
+    assert set(spread) == {"ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "ks_tpot"}
+    per_seed = [float(np.percentile(latencies(r)["tpot_s"], 99)) / real_summary["tpot_p99_s"] - 1 for r in requests]
+    assert spread["tpot_p99_s"] == pytest.approx([min(per_seed), max(per_seed)])
+    ks = [ks_distances(real_requests, r)["tpot_s"] for r in requests]
+    assert spread["ks_tpot"] == [min(ks), max(ks)] and 0 < min(ks) <= max(ks) <= 1
+
+
+def test_twin_check_cli_simulates_the_default_number_of_noise_seeds():
+    from engine.cli.real import twin_check_command
+
+    option = next(p for p in twin_check_command.params if p.name == "noise_seeds")
+    assert option.default == NOISE_SEEDS
 
 
 def test_twin_check_takes_a_profile_or_fits_one_around_not_both():
@@ -288,24 +361,31 @@ def test_speed_adjusted_errors_scale_every_cost_of_the_profile():
     import dataclasses
 
     from ctrl import build_controller
-    from engine.sim.simulate import simulate
-    from engine.twin.check import COMPARED, _speed_adjusted_errors, compare_metrics
+    from engine.twin.check import _speed_adjusted_errors, compare_metrics
     from engine.workloads import read_trace, resolve_trace
 
     profile = Profile("toy", "a toy", kv_capacity_tokens=8192, per_decode_token_s=3e-4, per_prefill_s=2e-3,
                       per_first_decode_s=1e-3, per_after_prefill_s=1e-3, after_prefill_decay=0.5,
-                      per_after_prefill_token_s=2e-6, per_prefill_pair_s=1e-8, **COEFFICIENTS)
+                      per_after_prefill_token_s=2e-6, per_prefill_pair_s=1e-8, noise_sigma=0.2, noise_corr=0.8,
+                      **COEFFICIENTS)
     costs = ("base_s", "per_token_s", "per_kv_token_s", "per_decode_token_s", "per_prefill_s", "per_prefill_pair_s",
              "per_first_decode_s", "per_after_prefill_s", "per_after_prefill_token_s")
     slower = dataclasses.replace(profile, **{c: 1.5 * getattr(profile, c) for c in costs})
     arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=40, length_scale=0.1, max_tokens_cap=256)
 
     def summary(p):
-        return simulate(arrivals, p, build_controller("greedy", p, arrivals), record_steps=False).summary
+        return simulate_seeds(arrivals, p, lambda: build_controller("greedy", p, arrivals), 3)[0]
 
-    # a machine 1.5x slower than profiled: the profile scaled by 1.5 predicts it exactly
+    # a machine 1.5x slower than profiled: the profile scaled by 1.5 predicts it exactly, noise
+    # seed by noise seed (the diagnostic pools the seeds as the check does)
     rows = compare_metrics(summary(slower), summary(profile))
-    adjusted = _speed_adjusted_errors(arrivals, profile, build_controller("greedy", profile, arrivals), 1.5, rows)
+    _, real_requests = simulate_seeds(arrivals, slower, lambda: build_controller("greedy", slower, arrivals), 1)
+    adjusted, ks = _speed_adjusted_errors(arrivals, profile, lambda: build_controller("greedy", profile, arrivals), 1.5,
+                                          rows, 3, real_requests[0])
+    # the real side here is seed 0 alone, and seed 0 of the scaled profile gives the same requests
+    assert 0 < ks["tpot_s"] < 1 and set(ks) == {"ttft_s", "tpot_s", "e2e_s"}
+    assert _speed_adjusted_errors(arrivals, profile, lambda: build_controller("greedy", profile, arrivals), 1.5,
+                                  rows, 1, real_requests[0])[1] == {"ttft_s": 0.0, "tpot_s": 0.0, "e2e_s": 0.0}
     assert set(adjusted) <= set(COMPARED)
     for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s"):
         assert adjusted[key] == pytest.approx(0.0, abs=1e-9), key

@@ -182,6 +182,9 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
                    "the check, on average); writes it to the output folder's profile.json.")
 @click.option("--controller", "controller_spec", default="greedy", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--noise-seeds", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Simulate with this many step-noise seeds and compare the real requests with all their "
+                   "simulated requests pooled (a profile without noise is simulated once).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("twin-out"),
               show_default=True, help="Folder for the report JSON and the step-time plot.")
 @click.option("--json", "as_json", is_flag=True)
@@ -191,7 +194,7 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 @pin_option
 @friendly(ValueError)
 def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, fit_around,
-                       controller_spec, seed, out_dir, as_json, device, dtype, threads, pin_cpu):
+                       controller_spec, seed, noise_seeds, out_dir, as_json, device, dtype, threads, pin_cpu):
     """Run one workload through the real engine and the simulator twin and compare them."""
     from engine.twin.check import run_twin_check
 
@@ -201,7 +204,8 @@ def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_toke
     report = run_twin_check(model=model, trace=trace, first_n=first_n, length_scale=length_scale,
                             rate_scale=rate_scale, max_tokens=max_tokens, profile_name=profile_name or "tiny-cpu",
                             controller_spec=controller_spec, seed=seed, out_dir=out_dir, device=device,
-                            dtype=dtype, fit_around=fit_around, log=lambda s: click.echo(s, err=True))
+                            dtype=dtype, fit_around=fit_around, noise_seeds=noise_seeds,
+                            log=lambda s: click.echo(s, err=True))
     if as_json:
         click.echo(json.dumps(report))
         return

@@ -11,6 +11,14 @@ check reports:
 - relative error of throughput, TTFT p50/p99 and TPOT p50/p99 between the two runs;
 - the two-sample Kolmogorov-Smirnov distance (``scipy.stats.ks_2samp``) between the real and the
   simulated distributions of TTFT, TPOT and end-to-end latency over the requests.
+
+A profile with step noise makes the simulator a random model of the engine, so the check
+simulates the workload with several noise seeds (``NOISE_SEEDS``) and compares the real requests
+with the simulated requests of all the seeds pooled: the model's distribution, not one draw of it.
+One seed's TPOT p99 is the third-slowest request of 300, and it hangs on races (whether a short
+request ends before a long prompt's prefill joins its batch) that one slow noise spell decides:
+over the three checks of one run it ranged from -21% to +70% of the real engine's between seeds.
+The report keeps each seed's figures beside the pooled ones (``seed_spread``).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import numpy as np
 from scipy.stats import ks_2samp
 
 from ctrl import build_controller
+from ctrl.base import Controller
 from engine.core.profile import Profile, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time, profile_fields
@@ -35,6 +44,14 @@ from engine.twin.replay import RecordingExecutor, replay_real
 from engine.workloads import read_trace, resolve_trace
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
+#: noise seeds a check simulates by default (a profile without noise is simulated once)
+NOISE_SEEDS = 8
+#: the summary's figures taken over the pooled requests of every seed (the rest: the seeds' mean):
+#: figure -> (latency, percentile)
+POOLED = {"ttft_p50_s": ("ttft_s", 50), "ttft_p99_s": ("ttft_s", 99), "tpot_p50_s": ("tpot_s", 50),
+          "tpot_p99_s": ("tpot_s", 99), "e2e_p50_s": ("e2e_s", 50), "e2e_p99_s": ("e2e_s", 99)}
+#: the relative errors whose range over single seeds the report gives
+SPREAD = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
             "e2e_p50_s", "evictions", "completed")
 
@@ -135,6 +152,22 @@ def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
                     f"{tr:.6g},{ts:.6g},{pr:.6g},{ps:.6g}\n")
 
 
+def _write_sim_requests_csv(path: Path, sim_requests: list[list]) -> None:
+    """Per noise seed and request: the simulator's TTFT and TPOT (NaN where it has none)."""
+    with open(path, "w") as f:
+        f.write("seed,request_id,output_tokens,ttft_sim_s,tpot_sim_s\n")
+        for seed, requests in enumerate(sim_requests):
+            for r in sorted(requests, key=lambda r: r.arrival_time_s):
+                ttft = tpot = None
+                if r.first_token_time_s is not None and r.finish_time_s is not None:
+                    ttft, tpot = time_to_first_token_s(r), time_per_output_token_s(r)
+                f.write(f"{seed},{r.request_id},{r.num_output_tokens},{_g(ttft)},{_g(tpot)}\n")
+
+
+def _g(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.6g}"
+
+
 def latencies(requests) -> dict[str, np.ndarray]:
     """TTFT, TPOT and end-to-end seconds of the finished requests (TPOT of those with two tokens or more)."""
     done = [r for r in requests if r.first_token_time_s is not None and r.finish_time_s is not None]
@@ -150,6 +183,53 @@ def ks_distances(real_requests, sim_requests) -> dict[str, float]:
     real, sim = latencies(real_requests), latencies(sim_requests)
     return {key: float(ks_2samp(real[key], sim[key]).statistic) if len(real[key]) and len(sim[key]) else math.nan
             for key in real}
+
+
+def simulate_seeds(arrivals, profile: Profile, controller: Callable[[], Controller],
+                   seeds: int = NOISE_SEEDS) -> tuple[dict, list[list]]:
+    """Simulate ``arrivals`` with noise seeds 0 to ``seeds`` - 1 (once, seed 0, when the profile has
+    no noise); returns the pooled summary and each seed's ended requests.
+
+    The pooled summary has the ``POOLED`` percentiles over the ended requests of every seed together
+    (``latencies``); its other figures are the mean over the seeds (a figure every seed agrees on
+    keeps its value). With one seed it is that simulation's own summary.
+
+    :param controller: makes a fresh controller for each simulation.
+    """
+    if seeds < 1:
+        raise ValueError(f"seeds must be at least 1, got {seeds}")
+    n = seeds if profile.noise_sigma else 1
+    runs = [simulate(arrivals, profile, controller(), noise_seed=seed) for seed in range(n)]
+    requests = [list(run.core.metrics.terminal) for run in runs]
+    if n == 1:
+        return runs[0].summary, requests
+    summaries = [run.summary for run in runs]
+    pooled: dict = {}
+    for key, first in summaries[0].items():
+        values = [s[key] for s in summaries]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        pooled[key] = float(np.mean(values)) if numeric and any(v != first for v in values) else first
+    pooled.update(_percentiles(latencies([r for reqs in requests for r in reqs])))
+    return pooled, requests
+
+
+def _percentiles(lat: dict[str, np.ndarray]) -> dict[str, float]:
+    """The ``POOLED`` figures of ``latencies``' arrays (NaN where there is no request)."""
+    return {key: float(np.percentile(lat[which], q)) if len(lat[which]) else math.nan
+            for key, (which, q) in POOLED.items()}
+
+
+def seed_spread(real: dict, real_requests, sim_requests: list[list]) -> dict:
+    """The lowest and highest relative error of each ``SPREAD`` figure, and of the KS distance of
+    TPOT, over the single seeds' simulations: how far one draw of the model could land."""
+    out: dict[str, list[float]] = {}
+    for requests in sim_requests:
+        figures = _percentiles(latencies(requests))
+        for key in SPREAD:
+            if real[key] and not math.isnan(figures[key]):
+                out.setdefault(key, []).append(figures[key] / real[key] - 1.0)
+        out.setdefault("ks_tpot", []).append(ks_distances(real_requests, requests)["tpot_s"])
+    return {key: [min(v), max(v)] for key, v in out.items()}
 
 
 def compare_metrics(real: dict, sim: dict) -> dict:
@@ -168,17 +248,22 @@ def targets_met(errors: dict, rows: dict) -> dict:
             "ttft_p50_s": abs(rows["ttft_p50_s"]["rel_error"]) <= TARGETS["ttft_p50_s"]}
 
 
-def _speed_adjusted_errors(arrivals, profile: Profile, controller, ratio: float, rows: dict) -> dict:
-    """Diagnostic only: the simulator's relative errors with the profile scaled by how much slower
-    (or faster) the machine ran single-token steps during the check than while profiling."""
+def _speed_adjusted_errors(arrivals, profile: Profile, controller: Callable[[], Controller], ratio: float,
+                           rows: dict, seeds: int, real_requests=None) -> tuple[dict, dict]:
+    """Diagnostic only: the simulator's relative errors (``seeds`` pooled, as the check's) with the
+    profile scaled by how much slower (or faster) the machine ran single-token steps during the
+    check than while profiling, and with ``real_requests`` the KS distances (``ks_distances``)
+    of that simulation's requests (an empty dict without them)."""
 
     # every duration of the step model (the costs, the idle tick, the noise's knee), not the SLOs
     costs = [f.name for f in dataclasses.fields(Profile) if f.name.endswith("_s") and "_slo_" not in f.name]
     scaled = dataclasses.replace(profile, **{c: None if getattr(profile, c) is None else getattr(profile, c) * ratio
                                              for c in costs})
-    sim_scaled = simulate(arrivals, scaled, controller, record_steps=False).summary
-    return {key: (float(sim_scaled[key]) - rows[key]["real"]) / rows[key]["real"]
-            for key in COMPARED if rows[key]["real"]}
+    sim_scaled, requests = simulate_seeds(arrivals, scaled, controller, seeds)
+    errors = {key: (float(sim_scaled[key]) - rows[key]["real"]) / rows[key]["real"]
+              for key in COMPARED if rows[key]["real"]}
+    ks = {} if real_requests is None else ks_distances(real_requests, [r for reqs in requests for r in reqs])
+    return errors, ks
 
 
 def _runs_text(drift: dict) -> str:
@@ -188,7 +273,7 @@ def _runs_text(drift: dict) -> str:
 
 
 def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], drift: dict | None,
-                 met: dict, ks: dict[str, float] | None = None) -> str:
+                 met: dict, ks: dict[str, float] | None = None, spread: dict | None = None) -> str:
     """The check as text: the step-time headline, the metric table, step times by size, targets."""
     verdict = "met" if met["step_time_mape"] else "missed"
     lines = [headline,
@@ -202,19 +287,26 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
     if ks:
         lines.append("\nKS distance, real against simulated: " +
                      ", ".join(f"{key.removesuffix('_s').upper()} {value:.3f}" for key, value in ks.items()))
+    if spread:
+        cells = [f"{key.removesuffix('_s').replace('_', ' ').upper().replace(' P', ' p')} "
+                 f"{100 * lo:+.1f}% to {100 * hi:+.1f}%" for key, (lo, hi) in spread.items() if key in SPREAD]
+        if "ks_tpot" in spread:
+            cells.append("KS TPOT {:.3f} to {:.3f}".format(*spread["ks_tpot"]))
+        lines.append("one noise seed alone: " + ", ".join(cells))
     lines += ["", "| steps with T new tokens | steps | real mean (ms) | real median (ms) | predicted mean (ms) "
               "| MAPE |", "|---|---|---|---|---|---|"]
     for b in by_size:
         lines.append(f"| {b['tokens']} | {b['steps']} | {1e3 * b['real_mean_s']:.2f} | "
                      f"{1e3 * b['real_median_s']:.2f} | {1e3 * b['predicted_mean_s']:.2f} | {100 * b['mape']:.1f}% |")
     if drift is not None:
-        adj = drift["rel_error_speed_adjusted"]
+        adj, adj_ks = drift["rel_error_speed_adjusted"], drift.get("ks_speed_adjusted")
         lines.append(f"\nmachine speed: single-token steps took {1e3 * drift['check_s']:.2f} ms (median) in this check "
                      f"against {1e3 * drift['profile_s']:.2f} ms while profiling{_runs_text(drift)} "
                      f"(x{drift['ratio']:.2f}). Diagnostic, "
                      f"with the profile scaled by that ratio: TTFT p50 {100 * adj['ttft_p50_s']:+.1f}%, "
                      f"TTFT p99 {100 * adj['ttft_p99_s']:+.1f}%, TPOT p50 {100 * adj['tpot_p50_s']:+.1f}%, "
-                     f"TPOT p99 {100 * adj['tpot_p99_s']:+.1f}%")
+                     f"TPOT p99 {100 * adj['tpot_p99_s']:+.1f}%"
+                     + (f", KS TPOT {adj_ks['tpot_s']:.3f}" if adj_ks else ""))
     lines.append(f"\ntargets: throughput within 10%: {'met' if met['throughput_rps'] else 'missed'}; "
                  f"TTFT p50 within 10%: {'met' if met['ttft_p50_s'] else 'missed'}")
     return "\n".join(lines)
@@ -224,15 +316,17 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
                    length_scale: float = 0.1, rate_scale: float = 1.0, max_tokens: int = 256,
                    profile_name: str = "tiny-cpu", controller_spec: str = "greedy", seed: int = 0,
                    out_dir: Path | str = "twin-out", device=None, dtype=None, fit_around: bool = False,
-                   log: Callable[[str], None] | None = None) -> dict:
+                   noise_seeds: int = NOISE_SEEDS, log: Callable[[str], None] | None = None) -> dict:
     """Run the workload through both engines; writes ``twin_report.json``, ``twin_step_time.png``,
-    ``twin_steps.csv`` (every real step) and ``twin_requests.csv`` (TTFT and TPOT per request).
+    ``twin_steps.csv`` (every real step), ``twin_requests.csv`` (TTFT and TPOT per request, the
+    simulator's of noise seed 0) and ``twin_sim_requests.csv`` (the simulator's of every seed).
 
     :param fit_around: instead of ``profile_name``, fit the profile on the trace's next
         ``first_n`` requests served through the real engine, half before the check and half after
         (``engine.twin.fit.fit_around``), and write it to ``profile.json`` (its serving steps to
         ``profile_steps.csv``); the controllers of
         both runs are built with the profile fitted on the first half.
+    :param noise_seeds: noise seeds simulated, their requests pooled (:func:`simulate_seeds`).
     :return: the report: per-metric real, simulated and relative error, step-time errors, targets met.
     """
 
@@ -265,33 +359,38 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     else:
         profile = control_profile = load_profile(profile_name)
         core, recorder = real_run(profile)
+    seeds = noise_seeds if profile.noise_sigma else 1
     if log:
-        log(f"simulating {len(arrivals)} requests with profile {profile.name}")
-    sim_result = simulate(arrivals, profile, controller(control_profile), record_steps=True)
+        log(f"simulating {len(arrivals)} requests with profile {profile.name}"
+            + (f", {seeds} noise seeds" if seeds > 1 else ""))
+    sim_summary, sim_requests = simulate_seeds(arrivals, profile, lambda: controller(control_profile), seeds)
     real = core.metrics.summary(core.pool.capacity_tokens, profile.ttft_slo_s, profile.tpot_slo_s,
                                 final_waiting=len(core.waiting))
     errors = step_time_errors(recorder, core.metrics.step_duration_s, profile)
     errors.update(refit_floor(errors))
     by_size = step_errors_by_size(errors)
     _write_steps_csv(out_dir / "twin_steps.csv", errors)
-    _write_requests_csv(out_dir / "twin_requests.csv", core.metrics.terminal, sim_result.core.metrics.terminal)
+    _write_requests_csv(out_dir / "twin_requests.csv", core.metrics.terminal, sim_requests[0])
+    _write_sim_requests_csv(out_dir / "twin_sim_requests.csv", sim_requests)
 
-    rows = compare_metrics(real, sim_result.summary)
-    ks = ks_distances(core.metrics.terminal, sim_result.core.metrics.terminal)
+    rows = compare_metrics(real, sim_summary)
+    ks = ks_distances(core.metrics.terminal, [r for requests in sim_requests for r in requests])
+    spread = seed_spread(real, core.metrics.terminal, sim_requests) if seeds > 1 else None
     drift = speed_drift(profile, errors)
     if drift is not None:
-        drift["rel_error_speed_adjusted"] = _speed_adjusted_errors(arrivals, profile, controller(control_profile),
-                                                                   drift["ratio"], rows)
+        drift["rel_error_speed_adjusted"], drift["ks_speed_adjusted"] = _speed_adjusted_errors(
+            arrivals, profile, lambda: controller(control_profile), drift["ratio"], rows, seeds, core.metrics.terminal)
     met = targets_met(errors, rows)
     headline = (f"twin check: {len(arrivals)} requests of {trace} (length x{length_scale}, rate x{rate_scale}), "
-                f"controller {controller_spec}, profile {profile.name}")
+                f"controller {controller_spec}, profile {profile.name}"
+                + (f", simulated with {seeds} noise seeds pooled" if seeds > 1 else ""))
     report = {
         "trace": trace, "requests": len(arrivals), "length_scale": length_scale, "rate_scale": rate_scale,
         "controller": controller_spec, "profile": profile.name, "model": model, "fit_around": fit_around,
         "step_time": {k: v for k, v in errors.items() if not isinstance(v, np.ndarray)},
         "step_time_by_size": by_size, "speed_drift": drift, "metrics": rows, "ks_distance": ks, "targets_met": met,
-        "real_summary": real, "sim_summary": sim_result.summary,
-        "table": report_table(headline, errors, rows, by_size, drift, met, ks),
+        "noise_seeds": seeds, "seed_spread": spread, "real_summary": real, "sim_summary": sim_summary,
+        "table": report_table(headline, errors, rows, by_size, drift, met, ks, spread),
     }
     (out_dir / "twin_report.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
     plot_step_times(errors, out_dir / "twin_step_time.png",

@@ -58,6 +58,7 @@ def plot_cdfs(folder: Path, out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     with open(folder / "twin_requests.csv") as f:
         rows = {"real": list(csv.DictReader(f))}
@@ -73,6 +74,9 @@ def plot_cdfs(folder: Path, out: Path) -> None:
             ax.plot(1e3 * x, np.arange(1, len(x) + 1) / len(x), style,
                     label="real engine" if side == "real" else "simulator (noise seeds pooled)")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel(f"{metric.upper()} (ms)")
         ax.set_ylabel("share of requests")
         ax.legend()

@@ -43,7 +43,12 @@ Variants (the fitted coefficients, the noise changed):
 - ``detrended over W steps: correlation`` (W = 101, 401): ``correlated, split, by length`` with
   the correlation fitted on the residuals less their running median over W steps (within each
   run): a machine's slow wander taken out, the step-to-step correlation left;
-- ``detrended over W steps: sigmas and correlation``: the sigmas fitted on those residuals too.
+- ``detrended over W steps: sigmas and correlation``: the sigmas fitted on those residuals too;
+- with ``--around`` only, ``at the check's own speed (diagnostic)``: ``correlated, split, by
+  length`` with every duration scaled by how much slower the machine ran single-token steps
+  during the check than while profiling (the check's ``twin_report.json``): what is left once the
+  machine's drift between profiling and checking is taken out. Not a model anyone can run ahead
+  of a check: the ratio is measured on the check itself.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from engine.core.profile import Profile, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time, noise_corr, noise_sigma, noise_sigma_below, profile_fields
 from engine.sim.simulate import simulate
+from engine.twin.check import scaled_to_speed
 from engine.twin.fit import read_steps_csv
 from engine.workloads import read_trace, resolve_trace
 
@@ -75,6 +81,8 @@ VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, spl
             "no first-decode cost", "no after-prefill cost", "no after-prefill token cost",
             *(f"detrended over {w} steps: {what}" for w in DETREND_WINDOWS
               for what in ("correlation", "sigmas and correlation")))
+#: the diagnostic variant of ``--around``
+AT_CHECK_SPEED = "at the check's own speed (diagnostic)"
 
 
 def step_runs(path: Path) -> list[str]:
@@ -124,6 +132,14 @@ def detrended_ratios(rows: list[tuple], runs, profile: Profile, window: int) -> 
         mine = labels == run
         logs[mine] -= median_filter(logs[mine], size=window, mode="nearest")
     return np.exp(logs / np.array([profile.noise_scale(t) for t in pred]))
+
+
+def at_speed(profile: Profile, report: Path) -> Profile:
+    """``profile`` with every duration of its step model scaled by the check's measured speed
+    against its profiling speed (``speed_drift.ratio`` of its report), as the check's diagnostic does."""
+    import json
+
+    return scaled_to_speed(profile, json.loads(report.read_text())["speed_drift"]["ratio"])
 
 
 def variant_profiles(base: Profile, rows: list[tuple], runs=None) -> dict[str, Profile]:
@@ -221,13 +237,17 @@ def main() -> None:
         if len(rows[0]) < 5:
             raise SystemExit(f"{c}/{name} has no prefill chunk column: rerun the check with this version.")
     real = {c: real_latencies(c) for c in args.check}
-    results: dict[str, list[np.ndarray]] = {v: [] for v in VARIANTS}
+    results: dict[str, list[np.ndarray]] = {}
     own = args.in_sample or args.around
     pairs = [(c, c) for c in args.check] if own else list(itertools.permutations(args.check, 2))
     for n, (fit_on, judge_on) in enumerate(pairs, 1):
         print(f"[{n}/{len(pairs)}] fit on {fit_on}/{name}, judged on {judge_on}", flush=True)
-        for variant, profile in variant_profiles(base, steps[fit_on], runs[fit_on]).items():
-            results[variant].append(compare(profile, arrivals, *real[judge_on], args.seeds, args.pooled))
+        variants = variant_profiles(base, steps[fit_on], runs[fit_on])
+        if args.around:
+            variants[AT_CHECK_SPEED] = at_speed(variants["correlated, split, by length"], fit_on / "twin_report.json")
+        for variant, profile in variants.items():
+            results.setdefault(variant, []).append(compare(profile, arrivals, *real[judge_on], args.seeds,
+                                                           args.pooled))
     judged = ("checks, each fitted on the profiling steps around it and judged on its own requests" if args.around
               else "checks, each judged on its own requests" if args.in_sample
               else "pairs of checks (fit on one, judged on another)")
@@ -235,7 +255,7 @@ def main() -> None:
     lines = [f"{len(pairs)} {judged}, {args.seeds} noise seeds each, {seeds}; median over those (mean of |value| "
              f"in brackets); short: requests of {SHORT[0]}-{SHORT[1]} output tokens", "",
              "| variant | " + " | ".join(FIGURES) + " |", "|---|" + "---|" * len(FIGURES)]
-    for name in VARIANTS:
+    for name in [v for v in VARIANTS if v in results] + [v for v in results if v not in VARIANTS]:
         a = np.array(results[name])
         med, mean_abs = np.median(a, axis=0), np.mean(np.abs(a), axis=0)
         cells = [f"{m:.3f} ({s:.3f})" if i < 2 else f"{100 * m:+.1f}% ({100 * s:.1f}%)"

@@ -975,3 +975,20 @@ def test_predicted_steps_carry_the_after_prefill_weights_through_the_run():
     # the simulator's executor, which keeps the weights as it runs, times them the same
     assert p.predict_steps(steps) == pytest.approx([sim.execute(batch(*s)).duration_s for s in steps], rel=1e-12)
     assert p.predict_steps(steps[3:]) == [p.step_time_s(8, 400, 8), p.step_time_s(8, 408, 8)]
+
+
+def test_a_fit_without_a_fixed_cost_gives_a_profile_whose_idle_tick_is_one_tokens_cost():
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    # steps whose best line crosses below 0 at no tokens: the non-negative fit sets base_s to 0
+    rows = [(t, 100 * t, 2e-4 * t + 1e-6 * 100 * t - 1e-5) for t in range(1, 60)]
+    fit = fit_step_time(rows, loss="l1")
+    assert fit["base_s"] == 0.0
+    fields = profile_fields(fit)
+    assert fields["idle_s"] == fit["per_token_s"] > 0
+    profile = replace(load_profile("tiny-cpu"), **fields)  # a valid profile: without idle_s it is refused
+    assert profile.median_step_s(0, 0) == fields["idle_s"]
+    with pytest.raises(ProfileError, match="idle_s"):
+        replace(load_profile("tiny-cpu"), **{k: v for k, v in fields.items() if k != "idle_s"})
+    # a fit with a fixed cost leaves the idle tick to it
+    assert "idle_s" not in profile_fields(fit_step_time([(t, k, 1e-3 + s) for t, k, s in rows], loss="l1"))

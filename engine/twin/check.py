@@ -248,18 +248,21 @@ def targets_met(errors: dict, rows: dict) -> dict:
             "ttft_p50_s": abs(rows["ttft_p50_s"]["rel_error"]) <= TARGETS["ttft_p50_s"]}
 
 
+def scaled_to_speed(profile: Profile, ratio: float) -> Profile:
+    """``profile`` with every duration of its step model (the costs, the idle tick, the noise's
+    knee; not the SLOs) times ``ratio``: the profile of a machine ``ratio`` times slower."""
+    costs = [f.name for f in dataclasses.fields(Profile) if f.name.endswith("_s") and "_slo_" not in f.name]
+    return dataclasses.replace(profile, **{c: None if getattr(profile, c) is None else getattr(profile, c) * ratio
+                                           for c in costs})
+
+
 def _speed_adjusted_errors(arrivals, profile: Profile, controller: Callable[[], Controller], ratio: float,
                            rows: dict, seeds: int, real_requests=None) -> tuple[dict, dict]:
     """Diagnostic only: the simulator's relative errors (``seeds`` pooled, as the check's) with the
     profile scaled by how much slower (or faster) the machine ran single-token steps during the
     check than while profiling, and with ``real_requests`` the KS distances (``ks_distances``)
     of that simulation's requests (an empty dict without them)."""
-
-    # every duration of the step model (the costs, the idle tick, the noise's knee), not the SLOs
-    costs = [f.name for f in dataclasses.fields(Profile) if f.name.endswith("_s") and "_slo_" not in f.name]
-    scaled = dataclasses.replace(profile, **{c: None if getattr(profile, c) is None else getattr(profile, c) * ratio
-                                             for c in costs})
-    sim_scaled, requests = simulate_seeds(arrivals, scaled, controller, seeds)
+    sim_scaled, requests = simulate_seeds(arrivals, scaled_to_speed(profile, ratio), controller, seeds)
     errors = {key: (float(sim_scaled[key]) - rows[key]["real"]) / rows[key]["real"]
               for key in COMPARED if rows[key]["real"]}
     ks = {} if real_requests is None else ks_distances(real_requests, [r for reqs in requests for r in reqs])

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.core.profile import load_profile
+from engine.twin.seeds import NOISE_SEEDS
 
 #: metric -> bound on |relative error| (None: reported only)
 TARGETS = {"ttft_p50_s": 0.10, "ttft_p99_s": 0.10, "tpot_p50_s": 0.10, "tpot_p99_s": 0.10,
@@ -191,10 +192,12 @@ def main() -> None:
                     help="Run a check again (profile included) when the machine's speed during it is off its "
                          "profiling speed by more than this share, e.g. 0.05; every attempt is reported.")
     ap.add_argument("--retries", type=int, default=2, help="With --max-drift: most runs again per check.")
-    ap.add_argument("--noise-seeds", type=int, default=8,
+    ap.add_argument("--noise-seeds", type=int, default=NOISE_SEEDS,
                     help="Noise seeds each check simulates, their requests pooled (twin-check --noise-seeds).")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/twin"))
     args = ap.parse_args()
+    if args.noise_seeds < 1 or args.checks < 1 or args.retries < 0:
+        ap.error("--noise-seeds and --checks must be at least 1, --retries at least 0")
     args.out.mkdir(parents=True, exist_ok=True)
     pin = ["--pin-cpu", str(args.pin_cpu)]
     t0 = time.perf_counter()
@@ -227,7 +230,7 @@ def main() -> None:
     lines.append("\nmachine speed during each check against while its profile was fitted (single-token steps): "
                  + ", ".join(speed_text(r.get("speed_drift")) for r in reports))
     spreads = [r.get("seed_spread") for r in reports]
-    if all(spreads):
+    if all(spreads) and all("tpot_p99_s" in sp and "ks_tpot" in sp for sp in spreads):
         summary["seed_spread"] = spreads
         lines.append(f"\neach check simulated with {reports[0]['noise_seeds']} noise seeds, their requests pooled; "
                      "one seed alone would have given, per check: "

@@ -64,11 +64,9 @@ from scipy.stats import ks_2samp
 
 from ctrl import build_controller
 from engine.core.profile import Profile, load_profile
-from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time, noise_corr, noise_sigma, noise_sigma_below, profile_fields
-from engine.sim.simulate import simulate
-from engine.twin.check import scaled_to_speed
-from engine.twin.fit import read_steps_csv
+from engine.twin.fit import read_step_runs, read_steps_csv
+from engine.twin.seeds import latencies, scaled_to_speed, simulate_seeds
 from engine.workloads import read_trace, resolve_trace
 
 FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "short TPOT p50")
@@ -83,15 +81,6 @@ VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, spl
               for what in ("correlation", "sigmas and correlation")))
 #: the diagnostic variant of ``--around``
 AT_CHECK_SPEED = "at the check's own speed (diagnostic)"
-
-
-def step_runs(path: Path) -> list[str]:
-    """The ``run`` of each step ``read_steps_csv`` reads from a ``profile_steps.csv`` (the steps
-    with new tokens, in order)."""
-    import csv
-
-    with open(path) as f:
-        return [row["run"] for row in csv.DictReader(f) if int(row["tokens"]) > 0]
 
 
 def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -127,11 +116,18 @@ def detrended_ratios(rows: list[tuple], runs, profile: Profile, window: int) -> 
     run, each step's log divided by its length's share of the noise (``Profile.noise_scale``)."""
     pred = np.array(profile.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
     logs = np.log(np.array([r[2] for r in rows]) / pred)
-    labels = np.asarray(runs if runs is not None else [0] * len(rows))
+    logs = _less_within_runs(logs, runs, lambda x: median_filter(x, size=window, mode="nearest"))
+    return np.exp(logs / np.array([profile.noise_scale(t) for t in pred]))
+
+
+def _less_within_runs(logs: np.ndarray, runs, centre) -> np.ndarray:
+    """``logs`` less ``centre`` of each run's own (all one run when ``runs`` is None)."""
+    out = np.array(logs, dtype=float)
+    labels = np.asarray(runs if runs is not None else [0] * len(out))
     for run in dict.fromkeys(labels.tolist()):
         mine = labels == run
-        logs[mine] -= median_filter(logs[mine], size=window, mode="nearest")
-    return np.exp(logs / np.array([profile.noise_scale(t) for t in pred]))
+        out[mine] -= centre(out[mine])
+    return out
 
 
 def at_speed(profile: Profile, report: Path) -> Profile:
@@ -148,10 +144,7 @@ def variant_profiles(base: Profile, rows: list[tuple], runs=None) -> dict[str, P
     sized = dataclasses.replace(base, **profile_fields(fit_step_time(rows, loss="l1", runs=runs)))
     real = np.array([r[2] for r in rows])
     pred = np.array(fitted.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
-    logs = np.log(real / pred)
-    labels = np.asarray(runs if runs is not None else [0] * len(rows))
-    for run in dict.fromkeys(labels.tolist()):
-        logs[labels == run] -= np.median(logs[labels == run])
+    logs = _less_within_runs(np.log(real / pred), runs, np.median)
     mad = float(1.4826 * np.median(np.abs(logs)))
     no_chunks = dataclasses.replace(base, **profile_fields(fit_step_time([r[:4] for r in rows], loss="l1", runs=runs)))
     detrended = {}
@@ -182,20 +175,16 @@ def compare(profile: Profile, arrivals, ttft_real: np.ndarray, tpot_real: np.nda
             seeds: int, pooled: bool = False) -> np.ndarray:
     """The figures of ``FIGURES`` (relative errors for percentiles): the median of each noise seed's,
     or with ``pooled`` those of every seed's simulated requests together."""
-    runs = []
-    for seed in range(seeds):
-        core = simulate(arrivals, profile, build_controller("greedy", profile, arrivals), noise_seed=seed).core
-        runs.append([r for r in core.metrics.terminal if r.first_token_time_s is not None])
+    _, runs = simulate_seeds(arrivals, profile, lambda: build_controller("greedy", profile, arrivals), seeds)
     groups = [[r for done in runs for r in done]] if pooled else runs
     out = []
     for done in groups:
-        ttft = np.array([time_to_first_token_s(r) for r in done])
-        tpot = np.array([t for t in map(time_per_output_token_s, done) if t is not None])
-        short = np.array([t for r in done if SHORT[0] <= r.num_output_tokens <= SHORT[1]
-                          and (t := time_per_output_token_s(r)) is not None])
-        out.append([ks_2samp(tpot_real, tpot).statistic, ks_2samp(ttft_real, ttft).statistic,
-                    _rel(ttft, ttft_real, 50), _rel(ttft, ttft_real, 99),
-                    _rel(tpot, tpot_real, 50), _rel(tpot, tpot_real, 99), _rel(short, short_real, 50)])
+        lat = latencies(done)
+        short = latencies([r for r in done if SHORT[0] <= r.num_output_tokens <= SHORT[1]])["tpot_s"]
+        out.append([ks_2samp(tpot_real, lat["tpot_s"]).statistic, ks_2samp(ttft_real, lat["ttft_s"]).statistic,
+                    _rel(lat["ttft_s"], ttft_real, 50), _rel(lat["ttft_s"], ttft_real, 99),
+                    _rel(lat["tpot_s"], tpot_real, 50), _rel(lat["tpot_s"], tpot_real, 99),
+                    _rel(short, short_real, 50)])
     return np.median(np.array(out), axis=0)
 
 
@@ -227,21 +216,22 @@ def main() -> None:
         ap.error("give at least two --check folders (or --in-sample, or --around)")
     base = load_profile(args.base)
     arrivals = read_trace(resolve_trace(args.trace), first_n=300, length_scale=0.1, max_tokens_cap=256)
-    name = "profile_steps.csv" if args.around else "twin_steps.csv"
+    steps_file = "profile_steps.csv" if args.around else "twin_steps.csv"
     for c in args.check:
-        if not (c / name).exists():
-            raise SystemExit(f"{c} has no {name}" + (": was it checked with --fit-around?" if args.around else ""))
-    steps = {c: read_steps_csv(c / name) for c in args.check}
-    runs = {c: step_runs(c / name) if args.around else None for c in args.check}
+        if not (c / steps_file).exists():
+            hint = ": was it checked with --fit-around?" if args.around else ""
+            raise SystemExit(f"{c} has no {steps_file}{hint}")
+    steps = {c: read_steps_csv(c / steps_file) for c in args.check}
+    runs = {c: read_step_runs(c / steps_file) if args.around else None for c in args.check}
     for c, rows in steps.items():
         if len(rows[0]) < 5:
-            raise SystemExit(f"{c}/{name} has no prefill chunk column: rerun the check with this version.")
+            raise SystemExit(f"{c}/{steps_file} has no prefill chunk column: rerun the check with this version.")
     real = {c: real_latencies(c) for c in args.check}
     results: dict[str, list[np.ndarray]] = {}
     own = args.in_sample or args.around
     pairs = [(c, c) for c in args.check] if own else list(itertools.permutations(args.check, 2))
     for n, (fit_on, judge_on) in enumerate(pairs, 1):
-        print(f"[{n}/{len(pairs)}] fit on {fit_on}/{name}, judged on {judge_on}", flush=True)
+        print(f"[{n}/{len(pairs)}] fit on {fit_on}/{steps_file}, judged on {judge_on}", flush=True)
         variants = variant_profiles(base, steps[fit_on], runs[fit_on])
         if args.around:
             variants[AT_CHECK_SPEED] = at_speed(variants["correlated, split, by length"], fit_on / "twin_report.json")
@@ -251,8 +241,8 @@ def main() -> None:
     judged = ("checks, each fitted on the profiling steps around it and judged on its own requests" if args.around
               else "checks, each judged on its own requests" if args.in_sample
               else "pairs of checks (fit on one, judged on another)")
-    seeds = "their requests pooled" if args.pooled else "median over them"
-    lines = [f"{len(pairs)} {judged}, {args.seeds} noise seeds each, {seeds}; median over those (mean of |value| "
+    over_seeds = "their requests pooled" if args.pooled else "median over them"
+    lines = [f"{len(pairs)} {judged}, {args.seeds} noise seeds each, {over_seeds}; median over those (mean of |value| "
              f"in brackets); short: requests of {SHORT[0]}-{SHORT[1]} output tokens", "",
              "| variant | " + " | ".join(FIGURES) + " |", "|---|" + "---|" * len(FIGURES)]
     for name in [v for v in VARIANTS if v in results] + [v for v in results if v not in VARIANTS]:

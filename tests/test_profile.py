@@ -989,6 +989,15 @@ def test_a_fit_without_a_fixed_cost_gives_a_profile_whose_idle_tick_is_one_token
     profile = replace(load_profile("tiny-cpu"), **fields)  # a valid profile: without idle_s it is refused
     assert profile.median_step_s(0, 0) == fields["idle_s"]
     with pytest.raises(ProfileError, match="idle_s"):
-        replace(load_profile("tiny-cpu"), **{k: v for k, v in fields.items() if k != "idle_s"})
+        replace(load_profile("tiny-cpu"), **(fields | {"idle_s": None}))
     # a fit with a fixed cost leaves the idle tick to it
-    assert "idle_s" not in profile_fields(fit_step_time([(t, k, 1e-3 + s) for t, k, s in rows], loss="l1"))
+    assert profile_fields(fit_step_time([(t, k, 1e-3 + s) for t, k, s in rows], loss="l1"))["idle_s"] is None
+    # a decode that costs nothing of its own: the cheapest positive cost of a token
+    costs = {"base_s": 0.0, "per_token_s": 3e-4, "per_kv_token_s": 1e-7, "per_decode_token_s": 0.0}
+    assert profile_fields(costs)["idle_s"] == 3e-4
+    assert profile_fields(costs | {"per_decode_token_s": 1e-4})["idle_s"] == 1e-4
+    # no positive cost at all: nothing to take the tick from, and the profile refuses it in one sentence
+    none = profile_fields(costs | {"per_token_s": 0.0})
+    assert none["idle_s"] is None
+    with pytest.raises(ProfileError, match="idle_s must be given"):
+        replace(load_profile("tiny-cpu"), **none)

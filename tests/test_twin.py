@@ -14,9 +14,9 @@ import torch
 
 from engine.core.profile import Profile, load_profile
 from engine.sim.fit import binned_samples, fit_step_time
-from engine.core.request import Request
-from engine.twin.check import (COMPARED, NOISE_SEEDS, POOLED, ks_distances, latencies, seed_spread,
-                                simulate_seeds, step_time_errors)
+from engine.core.request import Request, RequestState
+from engine.twin.check import COMPARED, refit_floor, step_time_errors
+from engine.twin.seeds import NOISE_SEEDS, POOLED, ks_distances, latencies, seed_spread, simulate_seeds
 from engine.twin.fit import read_steps_csv, run_profile_from_steps
 
 torch.set_num_threads(1)  # as the tiny-cpu profile was fitted
@@ -171,12 +171,11 @@ def _finished(ttft: float, tpot: float, arrival: float = 0.0, tokens: int = 11):
     r.num_output_tokens = tokens
     r.first_token_time_s = arrival + ttft
     r.finish_time_s = r.first_token_time_s + tpot * (tokens - 1)
+    r.state = RequestState.FINISHED
     return r
 
 
 def test_ks_distance_is_zero_for_the_same_latencies_and_one_for_disjoint_ones():
-    from engine.twin.check import ks_distances
-
     same = [_finished(0.1 * i, 0.01 * i) for i in range(1, 20)]
     assert ks_distances(same, list(same)) == {"ttft_s": 0.0, "tpot_s": 0.0, "e2e_s": 0.0}
     late = [_finished(10 + 0.1 * i, 1 + 0.01 * i) for i in range(1, 20)]
@@ -184,6 +183,10 @@ def test_ks_distance_is_zero_for_the_same_latencies_and_one_for_disjoint_ones():
     half = same[:10] + late[:9]  # 10 of the 19 from the same distribution
     assert 0.4 < ks_distances(same, half)["ttft_s"] < 0.6
     assert all(math.isnan(v) for v in ks_distances(same, []).values())
+    # a request that did not finish (here one cancelled after its first token) is not counted
+    cancelled = _finished(5.0, 5.0)
+    cancelled.state = RequestState.CANCELLED
+    assert ks_distances(same, same + [cancelled]) == {"ttft_s": 0.0, "tpot_s": 0.0, "e2e_s": 0.0}
 
 
 @pytest.mark.slow
@@ -237,7 +240,6 @@ def test_fit_around_serves_half_the_profiling_slice_before_the_check_and_half_af
 @pytest.mark.slow
 def test_twin_check_fitted_around_simulates_with_the_profile_it_wrote(tmp_path):
     from ctrl import build_controller
-    from engine.sim.simulate import simulate
     from engine.twin.check import run_twin_check
     from engine.workloads import read_trace, resolve_trace
 
@@ -262,8 +264,10 @@ def test_twin_check_fitted_around_simulates_with_the_profile_it_wrote(tmp_path):
     pooled = (tmp_path / "twin_sim_requests.csv").read_text().splitlines()
     assert len(pooled) == 1 + sum(map(len, requests)) and {line.split(",")[0] for line in pooled[1:]} == {
         str(s) for s in range(seeds)}
-    first = simulate(arrivals, profile, build_controller("greedy", profile, arrivals), noise_seed=0).summary
-    assert report["sim_summary"]["completed"] == first["completed"] == 8
+    seed0 = {line.split(",")[1]: line.split(",")[3:] for line in pooled[1:] if line.startswith("0,")}
+    rows = (tmp_path / "twin_requests.csv").read_text().splitlines()[1:]
+    assert {r.split(",")[0]: [r.split(",")[5], r.split(",")[7]] for r in rows} == seed0
+    assert report["sim_summary"]["completed"] == 8
 
 
 def _noisy_check_inputs():
@@ -281,7 +285,7 @@ def test_simulate_seeds_pools_every_seeds_requests_into_the_percentiles():
     arrivals, profile, controller = _noisy_check_inputs()
     summary, requests = simulate_seeds(arrivals, profile, controller, 3)
     assert len(requests) == 3 and all(len(r) == 60 for r in requests)
-    runs = [simulate(arrivals, profile, controller(), noise_seed=s) for s in range(3)]
+    runs = [simulate(arrivals, profile, controller(), record_steps=False, noise_seed=s) for s in range(3)]
     # the same requests as each seed's own simulation
     assert [[r.finish_time_s for r in reqs] for reqs in requests] == [
         [r.finish_time_s for r in run.core.metrics.terminal] for run in runs]
@@ -289,9 +293,11 @@ def test_simulate_seeds_pools_every_seeds_requests_into_the_percentiles():
     every = latencies([r for reqs in requests for r in reqs])
     for key, (which, q) in POOLED.items():
         assert summary[key] == pytest.approx(float(np.percentile(every[which], q)), rel=1e-12), key
-    # a figure the seeds share keeps its value; one they differ on is their mean
-    assert summary["completed"] == 60
+    # a figure the seeds share keeps its value (an int stays one); one they differ on is their
+    # mean, a peak their largest
+    assert summary["completed"] == 60 and isinstance(summary["completed"], int)
     assert summary["throughput_rps"] == pytest.approx(np.mean([run.summary["throughput_rps"] for run in runs]))
+    assert summary["kv_peak_tokens"] == max(run.summary["kv_peak_tokens"] for run in runs)
     # one seed is that simulation's own summary
     one, _ = simulate_seeds(arrivals, profile, controller, 1)
     assert {k: v for k, v in one.items() if k != "wall_time_s"} == {
@@ -322,11 +328,35 @@ def test_seed_spread_brackets_each_single_seed_figure():
     assert spread["ks_tpot"] == [min(ks), max(ks)] and 0 < min(ks) <= max(ks) <= 1
 
 
-def test_twin_check_cli_simulates_the_default_number_of_noise_seeds():
-    from engine.cli.real import twin_check_command
+def test_twin_check_cli_passes_its_noise_seeds_on_and_defaults_to_the_checks(monkeypatch):
+    from click.testing import CliRunner
 
-    option = next(p for p in twin_check_command.params if p.name == "noise_seeds")
-    assert option.default == NOISE_SEEDS
+    import engine.twin.check
+    from engine.cli import main
+
+    seen: list[int] = []
+
+    def fake_check(**kw):
+        seen.append(kw["noise_seeds"])
+        return {"table": "checked"}
+
+    monkeypatch.setattr(engine.twin.check, "run_twin_check", fake_check)
+    for extra, want in (([], NOISE_SEEDS), (["--noise-seeds", "3"], 3)):
+        res = CliRunner().invoke(main, ["twin-check", "--trace", "splitwise_conv", *extra])
+        assert res.exit_code == 0 and "checked" in res.output, res.output
+        assert seen[-1] == want
+    res = CliRunner().invoke(main, ["twin-check", "--trace", "splitwise_conv", "--noise-seeds", "0"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def test_a_check_whose_steps_fit_no_fixed_cost_still_reports_its_refit():
+    rows = [(t, 100 * t, 2e-4 * t + 1e-6 * 100 * t - 1e-5) for t in range(1, 60)]
+    t, k, s = (np.array(c, dtype=float) for c in zip(*rows))
+    zeros = np.zeros(len(rows))
+    refit = refit_floor({"tokens": t, "kv_tokens_read": k, "real_s": s, "decodes": zeros, "prefills": zeros,
+                         "prefill_pairs": zeros, "first_decodes": zeros})
+    assert refit["refit_coefficients"]["base_s"] == 0.0 and refit["refit_coefficients"]["idle_s"] > 0
+    assert refit["refit_mape"] < 0.05
 
 
 def test_twin_check_takes_a_profile_or_fits_one_around_not_both():

@@ -312,17 +312,17 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     """The ``Profile`` fields a fit sets: the coefficients, and with ``noise`` its noise sigma, which
     assumes the model is the median step (the ``l1`` fit; an ``l2`` fit gets none).
 
-    A fit whose fixed cost per step came out 0 (on few steps, the costs per decode or per prefill
-    can take all of it) also sets ``idle_s``, the simulator's tick while nothing can run, to the
-    cost of the cheapest busy step it predicts, a single token: an engine loop that does no work
-    takes no longer than one that does the least, and a tick of 0 would never advance the clock.
+    ``idle_s``, the simulator's tick while nothing can run, is None (``base_s``), unless the fixed
+    cost per step came out 0 (on few steps, the costs per decode or per prefill can take all of
+    it): then it is the cheapest positive cost of one token, a decode's or any token's, since an
+    engine loop that does no work takes no longer than one that does the least, and a tick of 0
+    would never advance the clock (a fit with no positive cost at all is left for ``Profile`` to
+    refuse).
     """
     fields = {k: fit[k] for k in ("base_s", "per_token_s", "per_kv_token_s")}
     fields["per_decode_token_s"] = fit.get("per_decode_token_s")
-    if not fields["base_s"]:
-        one_token = fields["per_token_s"] if fields["per_decode_token_s"] is None else fields["per_decode_token_s"]
-        if one_token > 0:
-            fields["idle_s"] = float(one_token)
+    one_token = [c for c in (fields["per_decode_token_s"], fields["per_token_s"]) if c is not None and c > 0]
+    fields["idle_s"] = float(min(one_token)) if not fields["base_s"] and one_token else None
     fields["per_prefill_s"] = fit.get("per_prefill_s", 0.0)
     fields["per_prefill_pair_s"] = fit.get("per_prefill_pair_s", 0.0)
     fields["per_first_decode_s"] = fit.get("per_first_decode_s", 0.0)

@@ -12,46 +12,31 @@ check reports:
 - the two-sample Kolmogorov-Smirnov distance (``scipy.stats.ks_2samp``) between the real and the
   simulated distributions of TTFT, TPOT and end-to-end latency over the requests.
 
-A profile with step noise makes the simulator a random model of the engine, so the check
-simulates the workload with several noise seeds (``NOISE_SEEDS``) and compares the real requests
-with the simulated requests of all the seeds pooled: the model's distribution, not one draw of it.
-One seed's TPOT p99 is the third-slowest request of 300, and it hangs on races (whether a short
-request ends before a long prompt's prefill joins its batch) that one slow noise spell decides:
-over the three checks of one run it ranged from -21% to +70% of the real engine's between seeds.
-The report keeps each seed's figures beside the pooled ones (``seed_spread``).
+A profile with step noise is simulated with several noise seeds, their requests pooled
+(``engine.twin.seeds``): the model's distribution, not one draw of it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from scipy.stats import ks_2samp
 
 from ctrl import build_controller
 from ctrl.base import Controller
 from engine.core.profile import Profile, load_profile
 from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time, profile_fields
-from engine.sim.simulate import simulate
 from engine.twin.plot import plot_step_times
 from engine.twin.fit import fit_around as fit_around_check
 from engine.twin.replay import RecordingExecutor, replay_real
+from engine.twin.seeds import (NOISE_SEEDS, SPREAD, ks_distances, scaled_to_speed, seed_spread, simulate_seeds,
+                               write_sim_requests_csv)
 from engine.workloads import read_trace, resolve_trace
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
-#: noise seeds a check simulates by default (a profile without noise is simulated once)
-NOISE_SEEDS = 8
-#: the summary's figures taken over the pooled requests of every seed (the rest: the seeds' mean):
-#: figure -> (latency, percentile)
-POOLED = {"ttft_p50_s": ("ttft_s", 50), "ttft_p99_s": ("ttft_s", 99), "tpot_p50_s": ("tpot_s", 50),
-          "tpot_p99_s": ("tpot_s", 99), "e2e_p50_s": ("e2e_s", 50), "e2e_p99_s": ("e2e_s", 99)}
-#: the relative errors whose range over single seeds the report gives
-SPREAD = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
             "e2e_p50_s", "evictions", "completed")
 
@@ -83,7 +68,7 @@ def refit_floor(errors: dict) -> dict:
     noise or beyond the linear model."""
     floor = fit_step_time(list(zip(errors["tokens"], errors["kv_tokens_read"], errors["real_s"], errors["decodes"],
                                    errors["prefills"], errors["prefill_pairs"], errors["first_decodes"])), loss="l1")
-    return {"refit_mape": floor["mape"], "refit_coefficients": {k: floor[k] for k in profile_fields(floor)}}
+    return {"refit_mape": floor["mape"], "refit_coefficients": profile_fields(floor)}
 
 
 def speed_drift(profile, errors: dict) -> dict | None:
@@ -152,86 +137,6 @@ def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
                     f"{tr:.6g},{ts:.6g},{pr:.6g},{ps:.6g}\n")
 
 
-def _write_sim_requests_csv(path: Path, sim_requests: list[list]) -> None:
-    """Per noise seed and request: the simulator's TTFT and TPOT (NaN where it has none)."""
-    with open(path, "w") as f:
-        f.write("seed,request_id,output_tokens,ttft_sim_s,tpot_sim_s\n")
-        for seed, requests in enumerate(sim_requests):
-            for r in sorted(requests, key=lambda r: r.arrival_time_s):
-                ttft = tpot = None
-                if r.first_token_time_s is not None and r.finish_time_s is not None:
-                    ttft, tpot = time_to_first_token_s(r), time_per_output_token_s(r)
-                f.write(f"{seed},{r.request_id},{r.num_output_tokens},{_g(ttft)},{_g(tpot)}\n")
-
-
-def _g(value: float | None) -> str:
-    return "nan" if value is None else f"{value:.6g}"
-
-
-def latencies(requests) -> dict[str, np.ndarray]:
-    """TTFT, TPOT and end-to-end seconds of the finished requests (TPOT of those with two tokens or more)."""
-    done = [r for r in requests if r.first_token_time_s is not None and r.finish_time_s is not None]
-    tpot = [time_per_output_token_s(r) for r in done]
-    return {"ttft_s": np.array([time_to_first_token_s(r) for r in done], dtype=float),
-            "tpot_s": np.array([t for t in tpot if t is not None], dtype=float),
-            "e2e_s": np.array([r.finish_time_s - r.arrival_time_s for r in done], dtype=float)}
-
-
-def ks_distances(real_requests, sim_requests) -> dict[str, float]:
-    """The two-sample KS statistic (the largest gap between the two empirical CDFs, 0 to 1) of
-    each latency between the real and the simulated requests; NaN where either side has none."""
-    real, sim = latencies(real_requests), latencies(sim_requests)
-    return {key: float(ks_2samp(real[key], sim[key]).statistic) if len(real[key]) and len(sim[key]) else math.nan
-            for key in real}
-
-
-def simulate_seeds(arrivals, profile: Profile, controller: Callable[[], Controller],
-                   seeds: int = NOISE_SEEDS) -> tuple[dict, list[list]]:
-    """Simulate ``arrivals`` with noise seeds 0 to ``seeds`` - 1 (once, seed 0, when the profile has
-    no noise); returns the pooled summary and each seed's ended requests.
-
-    The pooled summary has the ``POOLED`` percentiles over the ended requests of every seed together
-    (``latencies``); its other figures are the mean over the seeds (a figure every seed agrees on
-    keeps its value). With one seed it is that simulation's own summary.
-
-    :param controller: makes a fresh controller for each simulation.
-    """
-    if seeds < 1:
-        raise ValueError(f"seeds must be at least 1, got {seeds}")
-    n = seeds if profile.noise_sigma else 1
-    runs = [simulate(arrivals, profile, controller(), noise_seed=seed) for seed in range(n)]
-    requests = [list(run.core.metrics.terminal) for run in runs]
-    if n == 1:
-        return runs[0].summary, requests
-    summaries = [run.summary for run in runs]
-    pooled: dict = {}
-    for key, first in summaries[0].items():
-        values = [s[key] for s in summaries]
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        pooled[key] = float(np.mean(values)) if numeric and any(v != first for v in values) else first
-    pooled.update(_percentiles(latencies([r for reqs in requests for r in reqs])))
-    return pooled, requests
-
-
-def _percentiles(lat: dict[str, np.ndarray]) -> dict[str, float]:
-    """The ``POOLED`` figures of ``latencies``' arrays (NaN where there is no request)."""
-    return {key: float(np.percentile(lat[which], q)) if len(lat[which]) else math.nan
-            for key, (which, q) in POOLED.items()}
-
-
-def seed_spread(real: dict, real_requests, sim_requests: list[list]) -> dict:
-    """The lowest and highest relative error of each ``SPREAD`` figure, and of the KS distance of
-    TPOT, over the single seeds' simulations: how far one draw of the model could land."""
-    out: dict[str, list[float]] = {}
-    for requests in sim_requests:
-        figures = _percentiles(latencies(requests))
-        for key in SPREAD:
-            if real[key] and not math.isnan(figures[key]):
-                out.setdefault(key, []).append(figures[key] / real[key] - 1.0)
-        out.setdefault("ks_tpot", []).append(ks_distances(real_requests, requests)["tpot_s"])
-    return {key: [min(v), max(v)] for key, v in out.items()}
-
-
 def compare_metrics(real: dict, sim: dict) -> dict:
     """Per compared metric: the real and simulated value and the simulator's relative error."""
     rows = {}
@@ -246,14 +151,6 @@ def targets_met(errors: dict, rows: dict) -> dict:
     return {"step_time_mape": errors["mape"] <= TARGETS["step_time_mape"],
             "throughput_rps": abs(rows["throughput_rps"]["rel_error"]) <= TARGETS["throughput_rps"],
             "ttft_p50_s": abs(rows["ttft_p50_s"]["rel_error"]) <= TARGETS["ttft_p50_s"]}
-
-
-def scaled_to_speed(profile: Profile, ratio: float) -> Profile:
-    """``profile`` with every duration of its step model (the costs, the idle tick, the noise's
-    knee; not the SLOs) times ``ratio``: the profile of a machine ``ratio`` times slower."""
-    costs = [f.name for f in dataclasses.fields(Profile) if f.name.endswith("_s") and "_slo_" not in f.name]
-    return dataclasses.replace(profile, **{c: None if getattr(profile, c) is None else getattr(profile, c) * ratio
-                                           for c in costs})
 
 
 def _speed_adjusted_errors(arrivals, profile: Profile, controller: Callable[[], Controller], ratio: float,
@@ -291,8 +188,8 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
         lines.append("\nKS distance, real against simulated: " +
                      ", ".join(f"{key.removesuffix('_s').upper()} {value:.3f}" for key, value in ks.items()))
     if spread:
-        cells = [f"{key.removesuffix('_s').replace('_', ' ').upper().replace(' P', ' p')} "
-                 f"{100 * lo:+.1f}% to {100 * hi:+.1f}%" for key, (lo, hi) in spread.items() if key in SPREAD]
+        cells = [f"{SPREAD[key]} {100 * lo:+.1f}% to {100 * hi:+.1f}%" for key, (lo, hi) in spread.items()
+                 if key in SPREAD]
         if "ks_tpot" in spread:
             cells.append("KS TPOT {:.3f} to {:.3f}".format(*spread["ks_tpot"]))
         lines.append("one noise seed alone: " + ", ".join(cells))
@@ -374,7 +271,7 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     by_size = step_errors_by_size(errors)
     _write_steps_csv(out_dir / "twin_steps.csv", errors)
     _write_requests_csv(out_dir / "twin_requests.csv", core.metrics.terminal, sim_requests[0])
-    _write_sim_requests_csv(out_dir / "twin_sim_requests.csv", sim_requests)
+    write_sim_requests_csv(out_dir / "twin_sim_requests.csv", sim_requests)
 
     rows = compare_metrics(real, sim_summary)
     ks = ks_distances(core.metrics.terminal, [r for requests in sim_requests for r in requests])

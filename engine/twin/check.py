@@ -19,6 +19,7 @@ A profile with step noise is simulated with several noise seeds, their requests 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -27,13 +28,12 @@ import numpy as np
 from ctrl import build_controller
 from ctrl.base import Controller
 from engine.core.profile import Profile, load_profile
-from engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from engine.sim.fit import fit_step_time, profile_fields
 from engine.twin.plot import plot_step_times
 from engine.twin.fit import fit_around as fit_around_check
 from engine.twin.replay import RecordingExecutor, replay_real
-from engine.twin.seeds import (NOISE_SEEDS, SPREAD, ks_distances, scaled_to_speed, seed_spread, simulate_seeds,
-                               write_sim_requests_csv)
+from engine.twin.seeds import (NOISE_SEEDS, SPREAD, ks_distances, request_latencies, scaled_to_speed, seed_spread,
+                               simulate_seeds, write_sim_requests_csv)
 from engine.workloads import read_trace, resolve_trace
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
@@ -122,17 +122,12 @@ def _write_steps_csv(path: Path, errors: dict) -> None:
 
 def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
     """Per request: TTFT and TPOT in the real engine and in the simulator."""
-    def row(r):
-        if r.first_token_time_s is None or r.finish_time_s is None:
-            return float("nan"), float("nan")
-        tpot = time_per_output_token_s(r)
-        return time_to_first_token_s(r), float("nan") if tpot is None else tpot
     sims = {r.request_id: r for r in sim_reqs}
     with open(path, "w") as f:
         f.write("request_id,arrival_s,prompt_tokens,output_tokens,ttft_real_s,ttft_sim_s,tpot_real_s,tpot_sim_s\n")
         for r in sorted(real_reqs, key=lambda r: r.arrival_time_s):
             s = sims.get(r.request_id)
-            (tr, pr), (ts, ps) = row(r), (row(s) if s is not None else (float("nan"), float("nan")))
+            (tr, pr), (ts, ps) = request_latencies(r), (request_latencies(s) if s is not None else (math.nan, math.nan))
             f.write(f"{r.request_id},{r.arrival_time_s:.6f},{r.prompt_len},{r.num_output_tokens},"
                     f"{tr:.6g},{ts:.6g},{pr:.6g},{ps:.6g}\n")
 
@@ -259,11 +254,10 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     else:
         profile = control_profile = load_profile(profile_name)
         core, recorder = real_run(profile)
-    seeds = noise_seeds if profile.noise_sigma else 1
     if log:
-        log(f"simulating {len(arrivals)} requests with profile {profile.name}"
-            + (f", {seeds} noise seeds" if seeds > 1 else ""))
-    sim_summary, sim_requests = simulate_seeds(arrivals, profile, lambda: controller(control_profile), seeds)
+        log(f"simulating {len(arrivals)} requests with profile {profile.name}")
+    sim_summary, sim_requests = simulate_seeds(arrivals, profile, lambda: controller(control_profile), noise_seeds)
+    seeds = len(sim_requests)  # one when the profile has no noise
     real = core.metrics.summary(core.pool.capacity_tokens, profile.ttft_slo_s, profile.tpot_slo_s,
                                 final_waiting=len(core.waiting))
     errors = step_time_errors(recorder, core.metrics.step_duration_s, profile)

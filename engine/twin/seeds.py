@@ -115,17 +115,20 @@ def scaled_to_speed(profile: Profile, ratio: float) -> Profile:
                                            for c in costs})
 
 
+def request_latencies(r) -> tuple[float, float]:
+    """A request's TTFT and TPOT for the per-request files, NaN where it has none (no first token
+    or end; TPOT with fewer than two tokens)."""
+    if r.first_token_time_s is None or r.finish_time_s is None:
+        return math.nan, math.nan
+    tpot = time_per_output_token_s(r)
+    return time_to_first_token_s(r), math.nan if tpot is None else tpot
+
+
 def write_sim_requests_csv(path: Path, sim_requests: list[list]) -> None:
     """Per noise seed and request: the simulator's TTFT and TPOT (``nan`` where it has none)."""
     with open(path, "w") as f:
         f.write("seed,request_id,output_tokens,ttft_sim_s,tpot_sim_s\n")
         for seed, requests in enumerate(sim_requests):
             for r in sorted(requests, key=lambda r: r.arrival_time_s):
-                ttft = tpot = None
-                if r.first_token_time_s is not None and r.finish_time_s is not None:
-                    ttft, tpot = time_to_first_token_s(r), time_per_output_token_s(r)
-                f.write(f"{seed},{r.request_id},{r.num_output_tokens},{_csv_number(ttft)},{_csv_number(tpot)}\n")
-
-
-def _csv_number(value: float | None) -> str:
-    return "nan" if value is None else f"{value:.6g}"
+                ttft, tpot = request_latencies(r)
+                f.write(f"{seed},{r.request_id},{r.num_output_tokens},{ttft:.6g},{tpot:.6g}\n")

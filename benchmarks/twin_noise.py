@@ -64,7 +64,8 @@ from scipy.stats import ks_2samp
 
 from ctrl import build_controller
 from engine.core.profile import Profile, load_profile
-from engine.sim.fit import fit_step_time, noise_corr, noise_sigma, noise_sigma_below, profile_fields
+from engine.sim.fit import (NOISE_ACF_FLOOR, fit_step_time, noise_sigma, noise_sigma_below, noise_wander,
+                            profile_fields)
 from engine.twin.fit import read_step_runs, read_steps_csv
 from engine.twin.seeds import latencies, scaled_to_speed, simulate_seeds
 from engine.workloads import read_trace, resolve_trace
@@ -75,7 +76,8 @@ SHORT = (4, 7)
 #: the running-median windows (steps) of the detrended variants
 DETREND_WINDOWS = (101, 401)
 VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
-            "correlated, split, by length", "correlated, split, mean above", "no prefill chunk or pair cost",
+            "correlated, split, by length", "lag-fitted AR(1) alone", "correlated, split, mean above",
+            "no prefill chunk or pair cost",
             "no first-decode cost", "no after-prefill cost", "no after-prefill token cost",
             *(f"detrended over {w} steps: {what}" for w in DETREND_WINDOWS
               for what in ("correlation", "sigmas and correlation")))
@@ -120,6 +122,34 @@ def detrended_ratios(rows: list[tuple], runs, profile: Profile, window: int) -> 
     return np.exp(logs / np.array([profile.noise_scale(t) for t in pred]))
 
 
+def lag_fitted_corr(ratios, lags: int = 50) -> float:
+    """The noise correlation profiles had before the fresh share: the lag-one ``rho`` of the AR(1)
+    series whose autocorrelation ``rho^k`` fits that of the logs of ``ratios`` over lags 1 to
+    ``lags`` while it stays above ``NOISE_ACF_FLOOR`` (least squares on its log, through the
+    origin); 0 when even lag one is below the floor or there are fewer than ``4 * lags`` steps."""
+    logs = np.log(np.asarray(ratios, dtype=float))
+    if len(logs) < 4 * lags:
+        return 0.0
+    mad = float(np.median(np.abs(logs - np.median(logs))))
+    bound = 5.0 * (1.4826 * mad or 1.0)
+    x = np.clip(logs - np.median(logs), -bound, bound)
+    x = x - x.mean()
+    acf = [float(np.dot(x[:-k], x[k:]) / np.dot(x, x)) for k in range(1, lags + 1)]
+    kept = next((k for k, a in enumerate(acf) if a < NOISE_ACF_FLOOR), lags)
+    if not kept:
+        return 0.0
+    at = np.arange(1, kept + 1, dtype=float)
+    return min(float(np.exp(np.dot(at, np.log(acf[:kept])) / np.dot(at, at))), 0.999)
+
+
+def fitted_ratios(rows: list[tuple], runs, profile: Profile) -> np.ndarray:
+    """Real over predicted step times over their run's median, each step's log divided by its
+    length's share of the noise: the residuals ``fit_step_time`` fits the noise's correlation on."""
+    pred = np.array(profile.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
+    logs = _less_within_runs(np.log(np.array([r[2] for r in rows]) / pred), runs, np.median)
+    return np.exp(logs / np.array([profile.noise_scale(t) for t in pred]))
+
+
 def _less_within_runs(logs: np.ndarray, runs, centre) -> np.ndarray:
     """``logs`` less ``centre`` of each run's own (all one run when ``runs`` is None)."""
     out = np.array(logs, dtype=float)
@@ -150,11 +180,15 @@ def variant_profiles(base: Profile, rows: list[tuple], runs=None) -> dict[str, P
     detrended = {}
     for window in DETREND_WINDOWS:
         ratios = detrended_ratios(rows, runs, sized, window)
-        corr = noise_corr(ratios)
-        detrended[f"detrended over {window} steps: correlation"] = dataclasses.replace(sized, noise_corr=corr)
+        corr, white = noise_wander(ratios)
+        detrended[f"detrended over {window} steps: correlation"] = dataclasses.replace(
+            sized, noise_corr=corr, noise_white=white)
         detrended[f"detrended over {window} steps: sigmas and correlation"] = dataclasses.replace(
-            sized, noise_corr=corr, noise_sigma=noise_sigma(ratios), noise_sigma_below=noise_sigma_below(ratios))
+            sized, noise_corr=corr, noise_white=white, noise_sigma=noise_sigma(ratios),
+            noise_sigma_below=noise_sigma_below(ratios))
+    lagged = dataclasses.replace(sized, noise_corr=lag_fitted_corr(fitted_ratios(rows, runs, sized)), noise_white=0.0)
     return detrended | {
+        "lag-fitted AR(1) alone": lagged,
         "independent, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None, noise_corr=0.0),
         "correlated, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None),
         "independent, split": dataclasses.replace(fitted, noise_corr=0.0),
@@ -209,7 +243,12 @@ def main() -> None:
     ap.add_argument("--pooled", action="store_true",
                     help="Compare with the simulated requests of all the seeds pooled (as twin-check does), "
                          "not the median of each seed's figures.")
+    ap.add_argument("--only", action="append", default=None, metavar="VARIANT",
+                    help="Judge only this variant (repeatable; default: every one).")
     args = ap.parse_args()
+    unknown = [v for v in args.only or [] if v not in VARIANTS and v != AT_CHECK_SPEED]
+    if unknown:
+        ap.error(f"unknown variant {unknown[0]!r}; the variants are: " + "; ".join(VARIANTS + (AT_CHECK_SPEED,)))
     if args.in_sample and args.around:
         ap.error("--in-sample and --around exclude each other")
     if len(args.check) < 2 and not (args.in_sample or args.around):
@@ -236,6 +275,8 @@ def main() -> None:
         if args.around:
             variants[AT_CHECK_SPEED] = at_speed(variants["correlated, split, by length"], fit_on / "twin_report.json")
         for variant, profile in variants.items():
+            if args.only and variant not in args.only:
+                continue
             results.setdefault(variant, []).append(compare(profile, arrivals, *real[judge_on], args.seeds,
                                                            args.pooled))
     judged = ("checks, each fitted on the profiling steps around it and judged on its own requests" if args.around

@@ -565,6 +565,114 @@ def test_fit_recovers_the_prefill_chunk_cost_and_the_noise_correlation():
     assert fit_step_time([r[:4] for r in _chunk_rows(2000, 0.0, 0.0)], loss="l1")["per_prefill_s"] == 0.0
 
 
+# --- fresh noise on top of the wander: the variance of a span of steps' mean -----------------------
+
+def _wander_logs(n: int, corr: float, white: float, seed: int):
+    """Standard normal Z of an AR(1) series with ``corr`` plus fresh noise of share ``white``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a = np.empty(n)
+    a[0] = rng.standard_normal()
+    for i in range(1, n):
+        a[i] = corr * a[i - 1] + math.sqrt(1 - corr * corr) * rng.standard_normal()
+    return math.sqrt(1 - white) * a + math.sqrt(white) * rng.standard_normal(n)
+
+
+@pytest.mark.parametrize("corr, white", [(0.9, 0.0), (0.97, 0.2), (0.95, 0.5)])
+def test_noise_wander_recovers_the_correlation_and_the_fresh_share(corr, white):
+    import numpy as np
+
+    from engine.sim.fit import noise_wander
+
+    got_corr, got_white = noise_wander(np.exp(0.2 * _wander_logs(8000, corr, white, seed=3)))
+    assert got_corr == pytest.approx(corr, abs=0.02)
+    assert got_white == pytest.approx(white, abs=0.08)
+
+
+def test_noise_wander_finds_independent_steps_and_needs_enough_of_them():
+    import numpy as np
+
+    from engine.sim.fit import NOISE_MIN_STEPS, noise_wander
+
+    rng = np.random.default_rng(5)
+    assert noise_wander(np.exp(0.2 * rng.standard_normal(8000)))[0] < 0.1
+    assert noise_wander(np.exp(0.2 * _wander_logs(NOISE_MIN_STEPS - 1, 0.9, 0.0, seed=1))) == (0.0, 0.0)
+    # a stall is one large step: a few of them do not make the noise look independent
+    logs = 0.2 * _wander_logs(8000, 0.95, 0.2, seed=2)
+    logs[::500] += 5.0
+    assert noise_wander(np.exp(logs)) == pytest.approx(noise_wander(np.exp(0.2 * _wander_logs(8000, 0.95, 0.2, 2))),
+                                                       abs=0.05)
+
+
+@pytest.mark.parametrize("corr, white", [(0.98, 0.7), (0.95, 0.3), (0.9, 0.0)])
+def test_simulated_noise_spreads_a_span_of_steps_as_the_measured_noise_does(corr, white):
+    """What a request's TPOT sees: the mean of its decode steps. Noise fitted on measured steps and
+    drawn again by the simulator spreads the mean of 32 steps as the measured steps do, also when
+    most of the jitter is fresh at every step (an AR(1) series alone, fitted to the first lags'
+    correlation, spread it 1.5 times too wide there)."""
+    import numpy as np
+
+    from engine.sim.executor import StepNoise
+    from engine.sim.fit import noise_wander
+
+    def mean_spread(logs, span: int = 32) -> float:
+        sums = np.concatenate([[0.0], np.cumsum(logs - logs.mean())])
+        return float(np.std((sums[span:] - sums[:-span]) / span) / np.std(logs))
+
+    measured = 0.2 * _wander_logs(20_000, corr, white, seed=8)
+    got_corr, got_white = noise_wander(np.exp(measured))
+    drawn = np.log(_draws(StepNoise(0.2, seed=9, corr=got_corr, white=got_white), 60_000))
+    assert mean_spread(drawn) == pytest.approx(mean_spread(measured), rel=0.12)
+
+
+def test_fresh_noise_keeps_each_draw_standard_and_shortens_the_correlation():
+    import numpy as np
+
+    from engine.sim.executor import StepNoise
+
+    z = np.log(_draws(StepNoise(0.3, seed=4, corr=0.9, white=0.3), 60_000)) / 0.3
+    assert abs(np.median(z)) < 0.08 and np.std(z) == pytest.approx(1.0, abs=0.08)
+    for lag in (1, 10):
+        assert np.corrcoef(z[:-lag], z[lag:])[0, 1] == pytest.approx(0.7 * 0.9 ** lag, abs=0.03)
+    # a share of 0 draws what the noise drew before it had one
+    assert _draws(StepNoise(0.3, seed=7, corr=0.9, white=0.0), 50) == _draws(StepNoise(0.3, seed=7, corr=0.9), 50)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="white share"):
+            StepNoise(0.3, corr=0.9, white=bad)
+
+
+def test_fit_recovers_the_fresh_share_and_the_profile_keeps_it(tmp_path):
+    from engine.sim.executor import SimExecutor
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    p = replace(split_profile(), per_prefill_s=2e-3)
+    rows = _chunk_rows(8000, 0.0, 0.0, seed=6)
+    z = _wander_logs(len(rows), 0.95, 0.3, seed=6)
+    fit = fit_step_time([(t, k, s * math.exp(0.25 * float(x)), d, c) for (t, k, s, d, c), x in zip(rows, z)],
+                        loss="l1")
+    assert fit["noise_corr"] == pytest.approx(0.95, abs=0.02)
+    assert fit["noise_white"] == pytest.approx(0.3, abs=0.1)
+    fields = profile_fields(fit)
+    assert fields["noise_white"] == fit["noise_white"]
+    assert profile_fields({**fit, "noise_corr": 0.0})["noise_white"] == 0.0  # no wander, nothing to share
+    fitted = replace(p, **fields)
+    fitted.save(tmp_path / "white.json")
+    assert load_profile(tmp_path / "white.json") == fitted
+    assert SimExecutor(fitted).noise.corr == fields["noise_corr"]
+    assert "noise_white" not in replace(fitted, noise_white=0.0).to_dict()["step_time"]
+    old = load_profile(write_json(tmp_path, minimal_profile_dict()))
+    assert old.noise_white == 0.0
+
+
+@pytest.mark.parametrize("value, expected", [(-0.1, "non-negative"), (1.5, "at most"), ("some", "finite number")])
+def test_bad_fresh_share_names_its_key(tmp_path, value, expected):
+    data = minimal_profile_dict()
+    data["step_time"]["noise_white"] = value
+    with pytest.raises(ProfileError, match=f"step_time.noise_white.*{expected}"):
+        load_profile(write_json(tmp_path, data))
+
+
 def test_noise_below_the_median_has_its_own_sigma_and_the_mean_counts_both():
     import numpy as np
 

@@ -16,7 +16,8 @@ from engine.core.profile import Profile, load_profile
 from engine.sim.fit import binned_samples, fit_step_time
 from engine.core.request import Request, RequestState
 from engine.twin.check import COMPARED, refit_floor, step_time_errors
-from engine.twin.seeds import NOISE_SEEDS, POOLED, ks_distances, latencies, seed_spread, simulate_seeds
+from engine.twin.seeds import (NOISE_SEEDS, POOLED, ks_distances, latencies, real_sampling, seed_spread,
+                               simulate_seeds)
 from engine.twin.fit import read_steps_csv, run_profile_from_steps
 
 torch.set_num_threads(1)  # as the tiny-cpu profile was fitted
@@ -204,6 +205,8 @@ def test_twin_check_end_to_end(tmp_path):
     assert set(report["targets_met"]) == {"step_time_mape", "throughput_rps", "ttft_p50_s"}
     assert set(report["ks_distance"]) == {"ttft_s", "tpot_s", "e2e_s"}
     assert all(0 <= d <= 1 for d in report["ks_distance"].values()) and "KS distance" in report["table"]
+    assert report["real_sampling"]["tpot_p99_s"][0] <= 0 <= report["real_sampling"]["tpot_p99_s"][1]
+    assert "the real run's own sampling" in report["table"]
     assert json.loads((tmp_path / "twin_report.json").read_text())["requests"] == 16
     assert (tmp_path / "twin_step_time.png").stat().st_size > 0
     # The steps it recorded are what --from-steps fits on.
@@ -326,6 +329,26 @@ def test_seed_spread_brackets_each_single_seed_figure():
     assert spread["tpot_p99_s"] == pytest.approx([min(per_seed), max(per_seed)])
     ks = [ks_distances(real_requests, r)["tpot_s"] for r in requests]
     assert spread["ks_tpot"] == [min(ks), max(ks)] and 0 < min(ks) <= max(ks) <= 1
+
+
+def test_real_sampling_is_the_bootstrap_range_of_the_real_figures():
+    arrivals, profile, controller = _noisy_check_inputs()
+    _, (real_requests,) = simulate_seeds(arrivals, profile, controller, 1)
+    _, requests = simulate_seeds(arrivals, profile, controller, 4)
+    sampling = real_sampling(real_requests, requests)
+    assert set(sampling) == {"ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "ks_tpot"}
+    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+        lo, hi = sampling[key]
+        assert -1 < lo <= 0 <= hi, key
+    # the tail rests on a few requests, the median on many
+    assert np.subtract(*sampling["tpot_p99_s"][::-1]) > np.subtract(*sampling["tpot_p50_s"][::-1])
+    assert sampling == real_sampling(real_requests, requests)  # seeded
+    # the KS floor: two samples of n and m, 1.358 * sqrt((n + m) / (n m))
+    n, m = len(latencies(real_requests)["tpot_s"]), sum(len(latencies(r)["tpot_s"]) for r in requests)
+    assert sampling["ks_tpot"] == [0.0, pytest.approx(1.3581 * ((n + m) / (n * m)) ** 0.5, rel=1e-3)]
+    # requests that all took the same time leave no room for luck
+    same = real_sampling([real_requests[0]] * 50, requests)
+    assert same["ttft_p99_s"] == [0.0, 0.0]
 
 
 def test_twin_check_cli_passes_its_noise_seeds_on_and_defaults_to_the_checks(monkeypatch):

@@ -27,13 +27,15 @@ log-normal factor ``exp(noise_sigma * Z)`` with median 1 (``StepNoise``), so the
 is the median step and the mean is ``exp(noise_sigma^2 / 2)`` times it, as the right-skewed
 steps of a real engine are. With ``noise_corr`` > 0 the Z of successive steps form an AR(1)
 series with that lag-one correlation (a machine's speed wanders over many steps); each Z is
-still standard normal. With ``noise_sigma_below`` the factor is ``exp(noise_sigma_below * Z)``
-when Z < 0: a real step rarely runs much faster than its median, while slow ones run far
-slower. With ``noise_knee_s`` > 0 the noise depends on the step's length: a step whose median t
-is longer than the knee has its sigmas times ``noise_scale(t)`` = sqrt(f^2 + (1 - f^2) (knee /
-t)^2), f = ``noise_floor``: part of the jitter is a fixed number of seconds that a long step
-amortises (on a CPU, single-token decodes of about 1 ms vary by 12-20%, 10-40 ms prefills by
-3-6%), and part grows with the step.
+still standard normal. With ``noise_white`` = w > 0, Z = sqrt(1 - w) A + sqrt(w) E, A that AR(1)
+series and E drawn afresh at every step: a step's own jitter on top of the machine's wander, so
+the noise averages out over a few steps faster than the AR(1) series alone would. With
+``noise_sigma_below`` the factor is ``exp(noise_sigma_below * Z)`` when Z < 0: a real step
+rarely runs much faster than its median, while slow ones run far slower. With ``noise_knee_s`` >
+0 the noise depends on the step's length: a step whose median t is longer than the knee has its
+sigmas times ``noise_scale(t)`` = sqrt(f^2 + (1 - f^2) (knee / t)^2), f = ``noise_floor``: part
+of the jitter is a fixed number of seconds that a long step amortises (on a CPU, single-token
+decodes of about 1 ms vary by 12-20%, 10-40 ms prefills by 3-6%), and part grows with the step.
 
 Profiles live in JSON or YAML files; the shipped ones are in ``engine/core/profiles/``. The file
 format and the derivation of the shipped numbers are in docs/PROFILES.md.
@@ -92,6 +94,7 @@ _FILE_KEY = {
     "per_after_prefill_token_s": "step_time.per_after_prefill_token_s",
     "noise_knee_s": "step_time.noise_knee_s",
     "noise_floor": "step_time.noise_floor",
+    "noise_white": "step_time.noise_white",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -102,7 +105,7 @@ _FILE_KEY = {
 }
 _NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr",
                  "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
-                 "per_after_prefill_token_s", "noise_knee_s", "noise_floor")
+                 "per_after_prefill_token_s", "noise_knee_s", "noise_floor", "noise_white")
 #: fields that may be None (absent from the file)
 _OPTIONAL = ("idle_s", "per_decode_token_s", "noise_sigma_below")
 #: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
@@ -113,7 +116,7 @@ MAX_NOISE_CORR = 0.999
 MAX_AFTER_PREFILL_DECAY = 0.99
 #: the largest value of each bounded field (noise_floor is a share of the noise's sigma)
 _AT_MOST = {"noise_sigma": MAX_NOISE_SIGMA, "noise_sigma_below": MAX_NOISE_SIGMA, "noise_corr": MAX_NOISE_CORR,
-            "after_prefill_decay": MAX_AFTER_PREFILL_DECAY, "noise_floor": 1.0}
+            "after_prefill_decay": MAX_AFTER_PREFILL_DECAY, "noise_floor": 1.0, "noise_white": 1.0}
 _POSITIVE = ("ttft_slo_s", "tpot_slo_s")
 _POSITIVE_INT = ("kv_capacity_tokens", "block_size", "max_num_batched_tokens", "max_num_seqs")
 
@@ -145,6 +148,8 @@ class Profile:
     :param noise_knee_s: the median step length up to which the noise has its whole sigma; longer
         steps get less (:meth:`noise_scale`). 0: every step the same sigma.
     :param noise_floor: the share of the sigma that very long steps keep, in [0, 1] (with a knee).
+    :param noise_white: the share of the noise's normal draws' variance drawn afresh at every step,
+        in [0, 1]; the rest follows the AR(1) series of ``noise_corr`` (0: all of it).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -182,6 +187,7 @@ class Profile:
     per_after_prefill_token_s: float = 0.0
     noise_knee_s: float = 0.0
     noise_floor: float = 0.0
+    noise_white: float = 0.0
 
     def __reduce__(self) -> tuple[type[Profile], tuple[Any, ...]]:
         """Pickled and copied by its fields, built (and checked) again: compiled
@@ -288,6 +294,8 @@ class Profile:
             step_time["noise_sigma"] = self.noise_sigma
         if self.noise_corr:
             step_time["noise_corr"] = self.noise_corr
+        if self.noise_white:
+            step_time["noise_white"] = self.noise_white
         if self.noise_sigma_below is not None:
             step_time["noise_sigma_below"] = self.noise_sigma_below
         if self.noise_knee_s:
@@ -401,11 +409,8 @@ def _fields_from_file(data: Any) -> dict:
     for key in ("name", "step_time", "kv_capacity_tokens"):
         if key not in data:
             raise _Invalid(f"missing required key {key!r}")
-    step_time = _section(data, "step_time", {"base_s", "per_token_s", "per_kv_token_s", "idle_s",
-                                             "per_decode_token_s", "noise_sigma", "per_prefill_s",
-                                             "noise_corr", "noise_sigma_below", "per_prefill_pair_s",
-                                             "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
-                                             "per_after_prefill_token_s", "noise_knee_s", "noise_floor"})
+    step_time = _section(data, "step_time", {key.split(".", 1)[1] for key in _FILE_KEY.values()
+                                             if key.startswith("step_time.")})
     for key in ("base_s", "per_token_s", "per_kv_token_s"):
         if key not in step_time:
             raise _Invalid(f"missing required key 'step_time.{key}'")
@@ -432,6 +437,7 @@ def _fields_from_file(data: Any) -> dict:
         "per_after_prefill_token_s": step_time.get("per_after_prefill_token_s", 0.0),
         "noise_knee_s": step_time.get("noise_knee_s", 0.0),
         "noise_floor": step_time.get("noise_floor", 0.0),
+        "noise_white": step_time.get("noise_white", 0.0),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

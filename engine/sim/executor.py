@@ -17,24 +17,33 @@ class StepNoise:
     """Seeded log-normal factors with median 1: ``exp(sigma * Z)``, Z standard normal; with
     ``corr`` > 0, successive Z form an AR(1) series, ``Z' = corr * Z + sqrt(1 - corr^2) * E``
     (E a fresh standard normal, the first Z drawn as one), so each Z stays standard normal. With
+    ``white`` = w > 0, the Z used is ``sqrt(1 - w) * Z + sqrt(w) * E'``, E' one more fresh standard
+    normal: still standard normal, its correlation ``(1 - w) * corr^k`` at lag k. With
     ``sigma_below``, a Z below 0 is scaled by it instead: the factor's median stays 1.
 
     :param sigma: the log-normal's sigma (``Profile.noise_sigma``); 0 gives factors of exactly 1.
     :param seed: seeds the draws, so a simulation stays a pure function of its inputs.
     :param corr: lag-one correlation of successive Z (``Profile.noise_corr``), in [0, 1).
     :param sigma_below: the sigma below the median (``Profile.noise_sigma_below``; None: ``sigma``).
+    :param white: the share of Z's variance drawn afresh at every step (``Profile.noise_white``), in
+        [0, 1]; 0 draws the same factors as before it existed.
     """
 
-    def __init__(self, sigma: float, seed: int = 0, corr: float = 0.0, sigma_below: float | None = None) -> None:
+    def __init__(self, sigma: float, seed: int = 0, corr: float = 0.0, sigma_below: float | None = None,
+                 white: float = 0.0) -> None:
         for name, value in (("sigma", sigma), ("sigma below the median", sigma_below)):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"noise {name} must be a non-negative number, got {value!r}")
         if not 0.0 <= corr < 1.0:
             raise ValueError(f"noise correlation must be in [0, 1), got {corr!r}")
+        if not 0.0 <= white <= 1.0:
+            raise ValueError(f"noise white share must be in [0, 1], got {white!r}")
         self.sigma = sigma
         self.corr = corr
         self.sigma_below = sigma_below
         self._fresh = math.sqrt(1.0 - corr * corr)
+        self._white = math.sqrt(white)
+        self._wander = math.sqrt(1.0 - white)
         self._rng = random.Random(seed)
         self._z: float | None = None
 
@@ -48,6 +57,8 @@ class StepNoise:
             return self._rng.lognormvariate(0.0, self.sigma * scale)
         e = self._rng.gauss(0.0, 1.0)
         z = self._z = e if self._z is None or not self.corr else self.corr * self._z + self._fresh * e
+        if self._white and self.corr:
+            z = self._wander * z + self._white * self._rng.gauss(0.0, 1.0)
         return math.exp((self.sigma if z >= 0.0 or below is None else below) * scale * z)
 
 
@@ -69,7 +80,8 @@ class SimExecutor:
 
     def __init__(self, profile: Profile, seed: int = 0) -> None:
         self.step_time_s = profile.median_step_s  # the engine's counts are consistent by construction
-        self.noise = (StepNoise(profile.noise_sigma, seed, profile.noise_corr, profile.noise_sigma_below)
+        self.noise = (StepNoise(profile.noise_sigma, seed, profile.noise_corr, profile.noise_sigma_below,
+                                profile.noise_white)
                       if profile.noise_sigma else None)
         self._noise_knee = profile.noise_knee_s
         self._noise_scale = profile.noise_scale

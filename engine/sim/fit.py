@@ -23,10 +23,14 @@ of its steps from the median (a half-normal's is 0.6745 sigma), so that the stal
 machine do not count: ``Profile.noise_sigma`` above, ``Profile.noise_sigma_below`` below. (A
 sigma above matched to the mean instead overshot TPOT p99, by 20% at the median over 72 pairs
 of checks, fitted on one and judged on another: the tail's mean belongs to a few stalls.)
-``Profile.noise_corr`` is the lag-one correlation of
-an AR(1) series fitted to the residuals' autocorrelation over the first lags (a machine's speed
-wanders over tens of steps: independent factors would average out within a request, and TPOT
-would come out far narrower than measured).
+``Profile.noise_corr`` and ``Profile.noise_white`` are fitted together (:func:`noise_wander`): an
+AR(1) series, the machine's speed wandering over tens of steps, plus a share of fresh jitter at
+every step, chosen so that the mean of 2 to 256 successive steps varies as much as the measured
+steps' does. A request's TPOT is such a mean: independent factors would average out within a
+request and make TPOT far narrower than measured, and an AR(1) series alone, fitted to the first
+lags' autocorrelation as profiles did before, cannot have both a quick drop at lag one and a slow
+decay after it. Over 30 recorded checks it gave the mean of 8-32 steps 22-27% more variance
+than measured; where most of the jitter is fresh at every step, half as much spread again.
 
 The noise's size falls with the step's length: on a CPU, single-token decodes of about 1 ms vary
 by 12-20% from step to step while prefills of 10-40 ms vary by 3-6%, part of the jitter being a
@@ -50,14 +54,20 @@ from engine.core.profile import MAX_NOISE_CORR, MAX_NOISE_SIGMA, after_prefill_w
 MIN_SPLIT_ROWS = 3
 #: the median of a half-normal |Z|
 _HALF_NORMAL_MEDIAN = 0.6745
-#: the most lags the noise's autocorrelation is fitted over
-NOISE_LAGS = 50
-#: the autocorrelation below which a lag no longer counts (noise, not signal)
+#: the fewest steps the noise's correlation is fitted on (fewer: independent steps)
+NOISE_MIN_STEPS = 200
+#: the correlation at lag one below which steps count as independent (noise, not signal)
 NOISE_ACF_FLOOR = 0.05
 #: the decays of the after-prefill cost the fit tries (how much of it is left one step later)
 AFTER_DECAYS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 #: the least relative cut in the fit's loss for which the after-prefill cost is kept
 AFTER_MIN_GAIN = 0.01
+#: the spans of successive steps (a request's decode steps) whose mean's variance the noise's
+#: correlation and fresh share are fitted to (:func:`noise_wander`)
+NOISE_SPANS = (2, 4, 8, 16, 32, 64, 128, 256)
+#: the correlations and fresh shares :func:`noise_wander` tries (rho up to MAX_NOISE_CORR, finer near 1)
+_WANDER_RHOS = np.concatenate([[0.0], 1.0 - np.geomspace(1.0, 1.0 - MAX_NOISE_CORR, 400)[1:]])
+_WANDER_WHITES = np.linspace(0.0, 1.0, 201)
 #: log-spaced bins of the predicted step length in which the noise's size is measured
 NOISE_BINS = 24
 #: the fewest steps a bin needs for its noise to count
@@ -133,6 +143,7 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     knee, floor = noise_size(ratios, pred, runs) if noise_by_length else (0.0, 0.0)
     if knee:  # the short steps' noise: each residual over its length's share of the sigma
         ratios = ratios ** (1.0 / _noise_scales(pred, knee, floor))
+    corr, white = noise_wander(ratios)
     after_s = float(coef[7]) if decay is not None else 0.0
     after_token_s = float(coef[8]) if decay is not None else 0.0
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
@@ -143,7 +154,7 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
             "per_after_prefill_s": after_s, "per_after_prefill_token_s": after_token_s,
             "after_prefill_decay": decay if (after_s or after_token_s) and decay is not None else 0.0,
             "noise_sigma": noise_sigma(ratios), "noise_sigma_below": noise_sigma_below(ratios),
-            "noise_corr": noise_corr(ratios), "noise_knee_s": knee, "noise_floor": floor, "loss": loss,
+            "noise_corr": corr, "noise_white": white, "noise_knee_s": knee, "noise_floor": floor, "loss": loss,
             "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
 
@@ -276,31 +287,41 @@ def _half_sigma(ratios, above: bool) -> float:
     return min(float(np.median(side)) / _HALF_NORMAL_MEDIAN, MAX_NOISE_SIGMA) if len(side) else 0.0
 
 
-def noise_corr(ratios) -> float:
-    """The lag-one correlation ``rho`` of the AR(1) series whose autocorrelation, ``rho^k`` at lag k,
-    fits that of the logs of ``ratios`` (in the order the steps ran) over the lags up to
-    ``NOISE_LAGS`` while it stays above ``NOISE_ACF_FLOOR`` (least squares on its log); 0 when
-    even lag one is below the floor."""
+def noise_wander(ratios) -> tuple[float, float]:
+    """``(noise_corr, noise_white)``: the AR(1) correlation ``rho`` and the share ``w`` of fresh
+    noise whose variance-time curve fits that of the logs of ``ratios`` (in the order the steps
+    ran): the variance of the mean of m successive steps over the variance of one, for m in
+    ``NOISE_SPANS`` (least squares on its log). A request's TPOT is the mean of its decode steps,
+    so this is the figure the noise has to get right; the correlation at each lag is a means to
+    it. Under the model, the mean of m steps has variance ``(1 + 2 (1 - w) sum_{k<m} (1 - k/m)
+    rho^k) / m`` times one step's. ``(0.0, 0.0)``, independent steps, on fewer than
+    ``NOISE_MIN_STEPS`` steps or when the fitted correlation at lag one, ``(1 - w) rho``, is below
+    ``NOISE_ACF_FLOOR``."""
     logs = _logs(ratios)
-    if len(logs) < 4 * NOISE_LAGS:
-        return 0.0
+    spans = [m for m in NOISE_SPANS if 8 * m <= len(logs)]
+    if len(logs) < NOISE_MIN_STEPS or not spans:
+        return 0.0, 0.0
     mad = float(np.median(np.abs(logs - np.median(logs))))
     bound = 5.0 * (1.4826 * mad or 1.0)
     x = np.clip(logs - np.median(logs), -bound, bound)  # a stall counts as a large step, not more
     x = x - x.mean()
-    var = float(np.dot(x, x))
-    lags, logs_acf = [], []
-    for k in range(1, NOISE_LAGS + 1):
-        acf = float(np.dot(x[:-k], x[k:])) / var
-        if acf < NOISE_ACF_FLOOR:
-            break
-        lags.append(k)
-        logs_acf.append(np.log(acf))
-    if not lags:
-        return 0.0
-    at = np.asarray(lags, dtype=float)
-    rho = float(np.exp(np.dot(at, logs_acf) / np.dot(at, at)))
-    return min(rho, MAX_NOISE_CORR)
+    var = float(np.dot(x, x)) / len(x)
+    if var <= 0:
+        return 0.0, 0.0
+    sums = np.concatenate([[0.0], np.cumsum(x)])
+    measured = np.log([float(np.var((sums[m:] - sums[:-m]) / m)) / var for m in spans])
+    at = np.asarray(spans, dtype=float)
+    rho = _WANDER_RHOS[:, None, None]
+    lags = np.arange(1, max(spans))[None, None, :]
+    weights = np.clip(1.0 - lags / at[None, :, None], 0.0, None)  # (1 - k/m) for k < m, 0 beyond
+    wander = (weights * rho ** lags).sum(axis=2)  # sum_{k<m} (1 - k/m) rho^k, per rho and span
+    model = (1.0 + 2.0 * (1.0 - _WANDER_WHITES[None, :, None]) * wander[:, None, :]) / at[None, None, :]
+    err = ((np.log(model) - measured) ** 2).sum(axis=2)
+    i, j = np.unravel_index(int(np.argmin(err)), err.shape)
+    corr, white = float(_WANDER_RHOS[i]), float(_WANDER_WHITES[j])
+    if (1.0 - white) * corr < NOISE_ACF_FLOOR:  # lag one's correlation: independent steps, as far as they tell
+        return 0.0, 0.0
+    return min(corr, MAX_NOISE_CORR), white
 
 
 def _logs(ratios) -> np.ndarray:
@@ -332,6 +353,7 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     with_noise = noise and fit.get("loss") == "l1"
     fields["noise_sigma"] = fit.get("noise_sigma", 0.0) if with_noise else 0.0
     fields["noise_corr"] = fit.get("noise_corr", 0.0) if with_noise and fields["noise_sigma"] else 0.0
+    fields["noise_white"] = fit.get("noise_white", 0.0) if fields["noise_corr"] else 0.0
     fields["noise_sigma_below"] = fit.get("noise_sigma_below") if with_noise and fields["noise_sigma"] else None
     sized = with_noise and fields["noise_sigma"] and fit.get("noise_knee_s")
     fields["noise_knee_s"] = fit["noise_knee_s"] if sized else 0.0

@@ -32,8 +32,8 @@ from engine.sim.fit import fit_step_time, profile_fields
 from engine.twin.plot import plot_step_times
 from engine.twin.fit import fit_around as fit_around_check
 from engine.twin.replay import RecordingExecutor, replay_real
-from engine.twin.seeds import (NOISE_SEEDS, SPREAD, ks_distances, request_latencies, scaled_to_speed, seed_spread,
-                               simulate_seeds, write_sim_requests_csv)
+from engine.twin.seeds import (NOISE_SEEDS, SPREAD, ks_distances, real_sampling, request_latencies, scaled_to_speed,
+                               seed_spread, simulate_seeds, write_sim_requests_csv)
 from engine.workloads import read_trace, resolve_trace
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
@@ -168,7 +168,8 @@ def _runs_text(drift: dict) -> str:
 
 
 def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], drift: dict | None,
-                 met: dict, ks: dict[str, float] | None = None, spread: dict | None = None) -> str:
+                 met: dict, ks: dict[str, float] | None = None, spread: dict | None = None,
+                 sampling: dict | None = None) -> str:
     """The check as text: the step-time headline, the metric table, step times by size, targets."""
     verdict = "met" if met["step_time_mape"] else "missed"
     lines = [headline,
@@ -188,6 +189,12 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
         if "ks_tpot" in spread:
             cells.append("KS TPOT {:.3f} to {:.3f}".format(*spread["ks_tpot"]))
         lines.append("one noise seed alone: " + ", ".join(cells))
+    if sampling:
+        cells = [f"{SPREAD[key]} {100 * lo:+.1f}% to {100 * hi:+.1f}%" for key, (lo, hi) in sampling.items()
+                 if key in SPREAD]
+        lines.append("the real run's own sampling (its requests resampled, 90% of the draws): " + ", ".join(cells)
+                     + (f"; KS TPOT of two samples this size from one distribution: above "
+                        f"{sampling['ks_tpot'][1]:.3f} 5% of the time" if "ks_tpot" in sampling else ""))
     lines += ["", "| steps with T new tokens | steps | real mean (ms) | real median (ms) | predicted mean (ms) "
               "| MAPE |", "|---|---|---|---|---|---|"]
     for b in by_size:
@@ -270,6 +277,7 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     rows = compare_metrics(real, sim_summary)
     ks = ks_distances(core.metrics.terminal, [r for requests in sim_requests for r in requests])
     spread = seed_spread(real, core.metrics.terminal, sim_requests) if seeds > 1 else None
+    sampling = real_sampling(core.metrics.terminal, sim_requests)
     drift = speed_drift(profile, errors)
     if drift is not None:
         drift["rel_error_speed_adjusted"], drift["ks_speed_adjusted"] = _speed_adjusted_errors(
@@ -283,8 +291,9 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
         "controller": controller_spec, "profile": profile.name, "model": model, "fit_around": fit_around,
         "step_time": {k: v for k, v in errors.items() if not isinstance(v, np.ndarray)},
         "step_time_by_size": by_size, "speed_drift": drift, "metrics": rows, "ks_distance": ks, "targets_met": met,
-        "noise_seeds": seeds, "seed_spread": spread, "real_summary": real, "sim_summary": sim_summary,
-        "table": report_table(headline, errors, rows, by_size, drift, met, ks, spread),
+        "noise_seeds": seeds, "seed_spread": spread, "real_sampling": sampling, "real_summary": real,
+        "sim_summary": sim_summary,
+        "table": report_table(headline, errors, rows, by_size, drift, met, ks, spread, sampling),
     }
     (out_dir / "twin_report.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
     plot_step_times(errors, out_dir / "twin_step_time.png",

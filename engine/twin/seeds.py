@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from scipy.special import kolmogi
 from scipy.stats import ks_2samp
 
 from ctrl.base import Controller
@@ -33,6 +34,8 @@ POOLED = {"ttft_p50_s": ("ttft_s", 50), "ttft_p99_s": ("ttft_s", 99), "tpot_p50_
 #: the summary's figures that the seeds' largest stands for (the rest: their mean, or their sum here)
 PEAKS = ("kv_peak_tokens",)
 SUMS = ("wall_time_s",)
+#: resamples of the real requests behind the range of the real run's own figures (``real_sampling``)
+REAL_RESAMPLES = 2000
 #: the relative errors whose range over single seeds the report gives, and their names in it
 SPREAD = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "tpot_p50_s": "TPOT p50", "tpot_p99_s": "TPOT p99"}
 
@@ -105,6 +108,43 @@ def seed_spread(real: dict, real_requests, sim_requests: list[list]) -> dict:
                 out.setdefault(key, []).append(figures[key] / real[key] - 1.0)
         out.setdefault("ks_tpot", []).append(ks_distances(real_requests, requests)["tpot_s"])
     return {key: [min(v), max(v)] for key, v in out.items()}
+
+
+def real_sampling(real_requests, sim_requests: list[list], resamples: int = REAL_RESAMPLES, seed: int = 0) -> dict:
+    """How far the real run's own figures could have landed by the luck of its requests alone: for
+    each ``SPREAD`` figure, :func:`sampling_range` of the real requests' latencies; and
+    ``ks_tpot``, ``[0, ks_floor(...)]`` for the real and the pooled simulated TPOTs
+    (``sim_requests``: each seed's). A relative error inside the range is one the check cannot
+    tell from 0."""
+    lat = latencies(real_requests)
+    rng = np.random.default_rng(seed)
+    out: dict[str, list[float]] = {}
+    for key in SPREAD:
+        which, q = POOLED[key]
+        if len(lat[which]) and np.percentile(lat[which], q):
+            out[key] = sampling_range(lat[which], q, rng, resamples)
+    n, m = len(lat["tpot_s"]), len(latencies([r for reqs in sim_requests for r in reqs])["tpot_s"])
+    if n and m:
+        out["ks_tpot"] = [0.0, ks_floor(n, m)]
+    return out
+
+
+def sampling_range(values: np.ndarray, q: float, rng: np.random.Generator,
+                   resamples: int = REAL_RESAMPLES) -> list[float]:
+    """The 5th and 95th percentiles of the ``q``-th percentile of ``values`` resampled with
+    replacement (``resamples`` times), relative to that of ``values`` itself (which is not 0)."""
+    values = np.asarray(values, dtype=float)
+    draws = np.percentile(values[rng.integers(0, len(values), (resamples, len(values)))], q, axis=1)
+    lo, hi = np.percentile(draws / np.percentile(values, q) - 1.0, [5, 95])
+    return [float(lo), float(hi)]
+
+
+def ks_floor(n: int, m: int) -> float:
+    """The two-sample KS distance that samples of ``n`` and ``m`` drawn independently from one
+    distribution exceed 5% of the time (asymptotic: ``K sqrt((n + m) / (n m))``, K = 1.358 the
+    Kolmogorov distribution's 95th percentile). Pooled noise seeds share their arrivals, so for
+    them it is a floor."""
+    return float(kolmogi(0.05)) * math.sqrt((n + m) / (n * m))
 
 
 def scaled_to_speed(profile: Profile, ratio: float) -> Profile:

@@ -610,7 +610,7 @@ def test_simulated_noise_spreads_a_span_of_steps_as_the_measured_noise_does(corr
     """What a request's TPOT sees: the mean of its decode steps. Noise fitted on measured steps and
     drawn again by the simulator spreads the mean of 32 steps as the measured steps do, also when
     most of the jitter is fresh at every step (an AR(1) series alone, fitted to the first lags'
-    correlation, spread it 1.5 times too wide there)."""
+    correlation, spread it 1.4 times too wide at 70% fresh)."""
     import numpy as np
 
     from engine.sim.executor import StepNoise

@@ -30,7 +30,8 @@ steps' does. A request's TPOT is such a mean: independent factors would average 
 request and make TPOT far narrower than measured, and an AR(1) series alone, fitted to the first
 lags' autocorrelation as profiles did before, cannot have both a quick drop at lag one and a slow
 decay after it. Over 30 recorded checks it gave the mean of 8-32 steps 22-27% more variance
-than measured; where most of the jitter is fresh at every step, half as much spread again.
+than measured; on series whose jitter is 30-90% fresh, it spreads the mean of 32 steps 1.14-1.74
+times as wide as the truth (``benchmarks/noise_spans.py``).
 
 The noise's size falls with the step's length: on a CPU, single-token decodes of about 1 ms vary
 by 12-20% from step to step while prefills of 10-40 ms vary by 3-6%, part of the jitter being a

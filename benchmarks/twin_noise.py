@@ -25,12 +25,16 @@ drift between the two checks counts against every variant alike.
 
 Variants (the fitted coefficients, the noise changed):
 
+- ``no noise``: the median step every time (the step model's own spread of the requests' latencies);
 - ``independent, symmetric``: one sigma (the scaled median absolute deviation), no correlation;
 - ``correlated, symmetric``: that sigma, the fitted AR(1) correlation;
 - ``independent, split``: a sigma above and one below the median, no correlation;
 - ``correlated, split``: both sigmas and the correlation, the sigmas the same for every step length;
 - ``correlated, split, by length``: and the sigmas falling for steps longer than a knee
-  (``noise_knee_s``, ``noise_floor``: what ``tidegate profile`` fits);
+  (``noise_knee_s``, ``noise_floor``: what ``tidegate profile`` fits, with the correlation and
+  the fresh share of ``noise_wander``);
+- ``lag-fitted AR(1) alone``: that, with the correlation of an AR(1) series fitted to the first
+  50 lags' autocorrelation and no fresh share (``lag_fitted_corr``: what profiles had before);
 - ``correlated, split, mean above``: the sigma above the median matched to the mean of the
   steps above it instead of their median distance;
 - ``no prefill chunk or pair cost``: ``correlated, split`` refitted without the chunk and pair counts;
@@ -75,7 +79,7 @@ FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
 SHORT = (4, 7)
 #: the running-median windows (steps) of the detrended variants
 DETREND_WINDOWS = (101, 401)
-VARIANTS = ("independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
+VARIANTS = ("no noise", "independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
             "correlated, split, by length", "lag-fitted AR(1) alone", "correlated, split, mean above",
             "no prefill chunk or pair cost",
             "no first-decode cost", "no after-prefill cost", "no after-prefill token cost",
@@ -189,6 +193,7 @@ def variant_profiles(base: Profile, rows: list[tuple], runs=None) -> dict[str, P
     lagged = dataclasses.replace(sized, noise_corr=lag_fitted_corr(fitted_ratios(rows, runs, sized)), noise_white=0.0)
     return detrended | {
         "lag-fitted AR(1) alone": lagged,
+        "no noise": dataclasses.replace(sized, noise_sigma=0.0),
         "independent, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None, noise_corr=0.0),
         "correlated, symmetric": dataclasses.replace(fitted, noise_sigma=mad, noise_sigma_below=None),
         "independent, split": dataclasses.replace(fitted, noise_corr=0.0),

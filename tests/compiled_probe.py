@@ -78,7 +78,8 @@ def main() -> None:
     arrivals = [Arrival(a.arrival_time_s / 2, a.prompt_tokens, a.output_tokens, a.max_tokens, a.class_id)
                 for a in arrivals]
     quiet = load_profile("a100-llama2-7b")
-    noisy = dataclasses.replace(quiet, noise_sigma=0.15, noise_corr=0.3, noise_knee_s=0.02, noise_floor=0.4,
+    noisy = dataclasses.replace(quiet, noise_sigma=0.15, noise_corr=0.3, noise_white=0.4, noise_knee_s=0.02,
+                                noise_floor=0.4,
                                 kv_capacity_tokens=quiet.kv_capacity_tokens // 4)
     for name in [*sorted(CONTROLLERS), "learned"]:
         for profile, eviction in ((quiet, "recompute"), (noisy, "reset")):

@@ -40,7 +40,7 @@ import numpy as np
 from engine.core.profile import load_profile
 from scipy.stats import ks_2samp
 
-from engine.twin.seeds import NOISE_SEEDS, ks_floor, sampling_range
+from engine.twin.seeds import NOISE_SEEDS, POOLED, SPREAD, ks_floor, sampling_range
 
 #: metric -> bound on |relative error| (None: reported only)
 TARGETS = {"ttft_p50_s": 0.10, "ttft_p99_s": 0.10, "tpot_p50_s": 0.10, "tpot_p99_s": 0.10,
@@ -63,17 +63,11 @@ def plot_cdfs(folder: Path, out: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    with open(folder / "twin_requests.csv") as f:
-        rows = {"real": list(csv.DictReader(f))}
-    pooled = folder / "twin_sim_requests.csv"
-    with open(pooled if pooled.exists() else folder / "twin_requests.csv") as f:
-        rows["sim"] = list(csv.DictReader(f))
+    lat = read_latencies(folder)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("ttft", "tpot")):
         for side, style in (("real", "-"), ("sim", "--")):
-            key = f"{metric}_{side}_s"
-            x = np.sort([float(r[key]) for r in rows[side] if r[key] not in ("", "nan")])
-            x = x[np.isfinite(x)]
+            x = np.sort(lat[f"{metric}_{side}"])
             ax.plot(1e3 * x, np.arange(1, len(x) + 1) / len(x), style,
                     label="real engine" if side == "real" else "simulator (noise seeds pooled)")
         ax.set_xscale("log")
@@ -182,17 +176,17 @@ def pooled_lines(folders: list[Path], summary: dict) -> list[str]:
     pooled = {k: np.concatenate([x[k] for x in lat]) for k in lat[0]}
     rng = np.random.default_rng(0)
     out = {}
-    for m, q in (("ttft", 50), ("ttft", 99), ("tpot", 50), ("tpot", 99)):
-        real, sim = pooled[f"{m}_real"], pooled[f"{m}_sim"]
-        out[f"{m}_p{q}_s"] = {"rel_error": float(np.percentile(sim, q) / np.percentile(real, q) - 1.0),
-                              "real_sampling": sampling_range(real, q, rng)}
+    for key in SPREAD:  # the percentiles of POOLED the report judges
+        which, q = POOLED[key]
+        real, sim = pooled[f"{which.removesuffix('_s')}_real"], pooled[f"{which.removesuffix('_s')}_sim"]
+        out[key] = {"rel_error": float(np.percentile(sim, q) / np.percentile(real, q) - 1.0),
+                    "real_sampling": sampling_range(real, q, rng)}
     n, k = len(pooled["tpot_real"]), len(pooled["tpot_sim"])
     out["ks_tpot"] = {"value": float(ks_2samp(pooled["tpot_real"], pooled["tpot_sim"]).statistic),
                       "floor": ks_floor(n, k)}
     summary["pooled"] = out
-    cells = [f"{m.upper()} p{q} {100 * out[f'{m}_p{q}_s']['rel_error']:+.1f}% (the real side's own sampling "
-             "{:+.1f}% to {:+.1f}%)".format(*(100 * v for v in out[f"{m}_p{q}_s"]["real_sampling"]))
-             for m, q in (("ttft", 50), ("ttft", 99), ("tpot", 50), ("tpot", 99))]
+    cells = [f"{SPREAD[key]} {100 * out[key]['rel_error']:+.1f}% (the real side's own sampling "
+             "{:+.1f}% to {:+.1f}%)".format(*(100 * v for v in out[key]["real_sampling"])) for key in SPREAD]
     return [f"\nthe {len(folders)} checks pooled ({n} real TPOTs, {k} simulated): " + ", ".join(cells)
             + f"; KS TPOT {out['ks_tpot']['value']:.3f} (two samples this size from one distribution: above "
             f"{out['ks_tpot']['floor']:.3f} 5% of the time)"]
@@ -212,7 +206,8 @@ def spread_lines(reports: list[dict], summary: dict) -> list[str]:
     samplings = [r.get("real_sampling") for r in reports]
     if all(samplings) and all("tpot_p99_s" in sp for sp in samplings):
         summary["real_sampling"] = samplings
-        lines.append("\neach check's real run, its requests resampled (90% of the draws), could have given: "
+        lines.append("\neach check's real run, its requests resampled (5th to 95th percentile of the draws), "
+                     "could have given: "
                      + "; ".join("TPOT p99 {:+.0f}% to {:+.0f}%".format(*(100 * v for v in sp["tpot_p99_s"]))
                                  + (f", KS TPOT above {sp['ks_tpot'][1]:.3f} 5% of the time" if "ks_tpot" in sp
                                     else "") for sp in samplings)

@@ -68,8 +68,8 @@ from scipy.stats import ks_2samp
 
 from ctrl import build_controller
 from engine.core.profile import Profile, load_profile
-from engine.sim.fit import (NOISE_ACF_FLOOR, fit_step_time, noise_sigma, noise_sigma_below, noise_wander,
-                            profile_fields)
+from engine.sim.fit import (NOISE_ACF_FLOOR, fit_step_time, noise_residuals, noise_sigma, noise_sigma_below,
+                            noise_wander, profile_fields)
 from engine.twin.fit import read_step_runs, read_steps_csv
 from engine.twin.seeds import latencies, scaled_to_speed, simulate_seeds
 from engine.workloads import read_trace, resolve_trace
@@ -128,16 +128,12 @@ def detrended_ratios(rows: list[tuple], runs, profile: Profile, window: int) -> 
 
 def lag_fitted_corr(ratios, lags: int = 50) -> float:
     """The noise correlation profiles had before the fresh share: the lag-one ``rho`` of the AR(1)
-    series whose autocorrelation ``rho^k`` fits that of the logs of ``ratios`` over lags 1 to
+    series whose autocorrelation ``rho^k`` fits that of ``noise_residuals(ratios)`` over lags 1 to
     ``lags`` while it stays above ``NOISE_ACF_FLOOR`` (least squares on its log, through the
     origin); 0 when even lag one is below the floor or there are fewer than ``4 * lags`` steps."""
-    logs = np.log(np.asarray(ratios, dtype=float))
-    if len(logs) < 4 * lags:
+    x = noise_residuals(ratios)
+    if len(x) < 4 * lags or not np.any(x):
         return 0.0
-    mad = float(np.median(np.abs(logs - np.median(logs))))
-    bound = 5.0 * (1.4826 * mad or 1.0)
-    x = np.clip(logs - np.median(logs), -bound, bound)
-    x = x - x.mean()
     acf = [float(np.dot(x[:-k], x[k:]) / np.dot(x, x)) for k in range(1, lags + 1)]
     kept = next((k for k, a in enumerate(acf) if a < NOISE_ACF_FLOOR), lags)
     if not kept:

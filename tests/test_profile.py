@@ -627,6 +627,8 @@ def test_simulated_noise_spreads_a_span_of_steps_as_the_measured_noise_does(corr
 
 
 def test_fresh_noise_keeps_each_draw_standard_and_shortens_the_correlation():
+    import random
+
     import numpy as np
 
     from engine.sim.executor import StepNoise
@@ -635,15 +637,20 @@ def test_fresh_noise_keeps_each_draw_standard_and_shortens_the_correlation():
     assert abs(np.median(z)) < 0.08 and np.std(z) == pytest.approx(1.0, abs=0.08)
     for lag in (1, 10):
         assert np.corrcoef(z[:-lag], z[lag:])[0, 1] == pytest.approx(0.7 * 0.9 ** lag, abs=0.03)
-    # a share of 0 draws what the noise drew before it had one
-    assert _draws(StepNoise(0.3, seed=7, corr=0.9, white=0.0), 50) == _draws(StepNoise(0.3, seed=7, corr=0.9), 50)
+    # a share of 0 draws what the noise drew before it had one: the AR(1) series alone
+    rng, z, expected = random.Random(7), None, []
+    for _ in range(50):
+        e = rng.gauss(0.0, 1.0)
+        z = e if z is None else 0.9 * z + math.sqrt(1 - 0.81) * e
+        expected.append(math.exp(0.3 * z))
+    assert _draws(StepNoise(0.3, seed=7, corr=0.9, white=0.0), 50) == pytest.approx(expected, rel=1e-12)
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="white share"):
             StepNoise(0.3, corr=0.9, white=bad)
 
 
 def test_fit_recovers_the_fresh_share_and_the_profile_keeps_it(tmp_path):
-    from engine.sim.executor import SimExecutor
+    from engine.sim.executor import SimExecutor, StepNoise
     from engine.sim.fit import fit_step_time, profile_fields
 
     p = replace(split_profile(), per_prefill_s=2e-3)
@@ -659,7 +666,12 @@ def test_fit_recovers_the_fresh_share_and_the_profile_keeps_it(tmp_path):
     fitted = replace(p, **fields)
     fitted.save(tmp_path / "white.json")
     assert load_profile(tmp_path / "white.json") == fitted
-    assert SimExecutor(fitted).noise.corr == fields["noise_corr"]
+    drawn = StepNoise(fitted.noise_sigma, 3, fitted.noise_corr, fitted.noise_sigma_below, fitted.noise_white)
+    assert _draws(SimExecutor(fitted, seed=3).noise, 40) == _draws(drawn, 40)  # the simulator draws the fresh share
+    assert _draws(SimExecutor(replace(fitted, noise_white=0.0), seed=3).noise, 40) != _draws(drawn, 40)
+    # without a wander the fresh share means nothing: a profile says so one way only
+    assert replace(fitted, noise_corr=0.0).noise_white == 0.0
+    assert replace(fitted, noise_corr=0.0) == replace(fitted, noise_corr=0.0, noise_white=0.7)
     assert "noise_white" not in replace(fitted, noise_white=0.0).to_dict()["step_time"]
     old = load_profile(write_json(tmp_path, minimal_profile_dict()))
     assert old.noise_white == 0.0

@@ -254,7 +254,8 @@ def test_twin_check_fitted_around_simulates_with_the_profile_it_wrote(tmp_path):
     assert "(before " in report["table"] and ", after " in report["table"]
     # the profile's serving steps are kept, and fitting on them again gives the same profile
     refit = run_profile_from_steps(tmp_path / "profile_steps.csv", name="around-check")
-    for key in ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "noise_sigma_below", "noise_corr"):
+    for key in ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "noise_sigma_below", "noise_corr",
+                "noise_white"):
         assert getattr(refit, key) == pytest.approx(getattr(profile, key), rel=1e-6), key
     arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=8, rate_scale=10.0, length_scale=0.05,
                           max_tokens_cap=256)

@@ -149,7 +149,8 @@ class Profile:
         steps get less (:meth:`noise_scale`). 0: every step the same sigma.
     :param noise_floor: the share of the sigma that very long steps keep, in [0, 1] (with a knee).
     :param noise_white: the share of the noise's normal draws' variance drawn afresh at every step,
-        in [0, 1]; the rest follows the AR(1) series of ``noise_corr`` (0: all of it).
+        in [0, 1]; the rest follows the AR(1) series of ``noise_corr`` (0: all of it). Set to 0
+        when ``noise_corr`` is 0 (independent steps either way).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -202,6 +203,8 @@ class Profile:
             raise ProfileError(f"profile {self.name!r}: {e}.") from None
         for name, value in values.items():
             object.__setattr__(self, name, value)
+        if not self.noise_corr:  # without a wander, every draw is fresh already: one way to say it
+            object.__setattr__(self, "noise_white", 0.0)
 
     @property
     def decode_token_s(self) -> float:

@@ -29,9 +29,10 @@ every step, chosen so that the mean of 2 to 256 successive steps varies as much 
 steps' does. A request's TPOT is such a mean: independent factors would average out within a
 request and make TPOT far narrower than measured, and an AR(1) series alone, fitted to the first
 lags' autocorrelation as profiles did before, cannot have both a quick drop at lag one and a slow
-decay after it. Over 30 recorded checks it gave the mean of 8-32 steps 22-27% more variance
+decay after it. Over 33 recorded checks it gave the mean of 8-32 steps 20-27% more variance
 than measured; on series whose jitter is 30-90% fresh, it spreads the mean of 32 steps 1.14-1.74
-times as wide as the truth (``benchmarks/noise_spans.py``).
+times as wide as the truth (``benchmarks/noise_spans.py``). A profile whose ``noise_corr`` is 0
+has no fresh share (every draw is fresh already).
 
 The noise's size falls with the step's length: on a CPU, single-token decodes of about 1 ms vary
 by 12-20% from step to step while prefills of 10-40 ms vary by 3-6%, part of the jitter being a
@@ -111,8 +112,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         a split), ``per_prefill_s``, ``per_prefill_pair_s`` and ``per_first_decode_s`` (0 without
         their counts), ``per_after_prefill_s``, ``per_after_prefill_token_s`` and
         ``after_prefill_decay`` (0 when not fitted),
-        ``noise_sigma``, ``noise_sigma_below`` and ``noise_corr`` (fitted on all rows, those of
-        the steps up to ``noise_knee_s``), ``noise_knee_s`` and ``noise_floor`` (:func:`noise_size`),
+        ``noise_sigma``, ``noise_sigma_below``, ``noise_corr`` and ``noise_white`` (fitted on all
+        rows, those of the steps up to ``noise_knee_s``), ``noise_knee_s`` and ``noise_floor`` (:func:`noise_size`),
         ``r2`` and ``mape`` on all rows, ``heldout_mape`` of a fit on the other rows, and ``points``.
     """
     if loss not in ("l1", "l2"):
@@ -290,39 +291,67 @@ def _half_sigma(ratios, above: bool) -> float:
 
 def noise_wander(ratios) -> tuple[float, float]:
     """``(noise_corr, noise_white)``: the AR(1) correlation ``rho`` and the share ``w`` of fresh
-    noise whose variance-time curve fits that of the logs of ``ratios`` (in the order the steps
-    ran): the variance of the mean of m successive steps over the variance of one, for m in
-    ``NOISE_SPANS`` (least squares on its log). A request's TPOT is the mean of its decode steps,
-    so this is the figure the noise has to get right; the correlation at each lag is a means to
-    it. Under the model, the mean of m steps has variance ``(1 + 2 (1 - w) sum_{k<m} (1 - k/m)
-    rho^k) / m`` times one step's. ``(0.0, 0.0)``, independent steps, on fewer than
+    noise whose variance-time curve (:func:`span_variance_model`) fits that of the logs of
+    ``ratios`` (in the order the steps ran, :func:`span_variances` of :func:`noise_residuals`)
+    over the spans of ``NOISE_SPANS`` that the steps fill 8 times or more (least squares on its
+    log). A request's TPOT is the mean of its decode steps, so this is the figure the noise has
+    to get right; the correlation at each lag is a means to it. At low correlation rho and w
+    trade off against each other (several pairs draw nearly the same curve); the curve itself
+    is what the fit gets right. ``(0.0, 0.0)``, independent steps, on fewer than
     ``NOISE_MIN_STEPS`` steps or when the fitted correlation at lag one, ``(1 - w) rho``, is below
     ``NOISE_ACF_FLOOR``."""
-    logs = _logs(ratios)
-    spans = [m for m in NOISE_SPANS if 8 * m <= len(logs)]
-    if len(logs) < NOISE_MIN_STEPS or not spans:
+    x = noise_residuals(ratios)
+    spans = [m for m in NOISE_SPANS if 8 * m <= len(x)]
+    if len(x) < NOISE_MIN_STEPS or not spans or not np.any(x):
         return 0.0, 0.0
-    mad = float(np.median(np.abs(logs - np.median(logs))))
-    bound = 5.0 * (1.4826 * mad or 1.0)
-    x = np.clip(logs - np.median(logs), -bound, bound)  # a stall counts as a large step, not more
-    x = x - x.mean()
-    var = float(np.dot(x, x)) / len(x)
-    if var <= 0:
-        return 0.0, 0.0
-    sums = np.concatenate([[0.0], np.cumsum(x)])
-    measured = np.log([float(np.var((sums[m:] - sums[:-m]) / m)) / var for m in spans])
+    measured = np.log(np.maximum(span_variances(x, spans), 1e-12))
     at = np.asarray(spans, dtype=float)
-    rho = _WANDER_RHOS[:, None, None]
-    lags = np.arange(1, max(spans))[None, None, :]
-    weights = np.clip(1.0 - lags / at[None, :, None], 0.0, None)  # (1 - k/m) for k < m, 0 beyond
-    wander = (weights * rho ** lags).sum(axis=2)  # sum_{k<m} (1 - k/m) rho^k, per rho and span
-    model = (1.0 + 2.0 * (1.0 - _WANDER_WHITES[None, :, None]) * wander[:, None, :]) / at[None, None, :]
+    sums = _wander_sums(_WANDER_RHOS, spans)  # per rho and span
+    model = (1.0 + 2.0 * (1.0 - _WANDER_WHITES[None, :, None]) * sums[:, None, :]) / at[None, None, :]
     err = ((np.log(model) - measured) ** 2).sum(axis=2)
     i, j = np.unravel_index(int(np.argmin(err)), err.shape)
     corr, white = float(_WANDER_RHOS[i]), float(_WANDER_WHITES[j])
     if (1.0 - white) * corr < NOISE_ACF_FLOOR:  # lag one's correlation: independent steps, as far as they tell
         return 0.0, 0.0
     return min(corr, MAX_NOISE_CORR), white
+
+
+def noise_residuals(ratios) -> np.ndarray:
+    """The logs of ``ratios`` (real / predicted step times, in the order the steps ran) less their
+    median, a stall clipped at 5 robust sigmas (it counts as a large step, not more), then less
+    their mean: what the noise's correlation is fitted on (finite positive ratios only)."""
+    logs = _logs(ratios)
+    if not len(logs):
+        return logs
+    mad = float(np.median(np.abs(logs - np.median(logs))))
+    bound = 5.0 * (1.4826 * mad or 1.0)
+    x = np.clip(logs - np.median(logs), -bound, bound)
+    return x - x.mean()
+
+
+def span_variances(x: np.ndarray, spans) -> np.ndarray:
+    """The variance of the mean of m successive values of ``x`` (every window of m) over that of
+    one value, for each m in ``spans``."""
+    x = np.asarray(x, dtype=float)
+    sums = np.concatenate([[0.0], np.cumsum(x)])
+    var = float(np.var(x))
+    return np.array([float(np.var((sums[m:] - sums[:-m]) / m)) / var if var > 0 else 0.0 for m in spans])
+
+
+def span_variance_model(corr: float, white: float, spans) -> np.ndarray:
+    """Under the noise model (an AR(1) series of correlation ``corr`` plus a fresh share
+    ``white``), the variance of the mean of m successive steps over that of one, for each m in
+    ``spans``: ``(1 + 2 (1 - w) sum_{k<m} (1 - k/m) rho^k) / m``."""
+    at = np.asarray(spans, dtype=float)
+    return (1.0 + 2.0 * (1.0 - white) * _wander_sums(np.array([corr]), spans)[0]) / at
+
+
+def _wander_sums(rhos: np.ndarray, spans) -> np.ndarray:
+    """``sum_{k<m} (1 - k/m) rho^k`` for each rho (rows) and span m (columns)."""
+    at = np.asarray(spans, dtype=float)
+    lags = np.arange(1, int(max(spans)))[None, None, :]
+    weights = np.clip(1.0 - lags / at[None, :, None], 0.0, None)  # (1 - k/m) for k < m, 0 beyond
+    return (weights * np.asarray(rhos, dtype=float)[:, None, None] ** lags).sum(axis=2)
 
 
 def _logs(ratios) -> np.ndarray:

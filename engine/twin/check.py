@@ -192,7 +192,8 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
     if sampling:
         cells = [f"{SPREAD[key]} {100 * lo:+.1f}% to {100 * hi:+.1f}%" for key, (lo, hi) in sampling.items()
                  if key in SPREAD]
-        lines.append("the real run's own sampling (its requests resampled, 90% of the draws): " + ", ".join(cells)
+        lines.append("the real run's own sampling (its requests resampled, 5th to 95th percentile of the draws): "
+                     + ", ".join(cells)
                      + (f"; KS TPOT of two samples this size from one distribution: above "
                         f"{sampling['ks_tpot'][1]:.3f} 5% of the time" if "ks_tpot" in sampling else ""))
     lines += ["", "| steps with T new tokens | steps | real mean (ms) | real median (ms) | predicted mean (ms) "

@@ -36,10 +36,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from engine.core.profile import load_profile
 from scipy.stats import ks_2samp
 
+from engine.core.profile import load_profile
 from engine.twin.seeds import NOISE_SEEDS, POOLED, SPREAD, ks_floor, sampling_range
 
 #: metric -> bound on |relative error| (None: reported only)

@@ -120,10 +120,7 @@ def _half_mean_sigma(logs: np.ndarray) -> float:
 def detrended_ratios(rows: list[tuple], runs, profile: Profile, window: int) -> np.ndarray:
     """Real over predicted step times less their running median over ``window`` steps within each
     run, each step's log divided by its length's share of the noise (``Profile.noise_scale``)."""
-    pred = np.array(profile.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
-    logs = np.log(np.array([r[2] for r in rows]) / pred)
-    logs = _less_within_runs(logs, runs, lambda x: median_filter(x, size=window, mode="nearest"))
-    return np.exp(logs / np.array([profile.noise_scale(t) for t in pred]))
+    return _residual_ratios(rows, runs, profile, lambda x: median_filter(x, size=window, mode="nearest"))
 
 
 def lag_fitted_corr(ratios, lags: int = 50) -> float:
@@ -145,8 +142,14 @@ def lag_fitted_corr(ratios, lags: int = 50) -> float:
 def fitted_ratios(rows: list[tuple], runs, profile: Profile) -> np.ndarray:
     """Real over predicted step times over their run's median, each step's log divided by its
     length's share of the noise: the residuals ``fit_step_time`` fits the noise's correlation on."""
+    return _residual_ratios(rows, runs, profile, np.median)
+
+
+def _residual_ratios(rows: list[tuple], runs, profile: Profile, centre) -> np.ndarray:
+    """Real over predicted step times, less ``centre`` of each run's logs, each step's log over its
+    length's share of the noise (``Profile.noise_scale``)."""
     pred = np.array(profile.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
-    logs = _less_within_runs(np.log(np.array([r[2] for r in rows]) / pred), runs, np.median)
+    logs = _less_within_runs(np.log(np.array([r[2] for r in rows]) / pred), runs, centre)
     return np.exp(logs / np.array([profile.noise_scale(t) for t in pred]))
 
 

@@ -44,6 +44,9 @@ Variants (the fitted coefficients, the noise changed):
   after a prefill (every other variant has it where the fit finds it);
 - ``no after-prefill token cost``: ``correlated, split`` refitted with that cost per prefill step
   only, none per prefill token;
+- ``no prefill-alone cost``: ``correlated, split, by length`` refitted without the cost of a step
+  that prefills with no decodes beside (``per_prefill_alone_s``): one cost per prefill chunk
+  wherever it runs, as profiles had before it;
 - ``detrended over W steps: correlation`` (W = 101, 401): ``correlated, split, by length`` with
   the correlation fitted on the residuals less their running median over W steps (within each
   run): a machine's slow wander taken out, the step-to-step correlation left;
@@ -82,7 +85,7 @@ DETREND_WINDOWS = (101, 401)
 VARIANTS = ("no noise", "independent, symmetric", "correlated, symmetric", "independent, split", "correlated, split",
             "correlated, split, by length", "lag-fitted AR(1) alone", "correlated, split, mean above",
             "no prefill chunk or pair cost",
-            "no first-decode cost", "no after-prefill cost", "no after-prefill token cost",
+            "no first-decode cost", "no after-prefill cost", "no after-prefill token cost", "no prefill-alone cost",
             *(f"detrended over {w} steps: {what}" for w in DETREND_WINDOWS
               for what in ("correlation", "sigmas and correlation")))
 #: the diagnostic variant of ``--around``
@@ -206,6 +209,8 @@ def variant_profiles(base: Profile, rows: list[tuple], runs=None) -> dict[str, P
             rows, loss="l1", after_prefill=False, runs=runs))),
         "no after-prefill token cost": dataclasses.replace(base, **profile_fields(fit_step_time(
             rows, loss="l1", after_prefill_tokens=False, runs=runs))),
+        "no prefill-alone cost": dataclasses.replace(base, **profile_fields(fit_step_time(
+            rows, loss="l1", prefill_alone=False, runs=runs))),
     }
 
 

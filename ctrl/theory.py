@@ -159,6 +159,7 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     tokens_s = profile.per_token_s * s + (decode_token_s(profile) - profile.per_token_s) * min(mean_output_tokens, s)
     tokens_s += getattr(profile, "per_prefill_s", 0.0) or 0.0  # a request prefills in one chunk at least
     tokens_s += getattr(profile, "per_first_decode_s", 0.0) or 0.0  # and has one first decode at most
+    # (per_prefill_alone_s not at all: at the load this bound is about, decodes run beside every prefill)
     # a prefill step's after-cost, summed over the steps that follow it: c / (1 - decay)
     # (and its prompt's tokens' after-cost: the prompt is S - D tokens, S when D is not given)
     after_s = (getattr(profile, "per_after_prefill_s", 0.0) or 0.0) + (

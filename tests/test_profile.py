@@ -803,6 +803,41 @@ def test_fit_recovers_the_cost_of_a_first_decode(tmp_path):
         profile.step_time_s(4, 10, 2, 1, 3, 3)  # more first decodes than decodes
 
 
+def test_fit_recovers_the_cost_of_a_prefill_with_no_decodes_beside(tmp_path):
+    import numpy as np
+
+    from engine.sim.fit import fit_step_time, profile_fields
+
+    rng = np.random.default_rng(7)
+    p = replace(split_profile(), per_prefill_s=1e-3, per_prefill_alone_s=1.5e-3)
+    # 65 prefill tokens alone, against 64 and a decode: the cost alone, less a decode's over a prefill token's
+    decode_over_prefill = SPLIT["per_decode_token_s"] - SPLIT["per_token_s"]
+    assert p.step_time_s(65, 65, 0, 1) - p.step_time_s(65, 65, 1, 1) == pytest.approx(1.5e-3 - decode_over_prefill)
+    assert p.step_time_s(4, 900, 4) == split_profile().step_time_s(4, 900, 4)  # decodes alone: no such cost
+    rows = []
+    for _ in range(3000):
+        decodes = int(rng.choice([0, 0, 1, 2, 8]))
+        chunk = int(rng.choice([0, 16, 128])) if decodes else int(rng.choice([16, 64, 128]))
+        t = decodes + chunk
+        kv = decodes * 300 + chunk
+        rows.append((t, kv, p.step_time_s(t, kv, decodes, int(chunk > 0)) * float(np.exp(0.05 * rng.standard_normal())),
+                     decodes, int(chunk > 0)))
+    fit = fit_step_time(rows, loss="l1")
+    assert fit["per_prefill_alone_s"] == pytest.approx(1.5e-3, rel=0.15)
+    assert fit["per_prefill_s"] == pytest.approx(1e-3, rel=0.15)
+    profile = replace(split_profile(), **profile_fields(fit))
+    profile.save(tmp_path / "alone.json")
+    assert load_profile(tmp_path / "alone.json").per_prefill_alone_s == fit["per_prefill_alone_s"]
+    # without it, one cost per chunk takes the average of the two kinds of prefill step
+    assert fit_step_time(rows, loss="l1", prefill_alone=False)["per_prefill_s"] > 1.5e-3
+    # steps that never prefill beside decodes cannot tell the two costs apart: none fitted
+    assert fit_step_time([r for r in rows if not (r[3] and r[4])], loss="l1")["per_prefill_alone_s"] == 0.0
+    data = minimal_profile_dict()
+    data["step_time"]["per_prefill_alone_s"] = "fast"
+    with pytest.raises(ProfileError, match="step_time.per_prefill_alone_s"):
+        load_profile(write_json(tmp_path, data))
+
+
 def test_after_prefill_weights_sum_the_decayed_prefill_steps_before():
     from engine.core.profile import after_prefill_weights
 

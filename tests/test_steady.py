@@ -75,7 +75,8 @@ def _controller(spec: str, profile, seed: int) -> Controller:
 def _run(spec, workload, capacity, eviction, listed, cancels, fail_at, seed, sync, record=True):
     """Drive one engine; the state after every step, and the requests and the metrics at the end."""
     profile = step_profile(kv_capacity_tokens=capacity, noise_sigma=0.3, per_token_s=0.05, per_kv_token_s=0.01,
-                           per_prefill_s=0.2, per_prefill_pair_s=0.001, per_first_decode_s=0.5)
+                           per_prefill_s=0.2, per_prefill_pair_s=0.001, per_first_decode_s=0.5,
+                           per_prefill_alone_s=0.3)
     core = make_engine(_controller(spec, profile, seed), capacity, eviction=eviction, record_steps=record)
     executor = (ListedFailing if listed else Failing)(profile, fail_at)
     executor.noise = SimExecutor(profile, seed).noise

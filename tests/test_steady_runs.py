@@ -52,7 +52,8 @@ class Fixed(Controller):
 def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, steady_runs):
     profile = step_profile(kv_capacity_tokens=capacity, noise_sigma=0.3, noise_corr=0.8, per_token_s=0.05,
                            per_kv_token_s=0.01, per_prefill_s=0.2, per_first_decode_s=0.5,
-                           per_after_prefill_s=0.3, after_prefill_decay=0.5, per_after_prefill_token_s=0.01)
+                           per_after_prefill_s=0.3, after_prefill_decay=0.5, per_after_prefill_token_s=0.01,
+                           per_prefill_alone_s=0.25)
     controller = (Fixed(*controller_args) if isinstance(controller_args, tuple)
                   else build_controller(controller_args or "greedy", profile))
     finished: list = []

@@ -421,9 +421,9 @@ def test_speed_adjusted_errors_scale_every_cost_of_the_profile():
     profile = Profile("toy", "a toy", kv_capacity_tokens=8192, per_decode_token_s=3e-4, per_prefill_s=2e-3,
                       per_first_decode_s=1e-3, per_after_prefill_s=1e-3, after_prefill_decay=0.5,
                       per_after_prefill_token_s=2e-6, per_prefill_pair_s=1e-8, noise_sigma=0.2, noise_corr=0.8,
-                      **COEFFICIENTS)
+                      per_prefill_alone_s=1e-3, **COEFFICIENTS)
     costs = ("base_s", "per_token_s", "per_kv_token_s", "per_decode_token_s", "per_prefill_s", "per_prefill_pair_s",
-             "per_first_decode_s", "per_after_prefill_s", "per_after_prefill_token_s")
+             "per_first_decode_s", "per_after_prefill_s", "per_after_prefill_token_s", "per_prefill_alone_s")
     slower = dataclasses.replace(profile, **{c: 1.5 * getattr(profile, c) for c in costs})
     arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=40, length_scale=0.1, max_tokens_cap=256)
 

@@ -148,6 +148,7 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
     split = "" if profile.per_decode_token_s is None else f" per_decode_token_s={profile.per_decode_token_s:.6g}"
     click.echo(f"base_s={profile.base_s:.6g} per_token_s={profile.per_token_s:.6g}{split} "
                f"per_kv_token_s={profile.per_kv_token_s:.6g} per_prefill_s={profile.per_prefill_s:.6g} "
+               f"per_prefill_alone_s={profile.per_prefill_alone_s:.6g} "
                f"noise_sigma={profile.noise_sigma:.3g} noise_corr={profile.noise_corr:.3g} "
                f"noise_white={profile.noise_white:.3g}")
     if profile.noise_knee_s:

@@ -4,7 +4,7 @@ The simulator's step duration is linear in the work of the step::
 
     t = base_s + per_token_s * P + per_decode_token_s * D + per_kv_token_s * K + per_prefill_s * C
         + per_prefill_pair_s * Q + per_first_decode_s * F + per_after_prefill_s * A
-        + per_after_prefill_token_s * B
+        + per_after_prefill_token_s * B + per_prefill_alone_s * L
 
 where P is the number of prefill tokens the step processes, D the number of decoding requests
 (one new token each), K the number of KV tokens its attention reads (the sum over the batch of
@@ -17,7 +17,9 @@ steps before left behind: the sum of ``after_prefill_decay ** k`` over the earli
 prefilled, k the steps that ran in between (on a CPU, a prefill evicts the caches the decodes
 that follow work from, and they run slow for a few steps; 0 unless fitted), and B the same sum
 with each of those steps weighted by its prefill tokens (a longer prefill evicts more, and the
-steps after it pay longer; 0 unless fitted). A profile without
+steps after it pay longer; 0 unless fitted), and L is 1 for a step that prefills and runs no
+decodes, 0 otherwise (on a CPU such a step is nearly always the first after the engine idled,
+and it runs slower than the same prefill beside running decodes; 0 unless fitted). A profile without
 ``per_decode_token_s`` charges decode tokens ``per_token_s`` too (``base_s + per_token_s * T +
 per_kv_token_s * K`` with T = P + D, the older one-cost model). A step with no tokens takes
 ``idle_s``, the simulator's tick while nothing can run.
@@ -95,6 +97,7 @@ _FILE_KEY = {
     "noise_knee_s": "step_time.noise_knee_s",
     "noise_floor": "step_time.noise_floor",
     "noise_white": "step_time.noise_white",
+    "per_prefill_alone_s": "step_time.per_prefill_alone_s",
     "idle_s": "step_time.idle_s",
     "kv_capacity_tokens": "kv_capacity_tokens",
     "block_size": "block_size",
@@ -105,7 +108,7 @@ _FILE_KEY = {
 }
 _NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr",
                  "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
-                 "per_after_prefill_token_s", "noise_knee_s", "noise_floor", "noise_white")
+                 "per_after_prefill_token_s", "noise_knee_s", "noise_floor", "noise_white", "per_prefill_alone_s")
 #: fields that may be None (absent from the file)
 _OPTIONAL = ("idle_s", "per_decode_token_s", "noise_sigma_below")
 #: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
@@ -151,6 +154,8 @@ class Profile:
     :param noise_white: the share of the noise's normal draws' variance drawn afresh at every step,
         in [0, 1]; the rest follows the AR(1) series of ``noise_corr`` (0: all of it). Set to 0
         when ``noise_corr`` is 0 (independent steps either way).
+    :param per_prefill_alone_s: seconds a step takes more when it prefills and runs no decodes
+        (the ``per_prefill_s`` of its chunks are the same beside decodes).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -189,6 +194,7 @@ class Profile:
     noise_knee_s: float = 0.0
     noise_floor: float = 0.0
     noise_white: float = 0.0
+    per_prefill_alone_s: float = 0.0
 
     def __reduce__(self) -> tuple[type[Profile], tuple[Any, ...]]:
         """Pickled and copied by its fields, built (and checked) again: compiled
@@ -228,7 +234,8 @@ class Profile:
             (``after_prefill_weights`` of their prefill token counts).
         :return: ``base_s + per_token_s * P + decode_token_s * D + per_kv_token_s * K +
             per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F + per_after_prefill_s * A
-            + per_after_prefill_token_s * B``, or the idle tick when T is 0.
+            + per_after_prefill_token_s * B + per_prefill_alone_s * L`` (L: 1 when C > 0 and D is 0), or
+            the idle tick when T is 0.
         """
         if (num_tokens < 0 or kv_tokens_read < 0 or not 0 <= num_decodes <= num_tokens
                 or not 0 <= num_prefills <= num_tokens - num_decodes or prefill_pairs < 0
@@ -254,6 +261,8 @@ class Profile:
             t += (self.per_decode_token_s - self.per_token_s) * num_decodes
         if self.per_prefill_s:
             t += self.per_prefill_s * num_prefills
+        if self.per_prefill_alone_s and num_prefills and not num_decodes:
+            t += self.per_prefill_alone_s
         if self.per_prefill_pair_s:
             t += self.per_prefill_pair_s * prefill_pairs
         if self.per_first_decode_s:
@@ -315,6 +324,8 @@ class Profile:
             step_time["per_after_prefill_token_s"] = self.per_after_prefill_token_s
         if self.per_prefill_s:
             step_time["per_prefill_s"] = self.per_prefill_s
+        if self.per_prefill_alone_s:
+            step_time["per_prefill_alone_s"] = self.per_prefill_alone_s
         if self.idle_s is not None:
             step_time["idle_s"] = self.idle_s
         return {
@@ -441,6 +452,7 @@ def _fields_from_file(data: Any) -> dict:
         "noise_knee_s": step_time.get("noise_knee_s", 0.0),
         "noise_floor": step_time.get("noise_floor", 0.0),
         "noise_white": step_time.get("noise_white", 0.0),
+        "per_prefill_alone_s": step_time.get("per_prefill_alone_s", 0.0),
         "kv_capacity_tokens": data["kv_capacity_tokens"],
     }
     for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -2,16 +2,22 @@
 
 The model is ``Profile.step_time_s``: ``t = base_s + per_token_s * P + per_decode_token_s * D +
 per_kv_token_s * K + per_prefill_s * C + per_prefill_pair_s * Q + per_first_decode_s * F +
-per_after_prefill_s * A + per_after_prefill_token_s * B`` for a step with P prefill tokens in C
-chunks whose attention has Q query-key pairs and D decodes, F of them a request's first, that
-reads K KV tokens, A being the weight of the prefill steps before it and B that of their prefill
+per_after_prefill_s * A + per_after_prefill_token_s * B + per_prefill_alone_s * L`` for a step
+with P prefill tokens in C chunks whose attention has Q query-key pairs and D decodes, F of them
+a request's first, that reads K KV tokens, L being 1 when it prefills with no decodes beside,
+A the weight of the prefill steps before it and B that of their prefill
 tokens (``engine.core.profile.after_prefill_weights``: on a CPU a prefill evicts the caches the
 next decodes work from, a longer one more of them, and they run slow for a few steps). Rows
 that do not say D, or that never mix the two, get one cost per token (``base_s + per_token_s * T
 + per_kv_token_s * K``); rows that do not say C, Q or F leave ``per_prefill_s``,
 ``per_prefill_pair_s`` or ``per_first_decode_s`` at 0. Rows that say C come from serving in the
 order the steps ran, and their fit tries A and B for each decay of ``AFTER_DECAYS``, keeping the
-best when it cuts the loss by 1% or more (else both costs stay 0).
+best when it cuts the loss by 1% or more (else both costs stay 0). L gets its own cost where
+the rows have steps of prefills alone and steps of prefills beside decodes (``MIN_SPLIT_ROWS``
+of each): on a CPU at light load, a step that prefills alone is nearly always the first after
+the engine idled, and one cost per chunk fitted on those made the prefills beside running
+decodes 13% too slow at the median over 57 checks (IQR 11-16%), the very steps that the slowest
+requests' TPOT is made of (``benchmarks/twin_noise.py``'s ``no prefill-alone cost``).
 The fit keeps the coefficients non-negative and weighs every step by its relative error, so
 short steps count as much as long ones. The rows come from the profiler's grid
 (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).
@@ -81,7 +87,7 @@ NOISE_SIZE_SIGNIFICANCE = 0.05
 
 def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str = "l2",
                   after_prefill: bool = True, after_prefill_tokens: bool = True, runs=None,
-                  noise_by_length: bool = True) -> dict:
+                  noise_by_length: bool = True, prefill_alone: bool = True) -> dict:
     """Fit the step-time model to timed steps; returns coefficients, the noise sigma and fit quality.
 
     :param rows: ``(new tokens, KV tokens read, seconds)``, ``(new tokens, KV tokens read, seconds,
@@ -102,6 +108,9 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         are fitted on all rows, the median step over the runs).
     :param noise_by_length: fit how the noise falls with the step's length (:func:`noise_size`);
         False: one sigma for every step, fitted on all of them.
+    :param prefill_alone: with rows that say their prefill chunks, also fit the cost of a step
+        that prefills and runs no decodes (``per_prefill_alone_s``), where ``MIN_SPLIT_ROWS`` steps
+        or more prefill alone and as many beside decodes.
     :param loss: ``"l2"``: least squares on relative error; ``"l1"``: least absolute error
         relative to the prediction (iteratively reweighted least squares), which makes the model
         the median step: half the steps of any size run longer than predicted. Robust to the
@@ -110,8 +119,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         ``exp(-sigma^2)`` under log-normal noise).
     :return: ``base_s``, ``per_token_s``, ``per_kv_token_s``, ``per_decode_token_s`` (None without
         a split), ``per_prefill_s``, ``per_prefill_pair_s`` and ``per_first_decode_s`` (0 without
-        their counts), ``per_after_prefill_s``, ``per_after_prefill_token_s`` and
-        ``after_prefill_decay`` (0 when not fitted),
+        their counts), ``per_prefill_alone_s`` (0 when not fitted), ``per_after_prefill_s``,
+        ``per_after_prefill_token_s`` and ``after_prefill_decay`` (0 when not fitted),
         ``noise_sigma``, ``noise_sigma_below``, ``noise_corr`` and ``noise_white`` (fitted on all
         rows, those of the steps up to ``noise_knee_s``), ``noise_knee_s`` and ``noise_floor`` (:func:`noise_size`),
         ``r2`` and ``mape`` on all rows, ``heldout_mape`` of a fit on the other rows, and ``points``.
@@ -125,6 +134,11 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
             raise ValueError(f"runs must label every row: {len(runs)} labels for {len(raw)} rows")
         runs = np.asarray(runs)[raw[:, 2] > 0]
     data = _with_split(raw)
+    alone = prefill_alone and data.shape[1] >= 5 and _alone_and_beside(data)
+    if alone:  # L after the counts (P, K, t, D, C, Q, F), Q and F 0 where the rows lack them
+        data = np.column_stack([data] + [np.zeros(len(data))] * (7 - data.shape[1])
+                               + [(data[:, 3] == 0) & (data[:, 4] > 0)])
+    after_at = max(7, data.shape[1])  # where A and B go, when fitted
     decay = None
     if after_prefill and data.shape[1] >= 5 and (data[:, 0] > 0).sum() >= MIN_SPLIT_ROWS:
         data, decay = _with_after_prefill(data, fit, loss, after_prefill_tokens, runs)
@@ -146,13 +160,14 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     if knee:  # the short steps' noise: each residual over its length's share of the sigma
         ratios = ratios ** (1.0 / _noise_scales(pred, knee, floor))
     corr, white = noise_wander(ratios)
-    after_s = float(coef[7]) if decay is not None else 0.0
-    after_token_s = float(coef[8]) if decay is not None else 0.0
+    after_s = float(coef[after_at]) if decay is not None else 0.0
+    after_token_s = float(coef[after_at + 1]) if decay is not None else 0.0
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
             "per_decode_token_s": float(coef[3]) if split else None,
             "per_prefill_s": float(coef[4]) if data.shape[1] >= 5 else 0.0,
             "per_prefill_pair_s": float(coef[5]) if data.shape[1] >= 6 else 0.0,
             "per_first_decode_s": float(coef[6]) if data.shape[1] >= 7 else 0.0,
+            "per_prefill_alone_s": float(coef[7]) if alone else 0.0,
             "per_after_prefill_s": after_s, "per_after_prefill_token_s": after_token_s,
             "after_prefill_decay": decay if (after_s or after_token_s) and decay is not None else 0.0,
             "noise_sigma": noise_sigma(ratios), "noise_sigma_below": noise_sigma_below(ratios),
@@ -161,9 +176,17 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
             "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
 
 
+def _alone_and_beside(data: np.ndarray) -> bool:
+    """Whether ``data`` (``(P, K, t, D, C, ...)`` rows) has ``MIN_SPLIT_ROWS`` or more steps that
+    prefill with no decodes and as many that prefill beside decodes: without both, the cost of a
+    prefill alone cannot be told from that of a prefill chunk."""
+    prefill, decodes = data[:, 4] > 0, data[:, 3] > 0
+    return bool((prefill & ~decodes).sum() >= MIN_SPLIT_ROWS and (prefill & decodes).sum() >= MIN_SPLIT_ROWS)
+
+
 def _with_after_prefill(data: np.ndarray, fit, loss: str, tokens: bool = True,
                         runs=None) -> tuple[np.ndarray, float | None]:
-    """``data`` as ``(P, K, t, D, C, Q, F, A, B)`` (Q and F 0 where the rows lack them), A and B the
+    """``data`` as ``(P, K, t, D, C, Q, F[, L], A, B)`` (Q and F 0 where the rows lack them), A and B the
     weights of the prefill steps before each row and of their prefill tokens
     (``after_prefill_weights``) for the decay in ``AFTER_DECAYS`` that fits best, and that decay;
     ``data`` unchanged and None when no decay improves the fit by ``AFTER_MIN_GAIN`` or more.
@@ -377,6 +400,7 @@ def profile_fields(fit: dict, noise: bool = True) -> dict:
     fields["per_prefill_s"] = fit.get("per_prefill_s", 0.0)
     fields["per_prefill_pair_s"] = fit.get("per_prefill_pair_s", 0.0)
     fields["per_first_decode_s"] = fit.get("per_first_decode_s", 0.0)
+    fields["per_prefill_alone_s"] = fit.get("per_prefill_alone_s", 0.0)
     fields["per_after_prefill_s"] = fit.get("per_after_prefill_s", 0.0)
     fields["after_prefill_decay"] = fit.get("after_prefill_decay", 0.0)
     fields["per_after_prefill_token_s"] = fit.get("per_after_prefill_token_s", 0.0)
@@ -427,7 +451,7 @@ def binned_samples(rows, max_bins: int = 120) -> list[dict]:
 
 def _design(data) -> np.ndarray:
     """The regressors of ``Profile.step_time_s`` for each row: ``[1, T, K]``, ``[1, P, K, D]``,
-    and on up to ``[1, P, K, D, C, Q, F, A, B]``."""
+    and on up to ``[1, P, K, D, C, Q, F, L, A, B]`` (L where fitted)."""
     cols = [np.ones(len(data)), data[:, 0], data[:, 1]]
     cols += [data[:, i] for i in range(3, data.shape[1])]
     return np.column_stack(cols)
@@ -435,7 +459,8 @@ def _design(data) -> np.ndarray:
 
 def _predict(coef, data) -> np.ndarray:
     """Step times the coefficients ``(base_s, per_token_s, per_kv_token_s[, per_decode_token_s[, per_prefill_s[,
-    per_prefill_pair_s[, per_first_decode_s[, per_after_prefill_s, per_after_prefill_token_s]]]]])``
+    per_prefill_pair_s[, per_first_decode_s[, per_prefill_alone_s][, per_after_prefill_s,
+    per_after_prefill_token_s]]]]])``
     predict for the rows while fitting (the linear model being fitted; a finished fit becomes a ``Profile``)."""
     return _design(data) @ coef
 

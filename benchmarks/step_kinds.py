@@ -14,9 +14,9 @@ and each kind of step gets the median of log(real / predicted):
 - ``decodes only``: the rest.
 
 The table gives, per fit and kind, the median over the checks and the 25th and 75th percentiles,
-and the median number of such steps in a check. A model that is the median step of every kind
-has 0 everywhere; the fit's loss weighs every step alike, so the kind with the fewest steps is
-the one a missing term leaves off.
+and the median number of such steps in a check; below it, each fit's two prefill costs. A model
+that is the median step of every kind has 0 everywhere; the fit's loss weighs every step alike,
+so the kind with the fewest steps is the one a missing term leaves off.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ KINDS = ("prefill alone", "prefill beside decodes", "decodes only")
 FITS = {"with per_prefill_alone_s": True, "one cost per chunk (without it)": False}
 
 
-def kind_residuals(rows: list[tuple], prefill_alone: bool) -> dict[str, tuple[float, int]]:
+def kind_residuals(rows: list[tuple], prefill_alone: bool) -> tuple[dict[str, tuple[float, int]], dict]:
     """The median log(real / predicted) of each of ``KINDS`` and its number of steps, for the fit
-    on ``rows`` (``read_steps_csv`` rows with the prefill chunk column)."""
+    on ``rows`` (``read_steps_csv`` rows with the prefill chunk column), and the fit."""
     fit = fit_step_time(rows, loss="l1", prefill_alone=prefill_alone)
     profile = Profile("fit", "", kv_capacity_tokens=16, **profile_fields(fit, noise=False))
     pred = np.array(profile.predict_steps((r[0], r[1]) + tuple(r[3:]) for r in rows))
@@ -44,7 +44,7 @@ def kind_residuals(rows: list[tuple], prefill_alone: bool) -> dict[str, tuple[fl
     decodes, chunks = np.array([r[3] for r in rows]), np.array([r[4] for r in rows])
     masks = {"prefill alone": (chunks > 0) & (decodes == 0), "prefill beside decodes": (chunks > 0) & (decodes > 0),
              "decodes only": chunks == 0}
-    return {k: (float(np.median(logs[m])) if m.any() else float("nan"), int(m.sum())) for k, m in masks.items()}
+    return {k: (float(np.median(logs[m])) if m.any() else float("nan"), int(m.sum())) for k, m in masks.items()}, fit
 
 
 def main() -> None:
@@ -61,11 +61,14 @@ def main() -> None:
             raise SystemExit(f"{c}/twin_steps.csv has no prefill chunk column: rerun the check with this version.")
         steps[c] = rows
     found: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    costs: dict[str, list[tuple[float, float]]] = {}
     for n, (c, rows) in enumerate(steps.items(), 1):
         print(f"[{n}/{len(steps)}] {c}", flush=True)
         for name, alone in FITS.items():
-            for kind, value in kind_residuals(rows, alone).items():
+            residuals, fit = kind_residuals(rows, alone)
+            for kind, value in residuals.items():
                 found.setdefault((name, kind), []).append(value)
+            costs.setdefault(name, []).append((fit["per_prefill_s"], fit["per_prefill_alone_s"]))
     lines = [f"{len(steps)} checks, each fitted on its own steps: median log(real / predicted) of each kind of step, "
              "median over the checks [25th, 75th percentile] (steps in a check, median)", "",
              "| fit | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
@@ -77,6 +80,12 @@ def main() -> None:
             lo, mid, hi = np.percentile(ok[:, 0], [25, 50, 75]) if len(ok) else (np.nan,) * 3
             cells.append(f"{mid:+.3f} [{lo:+.3f}, {hi:+.3f}] ({int(np.median(a[:, 1]))})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for name in FITS:
+        c = 1e3 * np.array(costs[name])
+        lines.append(f"{name}: per_prefill_s {np.median(c[:, 0]):.2f} ms ({np.percentile(c[:, 0], 10):.2f}-"
+                     f"{np.percentile(c[:, 0], 90):.2f}, 10th-90th percentile over the checks), per_prefill_alone_s "
+                     f"{np.median(c[:, 1]):.2f} ms ({np.percentile(c[:, 1], 10):.2f}-{np.percentile(c[:, 1], 90):.2f})")
     table = "\n".join(lines)
     print(table)
     if args.out:

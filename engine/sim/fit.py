@@ -16,7 +16,7 @@ best when it cuts the loss by 1% or more (else both costs stay 0). L gets its ow
 the rows have steps of prefills alone and steps of prefills beside decodes (``MIN_SPLIT_ROWS``
 of each): on a CPU at light load, a step that prefills alone is nearly always the first after
 the engine idled, and one cost per chunk fitted on those made the prefills beside running
-decodes 13% too slow at the median over 57 checks (IQR 11-16%), the very steps that the slowest
+decodes 13% too slow at the median over 57 checks (interquartile range 11-15%), the very steps that the slowest
 requests' TPOT is made of (``benchmarks/twin_noise.py``'s ``no prefill-alone cost``).
 The fit keeps the coefficients non-negative and weighs every step by its relative error, so
 short steps count as much as long ones. The rows come from the profiler's grid
@@ -486,7 +486,7 @@ def _nonneg_relative_lstsq(data, extra_weight=None) -> np.ndarray:
     x = _design(data)
     y = data[:, 2]
     w = 1.0 / y if extra_weight is None else extra_weight / y
-    active = list(range(x.shape[1]))
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]  # a count no row has stays at 0
     while True:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         if (sol >= 0).all() or len(active) == 1:

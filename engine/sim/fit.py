@@ -16,8 +16,8 @@ best when it cuts the loss by 1% or more (else both costs stay 0). L gets its ow
 the rows have steps of prefills alone and steps of prefills beside decodes (``MIN_SPLIT_ROWS``
 of each): on a CPU at light load, a step that prefills alone is nearly always the first after
 the engine idled, and one cost per chunk fitted on those made the prefills beside running
-decodes 13% too slow at the median over 57 checks (interquartile range 11-15%), the very steps that the slowest
-requests' TPOT is made of (``benchmarks/twin_noise.py``'s ``no prefill-alone cost``).
+decodes 13% too slow at the median over 57 checks (interquartile range 11-15%,
+``benchmarks/step_kinds.py``), the very steps that the slowest requests' TPOT is made of.
 The fit keeps the coefficients non-negative and weighs every step by its relative error, so
 short steps count as much as long ones. The rows come from the profiler's grid
 (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).

@@ -51,7 +51,7 @@ from engine.twin.seeds import latencies, simulate_seeds
 from engine.workloads import read_trace, resolve_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from twin_noise import real_latencies  # noqa: E402
+from twin_noise import emit, real_latencies  # noqa: E402
 
 FIGURES = ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
 SHIFTS = (1, 4, 40)
@@ -150,10 +150,7 @@ def main() -> None:
         a = np.array(values)
         cells = [f"{100 * m:+.1f}% ({100 * s:.1f}%)" for m, s in zip(np.median(a, axis=0), np.mean(np.abs(a), axis=0))]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.write_text(table + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ so the kind with the fewest steps is the one a missing term leaves off.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,9 @@ import numpy as np
 from engine.core.profile import Profile
 from engine.sim.fit import fit_step_time, profile_fields
 from engine.twin.fit import read_steps_csv
+
+sys.path.insert(0, str(Path(__file__).parent))
+from twin_noise import emit  # noqa: E402
 
 KINDS = ("prefill alone", "prefill beside decodes", "decodes only")
 FITS = {"with per_prefill_alone_s": True, "one cost per chunk (without it)": False}
@@ -86,10 +90,7 @@ def main() -> None:
         lines.append(f"{name}: per_prefill_s {np.median(c[:, 0]):.2f} ms ({np.percentile(c[:, 0], 10):.2f}-"
                      f"{np.percentile(c[:, 0], 90):.2f}, 10th-90th percentile over the checks), per_prefill_alone_s "
                      f"{np.median(c[:, 1]):.2f} ms ({np.percentile(c[:, 1], 10):.2f}-{np.percentile(c[:, 1], 90):.2f})")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.write_text(table + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -301,10 +301,15 @@ def main() -> None:
         cells = [f"{m:.3f} ({s:.3f})" if i < 2 else f"{100 * m:+.1f}% ({100 * s:.1f}%)"
                  for i, (m, s) in enumerate(zip(med, mean_abs))]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    emit(lines, args.out)
+
+
+def emit(lines: list[str], out: Path | None) -> None:
+    """Print a table's lines, and write them to ``out`` too when given."""
     table = "\n".join(lines)
     print(table)
-    if args.out:
-        args.out.write_text(table + "\n")
+    if out:
+        out.write_text(table + "\n")
 
 
 if __name__ == "__main__":

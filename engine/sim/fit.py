@@ -15,9 +15,9 @@ order the steps ran, and their fit tries A and B for each decay of ``AFTER_DECAY
 best when it cuts the loss by 1% or more (else both costs stay 0). L gets its own cost where
 the rows have steps of prefills alone and steps of prefills beside decodes (``MIN_SPLIT_ROWS``
 of each): on a CPU at light load, a step that prefills alone is nearly always the first after
-the engine idled, and one cost per chunk fitted on those made the prefills beside running
-decodes 13% too slow at the median over 57 checks (interquartile range 11-15%,
-``benchmarks/step_kinds.py``), the very steps that the slowest requests' TPOT is made of.
+the engine idled, and with one cost per chunk fitted on those, the prefills beside running
+decodes ran 13% faster than the model at the median over 57 checks (interquartile range
+11-15%, ``benchmarks/step_kinds.py``): the very steps that the slowest requests' TPOT is made of.
 The fit keeps the coefficients non-negative and weighs every step by its relative error, so
 short steps count as much as long ones. The rows come from the profiler's grid
 (``engine.real.profiler``) or from serving runs (``engine.twin.fit``).

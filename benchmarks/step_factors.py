@@ -51,7 +51,7 @@ from engine.twin.seeds import latencies, simulate_seeds
 from engine.workloads import read_trace, resolve_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from twin_noise import emit, real_latencies  # noqa: E402
+from twin_noise import emit, real_latencies, rel_error  # noqa: E402
 
 FIGURES = ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
 SHIFTS = (1, 4, 40)
@@ -93,9 +93,8 @@ def simulate_with(profile: Profile, arrivals, factors: list[np.ndarray]) -> list
 
 def figures(done: list, ttft_real: np.ndarray, tpot_real: np.ndarray) -> list[float]:
     lat = latencies(done)
-    return [float(np.percentile(lat[key], q) / np.percentile(real, q) - 1.0)
-            for key, real, q in (("ttft_s", ttft_real, 50), ("ttft_s", ttft_real, 99),
-                                 ("tpot_s", tpot_real, 50), ("tpot_s", tpot_real, 99))]
+    return [rel_error(lat[key], real, q) for key, real, q in (("ttft_s", ttft_real, 50), ("ttft_s", ttft_real, 99),
+                                                        ("tpot_s", tpot_real, 50), ("tpot_s", tpot_real, 99))]
 
 
 def check_figures(folder: Path, base: Profile, arrivals, prefill_alone: bool = True) -> dict[str, list[float]]:

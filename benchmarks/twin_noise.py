@@ -225,13 +225,13 @@ def compare(profile: Profile, arrivals, ttft_real: np.ndarray, tpot_real: np.nda
         lat = latencies(done)
         short = latencies([r for r in done if SHORT[0] <= r.num_output_tokens <= SHORT[1]])["tpot_s"]
         out.append([ks_2samp(tpot_real, lat["tpot_s"]).statistic, ks_2samp(ttft_real, lat["ttft_s"]).statistic,
-                    _rel(lat["ttft_s"], ttft_real, 50), _rel(lat["ttft_s"], ttft_real, 99),
-                    _rel(lat["tpot_s"], tpot_real, 50), _rel(lat["tpot_s"], tpot_real, 99),
-                    _rel(short, short_real, 50)])
+                    rel_error(lat["ttft_s"], ttft_real, 50), rel_error(lat["ttft_s"], ttft_real, 99),
+                    rel_error(lat["tpot_s"], tpot_real, 50), rel_error(lat["tpot_s"], tpot_real, 99),
+                    rel_error(short, short_real, 50)])
     return np.median(np.array(out), axis=0)
 
 
-def _rel(sim: np.ndarray, real: np.ndarray, q: float) -> float:
+def rel_error(sim: np.ndarray, real: np.ndarray, q: float) -> float:
     """The relative error of the simulated ``q``-th percentile."""
     return float(np.percentile(sim, q) / np.percentile(real, q) - 1.0)
 

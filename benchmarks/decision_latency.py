@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 
-from ctrl import build_controller
-from engine.bench.bench import DEFAULT_CONTROLLERS, rate_scale_for_load
-from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
-from engine.workloads import Arrival, read_trace, resolve_trace
+from tidegate.ctrl import build_controller
+from tidegate.engine.bench.bench import DEFAULT_CONTROLLERS, rate_scale_for_load
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads import Arrival, read_trace, resolve_trace
 
 
 def timed(controller):

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from engine.sim.compiled import script_core
+from tidegate.engine.sim.compiled import script_core
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="run on the compiled core (tidegate compile)")
     args = ap.parse_args()
     core = script_core()
-    from env.serving_env import ServingEnv
+    from tidegate.env.serving_env import ServingEnv
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ctrl.learned import make_learned_controller
-from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
-from training.evaluate import VALIDATION, cell_arrivals, resolve_family
+from tidegate.ctrl.learned import make_learned_controller
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.training.evaluate import VALIDATION, cell_arrivals, resolve_family
 
 
 class Const:

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from ctrl.base import Observation
-from ctrl.learned import OBS_DIM, load_policy, make_learned_controller
-from engine.core.profile import load_profile
+from tidegate.ctrl.base import Observation
+from tidegate.ctrl.learned import OBS_DIM, load_policy, make_learned_controller
+from tidegate.engine.core.profile import load_profile
 
 
 def _percentiles(samples_s: list[float]) -> tuple[float, float]:

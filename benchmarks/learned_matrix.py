@@ -37,8 +37,8 @@ import numpy as np
 import yaml
 
 from light_load_sim import light_load  # noqa: I001 (benchmarks/ is the script's own folder)
-from training.evaluate import PRIOR, TEST, VALIDATION, choose_residual_scale, evaluate, summarize, write_report
-from training.export import export, set_residual_scale
+from tidegate.training.evaluate import PRIOR, TEST, VALIDATION, choose_residual_scale, evaluate, summarize, write_report
+from tidegate.training.export import export, set_residual_scale
 
 LOADS = (0.5, 0.8, 1.2, 2.0, 3.0)
 VALIDATION_LOADS = (0.5, 1.2, 2.5)

@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from ctrl.theory import capacity
-from engine.bench.loadgen import plan_random, run, run_load, summarize
-from engine.core.profile import load_profile
+from tidegate.ctrl.theory import capacity
+from tidegate.engine.bench.loadgen import plan_random, run, run_load, summarize
+from tidegate.engine.core.profile import load_profile
 from reliability import free_port, scrape, stop_server, wait_ready  # beside this script
 
 
@@ -35,7 +35,7 @@ def spin(stop) -> None:
 def run_once(args, rate: float) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "tidegate", "serve", "--port", str(port)]
     if args.controller:
         cmd += ["--controller", args.controller]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from training.evaluate import TEST, evaluate
+from tidegate.training.evaluate import TEST, evaluate
 
 POISSON = ("chat", "short", "long-context", "multi-class")
 LOADS = (0.3, 0.5, 0.7)
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=8, help="TEST draws per (family, load).")
     ap.add_argument("--workers", type=int, default=None)
     args = ap.parse_args()
-    from ctrl.learned import DEFAULT_POLICY
+    from tidegate.ctrl.learned import DEFAULT_POLICY
 
     light_load(args.policy or DEFAULT_POLICY, args.out, args.requests, args.draws, workers=args.workers)
     print((args.out / "light_load.md").read_text())

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.core.profile import load_profile
-from engine.sim.fit import (fit_step_time, noise_residuals, noise_wander, profile_fields, span_variance_model,
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.fit import (fit_step_time, noise_residuals, noise_wander, profile_fields, span_variance_model,
                             span_variances)
-from engine.twin.fit import read_step_runs, read_steps_csv
+from tidegate.engine.twin.fit import read_step_runs, read_steps_csv
 
 from twin_noise import fitted_ratios, lag_fitted_corr  # benchmarks/ is on the path when run
 

@@ -45,14 +45,14 @@ try:
 except ImportError:
     sys.exit("benchmarks/overload.py needs psutil to read the server's memory: pip install psutil")
 
-from engine.bench.overload import log
-from engine.bench.overload.clients import LoadProcesses
-from engine.bench.overload.phases import measure_capacity, overload_phase
-from engine.bench.overload.recovery import new_request, wait_for_streams, watch_recovery
-from engine.bench.overload.report import markdown, write_outputs
-from engine.bench.overload.server import Server, ServerError
-from engine.bench.overload.stats import kill_summary
-from engine.bench.overload.targets import TARGETS, kill_misses, lost, overload_misses
+from tidegate.engine.bench.overload import log
+from tidegate.engine.bench.overload.clients import LoadProcesses
+from tidegate.engine.bench.overload.phases import measure_capacity, overload_phase
+from tidegate.engine.bench.overload.recovery import new_request, wait_for_streams, watch_recovery
+from tidegate.engine.bench.overload.report import markdown, write_outputs
+from tidegate.engine.bench.overload.server import Server, ServerError
+from tidegate.engine.bench.overload.stats import kill_summary
+from tidegate.engine.bench.overload.targets import TARGETS, kill_misses, lost, overload_misses
 
 #: the registered controllers that copy a server's scheduler, by that server's name
 ALIASES = {"vllm": "greedy", "tgi": "no-evict"}
@@ -218,7 +218,7 @@ def usage_error(sentence: str) -> None:
 
 def controller_names(text: str) -> list[str]:
     """The registered names of the comma-separated ``text``; exits 2 naming an unknown one."""
-    from ctrl import CONTROLLERS, parse_spec
+    from tidegate.ctrl import CONTROLLERS, parse_spec
 
     names = []
     for spec in filter(None, (s.strip() for s in text.split(","))):

@@ -26,9 +26,9 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from engine.real.llm import LLM
-from engine.real.model import build_tiny_model
-from engine.real.sampling import SamplingParams
+from tidegate.engine.real.llm import LLM
+from tidegate.engine.real.model import build_tiny_model
+from tidegate.engine.real.sampling import SamplingParams
 
 
 def mixed_workload(n: int, seed: int = 0, prompt_range=(16, 256), output_range=(8, 128)):
@@ -116,7 +116,7 @@ def big_model(device, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval()
-    from engine.real.model import ByteTokenizer
+    from tidegate.engine.real.model import ByteTokenizer
     return model, ByteTokenizer()
 
 

@@ -28,9 +28,9 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from ctrl.theory import capacity
-from engine.bench.loadgen import plan_random, run, run_load, summarize
-from engine.core.profile import load_profile
+from tidegate.ctrl.theory import capacity
+from tidegate.engine.bench.loadgen import plan_random, run, run_load, summarize
+from tidegate.engine.core.profile import load_profile
 
 
 def free_port() -> int:
@@ -91,7 +91,7 @@ def wait_ready(proc: subprocess.Popen, url: str, controller: str, timeout_s: flo
 def run_one(controller: str, args, rate: float) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--controller",
+    proc = subprocess.Popen([sys.executable, "-m", "tidegate", "serve", "--port", str(port), "--controller",
                              controller, "--kv-capacity-tokens", str(args.kv_capacity_tokens),
                              "--max-in-flight", "100000", "--queue-timeout-s", str(args.queue_timeout_s)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

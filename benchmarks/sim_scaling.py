@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.sim.compiled import script_core
+from tidegate.engine.sim.compiled import script_core
 
 PROMPT_MEDIAN_TOKENS, PROMPT_SIGMA, PROMPT_MAX_TOKENS = 512, 1.0, 8192
 OUTPUT_MEDIAN_TOKENS, OUTPUT_SIGMA, MAX_TOKENS = 128, 1.0, 2048
@@ -39,8 +39,8 @@ def lognormal_tokens(rng: np.random.Generator, n: int, median: int, sigma: float
 
 def synthetic_trace(n: int, profile, load: float) -> list:
     """``n`` arrivals: Poisson at ``load`` x lambda_max of ``profile`` for this length distribution."""
-    from ctrl.theory import capacity
-    from engine.workloads import Arrival
+    from tidegate.ctrl.theory import capacity
+    from tidegate.engine.workloads import Arrival
 
     gaps_rng, prompt_rng, output_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(SEED).spawn(3))
     drawn = max(n, RATE_SAMPLE)
@@ -58,9 +58,9 @@ def peak_rss_mib() -> float:
 
 def run_one(n: int, args: argparse.Namespace) -> dict:
     """Simulate one trace of ``n`` requests in this process; the figures of the run."""
-    from ctrl import build_controller
-    from engine.core.profile import load_profile
-    from engine.sim.simulate import simulate
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.sim.simulate import simulate
 
     profile = load_profile(args.profile)
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ import resource
 import statistics
 import time
 
-from engine.sim.compiled import script_core
+from tidegate.engine.sim.compiled import script_core
 
 
 def main() -> None:
@@ -27,10 +27,10 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="run on the compiled core (tidegate compile)")
     args = ap.parse_args()
     core = script_core()
-    from ctrl import build_controller
-    from engine.core.profile import load_profile
-    from engine.sim.simulate import simulate
-    from engine.workloads import read_trace, resolve_trace
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.sim.simulate import simulate
+    from tidegate.engine.workloads import read_trace, resolve_trace
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})

@@ -37,18 +37,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ctrl import build_controller
-from engine.core.builder import build_engine
-from engine.core.clock import VirtualClock
-from engine.core.driver import replay
-from engine.core.executor import Batch, StepResult
-from engine.core.profile import Profile, load_profile
-from engine.sim.executor import SimExecutor
-from engine.sim.fit import fit_step_time, profile_fields
-from engine.sim.simulate import make_request
-from engine.twin.fit import read_steps_csv
-from engine.twin.seeds import latencies, simulate_seeds
-from engine.workloads import read_trace, resolve_trace
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.builder import build_engine
+from tidegate.engine.core.clock import VirtualClock
+from tidegate.engine.core.driver import replay
+from tidegate.engine.core.executor import Batch, StepResult
+from tidegate.engine.core.profile import Profile, load_profile
+from tidegate.engine.sim.executor import SimExecutor
+from tidegate.engine.sim.fit import fit_step_time, profile_fields
+from tidegate.engine.sim.simulate import make_request
+from tidegate.engine.twin.fit import read_steps_csv
+from tidegate.engine.twin.seeds import latencies, simulate_seeds
+from tidegate.engine.workloads import read_trace, resolve_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
 from twin_noise import emit, real_latencies, rel_error  # noqa: E402

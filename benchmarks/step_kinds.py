@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.core.profile import Profile
-from engine.sim.fit import fit_step_time, profile_fields
-from engine.twin.fit import read_steps_csv
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.sim.fit import fit_step_time, profile_fields
+from tidegate.engine.twin.fit import read_steps_csv
 
 sys.path.insert(0, str(Path(__file__).parent))
 from twin_noise import emit  # noqa: E402

@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
-from ctrl import build_controller
-from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
-from engine.workloads import Arrival
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads import Arrival
 
 #: name -> (arrivals per second, mean prompt tokens, mean output tokens)
 WORKLOADS = {"chat": (4.0, 800, 250), "reasoning": (1.0, 400, 2000), "long generation": (0.3, 200, 4000)}

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import ks_2samp
 
-from engine.core.profile import load_profile
-from engine.twin.seeds import NOISE_SEEDS, POOLED, SPREAD, ks_floor, sampling_range
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.twin.seeds import NOISE_SEEDS, POOLED, SPREAD, ks_floor, sampling_range
 
 #: metric -> bound on |relative error| (None: reported only)
 TARGETS = {"ttft_p50_s": 0.10, "ttft_p99_s": 0.10, "tpot_p50_s": 0.10, "tpot_p99_s": 0.10,
@@ -48,7 +48,7 @@ KS_TARGETS = {"tpot_s": 0.10, "ttft_s": None, "e2e_s": None}
 
 
 def tidegate(*args: str) -> None:
-    cmd = [sys.executable, "-m", "engine.cli", *args]
+    cmd = [sys.executable, "-m", "tidegate", *args]
     print("$ tidegate", " ".join(args), flush=True)
     subprocess.run(cmd, check=True)
 

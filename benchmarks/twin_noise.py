@@ -69,13 +69,13 @@ import numpy as np
 from scipy.ndimage import median_filter
 from scipy.stats import ks_2samp
 
-from ctrl import build_controller
-from engine.core.profile import Profile, load_profile
-from engine.sim.fit import (NOISE_ACF_FLOOR, fit_step_time, noise_residuals, noise_sigma, noise_sigma_below,
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.profile import Profile, load_profile
+from tidegate.engine.sim.fit import (NOISE_ACF_FLOOR, fit_step_time, noise_residuals, noise_sigma, noise_sigma_below,
                             noise_wander, profile_fields)
-from engine.twin.fit import read_step_runs, read_steps_csv
-from engine.twin.seeds import latencies, scaled_to_speed, simulate_seeds
-from engine.workloads import read_trace, resolve_trace
+from tidegate.engine.twin.fit import read_step_runs, read_steps_csv
+from tidegate.engine.twin.seeds import latencies, scaled_to_speed, simulate_seeds
+from tidegate.engine.workloads import read_trace, resolve_trace
 
 FIGURES = ("KS TPOT", "KS TTFT", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "short TPOT p50")
 #: output lengths of the short requests, whose TPOT is the few steps right after their prefill

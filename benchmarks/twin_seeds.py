@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import ks_2samp
 
-from ctrl import build_controller
-from engine.core.profile import load_profile
-from engine.twin.seeds import latencies, simulate_seeds
-from engine.workloads import read_trace, resolve_trace
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.twin.seeds import latencies, simulate_seeds
+from tidegate.engine.workloads import read_trace, resolve_trace
 
 
 def real_tpot(folder: Path) -> np.ndarray:

@@ -9,15 +9,15 @@ import sys
 import types
 from pathlib import Path
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection
-from ctrl.class_budgets import ClassBudgetsController
-from ctrl.flow import FlowController
-from ctrl.greedy import GreedyController
-from ctrl.no_evict import NoEvictController
-from ctrl.sglang import SGLangController
-from ctrl.slo_flow import SloFlowController
-from ctrl.theory import lifetime_kv_workload
-from ctrl.watermark import WatermarkController
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection
+from tidegate.ctrl.class_budgets import ClassBudgetsController
+from tidegate.ctrl.flow import FlowController
+from tidegate.ctrl.greedy import GreedyController
+from tidegate.ctrl.no_evict import NoEvictController
+from tidegate.ctrl.sglang import SGLangController
+from tidegate.ctrl.slo_flow import SloFlowController
+from tidegate.ctrl.theory import lifetime_kv_workload
+from tidegate.ctrl.watermark import WatermarkController
 
 CONTROLLERS: dict[str, type[Controller]] = {
     c.name: c for c in (GreedyController, NoEvictController, SGLangController, WatermarkController,
@@ -201,7 +201,7 @@ def _learned(raw: dict[str, str], profile) -> Controller:
     """The shipped (or a given) policy, always inside the shield."""
     import inspect as _inspect
 
-    from ctrl.learned import make_learned_controller
+    from tidegate.ctrl.learned import make_learned_controller
 
     params = {k: p for k, p in _inspect.signature(make_learned_controller).parameters.items()
               if p.kind is not p.VAR_KEYWORD and k != "profile"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation
 
 
 class ClassBudgetsController(Controller):

@@ -24,8 +24,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation
-from ctrl.theory import safe_activation_rate
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation
+from tidegate.ctrl.theory import safe_activation_rate
 
 
 class FlowController(Controller):

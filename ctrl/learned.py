@@ -44,18 +44,18 @@ from typing import ClassVar
 
 import numpy as np
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, ReplicaProfile
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, ReplicaProfile
 # NumpyPolicy and OnnxPolicy are not used here; they stay importable from ctrl.learned.
-from ctrl.policy import OBS_CLIP, NumpyPolicy, OnnxPolicy, PolicyError, as_action, load_policy  # noqa: F401
-from ctrl.policy_worker import PolicyWorker
-from ctrl.shield import ShieldedController
-from ctrl.slo_flow import SloFlowController, predicted_ttft_s
-from ctrl.theory import lambda_max_estimate, safe_activation_rate
+from tidegate.ctrl.policy import OBS_CLIP, NumpyPolicy, OnnxPolicy, PolicyError, as_action, load_policy  # noqa: F401
+from tidegate.ctrl.policy_worker import PolicyWorker
+from tidegate.ctrl.shield import ShieldedController
+from tidegate.ctrl.slo_flow import SloFlowController, predicted_ttft_s
+from tidegate.ctrl.theory import lambda_max_estimate, safe_activation_rate
 
 log = logging.getLogger(__name__)
 
 #: the shipped policy: package data of ``checkpoints``, found from any current directory and install
-DEFAULT_POLICY = Path(str(importlib.resources.files("checkpoints") / "policy.onnx"))
+DEFAULT_POLICY = Path(str(importlib.resources.files("tidegate.checkpoints") / "policy.onnx"))
 
 #: Names of the observation features, in order (docs/ENV.md has their definitions).
 FEATURES = (

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ctrl.policy import as_action
+from tidegate.ctrl.policy import as_action
 
 
 class PolicyWorker:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation
 
 
 class SGLangController(Controller):

@@ -35,9 +35,10 @@ import logging
 import math
 from typing import ClassVar
 
-from ctrl.base import (RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection,
-                       retry_after_s)
-from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate
+from tidegate.ctrl.base import (
+    RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s,
+)
+from tidegate.ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate
 
 MODES = ("strict", "soft")
 

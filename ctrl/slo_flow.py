@@ -44,9 +44,11 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
-from ctrl.base import (STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection,
-                       ReplicaProfile, retry_after_s)
-from ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval
+from tidegate.ctrl.base import (
+    STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, ReplicaProfile,
+    retry_after_s,
+)
+from tidegate.ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
 #: over the first ones completions lag arrivals by a request's lifetime

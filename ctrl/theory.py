@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ctrl.base import Observation, ReplicaProfile
+from tidegate.ctrl.base import Observation, ReplicaProfile
 
 
 def lifetime_kv_workload(prompt_tokens, output_tokens):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ctrl.base import UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, retry_after_s
+from tidegate.ctrl.base import UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, retry_after_s
 
 
 class WatermarkController(Controller):

@@ -13,7 +13,7 @@ The map (dependencies point down this list, never up; ``ctrl`` is below all of i
 
 The public API is importable from here; names that need torch load it on first use::
 
-    from engine import EngineCore, Request, simulate, LLM, SamplingParams
+    from tidegate.engine import EngineCore, Request, simulate, LLM, SamplingParams
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "EngineCore": "engine.core.engine_core",
-    "Request": "engine.core.request",
-    "RequestState": "engine.core.request",
-    "Profile": "engine.core.profile",
-    "load_profile": "engine.core.profile",
-    "simulate": "engine.sim.simulate",
-    "LLM": "engine.real.llm",
-    "SamplingParams": "engine.real.sampling",
+    "EngineCore": "tidegate.engine.core.engine_core",
+    "Request": "tidegate.engine.core.request",
+    "RequestState": "tidegate.engine.core.request",
+    "Profile": "tidegate.engine.core.profile",
+    "load_profile": "tidegate.engine.core.profile",
+    "simulate": "tidegate.engine.sim.simulate",
+    "LLM": "tidegate.engine.real.llm",
+    "SamplingParams": "tidegate.engine.real.sampling",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -38,7 +38,7 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+        raise AttributeError(f"module 'tidegate.engine' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

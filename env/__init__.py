@@ -5,6 +5,6 @@ import gymnasium
 ENV_ID = "tidegate/Serving-v0"
 
 if ENV_ID not in gymnasium.registry:
-    gymnasium.register(id=ENV_ID, entry_point="env.serving_env:ServingEnv")
+    gymnasium.register(id=ENV_ID, entry_point="tidegate.env.serving_env:ServingEnv")
 
 __all__ = ["ENV_ID"]

@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from ctrl.learned import (
+from tidegate.ctrl.learned import (
     ACTION_DIM,
     DEFAULT_ACTION,
     LEARNED_MAX_WAITING,
@@ -31,17 +31,17 @@ from ctrl.learned import (
     action_to_residual,
     make_prior,
 )
-from ctrl.shield import ShieldedController
-from engine.sim import compiled
-from engine.core.builder import build_engine
-from engine.core.clock import WallClock
-from engine.core.profile import load_profile
-from engine.core.request import Request, RequestState
-from engine.core.slo import met_slo
-from engine.real.sampling import SamplingParams
-from engine.sim.simulate import make_sim_engine
-from engine.workloads import augment_segments, split_segments
-from engine.workloads.families import family_segment, load_family, perturbed_profile
+from tidegate.ctrl.shield import ShieldedController
+from tidegate.engine.sim import compiled
+from tidegate.engine.core.builder import build_engine
+from tidegate.engine.core.clock import WallClock
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.core.slo import met_slo
+from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.sim.simulate import make_sim_engine
+from tidegate.engine.workloads import augment_segments, split_segments
+from tidegate.engine.workloads.families import family_segment, load_family, perturbed_profile
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +266,8 @@ class ServingEnv(gym.Env):
                      "replica": self.replica.name}
 
     def _init_engine(self, model: str) -> None:
-        from engine.real.executor import TorchExecutor
-        from engine.real.model import load_model
+        from tidegate.engine.real.executor import TorchExecutor
+        from tidegate.engine.real.model import load_model
 
         hf_model, tokenizer = load_model(model, "cpu", None)
         self._executor = TorchExecutor(hf_model, tokenizer, device="cpu")

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ctrl import CONTROLLERS, build_controller
-from ctrl.base import Controller, Decision, Observation
-from ctrl.flow import FlowController
-from ctrl.theory import capacity
-from engine.sim import compiled
-from engine.core.profile import load_profile
-from engine.core.driver import replay
-from engine.sim.executor import SimExecutor
-from engine.sim.simulate import make_request, make_sim_engine, simulate
-from engine.workloads import Arrival, read_trace, resolve_trace
+from tidegate.ctrl import CONTROLLERS, build_controller
+from tidegate.ctrl.base import Controller, Decision, Observation
+from tidegate.ctrl.flow import FlowController
+from tidegate.ctrl.theory import capacity
+from tidegate.engine.sim import compiled
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.core.driver import replay
+from tidegate.engine.sim.executor import SimExecutor
+from tidegate.engine.sim.simulate import make_request, make_sim_engine, simulate
+from tidegate.engine.workloads import Arrival, read_trace, resolve_trace
 
 
 class Alternating(Controller):
@@ -105,7 +105,7 @@ def main() -> None:
     pickled = pickle.loads(pickle.dumps((noisy, capacity([100, 300], [20, 50], noisy))))
     out["pickled"] = [pickled[0] == noisy, pickled[1] == capacity([100, 300], [20, 50], noisy)]
 
-    from env.serving_env import ServingEnv
+    from tidegate.env.serving_env import ServingEnv
 
     env = ServingEnv(control_interval=10, episode_steps=64, seed=3)
     env.action_space.seed(3)

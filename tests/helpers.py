@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.core.clock import VirtualClock
-from engine.core.engine_core import EngineCore
-from engine.core.profile import Profile
-from engine.core.request import Request
-from engine.sim.executor import SimExecutor
+from tidegate.engine.core.clock import VirtualClock
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.request import Request
+from tidegate.engine.sim.executor import SimExecutor
 
 
 def step_profile(**overrides) -> Profile:

@@ -3,8 +3,8 @@ from hypothesis import strategies as st
 
 import pytest
 
-from engine.core.block_pool import BlockPool
-from engine.core.request import Request
+from tidegate.engine.core.block_pool import BlockPool
+from tidegate.engine.core.request import Request
 
 
 def test_capacity_rounds_down_to_blocks():

@@ -5,7 +5,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from engine.cli import main
+from tidegate.engine.cli import main
 
 SIMULATE_KEYS = {"requests", "completed", "rejected", "expired", "evictions", "wasted_tokens", "throughput_rps",
                  "output_tps", "goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
@@ -74,7 +74,7 @@ def test_bad_input_gets_one_line_and_exit_2(args, message):
 def test_malformed_trace_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,5\n0.5,ten,5\n")
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", "simulate", "--trace", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "tidegate", "simulate", "--trace", str(bad)],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert f"{bad}:3:" in proc.stderr and "Traceback" not in proc.stderr
@@ -103,7 +103,7 @@ def test_pin_cpu_runs_the_process_on_one_core_with_one_thread():
 
 
 def test_serve_help_gives_the_engine_niceness_the_server_uses():
-    from engine.serve.config import ENGINE_NICE, ServeConfig
+    from tidegate.engine.serve.config import ENGINE_NICE, ServeConfig
 
     assert ServeConfig().engine_nice == ENGINE_NICE
     assert f"[default: {ENGINE_NICE}]" in " ".join(run("serve", "--help").output.split())

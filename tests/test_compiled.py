@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.sim import compiled
+from tidegate.engine.sim import compiled
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,17 +64,17 @@ def test_the_copy_remembers_its_sources(copy, tmp_path):
     root = tmp_path / "src"
     compiled.copy_sources(compiled.SOURCE_ROOT, root)
     assert compiled.stale(copy, root) is None
-    greedy = root / "ctrl" / "greedy.py"
+    greedy = root / "tidegate" / "ctrl" / "greedy.py"
     greedy.write_text(greedy.read_text() + "\n# changed\n")
     reason = compiled.stale(copy, root)
-    assert reason is not None and reason.startswith("ctrl/greedy.py changed") and "tidegate compile" in reason
-    (root / "ctrl" / "extra.py").write_text("")
+    assert reason is not None and reason.startswith("tidegate/ctrl/greedy.py changed") and "tidegate compile" in reason
+    (root / "tidegate" / "ctrl" / "extra.py").write_text("")
     assert "1 other file" in compiled.stale(copy, root)
     assert "no compiled copy" in compiled.stale(tmp_path / "nowhere")
     # data the copy reads from beside its modules counts too: a profile, the shipped policy
     fresh = tmp_path / "fresh"
     compiled.copy_sources(compiled.SOURCE_ROOT, fresh)
-    for data in ("engine/core/profiles/a100-llama2-7b.json", "checkpoints/policy.onnx"):
+    for data in ("tidegate/engine/core/profiles/a100-llama2-7b.json", "tidegate/checkpoints/policy.onnx"):
         (fresh / data).write_bytes((fresh / data).read_bytes() + b" ")
         assert compiled.stale(copy, fresh).startswith(f"{data} changed")
         shutil.copyfile(compiled.SOURCE_ROOT / data, fresh / data)
@@ -101,7 +101,7 @@ def test_compile_replaces_only_an_earlier_copy(tmp_path):
 def _tidegate(*args: str, copy_dir: Path, compiled_env: bool = False) -> subprocess.CompletedProcess:
     env = _env(None)
     env["TIDEGATE_COMPILED_DIR"] = str(copy_dir)
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tidegate", *args], env=env, capture_output=True, text=True,
                           timeout=300, check=False, cwd=compiled.SOURCE_ROOT)
 
 

@@ -5,17 +5,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ctrl import CONTROLLERS, ControllerSpecError, build_controller, parse_spec
-from ctrl.base import Observation, retry_after_s
-from ctrl.class_budgets import ClassBudgetsController
-from ctrl.flow import FlowController
-from ctrl.no_evict import NoEvictController
-from ctrl.sglang import SGLangController
-from ctrl.theory import capacity, class_budgets_feasible, lifetime_kv_workload, necessary_rate_bound
-from ctrl.watermark import WatermarkController
-from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
-from engine.workloads import Arrival, load_workload
+from tidegate.ctrl import CONTROLLERS, ControllerSpecError, build_controller, parse_spec
+from tidegate.ctrl.base import Observation, retry_after_s
+from tidegate.ctrl.class_budgets import ClassBudgetsController
+from tidegate.ctrl.flow import FlowController
+from tidegate.ctrl.no_evict import NoEvictController
+from tidegate.ctrl.sglang import SGLangController
+from tidegate.ctrl.theory import capacity, class_budgets_feasible, lifetime_kv_workload, necessary_rate_bound
+from tidegate.ctrl.watermark import WatermarkController
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads import Arrival, load_workload
 from tests.helpers import step_profile, make_engine, record_evictions, req, run_until_idle
 
 
@@ -190,8 +190,8 @@ def test_parse_spec_and_profile_defaults():
 
 
 def test_learned_features_follow_the_served_traffic_and_are_sound_on_a_cold_or_idle_server():
-    from ctrl.learned import make_learned_controller
-    from ctrl.theory import lambda_max_estimate
+    from tidegate.ctrl.learned import make_learned_controller
+    from tidegate.ctrl.theory import lambda_max_estimate
 
     profile = load_profile("tiny-cpu")
     small = obs_with(kv_capacity_tokens=profile.kv_capacity_tokens, completed_total=50, mean_prompt_tokens=33.0,

@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ctrl import build_controller
-from ctrl.base import Controller, Decision, Rejection
-from ctrl.greedy import GreedyController
-from engine.core.request import RequestState
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.base import Controller, Decision, Rejection
+from tidegate.ctrl.greedy import GreedyController
+from tidegate.engine.core.request import RequestState
 from tests.helpers import step_profile, make_engine, record_evictions, req, run_until_idle
 
 CONTROLLER_SPECS = ["greedy", "no-evict", "sglang", "watermark:queue_limit=5", "flow:budget=2",
@@ -204,9 +204,9 @@ def test_executor_exception_fails_the_step_and_engine_goes_on():
 
 def test_time_advances_by_the_profile():
     profile = step_profile(base_s=0.01, per_token_s=0.001, per_kv_token_s=0.0001)
-    from engine.sim.executor import SimExecutor
+    from tidegate.engine.sim.executor import SimExecutor
     ex = SimExecutor(profile)
-    from engine.core.executor import Batch
+    from tidegate.engine.core.executor import Batch
     b = Batch()
     b.requests, b.num_tokens, b.kv_tokens_read = [object()], 10, 100
     assert ex.execute(b).duration_s == pytest.approx(0.01 + 0.01 + 0.01)

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.real.model import load_model
-from engine.serve.metrics import ServerMetrics
+from tidegate.engine.real.model import load_model
+from tidegate.engine.serve.metrics import ServerMetrics
 from tests.test_server import Running
 
 pytestmark = pytest.mark.timeout(180)

@@ -8,15 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ctrl import build_controller
-from ctrl.theory import capacity, fluid_lambda_max
-from engine.core.builder import build_engine, rate_window_s
-from engine.core.clock import VirtualClock
-from engine.core.driver import replay
-from engine.core.request import Request, RequestState, unservable_reason
-from engine.core.slo import met_slo, time_per_output_token_s, time_to_first_token_s
-from engine.sim.executor import SimExecutor
-from engine.sim.simulate import make_request, simulate
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.theory import capacity, fluid_lambda_max
+from tidegate.engine.core.builder import build_engine, rate_window_s
+from tidegate.engine.core.clock import VirtualClock
+from tidegate.engine.core.driver import replay
+from tidegate.engine.core.request import Request, RequestState, unservable_reason
+from tidegate.engine.core.slo import met_slo, time_per_output_token_s, time_to_first_token_s
+from tidegate.engine.sim.executor import SimExecutor
+from tidegate.engine.sim.simulate import make_request, simulate
 from tests.helpers import req, step_profile
 
 
@@ -54,8 +54,8 @@ def test_goodput_counts_exactly_the_requests_that_met_the_slo(workload, ttft_slo
 
 
 def test_env_reward_and_metrics_goodput_share_the_slo_function():
-    import env.serving_env as serving_env
-    import engine.core.metrics as metrics
+    import tidegate.env.serving_env as serving_env
+    import tidegate.engine.core.metrics as metrics
 
     assert serving_env.met_slo is met_slo and metrics.met_slo is met_slo
 
@@ -84,7 +84,7 @@ def test_build_engine_takes_kv_size_block_size_and_rate_window_from_the_profile(
 def test_step_time_has_one_formula():
     profile = step_profile(base_s=0.5, per_token_s=0.25, per_kv_token_s=0.125, idle_s=0.75)
     executor = SimExecutor(profile)
-    from engine.core.executor import Batch
+    from tidegate.engine.core.executor import Batch
 
     batch = Batch()
     assert executor.execute(batch).duration_s == profile.step_time_s(0, 0) == 0.75
@@ -112,7 +112,7 @@ def test_replay_waits_for_arrivals_and_drains():
 
 
 def test_simulate_is_the_replay_of_make_request():
-    from engine.workloads import Arrival
+    from tidegate.engine.workloads import Arrival
 
     arrivals = [Arrival(0.1 * i, 8, 5, 16, 0) for i in range(30)]
     profile = step_profile(kv_capacity_tokens=64)
@@ -124,12 +124,12 @@ def test_simulate_is_the_replay_of_make_request():
 
 
 def test_one_memory_safe_rate_one_aimd_budget_one_ttft_prediction():
-    from ctrl.base import AimdTokenBudget, Observation
-    from ctrl.flow import FlowController
-    from ctrl.shield import ShieldedController
-    from ctrl.slo_flow import SloFlowController, predicted_ttft_s
-    from ctrl.theory import safe_activation_rate
-    from ctrl.watermark import WatermarkController
+    from tidegate.ctrl.base import AimdTokenBudget, Observation
+    from tidegate.ctrl.flow import FlowController
+    from tidegate.ctrl.shield import ShieldedController
+    from tidegate.ctrl.slo_flow import SloFlowController, predicted_ttft_s
+    from tidegate.ctrl.theory import safe_activation_rate
+    from tidegate.ctrl.watermark import WatermarkController
 
     obs = Observation(kv_capacity_tokens=50_000)
     obs.completed_total, obs.lifetime_kv_workload, obs.mean_step_time_s = 10, 12_345.0, 0.02

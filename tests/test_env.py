@@ -6,10 +6,10 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-import env  # noqa: F401  (registers tidegate/Serving-v0)
-from engine.workloads import split_segments
-from env.serving_env import ServingEnv
-from engine.core.profile import load_profile
+import tidegate.env  # noqa: F401  (registers tidegate/Serving-v0)
+from tidegate.engine.workloads import split_segments
+from tidegate.env.serving_env import ServingEnv
+from tidegate.engine.core.profile import load_profile
 
 SMALL = dict(episode_steps=16, control_interval=5)
 
@@ -110,7 +110,7 @@ def test_action_has_an_admission_knob_and_augment_adds_segments():
 @pytest.mark.timeout(120)
 def test_engine_backend_runs_a_few_steps():
     """The real engine (tiny model, CPU, wall clock): a handful of env steps on a short workload."""
-    from engine.workloads import Arrival
+    from tidegate.engine.workloads import Arrival
 
     workload = [Arrival(0.02 * i, 16 + (7 * i) % 32, 2 + i % 6, 8) for i in range(40)]
     e = ServingEnv(backend="engine", workload=workload, episode_steps=4, control_interval=4, load_range=(0.05, 0.05))

@@ -10,9 +10,9 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.profile import load_profile
-from engine.workloads.arrivals import WorkloadError
-from engine.workloads.families import (FAMILIES_DIR, Family, family_segment, load_family, perturbed_profile,
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.workloads.arrivals import WorkloadError
+from tidegate.engine.workloads.families import (FAMILIES_DIR, Family, family_segment, load_family, perturbed_profile,
                                        shipped_families)
 
 SHIPPED = ("bursty", "chat", "code-trace", "conv-trace", "diurnal", "flash-crowd", "long-context", "multi-class",

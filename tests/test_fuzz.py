@@ -24,12 +24,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection
-from ctrl.shield import ShieldedController
-from engine.core.builder import build_engine
-from engine.core.clock import VirtualClock
-from engine.core.request import Request
-from engine.sim.executor import SimExecutor
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection
+from tidegate.ctrl.shield import ShieldedController
+from tidegate.engine.core.builder import build_engine
+from tidegate.engine.core.clock import VirtualClock
+from tidegate.engine.core.request import Request
+from tidegate.engine.sim.executor import SimExecutor
 from tests.helpers import step_profile
 
 MODES = ("strict", "soft")

@@ -9,20 +9,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ctrl import build_controller
-from ctrl.learned import LearnedController, ObservationFeatures, make_prior
-from ctrl.shield import ShieldedController
-from engine.core.driver import replay
-from engine.core.profile import load_profile
-from engine.core.request import Request, RequestState
-from engine.serve.engine_proc import EngineLoop
-from engine.serve.launch import ServeConfig
-from engine.serve.metrics import ServerMetrics
-from engine.serve.service import EngineService, _Engine
-from engine.sim.simulate import make_request, make_sim_engine, simulate
-from engine.twin.guard import GuardWindow, TwinGuard
-from engine.workloads.families import load_family
-from training.evaluate import cell_arrivals
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.learned import LearnedController, ObservationFeatures, make_prior
+from tidegate.ctrl.shield import ShieldedController
+from tidegate.engine.core.driver import replay
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.serve.engine_proc import EngineLoop
+from tidegate.engine.serve.launch import ServeConfig
+from tidegate.engine.serve.metrics import ServerMetrics
+from tidegate.engine.serve.service import EngineService, _Engine
+from tidegate.engine.sim.simulate import make_request, make_sim_engine, simulate
+from tidegate.engine.twin.guard import GuardWindow, TwinGuard
+from tidegate.engine.workloads.families import load_family
+from tidegate.training.evaluate import cell_arrivals
 
 PROFILE = load_profile("a100-llama2-7b")
 WINDOW_S = 30.0
@@ -236,7 +236,7 @@ def test_the_engine_guards_the_learned_controller_and_the_server_exports_its_sta
 
 
 def test_simulate_guarded_is_the_plain_run_when_the_policy_never_loses_and_rescues_a_bad_one(arrivals):
-    from engine.twin.guard import simulate_guarded
+    from tidegate.engine.twin.guard import simulate_guarded
 
     plain = simulate(arrivals, PROFILE, learned(HEURISTIC), record_steps=False).summary
     guarded, guard = simulate_guarded(arrivals, PROFILE, learned(HEURISTIC))

@@ -34,13 +34,13 @@ def test_public_api_loads_torch_only_when_asked():
         "assert 'torch' in sys.modules\n"
         "print(EngineCore.__module__, LLM.__module__)\n")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["engine.core.engine_core", "engine.real.llm"]
+    assert proc.stdout.split() == ["tidegate.engine.core.engine_core", "tidegate.engine.real.llm"]
 
 
 def test_every_subcommand_loads_and_has_help():
     from click.testing import CliRunner
 
-    from engine.cli import COMMANDS, main
+    from tidegate.engine.cli import COMMANDS, main
 
     runner = CliRunner()
     listing = runner.invoke(main, ["--help"])
@@ -55,4 +55,14 @@ def test_no_argparse_mains_shadow_the_cli():
     offenders = [str(p.relative_to(ROOT)) for p in ROOT.glob("*/**/*.py")
                  if p.parts[len(ROOT.parts)] in ("ctrl", "engine", "env", "training")
                  and "argparse" in p.read_text()]
+    assert offenders == []
+
+
+def test_every_import_names_the_one_package():
+    """The subpackages install under `tidegate` only: nothing imports them by their folder names."""
+    import re
+    bare = re.compile(r"^\s*(from|import) (engine|ctrl|env|training|checkpoints)\b", re.M)
+    offenders = [str(p.relative_to(ROOT)) for folder in ("ctrl", "engine", "env", "training", "checkpoints",
+                                                          "tests", "benchmarks", "tidegate")
+                 for p in (ROOT / folder).rglob("*.py") if bare.search(p.read_text())]
     assert offenders == []

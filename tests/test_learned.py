@@ -14,17 +14,17 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ctrl import build_controller
-from ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Observation, Rejection, retry_after_s
-from ctrl.learned import (ACTION_DIM, BACKOFF_AFTER_OVERRUNS, BACKOFF_MAX_INTERVALS, DEFAULT_POLICY, OBS_DIM,
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Observation, Rejection, retry_after_s
+from tidegate.ctrl.learned import (ACTION_DIM, BACKOFF_AFTER_OVERRUNS, BACKOFF_MAX_INTERVALS, DEFAULT_POLICY, OBS_DIM,
                           action_to_residual, load_policy, make_learned_controller, make_prior)
-from ctrl.shield import ShieldedController
-from ctrl.slo_flow import SloFlowController, predicted_ttft_s
-from ctrl.theory import fluid_lambda_max, shrunk_lambda_max, shrunk_lambda_max_interval
-from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
-from engine.workloads.families import load_family
-from training.evaluate import cell_arrivals
+from tidegate.ctrl.shield import ShieldedController
+from tidegate.ctrl.slo_flow import SloFlowController, predicted_ttft_s
+from tidegate.ctrl.theory import fluid_lambda_max, shrunk_lambda_max, shrunk_lambda_max_interval
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads.families import load_family
+from tidegate.training.evaluate import cell_arrivals
 
 PROFILE = load_profile("a100-llama2-7b")
 
@@ -174,7 +174,7 @@ def test_simulate_command_output_is_identical_on_an_idle_and_a_busy_machine():
 
     from click.testing import CliRunner
 
-    from engine.cli import main
+    from tidegate.engine.cli import main
 
     args = ["simulate", "--trace", "splitwise_conv", "--first", "300", "--load", "1.5", "--controller", "learned",
             "--json", "--no-progress"]
@@ -342,7 +342,7 @@ def test_without_overload_nothing_is_refused_however_long_the_queue(waiting, don
 
 
 def test_rates_over_few_events_span_enough_of_them():
-    from engine.core.engine_core import RateEstimator
+    from tidegate.engine.core.engine_core import RateEstimator
 
     slow = RateEstimator(10.0, min_events=8)
     for t in range(0, 80, 10):  # one event every 10 s: a 10 s window would hold one
@@ -524,7 +524,7 @@ def test_features_that_raise_give_exactly_the_prior(broken, wall_clock, monkeypa
         c.inner.features = FailingFeatures(c.inner.features, ValueError("bad"))
         cause = "features raised ValueError"
     else:
-        monkeypatch.setattr("ctrl.learned.lambda_max_estimate", lambda *a: 1 / 0)
+        monkeypatch.setattr("tidegate.ctrl.learned.lambda_max_estimate", lambda *a: 1 / 0)
         cause = "features raised ZeroDivisionError"
     if wall_clock:
         c.use_wall_clock()
@@ -639,7 +639,7 @@ def test_admission_state_is_the_priors_and_never_raises():
 def test_a_flood_that_starts_a_run_is_seen_at_its_rate():
     """The weighted average starts at zero; corrected for it, 100 requests/s seen 2 s into a flood
     read as 100, not as the 18 an uncorrected 10 s average would give."""
-    from engine.core.engine_core import RateEstimator
+    from tidegate.engine.core.engine_core import RateEstimator
 
     est = RateEstimator(10.0)
     for i in range(200):
@@ -650,7 +650,7 @@ def test_a_flood_that_starts_a_run_is_seen_at_its_rate():
 @settings(max_examples=200, deadline=None)
 @given(values=st.lists(st.floats(-100, 100), min_size=1, max_size=300))
 def test_recent_quantile_is_the_90th_percentile_of_the_last_64(values):
-    from engine.core.engine_core import RecentQuantile
+    from tidegate.engine.core.engine_core import RecentQuantile
 
     q = RecentQuantile(0.9)
     for v in values:
@@ -666,7 +666,7 @@ def test_recent_quantile_is_the_90th_percentile_of_the_last_64(values):
 @settings(max_examples=200, deadline=None)
 @given(gaps=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=200), horizon=st.floats(0.5, 20.0))
 def test_recent_quantile_forgets_values_older_than_its_horizon(gaps, horizon):
-    from engine.core.engine_core import RecentQuantile
+    from tidegate.engine.core.engine_core import RecentQuantile
 
     q = RecentQuantile(0.9, horizon_s=horizon)
     now, kept = 0.0, []
@@ -788,8 +788,8 @@ def test_residual_scale_zero_is_the_prior_and_a_half_scale_halves_the_action(fam
 def test_residual_scale_comes_from_the_policy_file_unless_the_spec_sets_it(tmp_path):
     import onnx
 
-    from ctrl import ControllerSpecError
-    from training.export import set_residual_scale
+    from tidegate.ctrl import ControllerSpecError
+    from tidegate.training.export import set_residual_scale
 
     assert make_learned_controller(profile=PROFILE).inner.residual_scale == pytest.approx(
         float(load_policy(DEFAULT_POLICY).residual_scale))

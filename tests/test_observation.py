@@ -10,8 +10,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ctrl.base import Controller, Decision, Observation
-from engine.core.request import RequestState
+from tidegate.ctrl.base import Controller, Decision, Observation
+from tidegate.engine.core.request import RequestState
 from tests.helpers import make_engine, req
 
 RATES = ("arrival_rate_rps", "offered_rate_rps", "completion_rate_rps", "served_rate_rps")

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctrl.base import Controller, Rejection
-from engine.core.offered import OfferedSizes
+from tidegate.ctrl.base import Controller, Rejection
+from tidegate.engine.core.offered import OfferedSizes
 from tests.helpers import make_engine, req, run_until_idle
 
 
@@ -106,7 +106,7 @@ def test_kv_token_steps_per_completion_are_the_lifetime_workload_of_requests_run
     """One request at a time: the KV held over its steps is its own W (block-rounded), so Little's
     law on the KV agrees with the completed requests' W; while a long request still runs, only
     the occupancy counts it."""
-    from ctrl.greedy import GreedyController
+    from tidegate.ctrl.greedy import GreedyController
 
     core = make_engine(GreedyController(), capacity=1 << 14, block_size=1)
     for i, (p, d) in enumerate([(10, 5), (20, 8), (5, 3)]):
@@ -127,7 +127,7 @@ def test_decode_reads_per_completion_are_the_lifetime_workload_and_count_the_lon
     """Run one at a time, each request's decodes and completion count its own W, not rounded to
     blocks; a long output still running counts from its first decode on; a long prompt's prefill
     over many steps, which the KV held counts, does not."""
-    from ctrl.greedy import GreedyController
+    from tidegate.ctrl.greedy import GreedyController
 
     core = make_engine(GreedyController(max_num_batched_tokens=16), capacity=1 << 14, block_size=16)
     for i, (p, d) in enumerate([(10, 5), (20, 8), (5, 3), (300, 4)]):
@@ -146,9 +146,9 @@ def test_decode_reads_per_completion_are_the_lifetime_workload_and_count_the_lon
 
 
 def test_the_capacity_bound_takes_the_larger_of_the_offered_and_the_decoded_workload():
-    from ctrl.base import Observation
-    from ctrl.theory import shrunk_lambda_max_interval
-    from engine.core.profile import load_profile
+    from tidegate.ctrl.base import Observation
+    from tidegate.ctrl.theory import shrunk_lambda_max_interval
+    from tidegate.engine.core.profile import load_profile
 
     prof = load_profile("a100-llama2-7b")
     obs = Observation(prof.kv_capacity_tokens)
@@ -166,8 +166,8 @@ def test_the_capacity_bound_takes_the_larger_of_the_offered_and_the_decoded_work
 def test_a_burst_into_free_memory_leaves_room_for_the_running_requests_to_grow():
     """Requests of the mean size fit at their peak after the running ones have grown to the mean
     output, what they hold already counted."""
-    from ctrl.base import Observation
-    from ctrl.theory import headroom_activations
+    from tidegate.ctrl.base import Observation
+    from tidegate.ctrl.theory import headroom_activations
 
     obs = Observation(100_000)
     obs.completed_total, obs.mean_prompt_tokens, obs.mean_output_tokens = 100, 100.0, 400.0

@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from engine.real.model import load_model
-from engine.real.sampling import SamplingParams
-from engine.serve.service import Stream
+from tidegate.engine.real.model import load_model
+from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.serve.service import Stream
 from tests.test_server import Running
 
 pytestmark = pytest.mark.timeout(180)
@@ -444,7 +444,7 @@ def test_openai_client_sees_400s_as_bad_request(server):
 
 
 def test_stop_strings_are_bounded_in_number_and_length(server):
-    from engine.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+    from tidegate.engine.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
     # every generated token of every choice is checked against each stop string inside the engine's
     # step: an unbounded list would let one request slow every other request's tokens

@@ -17,8 +17,8 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from engine.cli import main
-from engine.real.model import ByteTokenizer, load_model
+from tidegate.engine.cli import main
+from tidegate.engine.real.model import ByteTokenizer, load_model
 from tests.test_server import Running, free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -163,7 +163,7 @@ def test_a_port_in_use_fails_at_once_with_one_sentence():
 
 
 def test_the_options_reach_the_config(tmp_path, monkeypatch):
-    import engine.serve
+    import tidegate.engine.serve
 
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
@@ -173,7 +173,7 @@ def test_the_options_reach_the_config(tmp_path, monkeypatch):
         seen["config"] = config
         raise ValueError("stopped before the model loads")
 
-    monkeypatch.setattr(engine.serve, "build_service", build_service)
+    monkeypatch.setattr(tidegate.engine.serve, "build_service", build_service)
     monkeypatch.setenv("TIDEGATE_API_KEY", KEY)
     result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--port", str(free_port()),
                                        "--chat-template", str(template), "--max-model-len", "300",
@@ -199,7 +199,7 @@ def test_a_bad_chat_template_file_is_one_sentence(tmp_path, content, fragment):
 def test_the_banner_comes_once_the_server_listens():
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", TIDEGATE_API_KEY=KEY)
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--engine-thread",
+    proc = subprocess.Popen([sys.executable, "-m", "tidegate", "serve", "--port", str(port), "--engine-thread",
                              "--kv-capacity-tokens", "4096", "--max-model-len", "100", "--access-log"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
@@ -225,9 +225,9 @@ def test_the_banner_comes_once_the_server_listens():
 
 @pytest.mark.slow
 def test_a_quick_profile_fit_at_start_up(tmp_path):
-    from engine.core.profile import load_profile
-    from engine.serve.config import ServeConfig
-    from engine.serve.launch import fit_profile
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.serve.config import ServeConfig
+    from tidegate.engine.serve.launch import fit_profile
 
     t0 = time.perf_counter()
     path = fit_profile(ServeConfig(device="cpu", threads=1), tmp_path / "fit.json")

@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from training.parallel import TaskError, add_backend_options, run_tasks
+from tidegate.training.parallel import TaskError, add_backend_options, run_tasks
 
 
 def square(x):

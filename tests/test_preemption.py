@@ -11,12 +11,12 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from ctrl import build_controller
-from ctrl.base import UNLIMITED, Controller, Decision, Rejection
-from ctrl.greedy import GreedyController
-from engine.core.executor import StepResult
-from engine.core.request import RequestState
-from engine.sim.executor import SimExecutor
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Rejection
+from tidegate.ctrl.greedy import GreedyController
+from tidegate.engine.core.executor import StepResult
+from tidegate.engine.core.request import RequestState
+from tidegate.engine.sim.executor import SimExecutor
 from tests.helpers import make_engine, record_evictions, req, run_until_idle, step_profile
 
 # (arrival step, prompt tokens, output tokens, max_tokens - output tokens)
@@ -154,7 +154,7 @@ def test_a_raising_on_finish_does_not_stop_the_others(caplog):
     rs = [req(i, 4, 3) for i in range(5)]
     for r in rs:
         core.add_request(r)
-    with caplog.at_level(logging.WARNING, logger="engine.core.engine_core"):
+    with caplog.at_level(logging.WARNING, logger="tidegate.engine.core.engine_core"):
         run_until_idle(core)
     assert sorted(seen) == sorted(r.request_id for r in rs)
     assert core.callback_errors == {"on_finish raised RuntimeError": 5}
@@ -274,9 +274,9 @@ def test_reset_eviction_discards_progress_as_in_the_paper():
 
 
 def test_recompute_finishes_sooner_than_reset_at_overload():
-    from engine.core.profile import load_profile
-    from engine.sim.simulate import simulate
-    from engine.workloads import Arrival
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.sim.simulate import simulate
+    from tidegate.engine.workloads import Arrival
 
     profile = load_profile("a100-llama2-7b")
     arrivals = [Arrival(i * 0.02, 300 + 37 * (i % 11), 200 + 13 * (i % 7), 512) for i in range(400)]
@@ -355,7 +355,7 @@ def test_a_raising_controller_gets_the_conservative_decision_and_one_log_line(ca
             raise RuntimeError("policy file corrupt")
 
     core = make_engine(Broken(max_waiting=3), capacity=256)
-    with caplog.at_level(logging.WARNING, logger="engine.core.engine_core"):
+    with caplog.at_level(logging.WARNING, logger="tidegate.engine.core.engine_core"):
         results = [core.add_request(req(i, 4, 5)) for i in range(5)]
         running = []
         while core.has_unfinished:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.sim import roofline
-from engine.core.profile import PROFILES_DIR, Profile, ProfileError, load_profile, shipped_profiles
+from tidegate.engine.sim import roofline
+from tidegate.engine.core.profile import PROFILES_DIR, Profile, ProfileError, load_profile, shipped_profiles
 
 SHIPPED = ["a100-llama2-7b", "h200-llama3-8b", "slot"]
 
@@ -147,7 +147,7 @@ def test_roofline_reproduces_the_shipped_preset_files():
 def test_roofline_write_regenerates_identical_files(tmp_path):
     from click.testing import CliRunner
 
-    from engine.cli import main
+    from tidegate.engine.cli import main
 
     result = CliRunner().invoke(main, ["roofline", "--write", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -380,7 +380,7 @@ def test_bad_split_or_noise_names_its_key(tmp_path, key, value, expected):
 
 
 def test_capacity_counts_decode_tokens_at_their_own_cost():
-    from ctrl.theory import capacity
+    from tidegate.ctrl.theory import capacity
 
     p = split_profile()
     prompts, outputs = [200, 600], [100, 300]
@@ -409,7 +409,7 @@ def _split_rows(n: int, sigma: float, seed: int = 0) -> list[tuple[int, int, flo
 
 
 def test_fit_recovers_the_split_costs_and_the_noise():
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     fit = fit_step_time(_split_rows(4000, 0.3), loss="l1")
     for key, value in SPLIT.items():
@@ -424,7 +424,7 @@ def test_fit_recovers_the_split_costs_and_the_noise():
 
 
 def test_noise_of_pooled_runs_is_fitted_within_each_run():
-    from engine.sim.fit import fit_step_time
+    from tidegate.engine.sim.fit import fit_step_time
 
     # two runs of the same steps, the machine 30% slower in the second: drift, not step noise
     first, second = _split_rows(2000, 0.05, seed=1), _split_rows(2000, 0.05, seed=2)
@@ -445,10 +445,10 @@ def test_step_noise_is_seeded_median_one_and_off_at_zero():
     import math
     import statistics
 
-    from ctrl import build_controller
-    from engine.sim.executor import StepNoise
-    from engine.sim.simulate import simulate
-    from engine.workloads import Arrival
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.sim.executor import StepNoise
+    from tidegate.engine.sim.simulate import simulate
+    from tidegate.engine.workloads import Arrival
 
     noise, again = StepNoise(0.3, seed=1), StepNoise(0.3, seed=1)
     draws = [noise() for _ in range(20_000)]
@@ -496,7 +496,7 @@ def test_bad_prefill_cost_or_noise_correlation_names_its_key(tmp_path, key, valu
 
 
 def test_capacity_counts_one_prefill_chunk_per_request():
-    from ctrl.theory import capacity
+    from tidegate.ctrl.theory import capacity
 
     p = split_profile()
     with_chunks = replace(p, per_prefill_s=2e-3)
@@ -510,7 +510,7 @@ def test_correlated_noise_keeps_each_draw_log_normal_and_the_old_draws_without_i
 
     import numpy as np
 
-    from engine.sim.executor import StepNoise
+    from tidegate.engine.sim.executor import StepNoise
 
     logs = np.log(_draws(StepNoise(0.3, seed=4, corr=0.9), 60_000))
     z = logs / 0.3
@@ -549,7 +549,7 @@ def _chunk_rows(n: int, sigma: float, corr: float, seed: int = 0) -> list[tuple[
 
 
 def test_fit_recovers_the_prefill_chunk_cost_and_the_noise_correlation():
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     fit = fit_step_time(_chunk_rows(6000, 0.3, 0.9), loss="l1")
     assert fit["per_prefill_s"] == pytest.approx(2e-3, rel=0.15)
@@ -583,7 +583,7 @@ def _wander_logs(n: int, corr: float, white: float, seed: int):
 def test_noise_wander_recovers_the_correlation_and_the_fresh_share(corr, white):
     import numpy as np
 
-    from engine.sim.fit import noise_wander
+    from tidegate.engine.sim.fit import noise_wander
 
     got_corr, got_white = noise_wander(np.exp(0.2 * _wander_logs(8000, corr, white, seed=3)))
     assert got_corr == pytest.approx(corr, abs=0.02)
@@ -593,7 +593,7 @@ def test_noise_wander_recovers_the_correlation_and_the_fresh_share(corr, white):
 def test_noise_wander_finds_independent_steps_and_needs_enough_of_them():
     import numpy as np
 
-    from engine.sim.fit import NOISE_MIN_STEPS, noise_wander
+    from tidegate.engine.sim.fit import NOISE_MIN_STEPS, noise_wander
 
     rng = np.random.default_rng(5)
     assert noise_wander(np.exp(0.2 * rng.standard_normal(8000)))[0] < 0.1
@@ -613,8 +613,8 @@ def test_simulated_noise_spreads_a_span_of_steps_as_the_measured_noise_does(corr
     correlation, spread it 1.4 times too wide at 70% fresh)."""
     import numpy as np
 
-    from engine.sim.executor import StepNoise
-    from engine.sim.fit import noise_wander
+    from tidegate.engine.sim.executor import StepNoise
+    from tidegate.engine.sim.fit import noise_wander
 
     def mean_spread(logs, span: int = 32) -> float:
         sums = np.concatenate([[0.0], np.cumsum(logs - logs.mean())])
@@ -631,7 +631,7 @@ def test_fresh_noise_keeps_each_draw_standard_and_shortens_the_correlation():
 
     import numpy as np
 
-    from engine.sim.executor import StepNoise
+    from tidegate.engine.sim.executor import StepNoise
 
     z = np.log(_draws(StepNoise(0.3, seed=4, corr=0.9, white=0.3), 60_000)) / 0.3
     assert abs(np.median(z)) < 0.08 and np.std(z) == pytest.approx(1.0, abs=0.08)
@@ -650,8 +650,8 @@ def test_fresh_noise_keeps_each_draw_standard_and_shortens_the_correlation():
 
 
 def test_fit_recovers_the_fresh_share_and_the_profile_keeps_it(tmp_path):
-    from engine.sim.executor import SimExecutor, StepNoise
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.executor import SimExecutor, StepNoise
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     p = replace(split_profile(), per_prefill_s=2e-3)
     rows = _chunk_rows(8000, 0.0, 0.0, seed=6)
@@ -688,8 +688,8 @@ def test_bad_fresh_share_names_its_key(tmp_path, value, expected):
 def test_noise_below_the_median_has_its_own_sigma_and_the_mean_counts_both():
     import numpy as np
 
-    from ctrl.theory import mean_step_factor
-    from engine.sim.executor import StepNoise
+    from tidegate.ctrl.theory import mean_step_factor
+    from tidegate.engine.sim.executor import StepNoise
 
     draws = np.log(_draws(StepNoise(0.4, seed=2, corr=0.5, sigma_below=0.1), 80_000))
     assert abs(np.median(draws)) < 0.01
@@ -703,7 +703,7 @@ def test_noise_below_the_median_has_its_own_sigma_and_the_mean_counts_both():
 def test_fit_gives_each_side_of_the_median_its_sigma():
     import numpy as np
 
-    from engine.sim.fit import fit_step_time
+    from tidegate.engine.sim.fit import fit_step_time
 
     rng = np.random.default_rng(3)
     p = split_profile()
@@ -719,9 +719,9 @@ def test_fit_gives_each_side_of_the_median_its_sigma():
 
 
 def test_prefill_attention_pairs_grow_with_the_square_of_the_chunk():
-    from ctrl import build_controller
-    from engine.core.request import Request
-    from engine.sim.executor import SimExecutor
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.core.request import Request
+    from tidegate.engine.sim.executor import SimExecutor
     from tests.helpers import make_engine, step_profile
 
     seen = []
@@ -747,7 +747,7 @@ def test_prefill_attention_pairs_grow_with_the_square_of_the_chunk():
 def test_fit_recovers_the_cost_per_prefill_pair(tmp_path):
     import numpy as np
 
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     rng = np.random.default_rng(5)
     p = replace(split_profile(), per_prefill_s=2e-3, per_prefill_pair_s=1e-7)
@@ -779,7 +779,7 @@ def test_fit_recovers_the_cost_per_prefill_pair(tmp_path):
 def test_fit_recovers_the_cost_of_a_first_decode(tmp_path):
     import numpy as np
 
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     rng = np.random.default_rng(6)
     p = replace(split_profile(), per_prefill_s=2e-3, per_first_decode_s=8e-4)
@@ -806,7 +806,7 @@ def test_fit_recovers_the_cost_of_a_first_decode(tmp_path):
 def test_fit_recovers_the_cost_of_a_prefill_with_no_decodes_beside(tmp_path):
     import numpy as np
 
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     rng = np.random.default_rng(7)
     p = replace(split_profile(), per_prefill_s=1e-3, per_prefill_alone_s=1.5e-3)
@@ -839,7 +839,7 @@ def test_fit_recovers_the_cost_of_a_prefill_with_no_decodes_beside(tmp_path):
 
 
 def test_after_prefill_weights_sum_the_decayed_prefill_steps_before():
-    from engine.core.profile import after_prefill_weights
+    from tidegate.engine.core.profile import after_prefill_weights
 
     assert after_prefill_weights([True, False, False, True, False], 0.5) == [0.0, 1.0, 0.5, 0.25, 1.125]
     assert after_prefill_weights([True, False, True], 0.0) == [0.0, 1.0, 0.0]
@@ -861,7 +861,7 @@ def _after_rows(n: int, cost: float, decay: float, seed: int = 0, token_cost: fl
     tokens), with AR(1) log-normal noise."""
     import numpy as np
 
-    from engine.core.profile import after_prefill_weights
+    from tidegate.engine.core.profile import after_prefill_weights
 
     rng = np.random.default_rng(seed)
     p = replace(split_profile(), per_prefill_s=2e-3, per_after_prefill_s=cost, after_prefill_decay=decay,
@@ -883,7 +883,7 @@ def _after_rows(n: int, cost: float, decay: float, seed: int = 0, token_cost: fl
 
 
 def test_fit_recovers_the_after_prefill_cost_and_its_decay(tmp_path):
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     fit = fit_step_time(_after_rows(5000, 1.5e-3, 0.4), loss="l1")
     assert fit["after_prefill_decay"] == pytest.approx(0.4, abs=0.1)
@@ -905,7 +905,7 @@ def test_fit_recovers_the_after_prefill_cost_and_its_decay(tmp_path):
 def test_after_prefill_weights_of_pooled_runs_start_again_with_each_run():
     import numpy as np
 
-    from engine.sim.fit import _run_weights, fit_step_time
+    from tidegate.engine.sim.fit import _run_weights, fit_step_time
 
     prefilled = np.array([1.0, 0.0, 0.0, 1.0, 0.0])
     assert _run_weights(prefilled, 0.5, None) == [0.0, 1.0, 0.5, 0.25, 1.125]
@@ -919,7 +919,7 @@ def test_after_prefill_weights_of_pooled_runs_start_again_with_each_run():
 
 
 def test_fit_tells_the_after_prefill_cost_per_token_from_the_one_per_step(tmp_path):
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     rows = _after_rows(6000, 0.5e-3, 0.5, token_cost=2e-6)
     fit = fit_step_time(rows, loss="l1")
@@ -935,8 +935,8 @@ def test_fit_tells_the_after_prefill_cost_per_token_from_the_one_per_step(tmp_pa
 
 
 def test_simulator_charges_the_decaying_after_prefill_cost():
-    from engine.core.executor import Batch
-    from engine.sim.executor import SimExecutor
+    from tidegate.engine.core.executor import Batch
+    from tidegate.engine.sim.executor import SimExecutor
 
     base = split_profile()
     p = replace(base, per_after_prefill_s=1e-3, after_prefill_decay=0.5)
@@ -974,7 +974,7 @@ def test_bad_after_prefill_keys_name_themselves(tmp_path):
 
 
 def test_capacity_counts_the_after_prefill_cost_once_per_request():
-    from ctrl.theory import fluid_lambda_max
+    from tidegate.ctrl.theory import fluid_lambda_max
 
     p = split_profile()
     after = replace(p, per_after_prefill_s=1e-3, after_prefill_decay=0.5)
@@ -1015,7 +1015,7 @@ def test_noise_scale_is_one_up_to_the_knee_then_falls_towards_the_floor(tmp_path
 def test_scaled_noise_draws_the_same_normals():
     import numpy as np
 
-    from engine.sim.executor import StepNoise
+    from tidegate.engine.sim.executor import StepNoise
 
     for kwargs in ({}, {"corr": 0.9}, {"corr": 0.5, "sigma_below": 0.1}):
         plain = np.log(_draws(StepNoise(0.3, seed=9, **kwargs), 500))
@@ -1027,8 +1027,8 @@ def test_scaled_noise_draws_the_same_normals():
 def test_simulator_gives_long_steps_their_smaller_noise():
     import numpy as np
 
-    from engine.core.executor import Batch
-    from engine.sim.executor import SimExecutor
+    from tidegate.engine.core.executor import Batch
+    from tidegate.engine.sim.executor import SimExecutor
 
     flat = replace(split_profile(0.2), noise_corr=0.8, noise_sigma_below=0.1)
     sized = replace(flat, noise_knee_s=6e-3, noise_floor=0.25)
@@ -1072,7 +1072,7 @@ def _sized_rows(n: int, sigma: float, knee: float, floor: float, corr: float = 0
 
 
 def test_fit_finds_how_the_noise_falls_with_the_step_length():
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     fit = fit_step_time(_sized_rows(8000, 0.2, knee=8e-3, floor=0.25), loss="l1")
     assert fit["noise_floor"] == pytest.approx(0.25, abs=0.1)
@@ -1094,7 +1094,7 @@ def test_fit_finds_how_the_noise_falls_with_the_step_length():
 def test_noise_by_length_of_pooled_runs_is_judged_within_each_run():
     import numpy as np
 
-    from engine.sim.fit import _within_runs, noise_size
+    from tidegate.engine.sim.fit import _within_runs, noise_size
 
     # the second run's machine was slower for short steps only: the long steps' spread is unchanged
     first = _sized_rows(5000, 0.15, knee=8e-3, floor=0.25, seed=4)
@@ -1113,8 +1113,8 @@ def test_noise_by_length_of_pooled_runs_is_judged_within_each_run():
 
 
 def test_predicted_steps_carry_the_after_prefill_weights_through_the_run():
-    from engine.core.executor import Batch
-    from engine.sim.executor import SimExecutor
+    from tidegate.engine.core.executor import Batch
+    from tidegate.engine.sim.executor import SimExecutor
 
     p = replace(split_profile(), per_prefill_s=2e-3, per_after_prefill_s=1e-3, after_prefill_decay=0.5,
                 per_after_prefill_token_s=1e-6, per_first_decode_s=3e-4)
@@ -1133,7 +1133,7 @@ def test_predicted_steps_carry_the_after_prefill_weights_through_the_run():
 
 
 def test_a_fit_without_a_fixed_cost_gives_a_profile_whose_idle_tick_is_one_tokens_cost():
-    from engine.sim.fit import fit_step_time, profile_fields
+    from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
     # steps whose best line crosses below 0 at no tokens: the non-negative fit sets base_s to 0
     rows = [(t, 100 * t, 2e-4 * t + 1e-6 * 100 * t - 1e-5) for t in range(1, 60)]

@@ -10,14 +10,16 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from ctrl import ControllerSpecError, build_controller
-from engine.core.clock import WallClock
-from engine.core.engine_core import EngineCore
-from engine.real.llm import LLM
-from engine.core.request import Request, RequestState
-from engine.real.model import ByteTokenizer, IncrementalDetokenizer, ModelLoadError, build_tiny_model, load_model
-from engine.real.executor import TorchExecutor
-from engine.real.sampling import SamplingParams
+from tidegate.ctrl import ControllerSpecError, build_controller
+from tidegate.engine.core.clock import WallClock
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.real.llm import LLM
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.real.model import (
+    ByteTokenizer, IncrementalDetokenizer, ModelLoadError, build_tiny_model, load_model,
+)
+from tidegate.engine.real.executor import TorchExecutor
+from tidegate.engine.real.sampling import SamplingParams
 
 torch.set_num_threads(1)  # 2 threads stall badly when the 2 cores are shared
 
@@ -103,7 +105,7 @@ def test_greedy_matches_generate_under_evictions(tiny, workload, eviction, token
 
 
 def test_decodes_cut_by_the_token_budget_give_the_same_tokens(tiny):
-    from ctrl.base import Controller, Decision
+    from tidegate.ctrl.base import Controller, Decision
 
     class Shrinking(Controller):  # every prompt in the first step, then 4 tokens a step for 8 decodes
         def decide(self, obs):
@@ -306,7 +308,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny, workload
 
 
 def test_decode_buckets_cover_every_request_once():
-    from engine.real.paged_cache import plan_buckets
+    from tidegate.engine.real.paged_cache import plan_buckets
     lens = [1, 1, 2, 24, 23, 3, 24, 12, 12, 1]
     buckets = plan_buckets(lens)
     assert sorted(i for b in buckets for i in b) == list(range(len(lens)))
@@ -320,13 +322,13 @@ def test_decode_buckets_cover_every_request_once():
 def test_batched_paged_attention_matches_per_request_attention(tiny):
     """Decodes of very different lengths (several buckets) and prefill chunks with and without a
     cached prefix, in one step: the logits match each request run alone through model.generate's path."""
-    from engine.core.block_pool import BlockPool
-    from engine.real.profiler import batch_of_shape
+    from tidegate.engine.core.block_pool import BlockPool
+    from tidegate.engine.real.profiler import batch_of_shape
     model, tok = tiny
     pool = BlockPool(8192, 16)
     ex = TorchExecutor(model, tok, pool)
     rng = random.Random(3)
-    from engine.core.executor import Batch
+    from tidegate.engine.core.executor import Batch
     batch = batch_of_shape(pool, [5, 300, 17, 16, 33, 250, 2], [(0, 40), (70, 9), (16, 1)], rng)
     for r in batch.requests:  # fill each request's cached tokens with its own prefill first
         cached = r.num_computed_tokens
@@ -366,8 +368,8 @@ def test_check_request_is_the_cores_definition_plus_the_vocabulary(llm):
 def test_kv_geometry_and_bytes_per_token_of_llama_configs():
     from transformers import LlamaConfig
 
-    from engine.real.paged_cache import kv_bytes_per_token, kv_geometry
-    from engine.sim.roofline import LLAMA2_7B, LLAMA3_8B
+    from tidegate.engine.real.paged_cache import kv_bytes_per_token, kv_geometry
+    from tidegate.engine.sim.roofline import LLAMA2_7B, LLAMA3_8B
 
     llama2_7b = LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32)
     llama3_8b = LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
@@ -381,8 +383,8 @@ def test_kv_geometry_and_bytes_per_token_of_llama_configs():
 
 
 def test_paged_cache_is_shaped_by_the_kv_geometry(tiny):
-    from engine.core.block_pool import BlockPool
-    from engine.real.paged_cache import PagedKVCache, kv_bytes_per_token, kv_geometry
+    from tidegate.engine.core.block_pool import BlockPool
+    from tidegate.engine.real.paged_cache import PagedKVCache, kv_bytes_per_token, kv_geometry
 
     model, _ = tiny
     pool = BlockPool(256, 16)
@@ -402,7 +404,7 @@ def test_paged_cache_is_shaped_by_the_kv_geometry(tiny):
 def test_an_unusable_device_is_one_sentence_and_exit_2(monkeypatch, device, expected):
     from click.testing import CliRunner
 
-    from engine.cli import main
+    from tidegate.engine.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU-only torch
     result = CliRunner().invoke(main, ["generate", "--device", device, "--prompt", "hi", "--max-tokens", "2"])

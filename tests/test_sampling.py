@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.real.llm import LLM
-from engine.real.model import ByteTokenizer, build_tiny_model
-from engine.real.sampling import SamplingParams
+from tidegate.engine.real.llm import LLM
+from tidegate.engine.real.model import ByteTokenizer, build_tiny_model
+from tidegate.engine.real.sampling import SamplingParams
 
 torch.set_num_threads(1)  # 2 threads stall badly when the 2 cores are shared
 
@@ -343,10 +343,10 @@ def test_each_token_gets_one_logprob_entry_across_evictions(llm):
 
 def test_prompt_logprobs_are_computed_once_when_a_prefill_starts_over(llm):
     """An eviction in the middle of a chunked prefill: the re-prefill adds only the missing entries."""
-    from engine.core.block_pool import BlockPool
-    from engine.core.executor import Batch
-    from engine.core.request import Request
-    from engine.real.executor import TorchExecutor
+    from tidegate.engine.core.block_pool import BlockPool
+    from tidegate.engine.core.executor import Batch
+    from tidegate.engine.core.request import Request
+    from tidegate.engine.real.executor import TorchExecutor
 
     pool = BlockPool(1024, 8)
     executor = TorchExecutor(llm.model, llm.tokenizer, pool)

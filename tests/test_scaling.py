@@ -11,13 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-from ctrl import build_controller
-from engine.core.driver import replay
-from engine.core.profile import load_profile
-from engine.core.request import Request, RequestState
-from engine.core.slo import met_slo, time_per_output_token_s, time_to_first_token_s
-from engine.sim.simulate import make_request, make_sim_engine, simulate
-from engine.workloads import Arrival, read_trace, resolve_trace
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.driver import replay
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.core.slo import met_slo, time_per_output_token_s, time_to_first_token_s
+from tidegate.engine.sim.simulate import make_request, make_sim_engine, simulate
+from tidegate.engine.workloads import Arrival, read_trace, resolve_trace
 
 PROFILE = load_profile("a100-llama2-7b")
 STEADY = [Arrival(0.05 * i, 64, 16, 16) for i in range(3000)]  # ~4 running, ~15k steps
@@ -128,8 +128,8 @@ def test_ended_requests_stay_in_memory_only_with_keep_requests(keep_requests):
 
 
 def test_retain_bounds_what_a_long_running_engine_keeps():
-    from engine.core.metrics import EngineMetrics
-    from engine.core.request import Request, RequestState
+    from tidegate.engine.core.metrics import EngineMetrics
+    from tidegate.engine.core.request import Request, RequestState
 
     m = EngineMetrics(record_steps=False)
     for i in range(1000):

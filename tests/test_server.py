@@ -18,12 +18,12 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from ctrl import build_controller
+from tidegate.ctrl import build_controller
 
-from engine.serve.app import create_app
-from engine.serve.launch import ServeConfig, build_service
-from engine.serve.service import Stream
-from engine.real.model import load_model
+from tidegate.engine.serve.app import create_app
+from tidegate.engine.serve.launch import ServeConfig, build_service
+from tidegate.engine.serve.service import Stream
+from tidegate.engine.real.model import load_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -208,7 +208,7 @@ def test_slow_reader_stream_is_ended_and_bounded(tiny):
         stream = Stream(loop, limit=4)
         stream.admitted = True
         ids = s.service.tokenizer.encode("slow")
-        from engine.real.sampling import SamplingParams
+        from tidegate.engine.real.sampling import SamplingParams
         s.service.submit(stream, ids, SamplingParams(ignore_eos=True), 200)  # nobody reads this stream
         deadline = time.time() + 30
         while stream.result is None:
@@ -268,7 +268,7 @@ def test_queue_timeout_ends_a_waiting_request_with_503(tiny):
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tidegate", "serve", "--port", str(port),
                              "--kv-capacity-tokens", "4096", "--drain-timeout-s", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -306,7 +306,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
 def test_loadgen_against_the_server(server, tmp_path):
     from click.testing import CliRunner
 
-    from engine.cli import main
+    from tidegate.engine.cli import main
 
     out = tmp_path / "run.json"
     res = CliRunner().invoke(main, ["loadgen", "--url", server.url, "--dataset", "random", "--num-requests", "12",
@@ -469,7 +469,7 @@ def test_max_waiting_holds_under_a_flood(tiny):
 
 
 def test_the_server_queue_timeout_never_loosens_the_controllers():
-    from engine.serve.engine_proc import apply_queue_timeout
+    from tidegate.engine.serve.engine_proc import apply_queue_timeout
 
     controller = build_controller("greedy:queue_timeout_s=0.5")
     apply_queue_timeout(controller, 30.0)
@@ -503,6 +503,6 @@ def test_the_server_keeps_idle_connections_open_longer_than_its_clients_do():
     import httpx
     from openai._constants import DEFAULT_CONNECTION_LIMITS
 
-    from engine.serve.launch import KEEP_ALIVE_S
+    from tidegate.engine.serve.launch import KEEP_ALIVE_S
 
     assert KEEP_ALIVE_S > max(DEFAULT_CONNECTION_LIMITS.keepalive_expiry or 0, httpx.Limits().keepalive_expiry or 0)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def running():
-    from engine.real.model import load_model
+    from tidegate.engine.real.model import load_model
 
     s = Running(load_model("tiny", "cpu", "float32"), controller="greedy", default_max_tokens=8)
     yield s

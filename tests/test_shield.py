@@ -11,12 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection
-from ctrl.flow import FlowController
-from ctrl.greedy import GreedyController
-from ctrl.shield import ShieldedController
-from ctrl.theory import BURST_USAGE
-from engine.core.request import RequestState
+from tidegate.ctrl.base import (
+    RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection,
+)
+from tidegate.ctrl.flow import FlowController
+from tidegate.ctrl.greedy import GreedyController
+from tidegate.ctrl.shield import ShieldedController
+from tidegate.ctrl.theory import BURST_USAGE
+from tidegate.engine.core.request import RequestState
 from tests.helpers import make_engine, req
 
 NUMBERS = st.one_of(
@@ -206,7 +208,7 @@ def test_shield_counts_and_logs_once_every_exception_it_absorbs(caplog):
     shield = ShieldedController(Broken(), max_num_seqs=8, max_num_batched_tokens=64)
     obs = Observation(kv_capacity_tokens=1024, block_size=16)
     obs.num_waiting = 3
-    with caplog.at_level("WARNING", logger="ctrl.shield"):
+    with caplog.at_level("WARNING", logger="tidegate.ctrl.shield"):
         for _ in range(5):
             d = shield.decide(obs)
             assert shield.admit(obs, 10, 10) is None

@@ -14,10 +14,10 @@ import random
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
-from ctrl import build_controller
-from ctrl.base import Controller, Decision
-from engine.core.request import RequestState
-from engine.sim.executor import SimExecutor
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.base import Controller, Decision
+from tidegate.engine.core.request import RequestState
+from tidegate.engine.sim.executor import SimExecutor
 from tests.helpers import make_engine, req, step_profile
 
 SPECS = ["greedy", "no-evict", "sglang", "watermark", "flow", "slo-flow", "class-budgets:budgets=2/3", "budgets"]
@@ -180,8 +180,8 @@ def _lines_per_decode_step(running: int) -> float:
     (counted, not timed; the simulator, on the A100 preset)."""
     import sys
 
-    from engine.core.profile import load_profile
-    from engine.sim.simulate import make_sim_engine
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.sim.simulate import make_sim_engine
 
     profile = load_profile("a100-llama2-7b")
     core = make_sim_engine(profile, build_controller("greedy", profile), record_steps=False)

@@ -16,12 +16,12 @@ import math
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
-from ctrl import build_controller
-from ctrl.base import UNLIMITED, Controller, Decision
-from engine.core.clock import VirtualClock
-from engine.core.driver import replay
-from engine.core.engine_core import EngineCore
-from engine.sim.executor import SimExecutor
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision
+from tidegate.engine.core.clock import VirtualClock
+from tidegate.engine.core.driver import replay
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.sim.executor import SimExecutor
 from tests.helpers import req, step_profile
 from tests.test_steady import Failing
 

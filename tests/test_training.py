@@ -8,6 +8,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +16,11 @@ import yaml
 import pytest
 from click.testing import CliRunner
 
-from ctrl.learned import DEFAULT_POLICY, OBS_DIM, make_learned_controller
-from ctrl.policy import NumpyPolicy, OnnxPolicy
-from ctrl.shield import ShieldedController
-from engine.cli import main
-from engine.core.profile import load_profile
+from tidegate.ctrl.learned import DEFAULT_POLICY, OBS_DIM, make_learned_controller
+from tidegate.ctrl.policy import NumpyPolicy, OnnxPolicy
+from tidegate.ctrl.shield import ShieldedController
+from tidegate.engine.cli import main
+from tidegate.engine.core.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ SMALL_RUN = {"n_steps": 512, "batch_size": 128, "n_epochs": 4, "eval_freq": 1024
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from training.train import train
+    from tidegate.training.train import train
 
     out = tmp_path_factory.mktemp("ppo")
     model = train(None, n_timesteps=3072, out_dir=out, n_envs=1, progress_bar=False,
@@ -55,7 +56,7 @@ def test_smoke_training_saves_model_and_vecnormalize(trained):
 def test_resume_from_checkpoint(trained, tmp_path, monkeypatch):
     import tempfile
 
-    from training.train import train
+    from tidegate.training.train import train
 
     temp = tmp_path / "temp"
     temp.mkdir()
@@ -73,7 +74,7 @@ def test_resume_from_checkpoint(trained, tmp_path, monkeypatch):
 
 
 def test_training_seeds_run_as_parallel_tasks_each_in_its_folder(tmp_path):
-    from training.train import train_seeds
+    from tidegate.training.train import train_seeds
 
     paths = train_seeds(None, [3, 4], tmp_path, n_timesteps=512, n_envs=1, backend="process", workers=2,
                         env_kwargs={"episode_steps": 32, "control_interval": 5, "episode_requests": 400},
@@ -87,7 +88,7 @@ def test_training_seeds_run_as_parallel_tasks_each_in_its_folder(tmp_path):
 def test_export_matches_predict(trained, tmp_path):
     from stable_baselines3 import PPO
 
-    from training.export import export
+    from tidegate.training.export import export
 
     out, model_path = trained
     onnx_path = export(model_path, tmp_path / "policy.onnx")
@@ -107,9 +108,9 @@ def test_export_matches_predict(trained, tmp_path):
 
 
 def test_learned_controller_falls_back(tmp_path, caplog):
-    from engine.core.profile import load_profile
-    from engine.sim.simulate import simulate
-    from engine.workloads import read_trace, resolve_trace
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.sim.simulate import simulate
+    from tidegate.engine.workloads import read_trace, resolve_trace
 
     bad = tmp_path / "policy.onnx"
     bad.write_bytes(b"not an onnx file")
@@ -135,7 +136,7 @@ def test_learned_controller_falls_back(tmp_path, caplog):
 
 
 def test_learned_controller_needs_a_profile_and_ctrl_never_loads_one():
-    from ctrl import ControllerSpecError, build_controller
+    from tidegate.ctrl import ControllerSpecError, build_controller
 
     with pytest.raises(ControllerSpecError, match="needs the replica's profile"):
         build_controller("learned")
@@ -148,7 +149,7 @@ def test_learned_controller_needs_a_profile_and_ctrl_never_loads_one():
 
 
 def test_vecnormalize_path_names_the_statistics_saved_with_a_model():
-    from training.train import vecnormalize_path
+    from tidegate.training.train import vecnormalize_path
 
     assert vecnormalize_path("runs/ppo/model.zip") == Path("runs/ppo/vecnormalize.pkl")
     assert vecnormalize_path(Path("r/ppo_serving_100_steps.zip")) == Path("r/ppo_serving_vecnormalize_100_steps.pkl")
@@ -156,9 +157,9 @@ def test_vecnormalize_path_names_the_statistics_saved_with_a_model():
 
 
 def test_default_paths_are_package_data_and_runs_go_to_runs():
-    from training import cli
-    from training.configs import DEFAULT_CONFIG, DEFAULT_OUT
-    from training.export import default_export_path
+    from tidegate.training import cli
+    from tidegate.training.configs import DEFAULT_CONFIG, DEFAULT_OUT
+    from tidegate.training.export import default_export_path
 
     assert DEFAULT_CONFIG.is_file() and DEFAULT_CONFIG.name == "ppo.yaml"
     assert DEFAULT_POLICY.is_file() and DEFAULT_POLICY.parent.name == "checkpoints"
@@ -205,7 +206,7 @@ def test_export_command_writes_policy_beside_the_checkpoint_by_default(trained, 
 
 
 def test_evaluate_matrix_on_tiny_inputs(tmp_path):
-    from training.evaluate import HEURISTICS, PRIOR, evaluate, write_report
+    from tidegate.training.evaluate import HEURISTICS, PRIOR, evaluate, write_report
 
     rows = evaluate({"learned": DEFAULT_POLICY}, families=["chat", "splitwise_code"], loads=[0.8, 2.0], seeds=[0],
                     requests=120, workers=1, progress=False)
@@ -274,7 +275,7 @@ def test_sim_to_real_bad_input_is_one_line_and_exit_2(tmp_path):
 
 
 def test_sim_to_real_runs_on_tiny_inputs(tmp_path):
-    from training.sim_to_real import sim_to_real
+    from tidegate.training.sim_to_real import sim_to_real
 
     rows = sim_to_real(requests=6, load=1.0, length_scale=0.05, max_tokens=16, heuristics=("greedy",))
     assert [(r["engine"], r["controller"]) for r in rows] == [("sim", "learned+shield"), ("real", "learned+shield"),
@@ -294,36 +295,55 @@ def test_sim_to_real_runs_on_tiny_inputs(tmp_path):
 
 
 @pytest.mark.slow
-def test_non_editable_install_finds_policy_and_config_from_any_directory(tmp_path):
+def test_the_wheel_installs_one_package_that_finds_policy_and_config_from_any_directory(tmp_path):
+    """The wheel, installed into a fresh venv, puts one top-level import name into site-packages,
+    `tidegate`, and the installed copy finds its shipped policy and config from any directory."""
     # Build from a copy of the source tree: an in-tree build writes build/ and *.egg-info into the checkout.
-    src, target = tmp_path / "src", tmp_path / "site"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info",
-                                                             "__pycache__", ".*_cache", ".hypothesis", "bench-out"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(src)], check=True, capture_output=True, timeout=240)
+    src, dist, venv = tmp_path / "src", tmp_path / "dist", tmp_path / "venv"
+    shutil.copytree(REPO, src, symlinks=True,
+                    ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info",
+                                                  "__pycache__", ".*_cache", ".hypothesis", "bench-out"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(dist), str(src)], check=True, capture_output=True, timeout=240)
+    wheel = next(dist.glob("tidegate-*.whl"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--no-index", str(wheel)], check=True, capture_output=True, timeout=240)
+    installed = sorted(p.name for p in site.iterdir()
+                       if not p.name.endswith((".dist-info", ".pth")) and p.name not in ("__pycache__", "_distutils_hack"))
+    assert installed == ["tidegate"]
+    target = site / "tidegate"
+    assert not (target / "checkpoints" / "model.zip").exists()  # only the shipped files are package data
+    # The dependencies come from this venv's site-packages, put on the path as a plain folder, so its
+    # editable install of the source tree (a .pth hook) stays out: every tidegate module is the wheel's.
+    deps = sysconfig.get_paths()["purelib"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": deps}
     snippet = (
-        "import ctrl, ctrl.learned, engine.core.profile, training.cli, training.configs\n"
-        "c = ctrl.build_controller('learned', engine.core.profile.load_profile('tiny-cpu'))\n"
+        "import gymnasium, tidegate, tidegate.ctrl as ctrl, tidegate.ctrl.learned, tidegate.training.cli\n"
+        "import tidegate.training.configs, tidegate.env\n"
+        "from tidegate.engine.core.profile import load_profile\n"
+        "c = ctrl.build_controller('learned', load_profile('tiny-cpu'))\n"
         "assert c.inner.policy is not None, c.inner.load_error\n"
-        "print(ctrl.learned.DEFAULT_POLICY)\n"
-        "print(training.configs.DEFAULT_CONFIG)\n"
-        "print({p.name: p.default for p in training.cli.train_command.params}['config_path'])\n"
+        "gymnasium.make('tidegate/Serving-v0').close()\n"
+        "print(tidegate.ctrl.learned.DEFAULT_POLICY)\n"
+        "print(tidegate.training.configs.DEFAULT_CONFIG)\n"
+        "print({p.name: p.default for p in tidegate.training.cli.train_command.params}['config_path'])\n"
         "print(ctrl.__file__)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
-    res = subprocess.run([sys.executable, "-c", snippet], cwd="/", env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([python, "-c", snippet], cwd="/", env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     policy, config, cli_config, ctrl_file = (Path(line) for line in res.stdout.split())
     for path in (policy, config, cli_config, ctrl_file):
         assert path.is_relative_to(target), path
     assert policy.is_file() and config.is_file() and cli_config == config
-    assert not (target / "checkpoints" / "model.zip").exists()  # only the shipped files are package data
 
-    # The server itself, started from / on the installed copy, serves the learned policy, not the fallback.
-    serve = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--kv-capacity-tokens", "4096",
+    # The server itself, started from / by the installed command, serves the learned policy, not the fallback.
+    serve = [venv / "bin" / "tidegate", "serve", "--port", "0", "--kv-capacity-tokens", "4096",
              "--controller", "learned"]
-    proc = subprocess.Popen(serve,
-                            cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(serve, cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
         for line in proc.stderr:
@@ -339,9 +359,9 @@ def test_non_editable_install_finds_policy_and_config_from_any_directory(tmp_pat
 
 
 def test_export_records_a_residual_scale_that_the_controller_applies(trained, tmp_path):
-    from ctrl.learned import make_learned_controller
-    from ctrl.policy import OnnxPolicy
-    from engine.core.profile import load_profile
+    from tidegate.ctrl.learned import make_learned_controller
+    from tidegate.ctrl.policy import OnnxPolicy
+    from tidegate.engine.core.profile import load_profile
 
     _, model_path = trained
     res = invoke("export", model_path, tmp_path / "p.onnx", "--residual-scale", "0.25")
@@ -355,7 +375,7 @@ def test_export_records_a_residual_scale_that_the_controller_applies(trained, tm
 
 
 def test_the_shipped_residual_scale_never_loses_more_than_the_floor_on_validation():
-    from training.evaluate import choose_residual_scale
+    from tidegate.training.evaluate import choose_residual_scale
 
     losing = {0.25: {"min": 0.95, "mean": 1.04}, 0.5: {"min": 0.9, "mean": 1.08}, 1.0: {"min": 0.7, "mean": 1.1}}
     assert choose_residual_scale(losing, 0.98) == 0.0  # every scale loses somewhere: the prior ships
@@ -367,7 +387,7 @@ def test_the_shipped_residual_scale_never_loses_more_than_the_floor_on_validatio
 
 
 def test_summary_reports_how_far_a_cell_moves_by_chance():
-    from training.evaluate import HEURISTICS, PRIOR, summarize, targets
+    from tidegate.training.evaluate import HEURISTICS, PRIOR, summarize, targets
 
     rows = [{"family": "f", "load": 1.2, "seed": s, "controller": c, "goodput_frac": g, "rejected": 0}
             for s, g in enumerate([0.8, 1.0, 0.9]) for c in (PRIOR, "learned", *HEURISTICS)]

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.profile import Profile, load_profile
-from engine.sim.fit import binned_samples, fit_step_time
-from engine.core.request import Request, RequestState
-from engine.twin.check import COMPARED, refit_floor, step_time_errors
-from engine.twin.seeds import (NOISE_SEEDS, POOLED, ks_distances, latencies, real_sampling, seed_spread,
+from tidegate.engine.core.profile import Profile, load_profile
+from tidegate.engine.sim.fit import binned_samples, fit_step_time
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.twin.check import COMPARED, refit_floor, step_time_errors
+from tidegate.engine.twin.seeds import (NOISE_SEEDS, POOLED, ks_distances, latencies, real_sampling, seed_spread,
                                simulate_seeds)
-from engine.twin.fit import read_steps_csv, run_profile_from_steps
+from tidegate.engine.twin.fit import read_steps_csv, run_profile_from_steps
 
 torch.set_num_threads(1)  # as the tiny-cpu profile was fitted
 
@@ -154,7 +154,7 @@ def test_steps_file_without_the_columns_is_one_sentence(tmp_path):
 
 @pytest.mark.slow
 def test_profiler_grid_fits_a_loadable_profile(tmp_path):
-    from engine.real.profiler import QUICK_GRID, grid_points, run_profile
+    from tidegate.engine.real.profiler import QUICK_GRID, grid_points, run_profile
 
     profile = run_profile("tiny", device="cpu", name="grid-test", quick=True, repeats=1, passes=1)
     assert min(profile.base_s, profile.per_token_s, profile.per_kv_token_s) >= 0
@@ -192,7 +192,7 @@ def test_ks_distance_is_zero_for_the_same_latencies_and_one_for_disjoint_ones():
 
 @pytest.mark.slow
 def test_twin_check_end_to_end(tmp_path):
-    from engine.twin.check import run_twin_check
+    from tidegate.engine.twin.check import run_twin_check
 
     report = run_twin_check(model="tiny", trace="splitwise_conv", first_n=16, length_scale=0.05, rate_scale=10.0,
                             profile_name="tiny-cpu", device="cpu", out_dir=tmp_path)
@@ -216,7 +216,7 @@ def test_twin_check_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_fit_around_serves_half_the_profiling_slice_before_the_check_and_half_after():
-    from engine.twin.fit import fit_around
+    from tidegate.engine.twin.fit import fit_around
 
     events: list[str] = []
     seen: list[Profile] = []
@@ -242,9 +242,9 @@ def test_fit_around_serves_half_the_profiling_slice_before_the_check_and_half_af
 
 @pytest.mark.slow
 def test_twin_check_fitted_around_simulates_with_the_profile_it_wrote(tmp_path):
-    from ctrl import build_controller
-    from engine.twin.check import run_twin_check
-    from engine.workloads import read_trace, resolve_trace
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.twin.check import run_twin_check
+    from tidegate.engine.workloads import read_trace, resolve_trace
 
     report = run_twin_check(model="tiny", trace="splitwise_conv", first_n=8, length_scale=0.05, rate_scale=10.0,
                             device="cpu", out_dir=tmp_path, fit_around=True)
@@ -275,8 +275,8 @@ def test_twin_check_fitted_around_simulates_with_the_profile_it_wrote(tmp_path):
 
 
 def _noisy_check_inputs():
-    from ctrl import build_controller
-    from engine.workloads import read_trace, resolve_trace
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.workloads import read_trace, resolve_trace
 
     arrivals = read_trace(resolve_trace("splitwise_conv"), first_n=60, length_scale=0.1, max_tokens_cap=256)
     profile = dataclasses.replace(load_profile("tiny-cpu"), noise_sigma=0.3, noise_corr=0.9)
@@ -284,7 +284,7 @@ def _noisy_check_inputs():
 
 
 def test_simulate_seeds_pools_every_seeds_requests_into_the_percentiles():
-    from engine.sim.simulate import simulate
+    from tidegate.engine.sim.simulate import simulate
 
     arrivals, profile, controller = _noisy_check_inputs()
     summary, requests = simulate_seeds(arrivals, profile, controller, 3)
@@ -311,7 +311,7 @@ def test_simulate_seeds_pools_every_seeds_requests_into_the_percentiles():
 def test_simulate_seeds_runs_a_noiseless_profile_once_and_refuses_no_seeds():
     arrivals, profile, _ = _noisy_check_inputs()
     quiet = dataclasses.replace(profile, noise_sigma=0.0, noise_corr=0.0)
-    from ctrl import build_controller
+    from tidegate.ctrl import build_controller
 
     _, requests = simulate_seeds(arrivals, quiet, lambda: build_controller("greedy", quiet, arrivals), 5)
     assert len(requests) == 1
@@ -355,8 +355,8 @@ def test_real_sampling_is_the_bootstrap_range_of_the_real_figures():
 def test_twin_check_cli_passes_its_noise_seeds_on_and_defaults_to_the_checks(monkeypatch):
     from click.testing import CliRunner
 
-    import engine.twin.check
-    from engine.cli import main
+    import tidegate.engine.twin.check
+    from tidegate.engine.cli import main
 
     seen: list[int] = []
 
@@ -364,7 +364,7 @@ def test_twin_check_cli_passes_its_noise_seeds_on_and_defaults_to_the_checks(mon
         seen.append(kw["noise_seeds"])
         return {"table": "checked"}
 
-    monkeypatch.setattr(engine.twin.check, "run_twin_check", fake_check)
+    monkeypatch.setattr(tidegate.engine.twin.check, "run_twin_check", fake_check)
     for extra, want in (([], NOISE_SEEDS), (["--noise-seeds", "3"], 3)):
         res = CliRunner().invoke(main, ["twin-check", "--trace", "splitwise_conv", *extra])
         assert res.exit_code == 0 and "checked" in res.output, res.output
@@ -386,7 +386,7 @@ def test_a_check_whose_steps_fit_no_fixed_cost_still_reports_its_refit():
 def test_twin_check_takes_a_profile_or_fits_one_around_not_both():
     from click.testing import CliRunner
 
-    from engine.cli import main
+    from tidegate.engine.cli import main
 
     res = CliRunner().invoke(main, ["twin-check", "--trace", "splitwise_conv", "--fit-around", "--profile", "tiny-cpu"])
     assert res.exit_code == 2 and "exclude each other" in res.output and "Traceback" not in res.output
@@ -414,9 +414,9 @@ def test_steps_file_with_prefill_chunks_and_pairs_reads_them(tmp_path):
 def test_speed_adjusted_errors_scale_every_cost_of_the_profile():
     import dataclasses
 
-    from ctrl import build_controller
-    from engine.twin.check import _speed_adjusted_errors, compare_metrics
-    from engine.workloads import read_trace, resolve_trace
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.twin.check import _speed_adjusted_errors, compare_metrics
+    from tidegate.engine.workloads import read_trace, resolve_trace
 
     profile = Profile("toy", "a toy", kv_capacity_tokens=8192, per_decode_token_s=3e-4, per_prefill_s=2e-3,
                       per_first_decode_s=1e-3, per_after_prefill_s=1e-3, after_prefill_decay=0.5,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.workloads import (
+from tidegate.engine.workloads import (
     DEFAULT_MAX_TOKENS,
     Arrival,
     WorkloadError,

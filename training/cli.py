@@ -11,11 +11,11 @@ from pathlib import Path
 
 import click
 
-from ctrl.learned import DEFAULT_POLICY
-from engine.cli.support import friendly
-from training.configs import DEFAULT_CONFIG, DEFAULT_OUT
-from training.errors import ConfigError, EvaluationError, ExportError
-from training.parallel import TaskError, add_backend_options
+from tidegate.ctrl.learned import DEFAULT_POLICY
+from tidegate.engine.cli.support import friendly
+from tidegate.training.configs import DEFAULT_CONFIG, DEFAULT_OUT
+from tidegate.training.errors import ConfigError, EvaluationError, ExportError
+from tidegate.training.parallel import TaskError, add_backend_options
 
 
 class OptionError(ValueError):
@@ -55,7 +55,7 @@ def _path() -> click.Path:
 @friendly(ConfigError, OptionError, TaskError, ImportError)
 def train_command(config_path, timesteps, n_envs, seed, seeds, out_dir, resume, backend, address, workers):
     """Train the learned controller with PPO on tidegate/Serving-v0."""
-    from training.train import train, train_seeds
+    from tidegate.training.train import train, train_seeds
 
     if seeds is None:
         path = train(config_path, n_timesteps=timesteps, n_envs=n_envs, seed=seed, out_dir=out_dir, resume=resume)
@@ -83,7 +83,7 @@ def export_command(checkpoint, out, vecnormalize, residual_scale):
 
     OUT defaults to policy.onnx in the checkpoint's folder.
     """
-    from training.export import export
+    from tidegate.training.export import export
 
     click.echo(f"wrote {export(checkpoint, out, vecnormalize, residual_scale)}")
 
@@ -106,7 +106,7 @@ def evaluate_command(policies, families, profile, loads, requests, seeds, out, b
     """The evaluation matrix: families x loads x seeds, the learned controller against the heuristics."""
     load_list = parse_list(loads, "--loads", float, "positive numbers like 0.8,1.5")
     seed_list = parse_list(seeds, "--seeds", int, "non-negative integers like 0,1,2")
-    from training.evaluate import evaluate, markdown, summarize, targets, write_report
+    from tidegate.training.evaluate import evaluate, markdown, summarize, targets, write_report
 
     paths = list(policies)
     named = {("learned" if len(paths) == 1 else f"learned[{i}]"): p for i, p in enumerate(paths)}
@@ -135,7 +135,7 @@ def evaluate_command(policies, families, profile, loads, requests, seeds, out, b
 def sim_to_real_command(policy, requests, load, length_scale, max_tokens, profile, out):
     """The learned controller and two heuristics on the simulator twin and on the real tiny model
     (CPU, wall clock): the same arrivals, goodput side by side. Progress goes to stderr."""
-    from training.sim_to_real import sim_to_real, sim_to_real_table
+    from tidegate.training.sim_to_real import sim_to_real, sim_to_real_table
 
     rows = sim_to_real(policy, requests, load, length_scale, max_tokens=max_tokens, profile=profile,
                        log=lambda line: click.echo(line, err=True))

@@ -24,17 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ctrl import build_controller
-from ctrl.base import ReplicaProfile
-from ctrl.learned import make_learned_controller
-from ctrl.theory import capacity
-from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
-from engine.twin.guard import simulate_guarded
-from engine.workloads import Arrival, WorkloadError
-from engine.workloads.families import Family, load_family, shipped_families
-from training.errors import EvaluationError
-from training.parallel import run_tasks
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.base import ReplicaProfile
+from tidegate.ctrl.learned import make_learned_controller
+from tidegate.ctrl.theory import capacity
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.twin.guard import simulate_guarded
+from tidegate.engine.workloads import Arrival, WorkloadError
+from tidegate.engine.workloads.families import Family, load_family, shipped_families
+from tidegate.training.errors import EvaluationError
+from tidegate.training.parallel import run_tasks
 
 #: the field's policies the learned controller is held against
 HEURISTICS = ("greedy", "sglang", "watermark", "flow")

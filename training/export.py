@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.errors import ExportError
-from training.train import vecnormalize_path
+from tidegate.training.errors import ExportError
+from tidegate.training.train import vecnormalize_path
 
 
 class _Actor(nn.Module):
@@ -111,7 +111,7 @@ def export(checkpoint: str | Path, out: str | Path | None = None, vecnormalize: 
 def _checked_scale(value) -> float | None:
     if value is None:
         return None
-    from ctrl.learned import residual_scale_of
+    from tidegate.ctrl.learned import residual_scale_of
 
     try:
         return residual_scale_of(value)
@@ -127,7 +127,7 @@ def set_residual_scale(policy: str | Path, scale: float, out: str | Path | None 
     """
     import onnx
 
-    from ctrl.policy import RESIDUAL_SCALE_KEY
+    from tidegate.ctrl.policy import RESIDUAL_SCALE_KEY
 
     checked = _checked_scale(scale)
     assert checked is not None
@@ -182,7 +182,7 @@ def _write_onnx(actor: _Actor, obs_dim: int, out: Path, source: Path, residual_s
     entry = proto.metadata_props.add()
     entry.key, entry.value = "source", str(source)
     if residual_scale is not None:
-        from ctrl.policy import RESIDUAL_SCALE_KEY
+        from tidegate.ctrl.policy import RESIDUAL_SCALE_KEY
 
         entry = proto.metadata_props.add()
         entry.key, entry.value = RESIDUAL_SCALE_KEY, repr(residual_scale)

@@ -35,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 import click
 from tqdm import tqdm
 
-from engine.sim import compiled
+from tidegate.engine.sim import compiled
 
 BACKENDS = ("auto", "ray", "process", "serial")
 

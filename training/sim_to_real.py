@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctrl import build_controller
-from ctrl.learned import DEFAULT_POLICY, TIMING_CAUSES, make_learned_controller
-from ctrl.theory import capacity
-from engine.bench.bench import markdown_table
-from engine.core.profile import load_profile
-from engine.sim.simulate import simulate
-from engine.twin.replay import replay_real
-from engine.workloads import Arrival, read_trace, resolve_trace
-from training.errors import EvaluationError
-from training.evaluate import require_policy
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.learned import DEFAULT_POLICY, TIMING_CAUSES, make_learned_controller
+from tidegate.ctrl.theory import capacity
+from tidegate.engine.bench.bench import markdown_table
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.twin.replay import replay_real
+from tidegate.engine.workloads import Arrival, read_trace, resolve_trace
+from tidegate.training.errors import EvaluationError
+from tidegate.training.evaluate import require_policy
 
 COLUMNS = ("engine", "controller", "requests", "completed", "rejected", "expired", "evictions", "goodput_rps",
            "goodput_frac", "slo_attainment", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s")

@@ -25,12 +25,12 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNormalize
 
-import env  # noqa: F401  (registers tidegate/Serving-v0)
-from env import ENV_ID
-from env.serving_env import ServingEnv
-from training.configs import DEFAULT_CONFIG, DEFAULT_OUT
-from training.errors import ConfigError
-from training.parallel import run_tasks
+import tidegate.env  # noqa: F401  (registers tidegate/Serving-v0)
+from tidegate.env import ENV_ID
+from tidegate.env.serving_env import ServingEnv
+from tidegate.training.configs import DEFAULT_CONFIG, DEFAULT_OUT
+from tidegate.training.errors import ConfigError
+from tidegate.training.parallel import run_tasks
 
 PPO_KEYS = ("n_steps", "batch_size", "n_epochs", "learning_rate", "gamma", "gae_lambda", "clip_range",
             "ent_coef", "vf_coef", "max_grad_norm", "target_kl", "use_sde")

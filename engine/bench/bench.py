@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ctrl import build_controller
-from ctrl.theory import capacity
-from engine.core.request import RequestState
-from engine.core.slo import time_to_first_token_s
-from engine.sim.simulate import simulate
-from engine.workloads import Arrival, read_trace, resolve_trace
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.theory import capacity
+from tidegate.engine.core.request import RequestState
+from tidegate.engine.core.slo import time_to_first_token_s
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads import Arrival, read_trace, resolve_trace
 
 DEFAULT_CONTROLLERS = ("greedy", "no-evict", "sglang", "watermark", "class-budgets", "flow:adaptive=true")
 DEFAULT_LOADS = (0.8, 1.0, 1.5, 2.0)

@@ -12,20 +12,20 @@ import click
 
 #: subcommand -> "module:attribute" of its click command, in the order ``--help`` lists them
 COMMANDS = {
-    "simulate": "engine.cli.sim:simulate",
-    "bench": "engine.cli.sim:bench",
-    "capacity": "engine.cli.sim:capacity",
-    "roofline": "engine.cli.sim:roofline",
-    "compile": "engine.cli.sim:compile_command",
-    "serve": "engine.cli.serve:serve",
-    "loadgen": "engine.cli.serve:loadgen",
-    "generate": "engine.cli.real:generate_command",
-    "profile": "engine.cli.real:profile_command",
-    "twin-check": "engine.cli.real:twin_check_command",
-    "train": "training.cli:train_command",
-    "export": "training.cli:export_command",
-    "evaluate": "training.cli:evaluate_command",
-    "sim-to-real": "training.cli:sim_to_real_command",
+    "simulate": "tidegate.engine.cli.sim:simulate",
+    "bench": "tidegate.engine.cli.sim:bench",
+    "capacity": "tidegate.engine.cli.sim:capacity",
+    "roofline": "tidegate.engine.cli.sim:roofline",
+    "compile": "tidegate.engine.cli.sim:compile_command",
+    "serve": "tidegate.engine.cli.serve:serve",
+    "loadgen": "tidegate.engine.cli.serve:loadgen",
+    "generate": "tidegate.engine.cli.real:generate_command",
+    "profile": "tidegate.engine.cli.real:profile_command",
+    "twin-check": "tidegate.engine.cli.real:twin_check_command",
+    "train": "tidegate.training.cli:train_command",
+    "export": "tidegate.training.cli:export_command",
+    "evaluate": "tidegate.training.cli:evaluate_command",
+    "sim-to-real": "tidegate.training.cli:sim_to_real_command",
 }
 
 
@@ -58,7 +58,7 @@ COMPILED_COMMANDS = ("simulate", "bench", "capacity", "train", "evaluate")
 
 def _run_compiled(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     """``--compiled``: run the same command line again on the compiled copy (``engine/sim/compiled.py``)."""
-    from engine.sim import compiled
+    from tidegate.engine.sim import compiled
 
     try:
         if value and not ctx.resilient_parsing and not os.environ.get(compiled.ENV_VAR):
@@ -70,7 +70,7 @@ def _run_compiled(ctx: click.Context, _param: click.Parameter, value: bool) -> N
             if command not in COMPILED_COMMANDS:
                 which = f"not to {command}" if command else "and needs one of them"
                 raise compiled.CompileError(f"--compiled applies to {', '.join(COMPILED_COMMANDS)}, {which}")
-            compiled.rerun(["-P", "-m", "engine.cli", *argv])
+            compiled.rerun(["-P", "-m", "tidegate", *argv])
         compiled.check()
     except compiled.CompileError as exc:
         click.echo(f"error: {exc}", err=True)

@@ -1,5 +1,5 @@
-"""``python -m engine.cli``: the ``tidegate`` command."""
+"""``python -m tidegate.engine.cli`` (or ``python -m tidegate``): the ``tidegate`` command."""
 
-from engine.cli import main
+from tidegate.engine.cli import main
 
 main(prog_name="tidegate")

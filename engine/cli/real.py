@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli.support import friendly
+from tidegate.engine.cli.support import friendly
 
 
 def _threads(threads: int | None, pin_cpu: int | None = None) -> None:
@@ -62,8 +62,8 @@ pin_option = click.option("--pin-cpu", type=click.IntRange(min=0), default=None,
 def generate_command(model, prompts, max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos,
                      kv_capacity_tokens, stream, as_json, device, dtype, threads):
     """Generate text for prompts on the real engine."""
-    from engine.real.llm import LLM
-    from engine.real.sampling import SamplingParams
+    from tidegate.engine.real.llm import LLM
+    from tidegate.engine.real.sampling import SamplingParams
 
     _threads(threads)
     if stream and len(prompts) > 1:
@@ -123,8 +123,8 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
                     from_twin, from_steps, trace, skip, first_n, length_scale, rate_scale, controller_spec, runs, loss,
                     pin_cpu):
     """Time engine steps and fit the simulator's step-time model (grid of batch shapes, or --from-twin)."""
-    from engine.real.profiler import run_profile
-    from engine.twin.fit import run_profile_from_serving, run_profile_from_steps
+    from tidegate.engine.real.profiler import run_profile
+    from tidegate.engine.twin.fit import run_profile_from_serving, run_profile_from_steps
 
     _threads(threads, pin_cpu)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
@@ -198,7 +198,7 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, fit_around,
                        controller_spec, seed, noise_seeds, out_dir, as_json, device, dtype, threads, pin_cpu):
     """Run one workload through the real engine and the simulator twin and compare them."""
-    from engine.twin.check import run_twin_check
+    from tidegate.engine.twin.check import run_twin_check
 
     if fit_around and profile_name is not None:
         raise click.UsageError("--profile and --fit-around exclude each other: --fit-around fits the profile itself")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from ctrl import DEFAULT_CONTROLLER
-from engine.cli.support import friendly
+from tidegate.ctrl import DEFAULT_CONTROLLER
+from tidegate.engine.cli.support import friendly
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -85,10 +85,10 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, a
     """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /tokenize, /metrics)."""
     import logging
 
-    from ctrl import build_controller
-    from engine.core.profile import load_profile
-    from engine.serve import GracefulServer, ServeConfig, build_service, create_app
-    from engine.serve.launch import bind_sockets
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.serve import GracefulServer, ServeConfig, build_service, create_app
+    from tidegate.engine.serve.launch import bind_sockets
 
     log_level = log_level.lower()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -130,7 +130,7 @@ def _read_chat_template(path: Path | None) -> str | None:
     """The text of a ``--chat-template`` file, checked to be a Jinja template."""
     if path is None:
         return None
-    from engine.serve.chat import check_chat_template
+    from tidegate.engine.serve.chat import check_chat_template
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -151,7 +151,7 @@ def _choose_profile(config, fit: bool) -> None:
     model of one's own runs on the tiny model's profile."""
     import os
 
-    from engine.serve.launch import fit_profile
+    from tidegate.engine.serve.launch import fit_profile
 
     if fit:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidegate" / "profiles"
@@ -218,8 +218,10 @@ def _banner(config, service, controller) -> None:
 def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_requests, max_concurrency,
             input_len, output_len, length_scale, max_tokens_cap, goodput_slos, model, seed, out_path):
     """Streaming load against any OpenAI-compatible server; latency percentiles, goodput, 429s."""
-    from engine.bench.loadgen import format_summary, outcomes_json, plan_random, plan_trace, run, run_load, summarize
-    from engine.workloads import read_trace, resolve_trace
+    from tidegate.engine.bench.loadgen import (
+        format_summary, outcomes_json, plan_random, plan_trace, run, run_load, summarize,
+    )
+    from tidegate.engine.workloads import read_trace, resolve_trace
 
     if bool(trace) == bool(dataset):
         raise click.UsageError("give exactly one of --trace FILE or --dataset random")

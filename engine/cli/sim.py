@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli.support import parse_floats, friendly, load_arrivals, workload_options
+from tidegate.engine.cli.support import parse_floats, friendly, load_arrivals, workload_options
 
 
 @click.command()
@@ -28,11 +28,11 @@ from engine.cli.support import parse_floats, friendly, load_arrivals, workload_o
 def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
              profile_name, controller_spec, eviction, as_json, progress):
     """Replay a trace or synthetic workload through the simulator twin."""
-    from ctrl import build_controller
-    from engine.bench.bench import rate_scale_for_load
-    from engine.core.profile import load_profile
-    from engine.sim.simulate import simulate as run
-    from engine.workloads import Arrival
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.bench.bench import rate_scale_for_load
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.sim.simulate import simulate as run
+    from tidegate.engine.workloads import Arrival
 
     if rate_scale is not None and load is not None:
         raise click.UsageError("give --rate-scale or --load, not both")
@@ -81,8 +81,8 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
 def bench(traces, controllers, loads, profile_name, first_n, start_s, end_s, length_scale, max_tokens, seed,
           jobs, out_dir):
     """Every controller at several loads on traces: table, CSV and plots."""
-    from engine.bench.bench import DEFAULT_CONTROLLERS, TABLE_COLUMNS, markdown_table, run_bench
-    from engine.core.profile import load_profile
+    from tidegate.engine.bench.bench import DEFAULT_CONTROLLERS, TABLE_COLUMNS, markdown_table, run_bench
+    from tidegate.engine.core.profile import load_profile
 
     profile = load_profile(profile_name)
     if controllers is None:
@@ -105,9 +105,9 @@ def bench(traces, controllers, loads, profile_name, first_n, start_s, end_s, len
 def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
              profile_name, as_json):
     """Lifetime KV workload, the necessary rate bound and the fluid bound lambda_max."""
-    from ctrl.theory import capacity as fluid_capacity
-    from engine.core.profile import load_profile
-    from engine.workloads import trace_stats
+    from tidegate.ctrl.theory import capacity as fluid_capacity
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.workloads import trace_stats
 
     profile = load_profile(profile_name)
     arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
@@ -136,8 +136,8 @@ def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
 @friendly()
 def roofline(write, out_dir):
     """The roofline presets' step-time coefficients; with --write, their profile files."""
-    from engine.core.profile import PROFILES_DIR
-    from engine.sim.roofline import coefficient_table, preset_profiles
+    from tidegate.engine.core.profile import PROFILES_DIR
+    from tidegate.engine.sim.roofline import coefficient_table, preset_profiles
 
     profiles = preset_profiles()
     click.echo(coefficient_table(profiles))
@@ -157,7 +157,7 @@ def roofline(write, out_dir):
 def compile_command(out):
     """Compile the simulator's core (engine loop, executor, heuristics, shield) with mypyc, for
     `tidegate --compiled ...` and the speed benchmarks' --compiled. Needs a C compiler."""
-    from engine.sim import compiled
+    from tidegate.engine.sim import compiled
 
     try:
         where = compiled.build(out, log=lambda line: click.echo(line, err=True))

@@ -10,10 +10,10 @@ import click
 
 
 def _project_errors() -> tuple[type[Exception], ...]:
-    from ctrl import ControllerSpecError
-    from engine.core.profile import ProfileError
-    from engine.real.model import ModelLoadError
-    from engine.workloads import WorkloadError
+    from tidegate.ctrl import ControllerSpecError
+    from tidegate.engine.core.profile import ProfileError
+    from tidegate.engine.real.model import ModelLoadError
+    from tidegate.engine.workloads import WorkloadError
     return (ControllerSpecError, ProfileError, WorkloadError, ModelLoadError)
 
 
@@ -66,7 +66,7 @@ def workload_options(fn):
 
 
 def load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale=None):
-    from engine.workloads import load_synthetic, read_trace, resolve_trace
+    from tidegate.engine.workloads import load_synthetic, read_trace, resolve_trace
     if bool(trace) == bool(workload):
         raise click.UsageError("give exactly one of --trace FILE or --workload FILE.yaml")
     if workload:

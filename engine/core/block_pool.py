@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import repeat
 
-from engine.core.request import Request
+from tidegate.engine.core.request import Request
 
 _popleft = deque.popleft
 

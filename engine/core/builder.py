@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ctrl.base import Controller
-from engine.core.clock import Clock, VirtualClock
-from engine.core.engine_core import EngineCore
-from engine.core.executor import Executor
-from engine.core.profile import Profile
-from engine.core.request import Request
+from tidegate.ctrl.base import Controller
+from tidegate.engine.core.clock import Clock, VirtualClock
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.core.executor import Executor
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.request import Request
 
 
 def rate_window_s(profile: Profile) -> float:

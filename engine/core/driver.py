@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from engine.core.engine_core import EngineCore
-from engine.core.request import Request
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.core.request import Request
 
 
 def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Callable[[int], Request],

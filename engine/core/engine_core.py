@@ -31,15 +31,17 @@ from heapq import heappop, heappush
 from operator import attrgetter
 from typing import Callable
 
-from ctrl.base import STEADY_RATE_EVENTS, UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
-from ctrl.slo_flow import predicted_ttft_s
-from engine.core.block_pool import BlockPool
-from engine.core.clock import Clock
-from engine.core.executor import Batch, Executor, StepResult
-from engine.core.metrics import EngineMetrics
-from engine.core.offered import OfferedSizes
-from engine.core.request import Request, RequestState, unservable_reason
-from engine.core.slo import time_per_output_token_s, time_to_first_token_s
+from tidegate.ctrl.base import (
+    STEADY_RATE_EVENTS, UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s,
+)
+from tidegate.ctrl.slo_flow import predicted_ttft_s
+from tidegate.engine.core.block_pool import BlockPool
+from tidegate.engine.core.clock import Clock
+from tidegate.engine.core.executor import Batch, Executor, StepResult
+from tidegate.engine.core.metrics import EngineMetrics
+from tidegate.engine.core.offered import OfferedSizes
+from tidegate.engine.core.request import Request, RequestState, unservable_reason
+from tidegate.engine.core.slo import time_per_output_token_s, time_to_first_token_s
 
 _log = logging.getLogger(__name__)
 

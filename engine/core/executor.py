@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.core.request import Request
+from tidegate.engine.core.request import Request
 
 
 class Batch:

@@ -7,8 +7,8 @@ from array import array
 
 import numpy as np
 
-from engine.core.request import Request, RequestState
-from engine.core.slo import met_slo, time_per_output_token_s, time_to_first_token_s
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.core.slo import met_slo, time_per_output_token_s, time_to_first_token_s
 
 
 class EngineMetrics:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from engine.core.request import Request
+from tidegate.engine.core.request import Request
 
 
 def time_to_first_token_s(r: Request) -> float:

@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from engine.core.executor import Batch, StepResult
-from engine.core.request import Request
-from engine.real.model import IncrementalDetokenizer, eos_token_ids, resolve_device, resolve_dtype
-from engine.real.paged_cache import PagedKVCache, _long, build_layout, register_attention
-from engine.real.sampler import RequestSampling, Sampler, prompt_logprobs
-from engine.real.sampling import SamplingParams
+from tidegate.engine.core.executor import Batch, StepResult
+from tidegate.engine.core.request import Request
+from tidegate.engine.real.model import IncrementalDetokenizer, eos_token_ids, resolve_device, resolve_dtype
+from tidegate.engine.real.paged_cache import PagedKVCache, _long, build_layout, register_attention
+from tidegate.engine.real.sampler import RequestSampling, Sampler, prompt_logprobs
+from tidegate.engine.real.sampling import SamplingParams
 
 _GREEDY = SamplingParams()
 

@@ -20,17 +20,17 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ctrl import build_controller
-from engine.core.block_pool import BlockPool
-from engine.core.builder import build_engine
-from engine.core.clock import WallClock
-from engine.core.engine_core import ASK
-from engine.core.profile import Profile, load_profile
-from engine.core.request import Request, unservable_reason
-from engine.real.executor import TorchExecutor
-from engine.real.model import IncrementalDetokenizer, load_model, resolve_device, resolve_dtype
-from engine.real.paged_cache import kv_bytes_per_token
-from engine.real.sampling import SamplingParams
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.block_pool import BlockPool
+from tidegate.engine.core.builder import build_engine
+from tidegate.engine.core.clock import WallClock
+from tidegate.engine.core.engine_core import ASK
+from tidegate.engine.core.profile import Profile, load_profile
+from tidegate.engine.core.request import Request, unservable_reason
+from tidegate.engine.real.executor import TorchExecutor
+from tidegate.engine.real.model import IncrementalDetokenizer, load_model, resolve_device, resolve_dtype
+from tidegate.engine.real.paged_cache import kv_bytes_per_token
+from tidegate.engine.real.sampling import SamplingParams
 
 DeltaCallback = Callable[[Request, str, bool], None]
 

@@ -20,14 +20,14 @@ from typing import Callable
 
 import torch
 
-from engine.core.block_pool import BlockPool
-from engine.core.executor import Batch
-from engine.core.profile import Profile
-from engine.core.request import Request
-from engine.real.executor import TorchExecutor
-from engine.real.model import load_model, resolve_device, resolve_dtype
-from engine.real.sampling import SamplingParams
-from engine.sim.fit import fit_step_time, profile_fields
+from tidegate.engine.core.block_pool import BlockPool
+from tidegate.engine.core.executor import Batch
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.request import Request
+from tidegate.engine.real.executor import TorchExecutor
+from tidegate.engine.real.model import load_model, resolve_device, resolve_dtype
+from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.sim.fit import fit_step_time, profile_fields
 
 _IGNORE_EOS = SamplingParams(ignore_eos=True)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.request import Request
-from engine.real.paged_cache import _long
-from engine.real.sampling import SamplingParams
+from tidegate.engine.core.request import Request
+from tidegate.engine.real.paged_cache import _long
+from tidegate.engine.real.sampling import SamplingParams
 
 
 class RequestSampling:

@@ -18,7 +18,7 @@
 - :mod:`engine.serve.metrics`: the Prometheus metrics.
 """
 
-from engine.serve.app import create_app
-from engine.serve.launch import GracefulServer, ServeConfig, build_service
+from tidegate.engine.serve.app import create_app
+from tidegate.engine.serve.launch import GracefulServer, ServeConfig, build_service
 
 __all__ = ["GracefulServer", "ServeConfig", "build_service", "create_app"]

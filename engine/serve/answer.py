@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Callable
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.core.request import RequestState
-from engine.serve.engine_proc import Outcome
-from engine.serve.protocol import (
+from tidegate.engine.core.request import RequestState
+from tidegate.engine.serve.engine_proc import Outcome
+from tidegate.engine.serve.protocol import (
     SSE_DONE,
     StreamEvents,
     chat_logprobs,
@@ -26,11 +26,11 @@ from engine.serve.protocol import (
     sse_event,
     usage_body,
 )
-from engine.serve.service import Stream
+from tidegate.engine.serve.service import Stream
 
 if TYPE_CHECKING:
-    from engine.serve.arrival import Ask
-    from engine.serve.service import EngineService
+    from tidegate.engine.serve.arrival import Ask
+    from tidegate.engine.serve.service import EngineService
 
 
 class Choice:

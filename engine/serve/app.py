@@ -15,12 +15,12 @@ from fastapi.responses import Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.serve.protocol import ChatBody, CompletionBody, error_response, model_list, validation_message
-from engine.serve.serving import OpenAIServing
+from tidegate.engine.serve.protocol import ChatBody, CompletionBody, error_response, model_list, validation_message
+from tidegate.engine.serve.serving import OpenAIServing
 
 if TYPE_CHECKING:
-    from engine.serve.launch import ServeConfig
-    from engine.serve.service import EngineService
+    from tidegate.engine.serve.launch import ServeConfig
+    from tidegate.engine.serve.service import EngineService
 
 log = logging.getLogger("tidegate.server")
 
@@ -31,8 +31,8 @@ def create_app(service: EngineService, config: ServeConfig) -> FastAPI:
     :param service: the running engine service
     :param config: the server settings
     """
-    from engine.serve.extra_routes import add_extra_routes, package_version
-    from engine.serve.operator import install_operator
+    from tidegate.engine.serve.extra_routes import add_extra_routes, package_version
+    from tidegate.engine.serve.operator import install_operator
 
     app = FastAPI(title="tidegate", version=package_version())
     app.add_exception_handler(RequestValidationError, _invalid_request)

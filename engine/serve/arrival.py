@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from fastapi.responses import Response
 
-from engine.real.sampling import SamplingParams
-from engine.serve.protocol import SamplingBody, error_response
+from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.serve.protocol import SamplingBody, error_response
 
 
 class Refused(Exception):

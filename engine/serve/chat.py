@@ -7,7 +7,7 @@ import functools
 import json
 from typing import Any
 
-from engine.serve.protocol import ChatMessage
+from tidegate.engine.serve.protocol import ChatMessage
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: str | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ctrl import DEFAULT_CONTROLLER
+from tidegate.ctrl import DEFAULT_CONTROLLER
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

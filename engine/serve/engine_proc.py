@@ -35,15 +35,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ctrl.base import Controller, Observation
-from engine.core.request import Request, RequestState
-from engine.core.slo import time_to_first_token_s
-from engine.twin.guard import TwinGuard
+from tidegate.ctrl.base import Controller, Observation
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.core.slo import time_to_first_token_s
+from tidegate.engine.twin.guard import TwinGuard
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
-    from engine.serve.config import ServeConfig
+    from tidegate.engine.serve.config import ServeConfig
 
 log = logging.getLogger("tidegate.engine")
 
@@ -195,7 +195,7 @@ class EngineLoop:
                  guard: TwinGuard | bool = True) -> None:
         self.conn = conn
         if llm is None:
-            from engine.real.llm import LLM
+            from tidegate.engine.real.llm import LLM
 
             llm = LLM(config.model, kv_capacity_tokens=config.kv_capacity_tokens, block_size=config.block_size,
                       controller=config.controller, device=config.device, dtype=config.dtype,

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.serve.arrival import Refused
-from engine.serve.protocol import ChatMessage, error_response
+from tidegate.engine.serve.arrival import Refused
+from tidegate.engine.serve.protocol import ChatMessage, error_response
 
 if TYPE_CHECKING:
-    from engine.serve.config import ServeConfig
-    from engine.serve.serving import OpenAIServing
+    from tidegate.engine.serve.config import ServeConfig
+    from tidegate.engine.serve.serving import OpenAIServing
 
 
 def package_version() -> str:

@@ -17,9 +17,9 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from engine.serve.config import ServeConfig
-from engine.serve.metrics import ServerMetrics
-from engine.serve.service import EngineService
+from tidegate.engine.serve.config import ServeConfig
+from tidegate.engine.serve.metrics import ServerMetrics
+from tidegate.engine.serve.service import EngineService
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -127,7 +127,7 @@ def fit_profile(config: ServeConfig, out_path: Path) -> Path:
 def _fit_and_save(model: str, device: str | None, dtype: str | None, threads: int | None, out_path: str) -> None:
     import torch
 
-    from engine.real.profiler import run_profile
+    from tidegate.engine.real.profiler import run_profile
 
     # the threads the engine process will step with, so the fit times what it will serve
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

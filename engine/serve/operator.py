@@ -20,10 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.serve.protocol import error_response
+from tidegate.engine.serve.protocol import error_response
 
 if TYPE_CHECKING:
-    from engine.serve.config import ServeConfig
+    from tidegate.engine.serve.config import ServeConfig
 
 #: paths answered without the API key: the probes, as vLLM leaves them open
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})

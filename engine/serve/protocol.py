@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
+from tidegate.ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 
 #: The event that ends every stream.
 SSE_DONE = "data: [DONE]\n\n"

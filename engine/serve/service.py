@@ -22,15 +22,16 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ctrl.base import Rejection
-from engine.core.request import RequestState
-from engine.real.llm import check_prompt
-from engine.serve.engine_proc import EngineInfo, EngineLoop, Outcome, Snapshot, apply_queue_timeout, engine_main, \
-    observation_of
-from engine.serve.metrics import ServerMetrics
+from tidegate.ctrl.base import Rejection
+from tidegate.engine.core.request import RequestState
+from tidegate.engine.real.llm import check_prompt
+from tidegate.engine.serve.engine_proc import (
+    EngineInfo, EngineLoop, Outcome, Snapshot, apply_queue_timeout, engine_main, observation_of,
+)
+from tidegate.engine.serve.metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from engine.serve.config import ServeConfig
+    from tidegate.engine.serve.config import ServeConfig
 
 log = logging.getLogger("tidegate.server")
 
@@ -146,14 +147,14 @@ class EngineService:
         info = engine.info
         assert info is not None
         self.info = info
-        from ctrl import build_controller
+        from tidegate.ctrl import build_controller
 
         self.mirror = build_controller(self.config.controller, info.profile)
         apply_queue_timeout(self.mirror, self.config.queue_timeout_s)
         if self.in_process and engine.local is not None:
             self.tokenizer = engine.local.llm.tokenizer
         else:
-            from engine.real.model import load_tokenizer
+            from tidegate.engine.real.model import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.config.model)
         self._adopt(engine)

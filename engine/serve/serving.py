@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from engine.serve.answer import AnswerWriter, Choice, abandon
-from engine.serve.arrival import (
+from tidegate.engine.serve.answer import AnswerWriter, Choice, abandon
+from tidegate.engine.serve.arrival import (
     Ask,
     Refused,
     bad_request,
@@ -28,12 +28,12 @@ from engine.serve.arrival import (
     refuse_unserved,
     sampling_params,
 )
-from engine.serve.chat import chat_prompt
-from engine.serve.protocol import ChatBody, ChatMessage, CompletionBody, SamplingBody, error_response
-from engine.serve.service import EngineService, EngineUnavailable, Stream
+from tidegate.engine.serve.chat import chat_prompt
+from tidegate.engine.serve.protocol import ChatBody, ChatMessage, CompletionBody, SamplingBody, error_response
+from tidegate.engine.serve.service import EngineService, EngineUnavailable, Stream
 
 if TYPE_CHECKING:
-    from engine.serve.config import ServeConfig
+    from tidegate.engine.serve.config import ServeConfig
 
 
 class OpenAIServing:

@@ -34,23 +34,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-#: the project's packages, copied whole (their data files too) so the copy is self-contained
-PACKAGES = ("ctrl", "engine", "env", "training", "checkpoints")
+#: the project's import package, copied whole (its data files too) so the copy is self-contained; in a source
+#: tree its subpackages are links to the repository's top-level folders, and the copy holds their files
+PACKAGE = "tidegate"
 
 #: the modules compiled: what a simulated step runs, mypy-clean and free of torch
-MODULES = (
+MODULES = tuple(f"{PACKAGE}/{module}" for module in (
     "engine/core/block_pool.py", "engine/core/clock.py", "engine/core/engine_core.py", "engine/core/executor.py",
     "engine/core/metrics.py", "engine/core/offered.py", "engine/core/profile.py", "engine/core/request.py",
     "engine/core/slo.py", "engine/sim/executor.py",
     "ctrl/base.py", "ctrl/theory.py", "ctrl/shield.py", "ctrl/slo_flow.py", "ctrl/greedy.py", "ctrl/no_evict.py",
     "ctrl/watermark.py", "ctrl/sglang.py", "ctrl/flow.py", "ctrl/class_budgets.py",
-)
+))
 
 MANIFEST = "tidegate-compiled.json"
 #: set by :func:`rerun` in the process it starts: the compiled copy that process should import
 ENV_VAR = "TIDEGATE_COMPILED"
 #: where ``tidegate compile`` builds and ``--compiled`` looks, when set
 DIR_VAR = "TIDEGATE_COMPILED_DIR"
+#: the folder that holds the import package (the repository, in a source tree)
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,21 +74,25 @@ def _folder(out: Path | None, root: Path) -> Path:
 
 
 def copy_sources(root: Path, dest: Path) -> None:
-    """Copy the project's packages under ``root`` to ``dest``: the files :func:`_sources` hashes."""
-    for package in PACKAGES:
-        shutil.copytree(root / package, dest / package,
-                        ignore=shutil.ignore_patterns("__pycache__", *(f"*{suffix}" for suffix in _BUILT)))
+    """Copy the import package under ``root`` to ``dest``, its linked folders as files: the files
+    :func:`_sources` hashes."""
+    shutil.copytree(root / PACKAGE, dest / PACKAGE,
+                    ignore=shutil.ignore_patterns("__pycache__", *(f"*{suffix}" for suffix in _BUILT)))
+
+
+def _source_files(root: Path) -> list[Path]:
+    files = []
+    for folder, dirs, names in os.walk(root / PACKAGE, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        files += [Path(folder) / n for n in sorted(names) if Path(n).suffix not in _BUILT]
+    return files
 
 
 def _sources(root: Path) -> dict[str, str]:
-    """Every file of the project's packages under ``root`` -> its SHA-256: the Python files, and
+    """Every file of the import package under ``root`` -> its SHA-256: the Python files, and
     the data the copy reads from beside its modules (profiles, workloads, the shipped policy)."""
-    out = {}
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in _BUILT:
-                out[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
+    return {path.relative_to(root).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in _source_files(root)}
 
 
 def _checked_out(out: Path | None, root: Path) -> Path:
@@ -180,7 +186,7 @@ def stale(out: Path | None = None, root: Path = SOURCE_ROOT) -> str | None:
 
 def active() -> bool:
     """Whether this process runs the compiled core (its engine loop is an extension module)."""
-    from engine.core import engine_core
+    from tidegate.engine.core import engine_core
     return not engine_core.__file__.endswith(".py")
 
 
@@ -188,7 +194,7 @@ def check() -> None:
     """In a process started by :func:`rerun`: raise :class:`CompileError` unless its imports
     resolved to the compiled copy (a source tree earlier on ``sys.path`` would shadow it)."""
     if os.environ.get(ENV_VAR) and not active():
-        from engine.core import engine_core
+        from tidegate.engine.core import engine_core
         raise CompileError(f"asked to run compiled from {os.environ[ENV_VAR]}, but the engine was imported "
                            f"from {engine_core.__file__}")
 

@@ -8,9 +8,9 @@ import random
 
 from mypy_extensions import mypyc_attr
 
-from engine.core.executor import Batch, StepResult
-from engine.core.profile import Profile
-from engine.core.request import Request
+from tidegate.engine.core.executor import Batch, StepResult
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.request import Request
 
 
 class StepNoise:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.core.profile import Profile
+from tidegate.engine.core.profile import Profile
 
 GiB = 2**30
 

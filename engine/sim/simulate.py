@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ctrl.base import Controller
-from engine.core.builder import build_engine
-from engine.core.clock import VirtualClock
-from engine.core.driver import replay
-from engine.core.engine_core import EngineCore
-from engine.core.profile import Profile
-from engine.core.request import Request
-from engine.sim.executor import SimExecutor
+from tidegate.ctrl.base import Controller
+from tidegate.engine.core.builder import build_engine
+from tidegate.engine.core.clock import VirtualClock
+from tidegate.engine.core.driver import replay
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.request import Request
+from tidegate.engine.sim.executor import SimExecutor
 
 
 @dataclass

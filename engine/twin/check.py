@@ -25,16 +25,18 @@ from typing import Callable
 
 import numpy as np
 
-from ctrl import build_controller
-from ctrl.base import Controller
-from engine.core.profile import Profile, load_profile
-from engine.sim.fit import fit_step_time, profile_fields
-from engine.twin.plot import plot_step_times
-from engine.twin.fit import fit_around as fit_around_check
-from engine.twin.replay import RecordingExecutor, replay_real
-from engine.twin.seeds import (NOISE_SEEDS, SPREAD, ks_distances, real_sampling, request_latencies, scaled_to_speed,
-                               seed_spread, simulate_seeds, write_sim_requests_csv)
-from engine.workloads import read_trace, resolve_trace
+from tidegate.ctrl import build_controller
+from tidegate.ctrl.base import Controller
+from tidegate.engine.core.profile import Profile, load_profile
+from tidegate.engine.sim.fit import fit_step_time, profile_fields
+from tidegate.engine.twin.plot import plot_step_times
+from tidegate.engine.twin.fit import fit_around as fit_around_check
+from tidegate.engine.twin.replay import RecordingExecutor, replay_real
+from tidegate.engine.twin.seeds import (
+    NOISE_SEEDS, SPREAD, ks_distances, real_sampling, request_latencies, scaled_to_speed, seed_spread, simulate_seeds,
+    write_sim_requests_csv,
+)
+from tidegate.engine.workloads import read_trace, resolve_trace
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
 COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",

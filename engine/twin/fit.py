@@ -22,13 +22,13 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from ctrl import build_controller
-from engine.core.profile import Profile
-from engine.real.model import load_model, resolve_device, resolve_dtype
-from engine.real.profiler import describe_device, serving_defaults
-from engine.sim.fit import binned_samples, fit_step_time, profile_fields
-from engine.twin.replay import replay_real
-from engine.workloads import read_trace, resolve_trace
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.real.model import load_model, resolve_device, resolve_dtype
+from tidegate.engine.real.profiler import describe_device, serving_defaults
+from tidegate.engine.sim.fit import binned_samples, fit_step_time, profile_fields
+from tidegate.engine.twin.replay import replay_real
+from tidegate.engine.workloads import read_trace, resolve_trace
 
 T = TypeVar("T")
 

@@ -39,12 +39,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ctrl.base import Controller
-from ctrl.shield import ShieldedController
-from engine.core.profile import Profile
-from engine.core.request import Request, RequestState
-from engine.sim.simulate import simulate
-from engine.workloads.arrivals import Arrival
+from tidegate.ctrl.base import Controller
+from tidegate.ctrl.shield import ShieldedController
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads.arrivals import Arrival
 
 log = logging.getLogger(__name__)
 
@@ -335,8 +335,8 @@ def simulate_guarded(arrivals, profile: Profile, live: ShieldedController, *, wi
         (the window in seconds would not fit traffic of every rate); ``window_s`` overrides it.
     :return: the run's summary and the guard (its ``status()`` has the checks and switches).
     """
-    from engine.core.driver import replay
-    from engine.sim.simulate import make_request, make_sim_engine
+    from tidegate.engine.core.driver import replay
+    from tidegate.engine.sim.simulate import make_request, make_sim_engine
 
     span = arrivals[-1].arrival_time_s - arrivals[0].arrival_time_s if len(arrivals) > 1 else 0.0
     rate = (len(arrivals) - 1) / span if span > 0 else 0.0

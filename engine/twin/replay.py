@@ -12,16 +12,16 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from engine.core.builder import build_engine
-from engine.core.clock import WallClock
-from engine.core.driver import replay
-from engine.core.engine_core import EngineCore
-from engine.core.executor import Batch, StepResult
-from engine.core.profile import Profile
-from engine.core.request import Request
-from engine.real.executor import TorchExecutor
-from engine.real.model import load_model
-from engine.real.sampling import SamplingParams
+from tidegate.engine.core.builder import build_engine
+from tidegate.engine.core.clock import WallClock
+from tidegate.engine.core.driver import replay
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.core.executor import Batch, StepResult
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.request import Request
+from tidegate.engine.real.executor import TorchExecutor
+from tidegate.engine.real.model import load_model
+from tidegate.engine.real.sampling import SamplingParams
 
 _IGNORE_EOS = SamplingParams(ignore_eos=True)
 LOG_EVERY_S = 10.0

@@ -20,11 +20,11 @@ import numpy as np
 from scipy.special import kolmogi
 from scipy.stats import ks_2samp
 
-from ctrl.base import Controller
-from engine.core.profile import Profile
-from engine.core.request import RequestState
-from engine.core.slo import time_per_output_token_s, time_to_first_token_s
-from engine.sim.simulate import simulate
+from tidegate.ctrl.base import Controller
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.request import RequestState
+from tidegate.engine.core.slo import time_per_output_token_s, time_to_first_token_s
+from tidegate.engine.sim.simulate import simulate
 
 #: noise seeds a check simulates by default (a profile without noise is simulated once)
 NOISE_SEEDS = 8

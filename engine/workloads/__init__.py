@@ -19,11 +19,11 @@ by time, with ``output_tokens <= max_tokens``. Import from the package
 (``from engine.workloads import read_trace``); the modules are the map, not the API.
 """
 
-from engine.workloads.arrivals import DEFAULT_MAX_TOKENS, Arrival, WorkloadError, trace_stats
-from engine.workloads.traces import read_trace
-from engine.workloads.synthetic import load_synthetic
-from engine.workloads.registry import DATA_DIR, load_workload, resolve_trace
-from engine.workloads.splits import TRAIN_FRACTION, Segment, augment_segments, split_segments
+from tidegate.engine.workloads.arrivals import DEFAULT_MAX_TOKENS, Arrival, WorkloadError, trace_stats
+from tidegate.engine.workloads.traces import read_trace
+from tidegate.engine.workloads.synthetic import load_synthetic
+from tidegate.engine.workloads.registry import DATA_DIR, load_workload, resolve_trace
+from tidegate.engine.workloads.splits import TRAIN_FRACTION, Segment, augment_segments, split_segments
 
 __all__ = [
     "DATA_DIR",

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ctrl.theory import workload_moments
+from tidegate.ctrl.theory import workload_moments
 
 __all__ = ["DEFAULT_MAX_TOKENS", "Arrival", "WorkloadError", "check_options", "is_int", "scale_tokens",
            "scale_token_array", "trace_stats"]

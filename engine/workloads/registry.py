@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.workloads.arrivals import Arrival, WorkloadError
-from engine.workloads.synthetic import load_synthetic
-from engine.workloads.traces import read_trace
+from tidegate.engine.workloads.arrivals import Arrival, WorkloadError
+from tidegate.engine.workloads.synthetic import load_synthetic
+from tidegate.engine.workloads.traces import read_trace
 
 __all__ = ["DATA_DIR", "load_workload", "resolve_trace"]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ctrl.theory import capacity
-from engine.workloads.arrivals import Arrival
-from engine.workloads.registry import resolve_trace
-from engine.workloads.traces import read_trace
+from tidegate.ctrl.theory import capacity
+from tidegate.engine.workloads.arrivals import Arrival
+from tidegate.engine.workloads.registry import resolve_trace
+from tidegate.engine.workloads.traces import read_trace
 
 __all__ = ["TRAIN_FRACTION", "Segment", "augment_segments", "split_segments"]
 

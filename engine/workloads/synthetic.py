@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 import yaml
 
-from engine.workloads.arrivals import (DEFAULT_MAX_TOKENS, Arrival, WorkloadError, check_options, is_int,
+from tidegate.engine.workloads.arrivals import (DEFAULT_MAX_TOKENS, Arrival, WorkloadError, check_options, is_int,
                                        scale_token_array)
 
 __all__ = ["load_synthetic"]

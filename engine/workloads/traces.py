@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from engine.workloads.arrivals import DEFAULT_MAX_TOKENS, Arrival, WorkloadError, check_options, scale_tokens
+from tidegate.engine.workloads.arrivals import DEFAULT_MAX_TOKENS, Arrival, WorkloadError, check_options, scale_tokens
 
 __all__ = ["read_trace"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import queue
 import time
 
-from engine.bench.overload import log
-from engine.bench.overload.clients import LoadProcesses
-from engine.bench.overload.probe import idle_probe
-from engine.bench.overload.server import Sampler, Server, ServerError, metric
-from engine.bench.overload.stats import latency_stats, memory_stats, outcome_counts, probe_stats
+from tidegate.engine.bench.overload import log
+from tidegate.engine.bench.overload.clients import LoadProcesses
+from tidegate.engine.bench.overload.probe import idle_probe
+from tidegate.engine.bench.overload.server import Sampler, Server, ServerError, metric
+from tidegate.engine.bench.overload.stats import latency_stats, memory_stats, outcome_counts, probe_stats
 
 
 def measure_capacity(ctx, server: Server, spec: dict, *, clients: int, duration_s: float, processes: int,

@@ -9,8 +9,8 @@ from collections import Counter
 
 import httpx
 
-from engine.bench.overload.clients import error_type
-from engine.bench.overload.server import Server
+from tidegate.engine.bench.overload.clients import error_type
+from tidegate.engine.bench.overload.server import Server
 
 
 def wait_for_streams(progress, n: int, timeout_s: float) -> Counter:

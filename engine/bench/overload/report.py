@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bench.overload.targets import TARGETS
+from tidegate.engine.bench.overload.targets import TARGETS
 
 
 def fmt(x) -> str:

@@ -36,7 +36,7 @@ class Server:
     def __init__(self, serve_args: list[str], log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port), *serve_args]
+        self.cmd = [sys.executable, "-m", "tidegate", "serve", "--port", str(self.port), *serve_args]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.known: dict[int, psutil.Process] = {}

@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 
-from engine.bench.overload.server import Sampler
+from tidegate.engine.bench.overload.server import Sampler
 
 
 def pct(values, q: float) -> float | None:

@@ -56,12 +56,12 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.profile import Profile
-from engine.workloads.arrivals import DEFAULT_MAX_TOKENS, Arrival, WorkloadError, is_int
-from engine.workloads.registry import resolve_trace
-from engine.workloads.splits import Segment, _segment
-from engine.workloads.synthetic import _at_least_one, _Checker, _load_yaml
-from engine.workloads.traces import read_trace
+from tidegate.engine.core.profile import Profile
+from tidegate.engine.workloads.arrivals import DEFAULT_MAX_TOKENS, Arrival, WorkloadError, is_int
+from tidegate.engine.workloads.registry import resolve_trace
+from tidegate.engine.workloads.splits import Segment, _segment
+from tidegate.engine.workloads.synthetic import _at_least_one, _Checker, _load_yaml
+from tidegate.engine.workloads.traces import read_trace
 
 __all__ = ["DEFAULT_MAX_PROMPT_TOKENS", "FAMILIES_DIR", "ArrivalProcess", "Family", "Lengths", "RequestClass",
            "family_segment", "load_family", "perturbed_profile", "shipped_families"]

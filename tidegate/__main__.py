@@ -1,0 +1,5 @@
+"""``python -m tidegate``: the ``tidegate`` command."""
+
+from tidegate.engine.cli import main
+
+main(prog_name="tidegate")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidegate.engine.bench.report import emit
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.fit import (fit_step_time, noise_residuals, noise_wander, profile_fields, span_variance_model,
                             span_variances)
@@ -106,9 +107,7 @@ def main() -> None:
         if not (c / "profile_steps.csv").exists():
             raise SystemExit(f"{c} has no profile_steps.csv: was it checked with --fit-around?")
     table = synthetic_table() if args.synthetic else checks_table(args.check, args.base)
-    print(table)
-    if args.out:
-        args.out.write_text(table + "\n")
+    emit(table, args.out)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from tidegate.ctrl import build_controller
+from tidegate.engine.bench.report import emit, rel_error
 from tidegate.engine.core.builder import build_engine
 from tidegate.engine.core.clock import VirtualClock
 from tidegate.engine.core.driver import replay
@@ -50,8 +50,7 @@ from tidegate.engine.twin.fit import read_steps_csv
 from tidegate.engine.twin.seeds import latencies, simulate_seeds
 from tidegate.engine.workloads import read_trace, resolve_trace
 
-sys.path.insert(0, str(Path(__file__).parent))
-from twin_noise import emit, real_latencies, rel_error  # noqa: E402
+from twin_noise import real_latencies  # beside this script
 
 FIGURES = ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
 SHIFTS = (1, 4, 40)

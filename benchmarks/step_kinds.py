@@ -22,17 +22,15 @@ so the kind with the fewest steps is the one a missing term leaves off.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from tidegate.engine.bench.report import emit
 from tidegate.engine.core.profile import Profile
 from tidegate.engine.sim.fit import fit_step_time, profile_fields
 from tidegate.engine.twin.fit import read_steps_csv
 
-sys.path.insert(0, str(Path(__file__).parent))
-from twin_noise import emit  # noqa: E402
 
 KINDS = ("prefill alone", "prefill beside decodes", "decodes only")
 FITS = {"with per_prefill_alone_s": True, "one cost per chunk (without it)": False}

@@ -26,7 +26,6 @@ else running on the core changes the real engine's step times.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import shutil
@@ -38,6 +37,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import ks_2samp
 
+from tidegate.engine.bench.report import csv_column, rel_error
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.twin.seeds import NOISE_SEEDS, POOLED, SPREAD, ks_floor, sampling_range
 
@@ -156,8 +156,7 @@ def read_latencies(folder: Path) -> dict[str, np.ndarray]:
     """A check's real TTFT and TPOT (``twin_requests.csv``) and its simulated ones, every noise
     seed's (``twin_sim_requests.csv``; a check without it: seed 0's in ``twin_requests.csv``)."""
     def column(path: Path, key: str) -> np.ndarray:
-        with open(path) as f:
-            x = np.array([float(r[key]) for r in csv.DictReader(f) if r[key] not in ("", "nan")])
+        x = csv_column(path, key)
         return x[np.isfinite(x)]
 
     sim = folder / "twin_sim_requests.csv"
@@ -178,7 +177,7 @@ def pooled_lines(folders: list[Path], summary: dict) -> list[str]:
     for key in SPREAD:  # the percentiles of POOLED the report judges
         which, q = POOLED[key]
         real, sim = pooled[f"{which.removesuffix('_s')}_real"], pooled[f"{which.removesuffix('_s')}_sim"]
-        out[key] = {"rel_error": float(np.percentile(sim, q) / np.percentile(real, q) - 1.0),
+        out[key] = {"rel_error": rel_error(sim, real, q),
                     "real_sampling": sampling_range(real, q, rng)}
     n, k = len(pooled["tpot_real"]), len(pooled["tpot_sim"])
     out["ks_tpot"] = {"value": float(ks_2samp(pooled["tpot_real"], pooled["tpot_sim"]).statistic),

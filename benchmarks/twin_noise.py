@@ -70,6 +70,7 @@ from scipy.ndimage import median_filter
 from scipy.stats import ks_2samp
 
 from tidegate.ctrl import build_controller
+from tidegate.engine.bench.report import csv_column, emit, rel_error
 from tidegate.engine.core.profile import Profile, load_profile
 from tidegate.engine.sim.fit import (NOISE_ACF_FLOOR, fit_step_time, noise_residuals, noise_sigma, noise_sigma_below,
                             noise_wander, profile_fields)
@@ -94,16 +95,9 @@ AT_CHECK_SPEED = "at the check's own speed (diagnostic)"
 
 def real_latencies(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The real engine's TTFT and TPOT of a check's requests, and the TPOT of its ``SHORT`` ones."""
-    import csv
-
-    with open(folder / "twin_requests.csv") as f:
-        rows = list(csv.DictReader(f))
-
-    def column(key: str, keep=lambda r: True) -> np.ndarray:
-        return np.array([float(r[key]) for r in rows if r[key] not in ("", "nan") and keep(r)])
-
-    short = column("tpot_real_s", lambda r: SHORT[0] <= int(r["output_tokens"]) <= SHORT[1])
-    return column("ttft_real_s"), column("tpot_real_s"), short
+    path = folder / "twin_requests.csv"
+    short = csv_column(path, "tpot_real_s", lambda r: SHORT[0] <= int(r["output_tokens"]) <= SHORT[1])
+    return csv_column(path, "ttft_real_s"), csv_column(path, "tpot_real_s"), short
 
 
 def _half_mean_sigma(logs: np.ndarray) -> float:
@@ -231,11 +225,6 @@ def compare(profile: Profile, arrivals, ttft_real: np.ndarray, tpot_real: np.nda
     return np.median(np.array(out), axis=0)
 
 
-def rel_error(sim: np.ndarray, real: np.ndarray, q: float) -> float:
-    """The relative error of the simulated ``q``-th percentile."""
-    return float(np.percentile(sim, q) / np.percentile(real, q) - 1.0)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", type=Path, action="append", required=True, help="a twin-check output folder")
@@ -302,14 +291,6 @@ def main() -> None:
                  for i, (m, s) in enumerate(zip(med, mean_abs))]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     emit(lines, args.out)
-
-
-def emit(lines: list[str], out: Path | None) -> None:
-    """Print a table's lines, and write them to ``out`` too when given."""
-    table = "\n".join(lines)
-    print(table)
-    if out:
-        out.write_text(table + "\n")
 
 
 if __name__ == "__main__":

@@ -14,27 +14,26 @@ over the single seeds, and the pooled figures a check now reports.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import numpy as np
 from scipy.stats import ks_2samp
 
 from tidegate.ctrl import build_controller
+from tidegate.engine.bench.report import csv_column, rel_error
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.twin.seeds import latencies, simulate_seeds
 from tidegate.engine.workloads import read_trace, resolve_trace
 
 
 def real_tpot(folder: Path) -> np.ndarray:
-    with open(folder / "twin_requests.csv") as f:
-        return np.array([float(r["tpot_real_s"]) for r in csv.DictReader(f) if r["tpot_real_s"] not in ("", "nan")])
+    return csv_column(folder / "twin_requests.csv", "tpot_real_s")
 
 
 def figures(real: np.ndarray, requests: list) -> tuple[float, float]:
     """TPOT p99's relative error and the KS distance of TPOT of ``requests`` against ``real``."""
     tpot = latencies(requests)["tpot_s"]
-    return float(np.percentile(tpot, 99) / np.percentile(real, 99) - 1.0), float(ks_2samp(real, tpot).statistic)
+    return rel_error(tpot, real, 99), float(ks_2samp(real, tpot).statistic)
 
 
 def main() -> None:

@@ -50,8 +50,8 @@ class ReplicaProfile(Protocol):
 class Observation:
     """Plain numbers describing the engine at the start of a step.
 
-    The engine owns one instance and updates it in place every step: controllers read it,
-    they must not keep references to it across steps if they need history.
+    Made by ``tidegate.engine.core.stats.ObservationStats`` from engine events; a controller gets
+    a fresh copy at every step and every arrival, so what it writes into one changes nothing else.
     """
 
     #: the fields, in order
@@ -237,17 +237,25 @@ class Observation:
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.FIELDS}
 
-    def copy(self, into: Observation | None = None) -> Observation:
+    def copy(self, into: Observation | None = None, deferred: bool = False) -> Observation:
         """A copy of every field, written into ``into`` when given (no allocation) or a new Observation.
 
-        One plain assignment per slot, many times faster than ``copy.copy``: the shield hands its
-        inner controller a copy at every step and every arrival."""
+        One plain assignment per slot, many times faster than ``copy.copy``: the engine hands its
+        controller a copy at every step and every arrival, the shield its inner controller another.
+
+        :param deferred: rates not yet computed stay deferred in the copy (computed from the same
+            estimators when first read); the owner of the estimators settles both before it adds an
+            event. Otherwise they are computed now."""
         o = Observation.__new__(Observation) if into is None else into
-        o._arrival_sources = o._completion_sources = None
-        if self._arrival_sources is not None:
-            self.settle_arrival_rates()
-        if self._completion_sources is not None:
-            self.settle_completion_rates()
+        if deferred:
+            o._arrival_sources = self._arrival_sources
+            o._completion_sources = self._completion_sources
+        else:
+            o._arrival_sources = o._completion_sources = None
+            if self._arrival_sources is not None:
+                self.settle_arrival_rates()
+            if self._completion_sources is not None:
+                self.settle_completion_rates()
         o.now_s = self.now_s
         o.step_index = self.step_index
         o.kv_used_tokens = self.kv_used_tokens

@@ -77,7 +77,7 @@ def test_build_engine_takes_kv_size_block_size_and_rate_window_from_the_profile(
     profile = step_profile(kv_capacity_tokens=96, block_size=8, base_s=0.2)
     core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())
     assert core.pool.capacity_tokens == 96 and core.pool.block_size == 8
-    assert rate_window_s(profile) == 200 * 0.2 == core._arrivals.window_s
+    assert rate_window_s(profile) == 200 * 0.2 == core.stats.arrivals.window_s
     assert rate_window_s(step_profile(base_s=0.001)) == 10.0
 
 

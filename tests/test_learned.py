@@ -342,7 +342,7 @@ def test_without_overload_nothing_is_refused_however_long_the_queue(waiting, don
 
 
 def test_rates_over_few_events_span_enough_of_them():
-    from tidegate.engine.core.engine_core import RateEstimator
+    from tidegate.engine.core.stats import RateEstimator
 
     slow = RateEstimator(10.0, min_events=8)
     for t in range(0, 80, 10):  # one event every 10 s: a 10 s window would hold one
@@ -639,7 +639,7 @@ def test_admission_state_is_the_priors_and_never_raises():
 def test_a_flood_that_starts_a_run_is_seen_at_its_rate():
     """The weighted average starts at zero; corrected for it, 100 requests/s seen 2 s into a flood
     read as 100, not as the 18 an uncorrected 10 s average would give."""
-    from tidegate.engine.core.engine_core import RateEstimator
+    from tidegate.engine.core.stats import RateEstimator
 
     est = RateEstimator(10.0)
     for i in range(200):
@@ -650,7 +650,7 @@ def test_a_flood_that_starts_a_run_is_seen_at_its_rate():
 @settings(max_examples=200, deadline=None)
 @given(values=st.lists(st.floats(-100, 100), min_size=1, max_size=300))
 def test_recent_quantile_is_the_90th_percentile_of_the_last_64(values):
-    from tidegate.engine.core.engine_core import RecentQuantile
+    from tidegate.engine.core.stats import RecentQuantile
 
     q = RecentQuantile(0.9)
     for v in values:
@@ -666,7 +666,7 @@ def test_recent_quantile_is_the_90th_percentile_of_the_last_64(values):
 @settings(max_examples=200, deadline=None)
 @given(gaps=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=200), horizon=st.floats(0.5, 20.0))
 def test_recent_quantile_forgets_values_older_than_its_horizon(gaps, horizon):
-    from tidegate.engine.core.engine_core import RecentQuantile
+    from tidegate.engine.core.stats import RecentQuantile
 
     q = RecentQuantile(0.9, horizon_s=horizon)
     now, kept = 0.0, []

@@ -1,6 +1,7 @@
-"""The observation's rates are computed when first read, and read as if computed at once.
+"""The Observation: its rates are computed when first read, and read as if computed at once; a
+controller gets fresh copies it cannot change the engine through.
 
-``EngineCore._observe`` hands the rate estimators to the Observation instead of computing the
+``ObservationStats.observe`` hands the rate estimators to the Observation instead of computing the
 four rates; the first read computes them at the observation's ``now_s``. Arrivals and completions
 that come later must not change what a late read sees.
 """
@@ -30,7 +31,7 @@ class Reference(Controller):
 
     def _snapshot(self, obs: Observation) -> None:
         c = self.core
-        estimators = (c._arrivals, c._offered, c._completions, c._served)
+        estimators = (c.stats.arrivals, c.stats.offered, c.stats.completions, c.stats.served)
         self.expected = tuple(e.rate(obs.now_s) for e in estimators)
         self.calls += 1
         if self.reads[self.calls % len(self.reads)]:
@@ -93,3 +94,48 @@ def test_copy_and_write_settle_the_rates():
     assert core.obs.served_rate_rps == 7.0 and core.obs.arrival_rate_rps == ctrl.expected[0]
     fresh = Observation()
     assert [getattr(fresh, n) for n in RATES] == [0.0] * 4
+
+
+class Vandal(Controller):
+    """Greedy with a small token budget that writes nonsense into every Observation it is handed."""
+
+    def __init__(self, vandal: bool) -> None:
+        super().__init__()
+        self.vandal = vandal
+        self.seen: list[tuple] = []
+
+    def _read(self, obs: Observation) -> None:
+        self.seen.append(tuple(getattr(obs, name) for name in Observation.FIELDS))
+        if self.vandal:
+            for name in Observation.FIELDS:
+                setattr(obs, name, -7)
+
+    def admit(self, obs, prompt_tokens, max_tokens):
+        self._read(obs)
+        return None
+
+    def decide(self, obs):
+        self._read(obs)
+        return Decision(token_budget=24)
+
+
+@given(arrivals=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.integers(1, 16)), min_size=1,
+                         max_size=30))
+def test_a_controller_cannot_change_the_engine_through_its_observation(arrivals):
+    """Each step and each arrival hands the controller a fresh copy: one that overwrites every field
+    of every copy sees the same observations and gets the same schedule as one that only reads."""
+    runs = []
+    for vandal in (False, True):
+        ctrl = Vandal(vandal)
+        core = make_engine(ctrl, capacity=96)
+        pending = sorted(arrivals)
+        for step in range(600):
+            while pending and pending[0][0] <= step:
+                _, prompt, out = pending.pop(0)
+                core.add_request(req(step * 100 + len(pending), prompt, out, arrival=core.clock.now()))
+            if not pending and not core.has_unfinished:
+                break
+            core.step()
+        ends = sorted((r.request_id, r.state.name, r.num_output_tokens, r.finish_time_s) for r in core.metrics.terminal)
+        runs.append((ctrl.seen, ends, core.obs.as_dict()))
+    assert runs[0] == runs[1]

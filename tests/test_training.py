@@ -169,7 +169,7 @@ def test_default_paths_are_package_data_and_runs_go_to_runs():
     assert defaults["train", "config_path"] == DEFAULT_CONFIG and defaults["train", "out_dir"] == DEFAULT_OUT
     assert defaults["evaluate", "policies"] == (DEFAULT_POLICY,) and defaults["sim-to-real", "policy"] == DEFAULT_POLICY
     assert default_export_path("runs/ppo/model.zip") == Path("runs/ppo/policy.onnx")
-    assert default_export_path(REPO / "checkpoints/model.zip") == DEFAULT_POLICY
+    assert default_export_path(REPO / "checkpoints/model.zip").resolve() == DEFAULT_POLICY.resolve()
     shipped = subprocess.run(["git", "ls-files", "checkpoints"], cwd=REPO, capture_output=True, text=True).stdout
     if shipped:  # a git checkout: only the shipped policy, its card and the source of its export
         assert set(shipped.split()) == {f"checkpoints/{n}" for n in ("__init__.py", "MODEL_CARD.md", "model.zip",

@@ -25,30 +25,27 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections import deque
 from heapq import heappop, heappush
 from operator import attrgetter
 from typing import Callable
 
-from tidegate.ctrl.base import (
-    STEADY_RATE_EVENTS, UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s,
-)
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
 from tidegate.ctrl.slo_flow import predicted_ttft_s
 from tidegate.engine.core.block_pool import BlockPool
 from tidegate.engine.core.clock import Clock
+from tidegate.engine.core.decision import bounded, plainly_usable, real_number
 from tidegate.engine.core.executor import Batch, Executor, StepResult
 from tidegate.engine.core.metrics import EngineMetrics
-from tidegate.engine.core.offered import OfferedSizes
 from tidegate.engine.core.request import Request, RequestState, unservable_reason
 from tidegate.engine.core.slo import time_per_output_token_s, time_to_first_token_s
+from tidegate.engine.core.stats import ObservationStats
 
 _log = logging.getLogger(__name__)
 
 #: ``recompute``: an evicted request keeps its tokens and re-prefills them (vLLM); ``reset``: its
 #: progress is discarded (the paper's model)
 EVICTION_MODES = ("recompute", "reset")
-_MAX_RESERVE_RATIO = 1.0  # reserving all of a request's remaining max_tokens; more would never fit
 
 
 class _Ask:
@@ -62,101 +59,6 @@ _by_activation = attrgetter("activation_seq")
 #: the fewest steps ``run_steady`` expects to run (by the next end, and the next arrival at the
 #: mean step time) for it to run any: below, setting the stretch up costs more than it saves
 MIN_STEADY_RUN = 4
-
-
-class RateEstimator:
-    """Events per second: exponentially weighted over ``window_s`` while that window holds at least
-    ``min_events`` events; at lower rates, the last ``min_events`` events over the time they span
-    (up to now), so a rate is never judged from a handful of events. The weighted average is
-    corrected for its start at zero (divided by ``1 - exp(-t / window_s)``, t the time since the
-    first event), so a flood that starts a run is seen at its rate, not at a fraction of it.
-
-    :param window_s: the time constant at high rates.
-    :param min_events: events a low-rate estimate spans.
-    """
-
-    __slots__ = ("window_s", "min_events", "_value", "_last_s", "_first_s", "_times")
-
-    def __init__(self, window_s: float, min_events: int = 64) -> None:
-        self.window_s = window_s
-        self.min_events = min_events
-        self._value = 0.0
-        self._last_s = 0.0
-        self._first_s: float | None = None
-        self._times: deque[float] = deque(maxlen=min_events)
-
-    def add(self, now_s: float, count: int = 1) -> None:
-        if self._first_s is None:
-            self._first_s = now_s
-        self._value = self._ewma(now_s) + count / self.window_s
-        self._last_s = now_s
-        for _ in range(min(count, self.min_events)):
-            self._times.append(now_s)
-
-    def _ewma(self, now_s: float) -> float:
-        dt = now_s - self._last_s
-        return self._value * math.exp(-dt / self.window_s) if dt > 0 else self._value
-
-    def rate(self, now_s: float) -> float:
-        times = self._times
-        window = self.window_s
-        if len(times) == self.min_events and now_s - times[0] <= window:
-            # the window holds enough events; times[0] >= the first event, so the span is positive
-            span = now_s - (self._first_s if self._first_s is not None else times[0])
-            dt = now_s - self._last_s  # _ewma, inline: this runs four times a step
-            value = self._value * math.exp(-dt / window) if dt > 0 else self._value
-            return value / -math.expm1(-(span if span > 1e-12 else 1e-12) / window)
-        if not times:
-            return 0.0
-        return len(times) / max(now_s - times[0], self.window_s)
-
-
-class RecentQuantile:
-    """A quantile of the last ``window`` values no older than ``horizon_s`` (exact, over a ring; 0
-    when none is kept).
-
-    The horizon makes the quantile forget what a burst that has passed taught it: without one,
-    a quiet replica kept the errors of its last busy minute until 64 new values came in.
-
-    :param q: the quantile, in [0, 1].
-    :param window: values kept.
-    :param horizon_s: values older than this (by the ``now_s`` they were added at) are dropped.
-    """
-
-    __slots__ = ("window", "horizon_s", "_index", "_values", "_times", "_current")
-
-    def __init__(self, q: float, window: int = 64, horizon_s: float = math.inf) -> None:
-        self.window = window
-        self.horizon_s = horizon_s
-        self._index = min(window - 1, max(0, math.ceil(q * window) - 1))
-        self._values: deque[float] = deque(maxlen=window)
-        self._times: deque[float] = deque(maxlen=window)
-        self._current = 0.0
-
-    def add(self, value: float, now_s: float = 0.0) -> float:
-        """Take ``value`` at ``now_s``; return the quantile of the values kept."""
-        self._values.append(value)
-        self._times.append(now_s)
-        return self._refresh(now_s)
-
-    def current(self, now_s: float) -> float:
-        """The quantile at ``now_s``: the last one unless a value has aged past the horizon (O(1) then)."""
-        times = self._times
-        if times and times[0] < now_s - self.horizon_s:
-            return self._refresh(now_s)
-        return self._current
-
-    def _refresh(self, now_s: float) -> float:
-        values, times, oldest = self._values, self._times, now_s - self.horizon_s
-        while times and times[0] < oldest:
-            times.popleft()
-            values.popleft()
-        if not values:
-            self._current = 0.0
-            return 0.0
-        ordered = sorted(values)
-        self._current = ordered[min(self._index * len(ordered) // self.window, len(ordered) - 1)]
-        return self._current
 
 
 class EngineCore:
@@ -200,23 +102,10 @@ class EngineCore:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.metrics = EngineMetrics(record_steps=record_steps)
-        self.obs = Observation(self.pool.capacity_tokens, block_size)
+        #: the statistics the controller's Observation is made from (``stats.current``: as of now)
+        self.stats = ObservationStats(self.pool.capacity_tokens, block_size, rate_window_s)
         self.on_token = on_token
         self.on_finish = on_finish
-        self._arrivals = RateEstimator(rate_window_s)
-        self._offered = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
-        self._completions = RateEstimator(rate_window_s)
-        self._served = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
-        self._ewma_alpha = 0.05  # latency and step-time estimates
-        # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
-        self._ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)
-        self._workload_alpha = 0.01  # request-size estimates: heavy-tailed, so a longer memory
-        self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
-        self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
-        self._offered_sizes = OfferedSizes(self._workload_alpha)
-        self._kv_steps = 0.0  # KV tokens in use summed over steps, decayed per completion
-        self._kv_completions = 0.0  # completions, decayed alike (Little's law on the KV)
-        self._decode_kv_steps = 0.0  # KV tokens read by decodes summed over steps, decayed alike
         self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
         self._running_prompt_tokens = 0  # prompt tokens of the running requests
         self._activation_seq = 0
@@ -248,6 +137,11 @@ class EngineCore:
         self.step_errors: dict[str, int] = {}
 
     @property
+    def obs(self) -> Observation:
+        """The engine's figures as of the last event (its own: a controller gets copies)."""
+        return self.stats.current
+
+    @property
     def executor(self) -> Executor:
         """What runs the steps; one may be swapped in between steps."""
         return self._executor
@@ -268,29 +162,27 @@ class EngineCore:
         """
         now = self.clock.now()
         never = unservable_reason(request.prompt_len, request.max_tokens, self.pool.capacity_tokens)
+        stats = self.stats
         if never is not None or not isinstance(admission, _Ask):  # no observation follows: keep the last one's rates
-            self.obs.settle_arrival_rates()
-        self._arrivals.add(now)
-        self._offered.add(now)
-        self._offered_decay *= 1.0 - self._workload_alpha
-        self.obs.offered_prompt_tokens += (self._workload_alpha / (1.0 - self._offered_decay)
-                                           * (request.prompt_len - self.obs.offered_prompt_tokens))
+            stats.settle_arrival_rates()
+        stats.arrived(now, request.prompt_len)
         self.metrics.on_arrival(request)
         if never is not None:
             return self._reject(request, never, 0.0)
         rejection = self.admit(request) if isinstance(admission, _Ask) else admission
-        self._offered_sizes.arrived(request.prompt_len, rejection is None)
+        stats.admitted(request.prompt_len, rejection is None)
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
         # from the latest observation: admit() has just made it, or the last step did
-        request.predicted_ttft_s = predicted_ttft_s(self.obs, request.prompt_len, self._token_budget)
+        request.predicted_ttft_s = predicted_ttft_s(stats.current, request.prompt_len, self._token_budget)
         self.waiting.append(request)
         self._waiting_prompt_tokens += request.prompt_len
         return None
 
     def observe(self) -> Observation:
-        """The Observation as of now (the same object the controller reads each step)."""
-        return self._observe(self.clock.now())
+        """The Observation as of now: a fresh copy, as the controller gets at each step."""
+        self._observe(self.clock.now())
+        return self.stats.snapshot()
 
     def admit(self, request: Request) -> Rejection | None:
         """The controller's decision on an arrival, from the latest observation; changes nothing.
@@ -298,7 +190,8 @@ class EngineCore:
         A controller that raises or answers neither None nor a Rejection accepts the arrival,
         unless the queue holds ``controller.max_waiting`` requests already.
         """
-        obs = self._observe(self.clock.now())
+        self._observe(self.clock.now())
+        obs = self.stats.snapshot()
         try:
             verdict = self.controller.admit(obs, request.prompt_len, request.max_tokens)
         except Exception as exc:
@@ -326,7 +219,7 @@ class EngineCore:
             if type(rejection) is Rejection and type(reason) is str and type(wait) is float \
                     and 0.0 <= wait < math.inf:
                 return rejection
-            seconds = _real(wait)
+            seconds = real_number(wait)
         except Exception:
             reason, seconds = None, None
         if seconds is None or not 0.0 <= seconds < math.inf:
@@ -392,7 +285,7 @@ class EngineCore:
         if start_with is None:
             return []
         d, expires_after = start_with
-        clock, pool, execute, heap = self.clock, self.pool, self._executor.execute, self._steady_ends
+        clock, pool, execute, heap, stats = self.clock, self.pool, self._executor.execute, self._steady_ends, self.stats
         blocks, bs = self._steady_blocks, self.pool.block_size
         steady, base = self._steady, self._steady_base
         limit = UNLIMITED if max_steps is None else max_steps
@@ -408,13 +301,13 @@ class EngineCore:
                 held = pool.used_tokens
                 if blocks[tick % bs] and not self._grow_steady(tick):
                     break  # an eviction: the full step does it
-                self._kv_steps += held
+                stats.kv_steps += held
                 batch = Batch()
                 batch.num_tokens = batch.num_decodes = steady
                 batch.kv_tokens_read = kv_read = base + steady * tick
-                seen = (now, held, self._decode_kv_steps, self._evicted_last_step)
+                seen = (now, held, stats.decode_kv_steps, self._evicted_last_step)
                 self._evicted_last_step = 0
-                self._decode_kv_steps += kv_read
+                stats.decode_kv_steps += kv_read
                 fresh = self._steady_first
                 batch.first_decodes = fresh[1] if fresh[0] == tick else 0
                 ran += 1
@@ -476,7 +369,7 @@ class EngineCore:
         self._rotating = False
         if seen is not None:
             self._observe_steady(*seen)
-            self.obs.step_index = self.step_index - 1
+            self.stats.current.step_index = self.step_index - 1
         if ended:
             self._notify_finished(ended)
 
@@ -484,12 +377,12 @@ class EngineCore:
         """The observation a steady step starting at ``start`` made: ``used`` KV tokens held (before
         its blocks), its KV steps counted, ``decoded`` the decodes' KV steps before its own,
         ``evicted`` the evictions of the step before it."""
-        obs = self._observe(start)
+        obs, stats = self._observe(start), self.stats
         obs.kv_used_tokens = used
         obs.evicted_last_step = evicted
-        if self._kv_completions > 0:
-            obs.occupied_kv_workload = self._kv_steps / self._kv_completions
-            obs.decode_kv_workload = decoded / self._kv_completions
+        if stats.kv_completions > 0:
+            obs.occupied_kv_workload = stats.kv_steps / stats.kv_completions
+            obs.decode_kv_workload = decoded / stats.kv_completions
         obs.running_prefill_tokens = 0
 
     def _steady_start(self, until_s: float) -> tuple[Decision, tuple[float, float] | None] | None:
@@ -499,7 +392,7 @@ class EngineCore:
         if heap and heap[0][0] <= tick + MIN_STEADY_RUN:
             self._steady_retry_tick = heap[0][0]  # a stretch this short is cheaper stepped one by one
             return None
-        if until_s - self.clock.now() < MIN_STEADY_RUN * self.obs.mean_step_time_s:
+        if until_s - self.clock.now() < MIN_STEADY_RUN * self.stats.current.mean_step_time_s:
             self._steady_retry_until = until_s  # nor before the next arrival, as the gap only shrinks
             return None
         d = self._steady_decision()
@@ -517,7 +410,7 @@ class EngineCore:
             return None
         try:
             d = self.controller.steady_decision()
-            if type(d) is not Decision or not _plainly_usable(d) or d.token_budget < self._steady:
+            if type(d) is not Decision or not plainly_usable(d) or d.token_budget < self._steady:
                 return None
         except Exception:
             return None
@@ -542,7 +435,7 @@ class EngineCore:
         if timeout is None:
             return None
         try:
-            seconds = _real(timeout)
+            seconds = real_number(timeout)
         except Exception:
             return False
         if seconds is None:
@@ -577,12 +470,8 @@ class EngineCore:
             if timeout is not None:
                 self._expire(now, timeout, ended)
 
-        obs = self._observe(now)
-        self._kv_steps += obs.kv_used_tokens
-        if self._kv_completions > 0:
-            obs.occupied_kv_workload = self._kv_steps / self._kv_completions
-            obs.decode_kv_workload = self._decode_kv_steps / self._kv_completions
-        decision = self._decide(obs)
+        self.stats.step_started(self._observe(now).kv_used_tokens)
+        decision = self._decide(self.stats.snapshot())
         if self.waiting:
             self._activate(decision)
         self._evicted_last_step = 0
@@ -603,11 +492,7 @@ class EngineCore:
     def _finish_step(self, start: float, batch: Batch) -> None:
         end = self.clock.now()
         duration = end - start
-        obs = self.obs
-        obs.last_step_time_s = duration
-        obs.last_step_tokens = batch.num_tokens
-        if batch.num_tokens:
-            obs.mean_step_time_s += self._ewma_alpha * (duration - obs.mean_step_time_s)
+        self.stats.step_ended(duration, batch.num_tokens)
         self.metrics.on_step(end, duration, self.pool.used_tokens, len(self.waiting),
                              len(self.running), batch.num_tokens)
         self.step_index += 1
@@ -631,19 +516,11 @@ class EngineCore:
             _log.warning("engine: %s (logged once, counted from now on)", cause, exc_info=exc)
 
     def _observe(self, now: float) -> Observation:
-        obs = self.obs
-        obs.now_s = now
-        obs.step_index = self.step_index
-        obs.kv_used_tokens = self.pool.used_tokens
-        obs.num_waiting = len(self.waiting)
-        obs.num_running = len(self.running)
-        obs.waiting_prompt_tokens = self._waiting_prompt_tokens
-        obs.running_prompt_tokens = self._running_prompt_tokens
-        obs.head_prompt_tokens = self.waiting[0].prompt_len if self.waiting else 0
-        obs.defer_rates(self._arrivals, self._offered, self._completions, self._served)
-        obs.evicted_last_step = self._evicted_last_step
-        obs.ttft_error_p90_s = self._ttft_error.current(now)
-        return obs
+        """The engine's state into its statistics; returns ``stats.current`` (the engine's own)."""
+        waiting = self.waiting
+        return self.stats.observe(now, self.step_index, self.pool.used_tokens, len(waiting), len(self.running),
+                                  self._waiting_prompt_tokens, self._running_prompt_tokens,
+                                  waiting[0].prompt_len if waiting else 0, self._evicted_last_step)
 
     # ------------------------------------------------------------------ the decision
     def _decide(self, obs: Observation) -> Decision:
@@ -655,50 +532,18 @@ class EngineCore:
             return self._conservative(f"controller.decide raised {type(exc).__name__}", exc)
         try:
             if type(d) is Decision:
-                if _plainly_usable(d):
+                if plainly_usable(d):
                     self._token_budget, self._running_cap = d.token_budget, d.running_cap
                     return d  # the common case: usable as it is
             elif not isinstance(d, Decision):
                 return self._conservative(f"controller.decide returned {type(d).__name__}, not a Decision")
-            return self._bounded(d)
+            checked = bounded(d)
+            if isinstance(checked, str):
+                return self._conservative(f"controller.decide gave {checked}")
+            self._token_budget, self._running_cap = checked.token_budget, checked.running_cap
+            return checked
         except Exception as exc:  # a field that fails to read, convert or compare
             return self._conservative(f"controller.decide gave an unusable Decision ({type(exc).__name__})", exc)
-
-    def _bounded(self, d: Decision) -> Decision:
-        """A plain copy of ``d`` with whole numbers within bounds; the conservative decision when a
-        field is not a number (or NaN)."""
-        act = _whole_number(d.activation_budget, 0)
-        tok = _whole_number(d.token_budget, 1)
-        cap = _whole_number(d.running_cap, 0)
-        for name, value in (("activation_budget", act), ("token_budget", tok), ("running_cap", cap)):
-            if value is None:
-                return self._conservative(f"controller.decide gave an unusable {name}")
-        ratio = d.kv_reserve_ratio
-        if ratio is not None:
-            ratio = _real(ratio)
-            if ratio is None:
-                return self._conservative("controller.decide gave an unusable kv_reserve_ratio")
-            ratio = min(max(ratio, 0.0), _MAX_RESERVE_RATIO)
-        classes = d.class_budgets
-        if classes is not None:
-            if not isinstance(classes, dict):
-                return self._conservative("controller.decide gave unusable class_budgets")
-            whole: dict[int, int] = {}
-            for k, v in classes.items():
-                n = _whole_number(v, 0)
-                if n is None or not isinstance(k, numbers.Integral):
-                    return self._conservative("controller.decide gave unusable class_budgets")
-                whole[int(k)] = n
-            classes = whole
-        late = d.late_after_s
-        if late is not None:
-            late = _real(late)
-            if late is None:
-                return self._conservative("controller.decide gave an unusable late_after_s")
-            late = max(late, 0.0)
-        assert act is not None and tok is not None and cap is not None
-        self._token_budget, self._running_cap = tok, cap
-        return Decision(act, tok, cap, ratio, classes, late)
 
     def _conservative(self, cause: str, exc: BaseException | None = None) -> Decision:
         """The decision of a step whose controller could not answer: no activation while anything
@@ -852,7 +697,7 @@ class EngineCore:
         self._waiting_prompt_tokens += r.prompt_len + r.num_output_tokens
         self._running_prompt_tokens -= r.prompt_len
         self._evicted_last_step += 1
-        self.obs.evictions_total += 1
+        self.stats.evicted()
         self.metrics.on_eviction(wasted)
 
     # ------------------------------------------------------------------ the batch
@@ -896,7 +741,7 @@ class EngineCore:
         batch.num_tokens = n_decodes + prefill
         batch.num_prefills = len(reqs) - (n_decodes - self._steady)
         batch.prefill_pairs = pairs
-        self.obs.running_prefill_tokens = pending - prefill
+        self.stats.prefill_pending(pending - prefill)
         batch.kv_tokens_read += kv_read
         return batch
 
@@ -934,7 +779,7 @@ class EngineCore:
             if steady:  # each steady decode reads its prompt and output, the new token included
                 kv_read += self._steady_base + steady * self._tick
         batch.num_new_tokens.extend([1] * n_listed)
-        self._decode_kv_steps += kv_read
+        self.stats.decode_kv_steps += kv_read
         batch.num_decodes = n_decodes
         batch.kv_tokens_read = kv_read
         first = 0
@@ -1125,7 +970,7 @@ class EngineCore:
                 # running request is the order's doing, not the prediction's error; the queue wait
                 # before its activation is the prediction's to foresee, however long
                 ttft = min(ttft, max(self._late_after_s, r.start_time_s - r.arrival_time_s))
-            self.obs.ttft_error_p90_s = self._ttft_error.add(ttft - r.predicted_ttft_s, now)
+            self.stats.first_token(now, ttft - r.predicted_ttft_s)
 
     # ------------------------------------------------------------------ endings
     def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:
@@ -1146,35 +991,8 @@ class EngineCore:
             self.metrics.on_terminal(r)
 
     def _record_completion(self, r: Request, now: float) -> None:
-        self.obs.settle_completion_rates()
-        self._completions.add(now)
-        self._served.add(now)
-        obs, a, aw = self.obs, self._ewma_alpha, self._workload_alpha
-        obs.completed_total += 1
-        o, p = r.num_output_tokens, r.prompt_len
-        # exponentially weighted means corrected for their start (weights normalised to sum to 1):
-        # the mean of all completions while they are few, the first one never weighs more than the rest
-        self._workload_decay *= 1.0 - aw
-        aw /= 1.0 - self._workload_decay
-        obs.mean_prompt_tokens += aw * (p - obs.mean_prompt_tokens)
-        obs.mean_output_tokens += aw * (o - obs.mean_output_tokens)
-        obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
-        keep = 1.0 - self._workload_alpha
-        self._kv_steps *= keep
-        # its decodes read W - (P + D) tokens (the j-th output token over P + j - 1): the rest of its W
-        self._decode_kv_steps = self._decode_kv_steps * keep + p + o
-        self._kv_completions = self._kv_completions * keep + 1.0
-        obs.occupied_kv_workload = self._kv_steps / self._kv_completions
-        obs.decode_kv_workload = self._decode_kv_steps / self._kv_completions
-        sizes = self._offered_sizes
-        sizes.completed(p, o)
-        obs.offered_output_tokens = sizes.output_tokens
-        obs.offered_kv_workload = sizes.kv_workload
-        obs.offered_kv_workload_se = sizes.kv_workload_se
-        obs.ttft_recent_s += a * (time_to_first_token_s(r) - obs.ttft_recent_s)
-        tpot = time_per_output_token_s(r, end_s=now)
-        if tpot is not None:
-            obs.tpot_recent_s += a * (tpot - obs.tpot_recent_s)
+        self.stats.completed(now, r.prompt_len, r.num_output_tokens, time_to_first_token_s(r),
+                             time_per_output_token_s(r, end_s=now))
         self.metrics.on_terminal(r)
 
     def _reject(self, r: Request, reason: str, retry_after_s: float) -> Rejection:
@@ -1182,7 +1000,7 @@ class EngineCore:
         r.finish_reason = reason
         r.retry_after_s = retry_after_s
         r.finish_time_s = self.clock.now()
-        self.obs.rejections_total += 1
+        self.stats.refused()
         self.metrics.on_terminal(r)
         self._notify_finished([r])
         return Rejection(reason, retry_after_s)
@@ -1206,7 +1024,7 @@ class EngineCore:
     def _expire(self, now: float, timeout_s: object, ended: list[Request]) -> None:
         """Expire requests that waited past the queue timeout without ever starting."""
         try:
-            seconds = _real(timeout_s)
+            seconds = real_number(timeout_s)
         except Exception:
             seconds = None
         if seconds is None:
@@ -1237,37 +1055,7 @@ class EngineCore:
         self._explicit = [r for r in self._explicit if r.state is _RUNNING]
 
 
-def _plainly_usable(d: Decision) -> bool:
-    """Whether ``d``'s numbers are whole and within bounds as they are (the common case)."""
-    act, tok, cap, ratio, late = d.activation_budget, d.token_budget, d.running_cap, d.kv_reserve_ratio, d.late_after_s
-    return (type(act) is int and type(tok) is int and type(cap) is int and d.class_budgets is None
-            and 0 <= act <= UNLIMITED and 0 < tok <= UNLIMITED and 0 <= cap <= UNLIMITED
-            and (ratio is None or type(ratio) is float and 0.0 <= ratio <= _MAX_RESERVE_RATIO)
-            and (late is None or type(late) is float and late >= 0.0))
-
-
 def _end_tokens(r: Request) -> int:
     """The output length at which ``r`` ends for certain: ``max_tokens``, or the target length."""
     target = r.target_output_len
     return target if target is not None and target < r.max_tokens else r.max_tokens
-
-
-def _real(x: object) -> float | None:
-    """``x`` as a float (possibly infinite) when it is a real number; None when it is not, or NaN."""
-    if not isinstance(x, numbers.Real):
-        return None
-    try:
-        v = float(x)
-    except OverflowError:  # a huge int or Fraction
-        return -math.inf if x < 0 else math.inf
-    return None if v != v else v
-
-
-def _whole_number(x: object, floor: int) -> int | None:
-    """``x`` as a whole number in [``floor``, ``UNLIMITED``]; None when it is not a number or NaN."""
-    if type(x) is int:
-        return floor if x < floor else UNLIMITED if x > UNLIMITED else x
-    v = _real(x)
-    if v is None:
-        return None
-    return UNLIMITED if v >= UNLIMITED else floor if v <= floor else int(v)

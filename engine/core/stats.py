@@ -1,0 +1,271 @@
+"""The statistics that make an Observation: one object fed by engine events.
+
+Whatever engine a controller runs in (tidegate's own ``EngineCore``, a scheduler inside another
+engine, a gateway in front of replicas), it tells an :class:`ObservationStats` what happened
+(an arrival, a refusal, a step with its duration, tokens and KV read, a first token, a completion,
+an eviction) and the state it holds now (KV in use, queue and batch), and the stats make the
+Observation. So a controller sees the same numbers whatever engine feeds it.
+
+The controller receives a fresh copy at every step and every arrival (:meth:`snapshot`): nothing
+it writes into one reaches the figures the next step is made from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from tidegate.ctrl.base import STEADY_RATE_EVENTS, Observation
+from tidegate.engine.core.offered import OfferedSizes
+
+#: weight of the newest value in the latency and step-time estimates
+LATENCY_ALPHA = 0.05
+#: weight of the newest request in the request-size estimates: heavy-tailed, so a longer memory
+WORKLOAD_ALPHA = 0.01
+
+
+class RateEstimator:
+    """Events per second: exponentially weighted over ``window_s`` while that window holds at least
+    ``min_events`` events; at lower rates, the last ``min_events`` events over the time they span
+    (up to now), so a rate is never judged from a handful of events. The weighted average is
+    corrected for its start at zero (divided by ``1 - exp(-t / window_s)``, t the time since the
+    first event), so a flood that starts a run is seen at its rate, not at a fraction of it.
+
+    :param window_s: the time constant at high rates.
+    :param min_events: events a low-rate estimate spans.
+    """
+
+    __slots__ = ("window_s", "min_events", "_value", "_last_s", "_first_s", "_times")
+
+    def __init__(self, window_s: float, min_events: int = 64) -> None:
+        self.window_s = window_s
+        self.min_events = min_events
+        self._value = 0.0
+        self._last_s = 0.0
+        self._first_s: float | None = None
+        self._times: deque[float] = deque(maxlen=min_events)
+
+    def add(self, now_s: float, count: int = 1) -> None:
+        if self._first_s is None:
+            self._first_s = now_s
+        self._value = self._ewma(now_s) + count / self.window_s
+        self._last_s = now_s
+        for _ in range(min(count, self.min_events)):
+            self._times.append(now_s)
+
+    def _ewma(self, now_s: float) -> float:
+        dt = now_s - self._last_s
+        return self._value * math.exp(-dt / self.window_s) if dt > 0 else self._value
+
+    def rate(self, now_s: float) -> float:
+        times = self._times
+        window = self.window_s
+        if len(times) == self.min_events and now_s - times[0] <= window:
+            # the window holds enough events; times[0] >= the first event, so the span is positive
+            span = now_s - (self._first_s if self._first_s is not None else times[0])
+            dt = now_s - self._last_s  # _ewma, inline: this runs four times a step
+            value = self._value * math.exp(-dt / window) if dt > 0 else self._value
+            return value / -math.expm1(-(span if span > 1e-12 else 1e-12) / window)
+        if not times:
+            return 0.0
+        return len(times) / max(now_s - times[0], self.window_s)
+
+
+class RecentQuantile:
+    """A quantile of the last ``window`` values no older than ``horizon_s`` (exact, over a ring; 0
+    when none is kept).
+
+    The horizon makes the quantile forget what a burst that has passed taught it: without one,
+    a quiet replica kept the errors of its last busy minute until 64 new values came in.
+
+    :param q: the quantile, in [0, 1].
+    :param window: values kept.
+    :param horizon_s: values older than this (by the ``now_s`` they were added at) are dropped.
+    """
+
+    __slots__ = ("window", "horizon_s", "_index", "_values", "_times", "_current")
+
+    def __init__(self, q: float, window: int = 64, horizon_s: float = math.inf) -> None:
+        self.window = window
+        self.horizon_s = horizon_s
+        self._index = min(window - 1, max(0, math.ceil(q * window) - 1))
+        self._values: deque[float] = deque(maxlen=window)
+        self._times: deque[float] = deque(maxlen=window)
+        self._current = 0.0
+
+    def add(self, value: float, now_s: float = 0.0) -> float:
+        """Take ``value`` at ``now_s``; return the quantile of the values kept."""
+        self._values.append(value)
+        self._times.append(now_s)
+        return self._refresh(now_s)
+
+    def current(self, now_s: float) -> float:
+        """The quantile at ``now_s``: the last one unless a value has aged past the horizon (O(1) then)."""
+        times = self._times
+        if times and times[0] < now_s - self.horizon_s:
+            return self._refresh(now_s)
+        return self._current
+
+    def _refresh(self, now_s: float) -> float:
+        values, times, oldest = self._values, self._times, now_s - self.horizon_s
+        while times and times[0] < oldest:
+            times.popleft()
+            values.popleft()
+        if not values:
+            self._current = 0.0
+            return 0.0
+        ordered = sorted(values)
+        self._current = ordered[min(self._index * len(ordered) // self.window, len(ordered) - 1)]
+        return self._current
+
+
+class ObservationStats:
+    """The running statistics behind every Observation, updated by engine events.
+
+    :param kv_capacity_tokens: KV capacity M in tokens.
+    :param block_size: tokens per KV block.
+    :param rate_window_s: time constant of the arrival and completion rate estimates, and the
+        horizon of the TTFT error's quantile.
+    """
+
+    def __init__(self, kv_capacity_tokens: int, block_size: int = 16, rate_window_s: float = 10.0) -> None:
+        #: the figures as of the last event: the engine's own, never handed to a controller
+        self.current = Observation(kv_capacity_tokens, block_size)
+        #: the last copy handed out (:meth:`snapshot`)
+        self.latest = self.current
+        self.arrivals = RateEstimator(rate_window_s)
+        self.offered = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
+        self.completions = RateEstimator(rate_window_s)
+        self.served = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
+        # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
+        self.ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)
+        self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
+        self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
+        self.offered_sizes = OfferedSizes(WORKLOAD_ALPHA)
+        self.kv_steps = 0.0  # KV tokens in use summed over steps, decayed per completion
+        self.kv_completions = 0.0  # completions, decayed alike (Little's law on the KV)
+        self.decode_kv_steps = 0.0  # KV tokens read by decodes summed over steps, decayed alike
+
+    # ------------------------------------------------------------------ the state now
+    def observe(self, now_s: float, step_index: int, kv_used_tokens: int, num_waiting: int, num_running: int,
+                waiting_prompt_tokens: int, running_prompt_tokens: int, head_prompt_tokens: int,
+                evicted_last_step: int) -> Observation:
+        """Bring the figures up to ``now_s`` with the engine's state; returns :attr:`current`.
+
+        :param kv_used_tokens: KV tokens held now.
+        :param waiting_prompt_tokens: tokens the waiting requests must prefill.
+        :param running_prompt_tokens: prompt tokens of the running requests.
+        :param head_prompt_tokens: the prompt of the queue's first request (0: none waits).
+        :param evicted_last_step: requests the last step evicted.
+        """
+        obs = self.current
+        obs.now_s = now_s
+        obs.step_index = step_index
+        obs.kv_used_tokens = kv_used_tokens
+        obs.num_waiting = num_waiting
+        obs.num_running = num_running
+        obs.waiting_prompt_tokens = waiting_prompt_tokens
+        obs.running_prompt_tokens = running_prompt_tokens
+        obs.head_prompt_tokens = head_prompt_tokens
+        obs.defer_rates(self.arrivals, self.offered, self.completions, self.served)
+        obs.evicted_last_step = evicted_last_step
+        obs.ttft_error_p90_s = self.ttft_error.current(now_s)
+        return obs
+
+    def snapshot(self) -> Observation:
+        """A fresh copy of :attr:`current` for a controller (its rates still computed when first read)."""
+        self.latest = snap = self.current.copy(deferred=True)
+        return snap
+
+    def settle_arrival_rates(self) -> None:
+        """Compute the deferred arrival rates of the figures handed out, before an arrival is counted."""
+        self.current.settle_arrival_rates()
+        self.latest.settle_arrival_rates()
+
+    def settle_completion_rates(self) -> None:
+        """The same for the completion rates, before a completion is counted."""
+        self.current.settle_completion_rates()
+        self.latest.settle_completion_rates()
+
+    # ------------------------------------------------------------------ events
+    def arrived(self, now_s: float, prompt_len: int) -> None:
+        """A request arrived (admitted or not)."""
+        self.arrivals.add(now_s)
+        self.offered.add(now_s)
+        self._offered_decay *= 1.0 - WORKLOAD_ALPHA
+        obs = self.current
+        obs.offered_prompt_tokens += (WORKLOAD_ALPHA / (1.0 - self._offered_decay)
+                                      * (prompt_len - obs.offered_prompt_tokens))
+
+    def admitted(self, prompt_len: int, accepted: bool) -> None:
+        """The admission's verdict on an arrival that could fit (``accepted``: it was queued)."""
+        self.offered_sizes.arrived(prompt_len, accepted)
+
+    def refused(self) -> None:
+        """A request was refused (by the controller, or because it can never fit)."""
+        self.current.rejections_total += 1
+
+    def step_started(self, kv_used_tokens: int) -> None:
+        """A step starts holding ``kv_used_tokens``: Little's law's KV token-steps."""
+        self.kv_steps += kv_used_tokens
+        if self.kv_completions > 0:
+            obs = self.current
+            obs.occupied_kv_workload = self.kv_steps / self.kv_completions
+            obs.decode_kv_workload = self.decode_kv_steps / self.kv_completions
+
+    def decodes_read(self, kv_tokens: int) -> None:
+        """The step's decodes read ``kv_tokens`` KV tokens."""
+        self.decode_kv_steps += kv_tokens
+
+    def prefill_pending(self, tokens: int) -> None:
+        """Tokens the running requests still have to prefill after the step's batch."""
+        self.current.running_prefill_tokens = tokens
+
+    def step_ended(self, duration_s: float, num_tokens: int) -> None:
+        """A step of ``num_tokens`` new tokens took ``duration_s``."""
+        obs = self.current
+        obs.last_step_time_s = duration_s
+        obs.last_step_tokens = num_tokens
+        if num_tokens:
+            obs.mean_step_time_s += LATENCY_ALPHA * (duration_s - obs.mean_step_time_s)
+
+    def first_token(self, now_s: float, ttft_error_s: float) -> None:
+        """A request got its first token ``ttft_error_s`` later than its admission predicted."""
+        self.current.ttft_error_p90_s = self.ttft_error.add(ttft_error_s, now_s)
+
+    def evicted(self) -> None:
+        """A running request was evicted."""
+        self.current.evictions_total += 1
+
+    def completed(self, now_s: float, prompt_len: int, output_tokens: int, ttft_s: float,
+                  tpot_s: float | None) -> None:
+        """A request finished with ``output_tokens`` (TTFT ``ttft_s``; TPOT ``tpot_s``, None with
+        one token)."""
+        self.settle_completion_rates()
+        self.completions.add(now_s)
+        self.served.add(now_s)
+        obs, a, aw = self.current, LATENCY_ALPHA, WORKLOAD_ALPHA
+        obs.completed_total += 1
+        o, p = output_tokens, prompt_len
+        # exponentially weighted means corrected for their start (weights normalised to sum to 1):
+        # the mean of all completions while they are few, the first one never weighs more than the rest
+        self._workload_decay *= 1.0 - aw
+        aw /= 1.0 - self._workload_decay
+        obs.mean_prompt_tokens += aw * (p - obs.mean_prompt_tokens)
+        obs.mean_output_tokens += aw * (o - obs.mean_output_tokens)
+        obs.lifetime_kv_workload += aw * (p * o + (o + o * o) / 2 - obs.lifetime_kv_workload)
+        keep = 1.0 - WORKLOAD_ALPHA
+        self.kv_steps *= keep
+        # its decodes read W - (P + D) tokens (the j-th output token over P + j - 1): the rest of its W
+        self.decode_kv_steps = self.decode_kv_steps * keep + p + o
+        self.kv_completions = self.kv_completions * keep + 1.0
+        obs.occupied_kv_workload = self.kv_steps / self.kv_completions
+        obs.decode_kv_workload = self.decode_kv_steps / self.kv_completions
+        sizes = self.offered_sizes
+        sizes.completed(p, o)
+        obs.offered_output_tokens = sizes.output_tokens
+        obs.offered_kv_workload = sizes.kv_workload
+        obs.offered_kv_workload_se = sizes.kv_workload_se
+        obs.ttft_recent_s += a * (ttft_s - obs.ttft_recent_s)
+        if tpot_s is not None:
+            obs.tpot_recent_s += a * (tpot_s - obs.tpot_recent_s)

@@ -408,7 +408,7 @@ class Controller:
     def steady_decision(self) -> Decision | None:
         """The Decision ``decide`` returns, with no other effect, whatever the observation: the
         engine may then run the steps in which only decodes can happen without asking
-        (``EngineCore.run_steady``). None (the default): ask at every step."""
+        (``tidegate.engine.sim.steady.run_steady``). None (the default): ask at every step."""
         return None
 
     def reset(self) -> None:

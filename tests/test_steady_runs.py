@@ -1,6 +1,6 @@
 """Stretches of steady steps run in one call give exactly what stepping one by one gives.
 
-``EngineCore.run_steady`` runs, without asking the controller, the steps in which only steady
+``tidegate.engine.sim.steady.run_steady`` runs, without asking the controller, the steps in which only steady
 decodes can happen, for a controller that promises its decision (``steady_decision``). The same
 replay with and without it must agree on everything: each step's record (time, duration, KV,
 queue and batch), every request's counts, times and ending (and the order ``on_finish`` saw
@@ -20,6 +20,7 @@ from tidegate.ctrl import build_controller
 from tidegate.ctrl.base import UNLIMITED, Controller, Decision
 from tidegate.engine.core.clock import VirtualClock
 from tidegate.engine.core.driver import replay
+from tidegate.engine.sim.steady import run_steady
 from tidegate.engine.core.engine_core import EngineCore
 from tidegate.engine.sim.executor import SimExecutor
 from tests.helpers import req, step_profile
@@ -75,21 +76,17 @@ def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, s
         return r
 
     steady = [0]
-    if steady_runs:
-        run = core.run_steady
 
-        def counted(until_s, max_steps=None):
-            ended = run(until_s, max_steps)
-            steady[0] += core.steady_steps
-            return ended
-
-        core.run_steady = counted  # type: ignore[method-assign]
+    def counted(core, until_s, max_steps=None):
+        ended = run_steady(core, until_s, max_steps)
+        steady[0] += core.steady_steps
+        return ended
     seen = {}  # the observation after each step (stepping) or stretch, by the steps run so far
 
     def on_step(_):
         seen[core.step_index] = repr(sorted(core.obs.as_dict().items()))
 
-    replay(core, times, make, on_step=on_step, steady_runs=steady_runs)
+    replay(core, times, make, on_step=on_step, fast_forward=counted if steady_runs else None)
     metrics = core.metrics
     final = [(r.state, r.finish_reason, r.num_output_tokens, r.num_computed_tokens, r.num_evictions,
               r.wasted_tokens, r.first_token_time_s, r.finish_time_s, r.start_time_s, r.predicted_ttft_s,
@@ -145,4 +142,4 @@ def test_a_controller_without_the_promise_is_asked_at_every_step():
     core.step()
     core.step()  # decoding in aggregate now
     assert core._steady == 1
-    assert core.run_steady(math.inf) == [] and core.steady_steps == 0
+    assert run_steady(core, math.inf) == [] and core.steady_steps == 0

@@ -11,7 +11,8 @@ from tidegate.engine.core.request import Request
 
 
 def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Callable[[int], Request],
-           on_step: Callable[[int], None] | None = None, steady_runs: bool = True) -> None:
+           on_step: Callable[[int], None] | None = None,
+           fast_forward: Callable[[EngineCore, float], object] | None = None) -> None:
     """Add request ``i`` once the clock reaches ``arrival_times_s[i]`` and step the engine
     until every request has ended. While nothing is queued or running, the clock jumps to (on a
     wall clock: waits for) the next arrival.
@@ -21,10 +22,12 @@ def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Cal
     :param on_step: called after every step (or stretch of steady steps) with the number of
         requests added so far; the running requests' token counts lag until the replay ends
         (``EngineCore.step(sync=False)``).
-    :param steady_runs: run the stretches in which only steady decodes can happen in one call
-        (``EngineCore.run_steady``: the same steps, without asking the controller at each).
+    :param fast_forward: runs the stretch of steps in which only steady decodes can happen before
+        the given time, in one call, and says in ``core.steady_steps`` how many it ran (the
+        simulator's ``tidegate.engine.sim.steady.run_steady``: the same steps, without asking the
+        controller at each). None: every step one by one.
     """
-    clock, step, add, run_steady = core.clock, core.step, core.add_request, core.run_steady
+    clock, step, add = core.clock, core.step, core.add_request
     n, i = len(arrival_times_s), 0
     while i < n or core.has_unfinished:
         now = clock.now()
@@ -36,8 +39,8 @@ def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Cal
                 break
             clock.advance_to(arrival_times_s[i])
             continue
-        if steady_runs:
-            run_steady(arrival_times_s[i] if i < n else math.inf)
+        if fast_forward is not None:
+            fast_forward(core, arrival_times_s[i] if i < n else math.inf)
             if core.steady_steps:
                 if on_step is not None:
                     on_step(i)

@@ -35,7 +35,7 @@ from tidegate.ctrl.slo_flow import predicted_ttft_s
 from tidegate.engine.core.block_pool import BlockPool
 from tidegate.engine.core.clock import Clock
 from tidegate.engine.core.decision import bounded, plainly_usable, real_number
-from tidegate.engine.core.executor import Batch, Executor, StepResult
+from tidegate.engine.core.executor import Batch, Executor
 from tidegate.engine.core.metrics import EngineMetrics
 from tidegate.engine.core.request import Request, RequestState, unservable_reason
 from tidegate.engine.core.slo import time_per_output_token_s, time_to_first_token_s
@@ -56,9 +56,6 @@ ASK = _Ask()
 _FINISHED = RequestState.FINISHED
 _RUNNING = RequestState.RUNNING
 _by_activation = attrgetter("activation_seq")
-#: the fewest steps ``run_steady`` expects to run (by the next end, and the next arrival at the
-#: mean step time) for it to run any: below, setting the stretch up costs more than it saves
-MIN_STEADY_RUN = 4
 
 
 class EngineCore:
@@ -257,193 +254,12 @@ class EngineCore:
                 self._notify_finished(ended)
         return ended
 
-    #: how many steps the last ``run_steady`` ran
+    #: how many steps the last ``run_steady`` ran (``tidegate.engine.sim.steady``)
     steady_steps = 0
     #: ``run_steady`` runs nothing before this tick (a request ends too soon after it)...
     _steady_retry_tick = 0
     #: ...nor while the next arrival is this one (it comes too soon)
     _steady_retry_until = -1.0
-
-    def run_steady(self, until_s: float, max_steps: int | None = None) -> list[Request]:
-        """Run the steps in which nothing but the steady decodes can happen, each exactly as
-        ``step(False)`` would, without asking the controller or observing; returns the requests
-        that reached a terminal state (only a failing step ends any). ``steady_steps`` says how
-        many ran: none when the next step could do anything else.
-
-        Requests may wait while the queue's head cannot start (the running cap is reached, or the
-        pool lacks the blocks for its prompt: steady steps only take blocks, so it cannot start
-        before the stretch ends). It stops before a step that starts at or after ``until_s`` (the
-        next arrival), in which a request ends or expires, that needs a block the pool does not
-        have, past ``max_steps``, or when the controller does not promise its decision
-        (``Controller.steady_decision``). Afterwards the observation reads as after stepping one by one.
-        """
-        self.steady_steps = 0
-        if (self._explicit or not self._steady or self._tick < self._steady_retry_tick
-                or until_s == self._steady_retry_until):  # the common misses, kept cheap
-            return []
-        start_with = self._steady_start(until_s)
-        if start_with is None:
-            return []
-        d, expires_after = start_with
-        clock, pool, execute, heap, stats = self.clock, self.pool, self._executor.execute, self._steady_ends, self.stats
-        blocks, bs = self._steady_blocks, self.pool.block_size
-        steady, base = self._steady, self._steady_base
-        limit = UNLIMITED if max_steps is None else max_steps
-        ended: list[Request] = []
-        ran, seen = 0, None  # seen: what the last step's observation saw (``_observe_steady``)
-        try:
-            while ran < limit:
-                now, tick = clock.now(), self._tick
-                if now >= until_s or (heap and heap[0][0] <= tick + 1):
-                    break
-                if expires_after is not None and expires_after[0] < now - expires_after[1]:
-                    break  # the queue's first request expires in this step
-                held = pool.used_tokens
-                if blocks[tick % bs] and not self._grow_steady(tick):
-                    break  # an eviction: the full step does it
-                stats.kv_steps += held
-                batch = Batch()
-                batch.num_tokens = batch.num_decodes = steady
-                batch.kv_tokens_read = kv_read = base + steady * tick
-                seen = (now, held, stats.decode_kv_steps, self._evicted_last_step)
-                self._evicted_last_step = 0
-                stats.decode_kv_steps += kv_read
-                fresh = self._steady_first
-                batch.first_decodes = fresh[1] if fresh[0] == tick else 0
-                ran += 1
-                try:
-                    result = execute(batch)
-                    if result.duration_s is not None:
-                        clock.advance(result.duration_s)
-                    outcome: StepResult | Exception = result
-                except Exception as exc:
-                    outcome = exc
-                if isinstance(outcome, Exception) or result.token_ids is not None or result.stopped or result.failed:
-                    self._steady_step_ends(seen, batch, outcome, ended)
-                    seen = None  # that step's observation is made
-                    break
-                self._tick = tick + 1
-                self._finish_step(now, batch)
-        finally:
-            if ran:
-                self.steady_steps = ran
-                self._after_steady(d, seen, ended)
-        return ended
-
-    def _grow_steady(self, tick: int) -> bool:
-        """``_make_room`` for a step in which only steady decodes run: the blocks due at ``tick``,
-        in activation order; False, and nothing given, when the pool has too few (an eviction)."""
-        bs = self.pool.block_size
-        growing = [r for r in self._steady_blocks[tick % bs]
-                   if r.prompt_len + tick - (r.decode_lag or 0) > len(r.block_ids) * bs]
-        if len(growing) > self.pool.num_free_blocks:
-            return False
-        if growing:
-            growing.sort(key=_by_activation)
-            self.pool.add_one_block(growing)
-        return True
-
-    def _steady_step_ends(self, seen: tuple[float, int, float, int], batch: Batch, outcome,
-                          ended: list[Request]) -> None:
-        """A steady step whose executor raised (``outcome`` the exception) or said more than a
-        duration (``outcome`` the StepResult: token ids, stopped or failed requests), finished as
-        a full step finishes it, after the observation its start made (``seen``, see
-        ``_observe_steady``): a commit that raises fails the step's requests too."""
-        self._observe_steady(*seen)
-        if not isinstance(outcome, BaseException):
-            try:
-                self._commit(batch, outcome, ended)
-                outcome = None
-            except Exception as exc:
-                outcome = exc
-        if outcome is not None:  # the step's requests fail, the engine keeps serving
-            self._count_error(self.step_errors, f"step failed: {type(outcome).__name__}", outcome)
-            self._fail_batch(batch, f"step failed: {type(outcome).__name__}: {outcome}", ended)
-        self._finish_step(seen[0], batch)
-
-    def _after_steady(self, d: Decision, seen: tuple[float, int, float, int] | None, ended: list[Request]) -> None:
-        """What the steps ``run_steady`` ran leave as full steps leave it: the decision's settings,
-        and the observation as the last step's start made it (``seen``; None: made already)."""
-        self._token_budget, self._running_cap = d.token_budget, d.running_cap
-        self._late_after_s = d.late_after_s
-        self._rotating = False
-        if seen is not None:
-            self._observe_steady(*seen)
-            self.stats.current.step_index = self.step_index - 1
-        if ended:
-            self._notify_finished(ended)
-
-    def _observe_steady(self, start: float, used: int, decoded: float, evicted: int) -> None:
-        """The observation a steady step starting at ``start`` made: ``used`` KV tokens held (before
-        its blocks), its KV steps counted, ``decoded`` the decodes' KV steps before its own,
-        ``evicted`` the evictions of the step before it."""
-        obs, stats = self._observe(start), self.stats
-        obs.kv_used_tokens = used
-        obs.evicted_last_step = evicted
-        if stats.kv_completions > 0:
-            obs.occupied_kv_workload = stats.kv_steps / stats.kv_completions
-            obs.decode_kv_workload = decoded / stats.kv_completions
-        obs.running_prefill_tokens = 0
-
-    def _steady_start(self, until_s: float) -> tuple[Decision, tuple[float, float] | None] | None:
-        """The decision a steady stretch runs under and the queue's first expiry, when one may
-        start now and is not too short to be worth it (``MIN_STEADY_RUN``)."""
-        heap, tick = self._steady_ends, self._tick
-        if heap and heap[0][0] <= tick + MIN_STEADY_RUN:
-            self._steady_retry_tick = heap[0][0]  # a stretch this short is cheaper stepped one by one
-            return None
-        if until_s - self.clock.now() < MIN_STEADY_RUN * self.stats.current.mean_step_time_s:
-            self._steady_retry_until = until_s  # nor before the next arrival, as the gap only shrinks
-            return None
-        d = self._steady_decision()
-        expiry = self._first_expiry() if d is not None else False
-        if d is None or expiry is False:
-            return None
-        return d, expiry if isinstance(expiry, tuple) else None
-
-    def _steady_decision(self) -> Decision | None:
-        """The controller's promised decision while only steady decodes run, when the engine may
-        step without asking: nothing is cancelled or short of a block (``run_steady`` has seen
-        that some decode steadily and none is listed), the decodes fit the token budget, the
-        decision is one ``_decide`` takes as it is, and the queue's head, if any, cannot start."""
-        if self._cancel or self._needs_block or self.on_token is not None or self._lists_requests:
-            return None
-        try:
-            d = self.controller.steady_decision()
-            if type(d) is not Decision or not plainly_usable(d) or d.token_budget < self._steady:
-                return None
-        except Exception:
-            return None
-        if self.waiting:
-            head = self.waiting[0]
-            if (d.kv_reserve_ratio is not None or min(d.activation_budget, d.running_cap - len(self.running)) > 0
-                    and self.pool.extra_blocks_needed(head, head.prompt_len + head.num_output_tokens)
-                    <= self.pool.num_free_blocks):
-                return None
-        return d
-
-    def _first_expiry(self) -> tuple[float, float] | None | bool:
-        """(arrival, queue timeout) of the first waiting request that never started, which
-        ``_expire`` looks at first; None when nothing can expire; False when the timeout is not
-        a number (each full step counts that as a controller error)."""
-        if not self.waiting:
-            return None
-        try:
-            timeout = self.controller.queue_timeout_s
-        except Exception:
-            return None
-        if timeout is None:
-            return None
-        try:
-            seconds = real_number(timeout)
-        except Exception:
-            return False
-        if seconds is None:
-            return False
-        for r in self.waiting:
-            if not r.ever_activated:
-                return r.arrival_time_s, seconds
-        return None
 
     def sync(self) -> None:
         """Write the current token counts into the requests in steady decode (they lag while the

@@ -13,6 +13,7 @@ from tidegate.engine.core.engine_core import EngineCore
 from tidegate.engine.core.profile import Profile
 from tidegate.engine.core.request import Request
 from tidegate.engine.sim.executor import SimExecutor
+from tidegate.engine.sim.steady import run_steady
 
 
 @dataclass
@@ -73,7 +74,7 @@ def simulate(arrivals, profile: Profile, controller: Controller, *, record_steps
             bar.update(added - bar.n)
 
     wall0 = time.perf_counter()
-    replay(core, [a.arrival_time_s for a in arrivals], lambda i: make_request(i, arrivals[i]), on_step)
+    replay(core, [a.arrival_time_s for a in arrivals], lambda i: make_request(i, arrivals[i]), on_step, run_steady)
     if bar is not None:
         bar.update(len(arrivals) - bar.n)
         bar.close()

@@ -337,6 +337,7 @@ def simulate_guarded(arrivals, profile: Profile, live: ShieldedController, *, wi
     """
     from tidegate.engine.core.driver import replay
     from tidegate.engine.sim.simulate import make_request, make_sim_engine
+    from tidegate.engine.sim.steady import run_steady
 
     span = arrivals[-1].arrival_time_s - arrivals[0].arrival_time_s if len(arrivals) > 1 else 0.0
     rate = (len(arrivals) - 1) / span if span > 0 else 0.0
@@ -347,6 +348,6 @@ def simulate_guarded(arrivals, profile: Profile, live: ShieldedController, *, wi
     core = make_sim_engine(profile, live, record_steps=False)
     core.on_finish = guard.on_finish
     replay(core, [a.arrival_time_s for a in arrivals], lambda i: make_request(i, arrivals[i]),
-           lambda _: guard.maybe_check(core.clock.now()))
+           lambda _: guard.maybe_check(core.clock.now()), run_steady)
     return core.metrics.summary(core.pool.capacity_tokens, profile.ttft_slo_s, profile.tpot_slo_s,
                                 len(core.waiting)), guard

@@ -377,8 +377,7 @@ class LearnedController(Controller):
     def admission_state(self):
         """The prior's admission state (None if it has none), for a twin deciding arrivals elsewhere."""
         try:
-            get = getattr(self.prior, "admission_state", None)
-            return get() if callable(get) else None
+            return self.prior.admission_state()
         except Exception as exc:
             self._count(f"prior admission_state raised {type(exc).__name__}", str(exc))
             return None
@@ -386,9 +385,7 @@ class LearnedController(Controller):
     def set_admission_state(self, state) -> None:
         """Take the admission state of another instance's prior (from :meth:`admission_state`)."""
         try:
-            set_state = getattr(self.prior, "set_admission_state", None)
-            if callable(set_state):
-                set_state(state)
+            self.prior.set_admission_state(state)
         except Exception as exc:
             self._count(f"prior set_admission_state raised {type(exc).__name__}", str(exc))
 

@@ -180,7 +180,6 @@ class ShieldedController(Controller):
         self.eviction_budget_per_step = eviction_budget_per_step
         self.eviction_burst = float(eviction_burst)
         self.last_intervention = Intervention()
-        self._decision = Decision(0, 1, 1)
         self._late_after_s: float | None = None
         #: the inner controller's copy of the Observation, overwritten at every call
         self._scratch = Observation()
@@ -323,15 +322,8 @@ class ShieldedController(Controller):
         tok = _within(p_tok, tokens_max, tokens_max)
         ratio = 1.0 if strict else _reserve_ratio(p_ratio)
 
-        d = self._decision
-        d.activation_budget = act
-        d.running_cap = cap
-        d.token_budget = tok
-        d.kv_reserve_ratio = ratio
-        d.class_budgets = None
-        d.late_after_s = self._late_after_s
         self._report(p_act, p_cap, p_tok, p_ratio, folded, act, cap, tok, ratio, safe)
-        return d
+        return Decision(act, tok, cap, ratio, None, self._late_after_s)  # fresh: nobody shares a step's decision
 
     def _proposal(self, obs: Observation) -> tuple[float | None, float | None, float | None, float | None, bool]:
         """The inner controller's proposal, converted: (activations, tokens, cap, ratio, whether

@@ -124,7 +124,6 @@ class EngineCore:
         self._token_budget = 8192  # the last applied token budget, for TTFT predictions
         self._late_after_s: float | None = None  # the last applied late_after_s
         self._running_cap = UNLIMITED  # the last applied running cap
-        self._fallback = Decision()  # the conservative decision, reused
         self.step_index = 0
         #: times a controller raised or answered something unusable, by cause
         self.controller_errors: dict[str, int] = {}
@@ -366,12 +365,7 @@ class EngineCore:
         runs (the queue head when nothing does, so the engine never stalls), no eviction, the last
         applied token budget and running cap."""
         self._count_error(self.controller_errors, cause, exc)
-        d = self._fallback
-        d.activation_budget = 0 if self.running else 1
-        d.token_budget = self._token_budget
-        d.running_cap = max(self._running_cap, 1)
-        d.kv_reserve_ratio = 1.0
-        return d
+        return Decision(0 if self.running else 1, self._token_budget, max(self._running_cap, 1), 1.0)
 
     # ------------------------------------------------------------------ activation and eviction
     def _activate(self, decision: Decision) -> None:

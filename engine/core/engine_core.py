@@ -589,7 +589,7 @@ class EngineCore:
             if steady:  # each steady decode reads its prompt and output, the new token included
                 kv_read += self._steady_base + steady * self._tick
         batch.num_new_tokens.extend([1] * n_listed)
-        self.stats.decode_kv_steps += kv_read
+        self.stats.decodes_read(kv_read)
         batch.num_decodes = n_decodes
         batch.kv_tokens_read = kv_read
         first = 0

@@ -144,7 +144,9 @@ class ObservationStats:
         self.offered_sizes = OfferedSizes(WORKLOAD_ALPHA)
         self.kv_steps = 0.0  # KV tokens in use summed over steps, decayed per completion
         self.kv_completions = 0.0  # completions, decayed alike (Little's law on the KV)
-        self.decode_kv_steps = 0.0  # KV tokens read by decodes summed over steps, decayed alike
+        #: KV tokens read by decodes summed over steps, decayed alike (the simulator's fast path adds
+        #: to it directly, once per steady step)
+        self.decode_kv_steps = 0.0
 
     # ------------------------------------------------------------------ the state now
     def observe(self, now_s: float, step_index: int, kv_used_tokens: int, num_waiting: int, num_running: int,

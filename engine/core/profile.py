@@ -39,6 +39,16 @@ sigmas times ``noise_scale(t)`` = sqrt(f^2 + (1 - f^2) (knee / t)^2), f = ``nois
 of the jitter is a fixed number of seconds that a long step amortises (on a CPU, single-token
 decodes of about 1 ms vary by 12-20%, 10-40 ms prefills by 3-6%), and part grows with the step.
 
+The model has a core that any engine's steps can be fitted to (``base_s``, ``per_token_s``,
+``per_kv_token_s``, ``per_decode_token_s``, ``per_prefill_s`` and ``noise_sigma``) and an optional
+part, :class:`StepExtras` held as ``Profile.extras`` (None: none of them, every term 0): the terms
+Q, F, A, B and L above and the noise's shape (``noise_corr``, ``noise_white``,
+``noise_sigma_below``, ``noise_knee_s``, ``noise_floor``), each measured on one machine's
+serving steps and added by a fit only where the data support it (``engine.sim.fit`` reports
+which it took and why). ``Profile`` still takes each optional term as a keyword argument and
+reads it as an attribute (``profile.noise_corr``), so ``dataclasses.replace(profile,
+noise_corr=...)`` works too; docs/PROFILES.md has the evidence for each term.
+
 Profiles live in JSON or YAML files; the shipped ones are in ``engine/core/profiles/``. The file
 format and the derivation of the shipped numbers are in docs/PROFILES.md.
 """
@@ -51,7 +61,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import yaml
 
@@ -122,11 +132,94 @@ _AT_MOST = {"noise_sigma": MAX_NOISE_SIGMA, "noise_sigma_below": MAX_NOISE_SIGMA
             "after_prefill_decay": MAX_AFTER_PREFILL_DECAY, "noise_floor": 1.0, "noise_white": 1.0}
 _POSITIVE = ("ttft_slo_s", "tpot_slo_s")
 _POSITIVE_INT = ("kv_capacity_tokens", "block_size", "max_num_batched_tokens", "max_num_seqs")
+#: the optional terms (``StepExtras``' fields, in its order): a profile without them has the core model
+EXTRA_TERMS = ("per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
+               "per_after_prefill_token_s", "per_prefill_alone_s", "noise_corr", "noise_white", "noise_sigma_below",
+               "noise_knee_s", "noise_floor")
+
+
+class _Keep:
+    """The default of ``Profile``'s keyword arguments for the optional terms: what ``extras`` says."""
+
+    def __repr__(self) -> str:
+        return "<from extras>"
+
+
+_KEEP: Final = _Keep()
 
 
 @dataclass(frozen=True)
+class StepExtras:
+    """The optional, machine-specific part of the step model: terms measured on one machine's serving
+    steps (a CPU's, see docs/PROFILES.md), that a fit adds only where its data support them. Every
+    default leaves the term out: ``StepExtras()`` is the core model.
+
+    :param per_prefill_pair_s: seconds per query-key pair of the prefills' attention (Q).
+    :param per_first_decode_s: seconds per decode that is a request's first after its prefill (F).
+    :param per_after_prefill_s: seconds a step takes more for each prefill step before it, weighted
+        by ``after_prefill_decay`` to the power of the steps in between (A, ``after_prefill_weights``).
+    :param after_prefill_decay: how much of a prefill's after-cost is left one step later, in [0, 1).
+    :param per_after_prefill_token_s: seconds a step takes more for each prefill token of the
+        steps before it, weighted as ``per_after_prefill_s``'s steps are (B, the same decay).
+    :param per_prefill_alone_s: seconds a step takes more when it prefills and runs no decodes (L).
+    :param noise_corr: lag-one correlation of the noise's normal draws from step to step (0:
+        independent steps).
+    :param noise_white: the share of the noise's normal draws' variance drawn afresh at every step,
+        in [0, 1]; the rest follows the AR(1) series of ``noise_corr``. Set to 0 when ``noise_corr``
+        is 0 (independent steps either way).
+    :param noise_sigma_below: sigma of the factor's log below the median (None: ``noise_sigma``).
+    :param noise_knee_s: the median step length up to which the noise has its whole sigma; longer
+        steps get less (``Profile.noise_scale``). 0: every step the same sigma.
+    :param noise_floor: the share of the sigma that very long steps keep, in [0, 1] (with a knee).
+    :raises ProfileError: a value out of range, the field named in one sentence.
+    """
+
+    per_prefill_pair_s: float = 0.0
+    per_first_decode_s: float = 0.0
+    per_after_prefill_s: float = 0.0
+    after_prefill_decay: float = 0.0
+    per_after_prefill_token_s: float = 0.0
+    per_prefill_alone_s: float = 0.0
+    noise_corr: float = 0.0
+    noise_white: float = 0.0
+    noise_sigma_below: float | None = None
+    noise_knee_s: float = 0.0
+    noise_floor: float = 0.0
+
+    def __reduce__(self) -> tuple[type[StepExtras], tuple[Any, ...]]:
+        """Pickled and copied by its fields, built (and checked) again, as ``Profile`` is."""
+        return type(self), tuple(getattr(self, f) for f in EXTRA_TERMS)
+
+    def __post_init__(self) -> None:
+        try:
+            values = _checked_terms({f: getattr(self, f) for f in EXTRA_TERMS}, key_of=lambda f: f)
+        except _Invalid as e:
+            raise ProfileError(f"step extras: {e}.") from None
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        if not self.noise_corr:  # without a wander, every draw is fresh already: one way to say it
+            object.__setattr__(self, "noise_white", 0.0)
+
+    def terms(self) -> dict[str, float | None]:
+        """The terms this sets (those not at their default, which leaves the term out), by field name."""
+        return {f: v for f, v in ((f, getattr(self, f)) for f in EXTRA_TERMS)
+                if v != _EXTRA_DEFAULTS[f]}
+
+
+#: the default of every optional term (what a file that leaves a key out means)
+_EXTRA_DEFAULTS: dict[str, Any] = {f: StepExtras.__dataclass_fields__[f].default for f in EXTRA_TERMS}
+#: the core's numeric fields, checked and normalised by ``_checked``
+_CORE_NUMBERS = tuple(f for f in _FILE_KEY if f not in _EXTRA_DEFAULTS)
+
+
+@dataclass(frozen=True, init=False)
 class Profile:
     """Step-time coefficients, KV capacity, SLOs and batch limits of one engine replica.
+
+    The step model's core is the first fields; the machine-specific terms are in ``extras``
+    (:class:`StepExtras`, None when there are none). Each of those may be given here by its own
+    keyword (``Profile(..., noise_corr=0.5)``), which overrides what ``extras`` says, and is read
+    as an attribute of the profile (``profile.noise_corr``, 0 or None without it).
 
     :param name: short identifier, e.g. ``a100-llama2-7b``.
     :param description: one line saying what hardware and model this stands for.
@@ -134,28 +227,6 @@ class Profile:
     :param per_token_s: seconds per prefill token processed in the step (and per decode token
         when ``per_decode_token_s`` is None).
     :param per_kv_token_s: seconds per KV token read by the step's attention.
-    :param per_decode_token_s: seconds per decoding request's new token; None: ``per_token_s``.
-    :param noise_sigma: sigma of the log-normal, median-1 factor on every step's time in the
-        simulator (0: deterministic steps).
-    :param per_prefill_s: seconds per prefill chunk in the step (a prefilling request's fixed cost).
-    :param noise_corr: lag-one correlation of the noise's normal draws from step to step (0:
-        independent steps).
-    :param noise_sigma_below: sigma of the factor's log below the median (None: ``noise_sigma``).
-    :param per_prefill_pair_s: seconds per query-key pair of the prefills' attention.
-    :param per_first_decode_s: seconds per decode that is a request's first after its prefill.
-    :param per_after_prefill_s: seconds a step takes more for each prefill step before it, weighted
-        by ``after_prefill_decay`` to the power of the steps in between (``after_prefill_weights``).
-    :param after_prefill_decay: how much of a prefill's after-cost is left one step later, in [0, 1).
-    :param per_after_prefill_token_s: seconds a step takes more for each prefill token of the
-        steps before it, weighted as ``per_after_prefill_s``'s steps are (the same decay).
-    :param noise_knee_s: the median step length up to which the noise has its whole sigma; longer
-        steps get less (:meth:`noise_scale`). 0: every step the same sigma.
-    :param noise_floor: the share of the sigma that very long steps keep, in [0, 1] (with a knee).
-    :param noise_white: the share of the noise's normal draws' variance drawn afresh at every step,
-        in [0, 1]; the rest follows the AR(1) series of ``noise_corr`` (0: all of it). Set to 0
-        when ``noise_corr`` is 0 (independent steps either way).
-    :param per_prefill_alone_s: seconds a step takes more when it prefills and runs no decodes
-        (the ``per_prefill_s`` of its chunks are the same beside decodes).
     :param kv_capacity_tokens: KV cache capacity M in tokens.
     :param block_size: tokens per KV block.
     :param ttft_slo_s: time-to-first-token service level objective in seconds.
@@ -163,8 +234,18 @@ class Profile:
     :param idle_s: duration of a step with no tokens; None means ``base_s``.
     :param max_num_batched_tokens: default token budget of one step on this hardware.
     :param max_num_seqs: default cap on running requests.
+    :param per_decode_token_s: seconds per decoding request's new token; None: ``per_token_s``.
+    :param noise_sigma: sigma of the log-normal, median-1 factor on every step's time in the
+        simulator (0: deterministic steps).
     :param source: how the numbers were obtained (roofline, fitted, paper).
     :param extra: anything else worth keeping with the numbers (roofline inputs, fit report).
+    :param per_prefill_s: seconds per prefill chunk in the step (a prefilling request's fixed cost).
+    :param extras: the optional terms (:class:`StepExtras`); None, or all of them at their
+        defaults, is the core model (kept as None).
+    :param per_prefill_pair_s, per_first_decode_s, per_after_prefill_s, after_prefill_decay,
+        per_after_prefill_token_s, per_prefill_alone_s, noise_corr, noise_white, noise_sigma_below,
+        noise_knee_s, noise_floor: keyword only, each optional term on its own (``StepExtras``
+        says what it is); given, it replaces that of ``extras``.
     """
 
     name: str
@@ -184,33 +265,123 @@ class Profile:
     source: str = ""
     extra: dict = field(default_factory=dict)
     per_prefill_s: float = 0.0
-    noise_corr: float = 0.0
-    noise_sigma_below: float | None = None
-    per_prefill_pair_s: float = 0.0
-    per_first_decode_s: float = 0.0
-    per_after_prefill_s: float = 0.0
-    after_prefill_decay: float = 0.0
-    per_after_prefill_token_s: float = 0.0
-    noise_knee_s: float = 0.0
-    noise_floor: float = 0.0
-    noise_white: float = 0.0
-    per_prefill_alone_s: float = 0.0
+    extras: StepExtras | None = None
+
+    def __init__(self, name: str, description: str, base_s: float, per_token_s: float, per_kv_token_s: float,
+                 kv_capacity_tokens: int, block_size: int = 16, ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.1,
+                 idle_s: float | None = None, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 per_decode_token_s: float | None = None, noise_sigma: float = 0.0, source: str = "",
+                 extra: dict | _Keep = _KEEP, per_prefill_s: float = 0.0, extras: StepExtras | None = None, *,
+                 per_prefill_pair_s: float | _Keep = _KEEP, per_first_decode_s: float | _Keep = _KEEP,
+                 per_after_prefill_s: float | _Keep = _KEEP, after_prefill_decay: float | _Keep = _KEEP,
+                 per_after_prefill_token_s: float | _Keep = _KEEP, per_prefill_alone_s: float | _Keep = _KEEP,
+                 noise_corr: float | _Keep = _KEEP, noise_white: float | _Keep = _KEEP,
+                 noise_sigma_below: float | None | _Keep = _KEEP, noise_knee_s: float | _Keep = _KEEP,
+                 noise_floor: float | _Keep = _KEEP) -> None:
+        if extras is not None and not isinstance(extras, StepExtras):
+            raise ProfileError(f"profile {name!r}: extras must be a StepExtras or nothing (None), got "
+                               f"{_show(extras)}.")
+        terms: dict[str, Any] = dict(_EXTRA_DEFAULTS) if extras is None else {
+            f: getattr(extras, f) for f in EXTRA_TERMS}
+        for f, v in (("per_prefill_pair_s", per_prefill_pair_s), ("per_first_decode_s", per_first_decode_s),
+                     ("per_after_prefill_s", per_after_prefill_s), ("after_prefill_decay", after_prefill_decay),
+                     ("per_after_prefill_token_s", per_after_prefill_token_s),
+                     ("per_prefill_alone_s", per_prefill_alone_s), ("noise_corr", noise_corr),
+                     ("noise_white", noise_white), ("noise_sigma_below", noise_sigma_below),
+                     ("noise_knee_s", noise_knee_s), ("noise_floor", noise_floor)):
+            if not isinstance(v, _Keep):
+                terms[f] = v
+        extra_map: Any = {} if isinstance(extra, _Keep) else extra
+        values = {"base_s": base_s, "per_token_s": per_token_s, "per_kv_token_s": per_kv_token_s,
+                  "per_decode_token_s": per_decode_token_s, "noise_sigma": noise_sigma,
+                  "per_prefill_s": per_prefill_s, "idle_s": idle_s, "kv_capacity_tokens": kv_capacity_tokens,
+                  "block_size": block_size, "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s,
+                  "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs, **terms}
+        try:
+            checked = _checked(values, key_of=lambda f: f)
+            _check_text(name, description, source, extra_map, key_of=lambda f: f)
+        except _Invalid as e:
+            raise ProfileError(f"profile {name!r}: {e}.") from None
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "description", description)
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "extra", extra_map)
+        for f in _CORE_NUMBERS:
+            object.__setattr__(self, f, checked[f])
+        kept = StepExtras(**{f: checked[f] for f in EXTRA_TERMS})
+        object.__setattr__(self, "extras", None if kept == _NO_EXTRAS else kept)
 
     def __reduce__(self) -> tuple[type[Profile], tuple[Any, ...]]:
         """Pickled and copied by its fields, built (and checked) again: compiled
         (``tidegate compile``), a frozen dataclass's default would set them one by one."""
         return type(self), tuple(getattr(self, f) for f in self.__dataclass_fields__)
 
-    def __post_init__(self) -> None:
-        try:
-            values = _checked({f: getattr(self, f) for f in _FILE_KEY}, key_of=lambda f: f)
-            _check_text(self.name, self.description, self.source, self.extra, key_of=lambda f: f)
-        except _Invalid as e:
-            raise ProfileError(f"profile {self.name!r}: {e}.") from None
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
-        if not self.noise_corr:  # without a wander, every draw is fresh already: one way to say it
-            object.__setattr__(self, "noise_white", 0.0)
+    # The optional terms, read as before: each is its ``extras``' (0, or None, without them).
+    @property
+    def per_prefill_pair_s(self) -> float:
+        """``extras.per_prefill_pair_s`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.per_prefill_pair_s
+
+    @property
+    def per_first_decode_s(self) -> float:
+        """``extras.per_first_decode_s`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.per_first_decode_s
+
+    @property
+    def per_after_prefill_s(self) -> float:
+        """``extras.per_after_prefill_s`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.per_after_prefill_s
+
+    @property
+    def after_prefill_decay(self) -> float:
+        """``extras.after_prefill_decay`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.after_prefill_decay
+
+    @property
+    def per_after_prefill_token_s(self) -> float:
+        """``extras.per_after_prefill_token_s`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.per_after_prefill_token_s
+
+    @property
+    def per_prefill_alone_s(self) -> float:
+        """``extras.per_prefill_alone_s`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.per_prefill_alone_s
+
+    @property
+    def noise_corr(self) -> float:
+        """``extras.noise_corr`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.noise_corr
+
+    @property
+    def noise_white(self) -> float:
+        """``extras.noise_white`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.noise_white
+
+    @property
+    def noise_sigma_below(self) -> float | None:
+        """``extras.noise_sigma_below`` (None, ``noise_sigma`` below the median too, without extras)."""
+        x = self.extras
+        return None if x is None else x.noise_sigma_below
+
+    @property
+    def noise_knee_s(self) -> float:
+        """``extras.noise_knee_s`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.noise_knee_s
+
+    @property
+    def noise_floor(self) -> float:
+        """``extras.noise_floor`` (0 without extras)."""
+        x = self.extras
+        return 0.0 if x is None else x.noise_floor
 
     @property
     def decode_token_s(self) -> float:
@@ -261,16 +432,19 @@ class Profile:
             t += (self.per_decode_token_s - self.per_token_s) * num_decodes
         if self.per_prefill_s:
             t += self.per_prefill_s * num_prefills
-        if self.per_prefill_alone_s and num_prefills and not num_decodes:
-            t += self.per_prefill_alone_s
-        if self.per_prefill_pair_s:
-            t += self.per_prefill_pair_s * prefill_pairs
-        if self.per_first_decode_s:
-            t += self.per_first_decode_s * first_decodes
-        if self.per_after_prefill_s:
-            t += self.per_after_prefill_s * after_prefill
-        if self.per_after_prefill_token_s:
-            t += self.per_after_prefill_token_s * after_prefill_tokens
+        x = self.extras
+        if x is None:  # the core model
+            return t
+        if x.per_prefill_alone_s and num_prefills and not num_decodes:
+            t += x.per_prefill_alone_s
+        if x.per_prefill_pair_s:
+            t += x.per_prefill_pair_s * prefill_pairs
+        if x.per_first_decode_s:
+            t += x.per_first_decode_s * first_decodes
+        if x.per_after_prefill_s:
+            t += x.per_after_prefill_s * after_prefill
+        if x.per_after_prefill_token_s:
+            t += x.per_after_prefill_token_s * after_prefill_tokens
         return t
 
     def predict_steps(self, steps) -> list[float]:
@@ -289,11 +463,14 @@ class Profile:
     def noise_scale(self, median_s: float) -> float:
         """What the noise's sigmas are multiplied by for a step whose median is ``median_s``: 1 up
         to ``noise_knee_s``, then ``sqrt(f^2 + (1 - f^2) (knee / t)^2)`` (f = ``noise_floor``)."""
-        knee = self.noise_knee_s
+        x = self.extras
+        if x is None:
+            return 1.0
+        knee = x.noise_knee_s
         if not knee or median_s <= knee:
             return 1.0
         r = knee / median_s
-        floor2 = self.noise_floor * self.noise_floor
+        floor2 = x.noise_floor * x.noise_floor
         return math.sqrt(floor2 + (1.0 - floor2) * r * r)
 
     def to_dict(self) -> dict:
@@ -464,7 +641,8 @@ def _fields_from_file(data: Any) -> dict:
         fields["tpot_slo_s"] = slo["tpot_s"]
 
     # Check with the file's spelling of the keys, so the message points into the file.
-    defaults = {f: Profile.__dataclass_fields__[f].default for f in _FILE_KEY}
+    defaults = {**{f: Profile.__dataclass_fields__[f].default for f in _FILE_KEY if f not in _EXTRA_DEFAULTS},
+                **_EXTRA_DEFAULTS}
     checked = _checked({**defaults, **{f: v for f, v in fields.items() if f in _FILE_KEY}},
                        key_of=_FILE_KEY.__getitem__)
     _check_text(fields["name"], fields["description"], fields["source"], fields["extra"],
@@ -489,10 +667,13 @@ def _no_unknown_keys(mapping: dict, allowed: set[str], prefix: str = "") -> None
                            f"{', '.join(prefix + k for k in sorted(allowed))})")
 
 
-def _checked(values: dict, key_of) -> dict:
-    """Numeric fields validated and normalised (floats as float, counts as int); raises _Invalid."""
+def _checked_terms(values: dict, key_of) -> dict:
+    """The float fields among ``values`` validated and normalised to float (None kept where it
+    may be); raises _Invalid naming the first bad one."""
     out: dict[str, Any] = {}
     for f in _NON_NEGATIVE + _POSITIVE + _OPTIONAL:
+        if f not in values:
+            continue
         v = values[f]
         if f in _OPTIONAL and v is None:
             out[f] = None
@@ -506,6 +687,12 @@ def _checked(values: dict, key_of) -> dict:
         if f not in _NON_NEGATIVE and f in _POSITIVE + ("idle_s",) and v <= 0:
             raise _Invalid(f"{key_of(f)} must be a positive number of seconds, got {_show(v)}")
         out[f] = float(v)
+    return out
+
+
+def _checked(values: dict, key_of) -> dict:
+    """Numeric fields validated and normalised (floats as float, counts as int); raises _Invalid."""
+    out = _checked_terms(values, key_of)
     for f in _POSITIVE_INT:
         v = values[f]
         if not _is_number(v) or not math.isfinite(v) or v != int(v) or v < 1:
@@ -547,3 +734,7 @@ def _show(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return f"a {'mapping' if isinstance(value, dict) else 'list'}"
     return repr(value)
+
+
+#: the core model (made here, once its checks are defined): no optional term (a profile keeps None instead)
+_NO_EXTRAS: Final = StepExtras()

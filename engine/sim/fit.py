@@ -139,9 +139,9 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
         data = np.column_stack([data] + [np.zeros(len(data))] * (7 - data.shape[1])
                                + [(data[:, 3] == 0) & (data[:, 4] > 0)])
     after_at = max(7, data.shape[1])  # where A and B go, when fitted
-    decay = None
+    decay, after_gain = None, None
     if after_prefill and data.shape[1] >= 5 and (data[:, 0] > 0).sum() >= MIN_SPLIT_ROWS:
-        data, decay = _with_after_prefill(data, fit, loss, after_prefill_tokens, runs)
+        data, decay, after_gain = _with_after_prefill(data, fit, loss, after_prefill_tokens, runs)
     idx = np.random.default_rng(seed).permutation(len(data))
     n_test = max(1, int(round(heldout_fraction * len(data)))) if len(data) >= 8 else 0
     test, train = idx[:n_test], idx[n_test:]
@@ -162,6 +162,8 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
     corr, white = noise_wander(ratios)
     after_s = float(coef[after_at]) if decay is not None else 0.0
     after_token_s = float(coef[after_at + 1]) if decay is not None else 0.0
+    terms = _optional_terms(raw, data, coef, alone, prefill_alone, after_prefill, after_prefill_tokens, decay,
+                            after_gain, after_s, after_token_s, ratios, corr, white, knee, noise_by_length)
     return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
             "per_decode_token_s": float(coef[3]) if split else None,
             "per_prefill_s": float(coef[4]) if data.shape[1] >= 5 else 0.0,
@@ -173,7 +175,98 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
             "noise_sigma": noise_sigma(ratios), "noise_sigma_below": noise_sigma_below(ratios),
             "noise_corr": corr, "noise_white": white, "noise_knee_s": knee, "noise_floor": floor, "loss": loss,
             "r2": r2, "mape": mape, "median_ape": float(np.median(np.abs(pred - t) / t)),
-            "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data)}
+            "heldout_mape": heldout, "heldout_points": int(n_test), "points": len(data),
+            "optional_terms": terms}
+
+
+def _optional_terms(raw: np.ndarray, data: np.ndarray, coef: np.ndarray, alone: bool, prefill_alone: bool,
+                    after_prefill: bool, after_prefill_tokens: bool, decay: float | None, after_gain: float | None,
+                    after_s: float, after_token_s: float, ratios: np.ndarray, corr: float, white: float,
+                    knee: float, noise_by_length: bool) -> dict:
+    """Which of the optional terms (``engine.core.profile.StepExtras``) a fit took, and why: per
+    term ``{"taken": bool, "why": one sentence}`` (the rule each follows is in docs/PROFILES.md)."""
+    def term(taken: bool, why: str) -> dict:
+        return {"taken": bool(taken), "why": why}
+
+    def counted(col: int, count: str) -> dict:  # a term of its own count, Q or F: column col of the rows
+        if raw.shape[1] <= col:
+            return term(False, f"the rows do not say {count}")
+        if data.shape[1] <= col:
+            return term(False, f"too few rows to tell prefill from decode costs ({MIN_SPLIT_ROWS} of each needed)")
+        if float(coef[col]) > 0:
+            return term(True, f"fitted on the rows' {count}")
+        return term(False, f"the rows say {count}, and the non-negative fit put its cost at 0")
+
+    pair = counted(5, "prefill pairs (Q)")
+    first = counted(6, "first decodes (F)")
+    prefill, decodes = ((data[:, 4] > 0, data[:, 3] > 0) if data.shape[1] >= 5
+                        else (np.zeros(len(data), bool), np.zeros(len(data), bool)))
+    n_alone, n_beside = int((prefill & ~decodes).sum()), int((prefill & decodes).sum())
+    if not prefill_alone:
+        alone_term = term(False, "not asked for (prefill_alone=False)")
+    elif data.shape[1] < 5:
+        alone_term = term(False, "the rows do not say their prefill chunks (C)")
+    elif not alone:
+        alone_term = term(False, f"{n_alone} steps prefill alone and {n_beside} beside decodes; "
+                                 f"{MIN_SPLIT_ROWS} of each are needed")
+    else:
+        alone_term = term(float(coef[7]) > 0, f"{n_alone} steps prefill alone and {n_beside} beside decodes "
+                                              f"({MIN_SPLIT_ROWS} of each needed)"
+                          + ("" if float(coef[7]) > 0 else "; the non-negative fit put its cost at 0"))
+    if not after_prefill:
+        after_why = "not asked for (after_prefill=False)"
+    elif after_gain is None:
+        after_why = (f"the rows do not say their prefill chunks (C), or fewer than {MIN_SPLIT_ROWS} "
+                     f"steps prefill")
+    elif decay is None:
+        after_why = (f"the best decay cut the loss by {100 * after_gain:.2f}%, less than the "
+                     f"{100 * AFTER_MIN_GAIN:g}% needed")
+    else:
+        after_why = (f"decay {decay:g} cut the loss by {100 * after_gain:.2f}% "
+                     f"({100 * AFTER_MIN_GAIN:g}% needed)")
+    return {
+        "per_prefill_pair_s": pair,
+        "per_first_decode_s": first,
+        "per_after_prefill_s": term(after_s > 0, after_why),
+        "per_after_prefill_token_s": term(after_token_s > 0, after_why if after_prefill_tokens or not after_prefill
+                                          else "not asked for (after_prefill_tokens=False)"),
+        "after_prefill_decay": term(decay is not None and bool(after_s or after_token_s), after_why),
+        "per_prefill_alone_s": alone_term,
+        **_noise_terms(ratios, corr, white, knee, noise_by_length),
+    }
+
+
+def _noise_terms(ratios: np.ndarray, corr: float, white: float, knee: float, noise_by_length: bool) -> dict:
+    """``_optional_terms`` of the noise's shape."""
+    def term(taken: bool, why: str) -> dict:
+        return {"taken": bool(taken), "why": why}
+
+    steps = len(noise_residuals(ratios))
+    if corr:
+        wander_why = (f"lag-one correlation (1 - w) rho = {(1.0 - white) * corr:.3f} over {steps} steps "
+                      f"({NOISE_ACF_FLOOR:g} and {NOISE_MIN_STEPS} steps needed)")
+    elif steps < NOISE_MIN_STEPS:
+        wander_why = f"{steps} steps, fewer than the {NOISE_MIN_STEPS} needed"
+    else:
+        wander_why = f"the fitted lag-one correlation is below {NOISE_ACF_FLOOR:g}: independent steps"
+    if knee:
+        size_why = (f"the noise falls with the step's length, significant at {NOISE_SIZE_SIGNIFICANCE:g} "
+                    f"(F test against one sigma)")
+    elif not noise_by_length:
+        size_why = "not asked for (noise_by_length=False)"
+    else:
+        size_why = (f"fewer than 4 length bins of {NOISE_BIN_MIN} steps, or the curve's cut is not "
+                    f"significant at {NOISE_SIZE_SIGNIFICANCE:g}: one sigma for every length")
+    below = noise_sigma_below(ratios)
+    return {
+        "noise_corr": term(corr > 0, wander_why),
+        "noise_white": term(corr > 0 and white > 0, wander_why if corr else "no wander (noise_corr 0), so no share"),
+        "noise_sigma_below": term(len(_logs(ratios)) >= 2,
+                                  f"the median distance below the median of {len(_logs(ratios))} steps "
+                                  f"(sigma {below:.3g} below against {noise_sigma(ratios):.3g} above)"),
+        "noise_knee_s": term(knee > 0, size_why),
+        "noise_floor": term(knee > 0, size_why),
+    }
 
 
 def _alone_and_beside(data: np.ndarray) -> bool:
@@ -185,11 +278,12 @@ def _alone_and_beside(data: np.ndarray) -> bool:
 
 
 def _with_after_prefill(data: np.ndarray, fit, loss: str, tokens: bool = True,
-                        runs=None) -> tuple[np.ndarray, float | None]:
+                        runs=None) -> tuple[np.ndarray, float | None, float]:
     """``data`` as ``(P, K, t, D, C, Q, F[, L], A, B)`` (Q and F 0 where the rows lack them), A and B the
     weights of the prefill steps before each row and of their prefill tokens
     (``after_prefill_weights``) for the decay in ``AFTER_DECAYS`` that fits best, and that decay;
-    ``data`` unchanged and None when no decay improves the fit by ``AFTER_MIN_GAIN`` or more.
+    ``data`` unchanged and None when no decay improves the fit by ``AFTER_MIN_GAIN`` or more; and the
+    relative cut in the loss of the best decay tried (negative: none helped).
     Without ``tokens``, B is 0 on every row. With ``runs`` (each row's run), A and B start
     from 0 at each run's first row, as a simulation's do."""
     base = np.column_stack([data] + [np.zeros(len(data))] * (7 - data.shape[1]))
@@ -200,15 +294,17 @@ def _with_after_prefill(data: np.ndarray, fit, loss: str, tokens: bool = True,
         rel = (d[:, 2] - _predict(fit(d), d)) / d[:, 2]
         return float(np.mean(np.abs(rel)) if loss == "l1" else np.mean(rel * rel))
 
-    best, best_data, best_decay = score(data), data, None
+    without = best = score(data)
+    best_data, best_decay, lowest = data, None, np.inf
     threshold = best * (1.0 - AFTER_MIN_GAIN)
     for decay in AFTER_DECAYS:
         candidate = np.column_stack([base, _run_weights(prefilled, decay, runs),
                                      _run_weights(prefill, decay, runs)])
         got = score(candidate)
+        lowest = min(lowest, got)
         if got < min(best, threshold):
             best, best_data, best_decay = got, candidate, decay
-    return best_data, best_decay
+    return best_data, best_decay, float(1.0 - lowest / without) if without > 0 else 0.0
 
 
 def _run_weights(values: np.ndarray, decay: float, runs) -> list[float]:

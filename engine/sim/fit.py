@@ -228,9 +228,9 @@ def _optional_terms(raw: np.ndarray, data: np.ndarray, coef: np.ndarray, alone: 
         "per_prefill_pair_s": pair,
         "per_first_decode_s": first,
         "per_after_prefill_s": term(after_s > 0, after_why),
+        "after_prefill_decay": term(decay is not None and bool(after_s or after_token_s), after_why),
         "per_after_prefill_token_s": term(after_token_s > 0, after_why if after_prefill_tokens or not after_prefill
                                           else "not asked for (after_prefill_tokens=False)"),
-        "after_prefill_decay": term(decay is not None and bool(after_s or after_token_s), after_why),
         "per_prefill_alone_s": alone_term,
         **_noise_terms(ratios, corr, white, knee, noise_by_length),
     }

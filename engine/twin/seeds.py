@@ -21,7 +21,7 @@ from scipy.special import kolmogi
 from scipy.stats import ks_2samp
 
 from tidegate.ctrl.base import Controller
-from tidegate.engine.core.profile import Profile
+from tidegate.engine.core.profile import Profile, StepExtras
 from tidegate.engine.core.request import RequestState
 from tidegate.engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from tidegate.engine.sim.simulate import simulate
@@ -153,7 +153,8 @@ def ks_floor(n: int, m: int) -> float:
 def scaled_to_speed(profile: Profile, ratio: float) -> Profile:
     """``profile`` with every duration of its step model (the costs, the idle tick, the noise's
     knee; not the SLOs) times ``ratio``: the profile of a machine ``ratio`` times slower."""
-    costs = [f.name for f in dataclasses.fields(Profile) if f.name.endswith("_s") and "_slo_" not in f.name]
+    costs = [f.name for f in (*dataclasses.fields(Profile), *dataclasses.fields(StepExtras))
+             if f.name.endswith("_s") and "_slo_" not in f.name]
     return dataclasses.replace(profile, **{c: None if getattr(profile, c) is None else getattr(profile, c) * ratio
                                            for c in costs})
 

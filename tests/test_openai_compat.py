@@ -370,7 +370,8 @@ def test_the_first_token_makes_an_event_even_without_text(server):
         while stream.result is None:
             assert time.time() < deadline
             time.sleep(0.02)
-        assert stream.chunks[0] == ("", False, None, None)
+        first = stream.chunks[0]
+        assert (first.delta, first.finished, first.logprobs, first.prompt_logprobs) == ("", False, None, None)
         assert stream.last_token_s is not None
         server.service.done(stream)
     finally:

@@ -13,7 +13,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tidegate.engine.core.request import RequestState
-from tidegate.engine.serve.engine_proc import Outcome
+from tidegate.engine.serve.messages import Outcome
 from tidegate.engine.serve.protocol import (
     SSE_DONE,
     StreamEvents,
@@ -55,12 +55,13 @@ class Choice:
         entries: list = []
         chunks = self.stream.chunks
         while chunks and not self.finished:
-            delta, self.finished, logprobs, prompt_logprobs = chunks.popleft()
-            text.append(delta)
-            if logprobs:
-                entries.extend(logprobs)
-            if prompt_logprobs is not None:
-                self.prompt_entries = prompt_logprobs
+            chunk = chunks.popleft()
+            self.finished = chunk.finished
+            text.append(chunk.delta)
+            if chunk.logprobs:
+                entries.extend(chunk.logprobs)
+            if chunk.prompt_logprobs is not None:
+                self.prompt_entries = chunk.prompt_logprobs
         joined = "".join(text)
         self.parts.append(joined)
         self.entries.extend(entries)
@@ -103,7 +104,7 @@ class AnswerWriter:
 
         def started() -> bool:  # every choice has an answer, or one is generating (the others may queue)
             return (all(c.stream.chunks for c in choices)
-                    or any(c.stream.chunks and not c.stream.chunks[0][1] for c in choices))
+                    or any(c.stream.chunks and not c.stream.chunks[0].finished for c in choices))
 
         try:
             if not await _wait(choices, http, started):  # the client left before the first token
@@ -115,8 +116,8 @@ class AnswerWriter:
         for c in choices:  # one that ended before its first token: an error status, not a stream
             if not c.stream.chunks:
                 continue
-            delta, finished = c.stream.chunks[0][:2]
-            bad = _ended_badly(c.stream.result, c.stream, delta) if finished else None
+            first = c.stream.chunks[0]
+            bad = _ended_badly(c.stream.result, c.stream, first.delta) if first.finished else None
             if bad is not None:
                 abandon(self.service, choices)
                 return _error(bad)

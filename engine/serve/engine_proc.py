@@ -1,23 +1,13 @@
 """The engine side of the server: the engine loop, in a process of its own (as vLLM v1 separates
 its API server from EngineCore), talking to the HTTP side over a pipe.
 
-The HTTP side never shares a GIL with model steps. Messages, HTTP side to engine:
-
-- ``("add", sid, prompt_ids, sampling, max_tokens)``: an admitted request, ``sid`` its stream id;
-- ``("reject", prompt_len, max_tokens, rejection)``: an arrival the HTTP side refused, for the
-  engine's accounting;
-- ``("cancel", sid)``; ``("stop",)``.
-
-Engine to HTTP side:
-
-- ``("ready", EngineInfo)`` once the model has loaded, or ``("error", sentence)`` if it cannot;
-- ``("tick", events, Snapshot)`` after every step, and every ``HEARTBEAT_S`` while idle: the
-  events ``(sid, delta, finished, Outcome | None, logprobs, prompt_logprobs)`` of the step, and
-  the engine's state. An event comes with new text, with a request's first token (even when that
-  token shows no text yet, so the HTTP side times the first token, not the first text) and at the
-  end. ``logprobs``: the entries ``(token_id, logprob, [(alt_id, alt_logprob), ...])`` of the
-  tokens committed since the request's previous event; ``prompt_logprobs``: the prompt's entries
-  (the first None), once. Both are None for a request that did not ask for them.
+The HTTP side never shares a GIL with model steps. The messages both ways are the typed ones of
+:mod:`engine.serve.messages`: the engine takes :class:`AddRequest`, :class:`RecordRejection`,
+:class:`CancelRequest` and :class:`Shutdown`; it answers :class:`EngineReady` once the model has
+loaded (or :class:`EngineFailed` if it cannot), then a :class:`Tick` after every step, and every
+``HEARTBEAT_S`` while idle, with the step's :class:`TokenEvent` s and its :class:`Snapshot`. An
+event comes with new text, with a request's first token (even when that token shows no text yet,
+so the HTTP side times the first token, not the first text) and at the end.
 
 For tests and embedding the same loop also runs in a thread of the server's process.
 """
@@ -32,12 +22,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tidegate.ctrl.base import Controller, Observation
 from tidegate.engine.core.request import Request, RequestState
-from tidegate.engine.core.slo import time_to_first_token_s
+from tidegate.engine.serve.messages import (
+    AddRequest, CancelRequest, EngineFailed, EngineInfo, EngineReady, Outcome, RecordRejection, Shutdown, Snapshot,
+    Tick, TokenEvent, unknown_message,
+)
 from tidegate.engine.twin.guard import TwinGuard
 
 if TYPE_CHECKING:
@@ -53,67 +45,6 @@ HEARTBEAT_S = 0.05
 _MAX_TIMES = 4096
 #: ended requests the engine keeps (for tests and debugging); the rest are dropped as the server runs
 KEEP_ENDED_REQUESTS = 10_000
-
-
-@dataclass
-class EngineInfo:
-    """What the HTTP side needs to know of the engine it talks to."""
-
-    pid: int
-    kv_capacity_tokens: int
-    block_size: int
-    max_model_len: int | None
-    vocab_size: int
-    profile: Any
-    controller_note: str | None = None
-
-
-@dataclass
-class Outcome:
-    """How a request ended, as the HTTP side sees it."""
-
-    state: RequestState
-    finish_reason: str | None
-    prompt_len: int
-    completion_tokens: int
-    queue_s: float | None = None
-    predicted_ttft_s: float | None = None
-    engine_ttft_s: float | None = None
-    #: ended because the engine went away (503: another try may succeed), not by the engine's doing
-    unavailable: bool = False
-
-    @classmethod
-    def of(cls, r: Request) -> Outcome:
-        queue_s = None if r.start_time_s is None else max(0.0, r.start_time_s - r.arrival_time_s)
-        ttft = time_to_first_token_s(r) if r.first_token_time_s is not None else None
-        return cls(r.state, r.finish_reason, r.prompt_len, len(r.output_token_ids), queue_s, r.predicted_ttft_s, ttft)
-
-    @classmethod
-    def failed(cls, reason: str) -> Outcome:
-        return cls(RequestState.FAILED, reason, 0, 0, unavailable=True)
-
-
-@dataclass
-class Snapshot:
-    """The engine's state after a step: its Observation, the requests it has taken from the pipe
-    (consistent with the Observation, so the HTTP side's waiting count is exact), the
-    controller's admission state and the figures the metrics export."""
-
-    obs: tuple
-    taken_requests: int
-    taken_tokens: int
-    admission_state: Any
-    running: int = 0
-    waiting: int = 0
-    kv_used_tokens: int = 0
-    has_unfinished: bool = False
-    evictions: int = 0
-    interventions: int = 0
-    guard_switches: int = 0
-    guarded: bool = False
-    degraded: bool = False
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    decision_times: list[float] = field(default_factory=list)
 
 
 _OBS_SLOTS = Observation.FIELDS
@@ -224,7 +155,7 @@ class EngineLoop:
         self.wake = threading.Event()
         self._stop = False
         self._requests: dict[int, Request] = {}
-        self._events: list[tuple] = []
+        self._events: list[TokenEvent] = []
         #: requests that have not had an event since they were added: the first token must make one
         self._before_first: dict[int, _Track] = {}
         self._taken = (0, 0)
@@ -236,7 +167,7 @@ class EngineLoop:
     def run(self) -> None:
         """Serve until told to stop or the other side of the pipe goes away."""
         threading.Thread(target=self._receive, name="tidegate-engine-inbox", daemon=True).start()
-        self._send(("ready", self.info))
+        self._send(EngineReady(self.info))
         last_tick = 0.0
         while not self._stop:
             self._drain_inbox()
@@ -264,10 +195,10 @@ class EngineLoop:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):  # the HTTP side is gone: nobody to serve
-                msg = ("stop",)
+                msg = Shutdown()
             self.inbox.put(msg)
             self.wake.set()
-            if msg[0] == "stop":
+            if isinstance(msg, Shutdown):
                 return
 
     def _send(self, msg) -> None:
@@ -279,24 +210,28 @@ class EngineLoop:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                item = self.inbox.get_nowait()
+                msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            kind = item[0]
-            if kind == "add":
-                _, sid, ids, sampling, max_tokens = item
-                self._add(sid, ids, sampling, max_tokens)
-                self._taken = (self._taken[0] + 1, self._taken[1] + len(ids))
-            elif kind == "reject":
-                _, n, max_tokens, rejection = item
-                r = Request(f"rejected-{self._taken[0]}", self.core.clock.now(), n, max_tokens)
-                self.core.add_request(r, admission=rejection)
-            elif kind == "cancel":
-                r = self._requests.get(item[1])
+            self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        """Act on one message from the HTTP side; :class:`UnknownMessage` for one it does not know."""
+        match msg:
+            case AddRequest():
+                self._add(msg.sid, msg.prompt_ids, msg.sampling, msg.max_tokens)
+                self._taken = (self._taken[0] + 1, self._taken[1] + len(msg.prompt_ids))
+            case RecordRejection():
+                r = Request(f"rejected-{self._taken[0]}", self.core.clock.now(), msg.prompt_len, msg.max_tokens)
+                self.core.add_request(r, admission=msg.rejection)
+            case CancelRequest():
+                r = self._requests.get(msg.sid)
                 if r is not None and not r.state.is_terminal:
                     self.llm.cancel(r)
-            elif kind == "stop":
+            case Shutdown():
                 self._stop = True
+            case _:
+                raise unknown_message("the engine", msg, (AddRequest, RecordRejection, CancelRequest, Shutdown))
 
     def _add(self, sid: int, ids, sampling, max_tokens: int) -> None:
         track = _Track(sid, sampling)
@@ -312,11 +247,12 @@ class EngineLoop:
             r = self.llm.add_request(ids, sampling, max_tokens, request_id=f"req-{sid}", on_delta=on_delta,
                                      admission=None)
         except ValueError as exc:  # checked on arrival already; the engine's own check has the last word
-            self._events.append((sid, "", True, Outcome(RequestState.REJECTED, str(exc), len(ids), 0), None, None))
+            self._events.append(TokenEvent(sid, "", True, Outcome(RequestState.REJECTED, str(exc), len(ids), 0),
+                                           None, None))
             return
         if r.state.is_terminal:
-            if not any(e[0] == sid for e in self._events):
-                self._events.append((sid, "", True, Outcome.of(r), None, None))
+            if not any(e.sid == sid for e in self._events):
+                self._events.append(TokenEvent(sid, "", True, Outcome.of(r), None, None))
         else:
             track.request = r
             self._requests[sid] = r
@@ -336,7 +272,7 @@ class EngineLoop:
             if prompt_logprobs is not None:
                 prompt_logprobs = list(prompt_logprobs)  # the event may outlive this step (engine thread)
             track.prompt_logprobs_due = prompt_logprobs is None and outcome is None
-        self._events.append((track.sid, delta, outcome is not None, outcome, logprobs, prompt_logprobs))
+        self._events.append(TokenEvent(track.sid, delta, outcome is not None, outcome, logprobs, prompt_logprobs))
 
     def _first_token_events(self) -> None:
         """An event for each request whose first token came without visible text (an incomplete
@@ -369,7 +305,7 @@ class EngineLoop:
             degraded=bool(getattr(learned, "degraded", False)) if learned is not None else False,
             fallbacks=dict(learned.fallbacks) if learned is not None else {}, decision_times=times)
         events, self._events = self._events, []
-        self._send(("tick", events, snap))
+        self._send(Tick(events, snap))
 
     # ------------------------------------------------------------------ the runtime guard
     def _feed_guard(self, guard: TwinGuard) -> None:
@@ -448,7 +384,7 @@ def engine_main(config: ServeConfig, conn: Connection) -> None:
         message = str(exc) if isinstance(exc, ValueError) else \
             f"the engine could not start: {type(exc).__name__}: {exc}"
         try:
-            conn.send(("error", message))
+            conn.send(EngineFailed(message))
         except OSError:
             pass
         return

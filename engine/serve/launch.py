@@ -3,6 +3,7 @@ service, a quick step-time fit at start-up, and uvicorn with a draining shutdown
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import logging
@@ -60,7 +61,7 @@ def _cap_context(service: EngineService, max_model_len: int | None) -> None:
         log.warning("--max-model-len %d is more than the model's context of %d tokens; serving %d",
                     max_model_len, model_len, model_len)
         return
-    info.max_model_len = max_model_len
+    service.info = dataclasses.replace(info, max_model_len=max_model_len)
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 from tidegate.ctrl.base import Rejection
 from tidegate.engine.core.request import RequestState
 from tidegate.engine.real.llm import check_prompt
-from tidegate.engine.serve.engine_proc import (
-    EngineInfo, EngineLoop, Outcome, Snapshot, apply_queue_timeout, engine_main, observation_of,
+from tidegate.engine.serve.engine_proc import EngineLoop, apply_queue_timeout, engine_main, observation_of
+from tidegate.engine.serve.messages import (
+    AddRequest, CancelRequest, EngineFailed, EngineInfo, EngineReady, Outcome, RecordRejection, Shutdown, Snapshot,
+    Tick, TokenEvent, UnknownMessage, unknown_message,
 )
 from tidegate.engine.serve.metrics import ServerMetrics
 
@@ -44,10 +46,10 @@ class EngineUnavailable(Exception):
 
 
 class Stream:
-    """What the engine hands one HTTP request: chunks ``(delta, finished, logprobs, prompt_logprobs)``,
-    then the end and its :class:`Outcome`. ``logprobs`` are the entries of the tokens committed since
-    the previous chunk and ``prompt_logprobs`` those of the prompt (once), when the request asked
-    for them; None otherwise.
+    """What the engine hands one HTTP request: its :class:`TokenEvent` s as they come (``delta``,
+    ``finished``, ``logprobs``, ``prompt_logprobs``), then the end and its :class:`Outcome`.
+    ``logprobs`` are the entries of the tokens committed since the previous chunk and
+    ``prompt_logprobs`` those of the prompt (once), when the request asked for them; None otherwise.
 
     :param event: set when chunks arrive; the streams of one completion's choices share one
     """
@@ -58,7 +60,7 @@ class Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, event: asyncio.Event | None = None) -> None:
         self.loop = loop
         self.event = event or asyncio.Event()
-        self.chunks: deque[tuple[str, bool, list | None, list | None]] = deque()
+        self.chunks: deque[TokenEvent] = deque()
         self.result: Outcome | None = None
         self.limit = limit
         self.overflowed = False
@@ -177,15 +179,21 @@ class EngineService:
             engine = _Engine(here, process=process)
         try:
             ready = here.poll(self.config.engine_start_timeout_s)
-            msg = here.recv() if ready else ("error", f"the engine did not start within "
-                                                      f"{self.config.engine_start_timeout_s:g} s")
+            msg = here.recv() if ready else EngineFailed(f"the engine did not start within "
+                                                         f"{self.config.engine_start_timeout_s:g} s")
         except (EOFError, OSError):
             code = engine.process.exitcode if engine.process is not None else None
-            msg = ("error", f"the engine process exited while starting (exit code {code})")
-        if msg[0] != "ready":
-            engine.kill()
-            raise ValueError(msg[1])
-        engine.info = msg[1]
+            msg = EngineFailed(f"the engine process exited while starting (exit code {code})")
+        match msg:
+            case EngineReady():
+                engine.info = msg.info
+            case EngineFailed():
+                engine.kill()
+                raise ValueError(msg.message)
+            case _:
+                engine.kill()
+                raise ValueError(str(unknown_message("the server starting the engine", msg,
+                                                     (EngineReady, EngineFailed))))
         engine.last_message_s = time.monotonic()
         return engine
 
@@ -204,7 +212,7 @@ class EngineService:
         engine = self._engine
         if engine is None:
             return
-        engine.send(("stop",))
+        engine.send(Shutdown())
         if engine.process is not None:
             engine.process.join(timeout_s)
             engine.kill()
@@ -293,7 +301,7 @@ class EngineService:
             stream.max_tokens = max_tokens
             self._streams[sid] = stream
             self._submitted = (self._submitted[0] + 1, self._submitted[1] + len(prompt_ids))
-            engine.send(("add", sid, prompt_ids, sampling, max_tokens))
+            engine.send(AddRequest(sid, prompt_ids, sampling, max_tokens))
         stream.admitted = True
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
@@ -301,12 +309,12 @@ class EngineService:
     def record_rejection(self, prompt_len: int, max_tokens: int, rejection: Rejection) -> None:
         engine = self._engine
         if engine is not None and self._alive:
-            engine.send(("reject", prompt_len, max_tokens, rejection))
+            engine.send(RecordRejection(prompt_len, max_tokens, rejection))
 
     def cancel(self, stream: Stream) -> None:
         engine = self._engine
         if engine is not None and stream.result is None:
-            engine.send(("cancel", stream.sid))
+            engine.send(CancelRequest(stream.sid))
 
     def done(self, stream: Stream) -> None:
         """The HTTP side has finished with a stream."""
@@ -337,8 +345,13 @@ class EngineService:
                 engine.kill()
                 break
             engine.last_message_s = time.monotonic()
-            if msg[0] == "tick":
-                self._on_tick(engine, msg[1], msg[2])
+            try:
+                self._dispatch(engine, msg)
+            except UnknownMessage as exc:  # the two sides disagree on what they say: not trustworthy
+                log.error("%s; stopping the engine", exc)
+                engine.send(Shutdown())  # an engine thread cannot be killed
+                engine.kill()
+                break
         if self._stopping:
             reason = "the server is stopping"
         elif engine.process is not None:
@@ -348,7 +361,15 @@ class EngineService:
             reason = "the engine stopped"
         self._lose(engine, reason)
 
-    def _on_tick(self, engine: _Engine, events: list, snap: Snapshot) -> None:
+    def _dispatch(self, engine: _Engine, msg) -> None:
+        """Act on one message from a serving engine; :class:`UnknownMessage` for one it does not know."""
+        match msg:
+            case Tick():
+                self._on_tick(engine, msg.events, msg.snapshot)
+            case _:
+                raise unknown_message("the server", msg, (Tick,))
+
+    def _on_tick(self, engine: _Engine, events: list[TokenEvent], snap: Snapshot) -> None:
         now = time.perf_counter()
         touched: list[Stream] = []
         overflowed: list[int] = []
@@ -356,12 +377,13 @@ class EngineService:
             if engine is not self._engine or engine.lost:
                 return
             streams = self._streams
-            for sid, delta, finished, outcome, logprobs, prompt_logprobs in events:
+            for event in events:
+                sid, finished, outcome = event.sid, event.finished, event.outcome
                 stream = streams.get(sid)
                 if stream is None:
                     continue
                 # every event but a bare end brings tokens (the first one even without visible text)
-                if delta or not finished or (stream.last_token_s is None and outcome is not None
+                if event.delta or not finished or (stream.last_token_s is None and outcome is not None
                                              and outcome.completion_tokens):
                     self._on_token(stream, now)
                 if finished:
@@ -374,11 +396,11 @@ class EngineService:
                     stream.overflowed = True
                     overflowed.append(sid)
                     continue
-                stream.chunks.append((delta, finished, logprobs, prompt_logprobs))
+                stream.chunks.append(event)
                 touched.append(stream)
             self._snapshot = snap
         for sid in overflowed:
-            engine.send(("cancel", sid))
+            engine.send(CancelRequest(sid))
         if touched:
             _wake(touched)
         self._export(engine, snap)
@@ -450,7 +472,7 @@ class EngineService:
         ended = Outcome.failed(f"{reason}; the request was not completed")
         for stream in streams:
             stream.result = ended
-            stream.chunks.append(("", True, None, None))
+            stream.chunks.append(TokenEvent(stream.sid, "", True, ended, None, None))
         if streams:
             _wake(streams)
         if not current:
@@ -472,7 +494,7 @@ class EngineService:
                 wait = min(2 * wait, _MAX_RESTART_WAIT_S)
                 continue
             if self._stopping:
-                engine.send(("stop",))
+                engine.send(Shutdown())
                 return
             self.restarts += 1
             self.metrics.engine_restarts.inc()

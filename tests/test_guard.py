@@ -17,6 +17,7 @@ from tidegate.engine.core.profile import load_profile
 from tidegate.engine.core.request import Request, RequestState
 from tidegate.engine.serve.engine_proc import EngineLoop
 from tidegate.engine.serve.launch import ServeConfig
+from tidegate.engine.serve.messages import Tick
 from tidegate.engine.serve.metrics import ServerMetrics
 from tidegate.engine.serve.service import EngineService, _Engine
 from tidegate.engine.sim.simulate import make_request, make_sim_engine, simulate
@@ -224,13 +225,13 @@ def test_the_engine_guards_the_learned_controller_and_the_server_exports_its_sta
     loop._tick_guard()  # applies the result on the engine's thread
     assert loop.guard.guarded
     loop._send_tick()
-    kind, _events, snap = here.recv()
-    assert kind == "tick" and snap.guarded and snap.guard_switches == 1
+    tick = here.recv()
+    assert isinstance(tick, Tick) and tick.snapshot.guarded and tick.snapshot.guard_switches == 1
 
     metrics = ServerMetrics("m")
     assert metric(metrics, "controller_guard_switches_total") == 0
     assert metric(metrics, "controller_guarded") == 0
-    EngineService(config, metrics)._export(_Engine(None), snap)
+    EngineService(config, metrics)._export(_Engine(None), tick.snapshot)
     assert metric(metrics, "controller_guard_switches_total") == 1
     assert metric(metrics, "controller_guarded") == 1
 

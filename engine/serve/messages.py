@@ -257,11 +257,6 @@ class Tick:
     #: the engine's state after the step
     snapshot: Snapshot
 
-    def __iter__(self):
-        # only for tests/test_guard.py, which still unpacks ``kind, events, snap`` from the pipe; no
-        # receiver here does: drop this once that test reads ``tick.snapshot``
-        return iter((self.kind.value, self.events, self.snapshot))
-
 
 #: what the engine takes, and what the HTTP side takes
 TO_ENGINE = (AddRequest, RecordRejection, CancelRequest, Shutdown)

@@ -41,12 +41,12 @@ def record_evictions(core: EngineCore) -> list[tuple[Request, int, int, int, int
     its computed tokens just before eviction, its computed plus output tokens just after),
     appended as they happen."""
     evicted: list[tuple[Request, int, int, int, int]] = []
-    evict = core._evict
+    evict = core.scheduler.evict
 
     def spy(r: Request) -> None:
         newest = max(q.activation_seq for q in core.running + [r])
         before = r.num_computed_tokens
         evict(r)
         evicted.append((r, r.activation_seq, newest, before, r.num_computed_tokens + r.num_output_tokens))
-    core._evict = spy
+    core.scheduler.evict = spy
     return evicted

@@ -137,7 +137,7 @@ def test_requests_that_ended_before_a_step_fails_still_get_on_finish():
 
     def broken(budget, late_after_s=None):
         raise RuntimeError("a bug in the batch builder")
-    core._build_batch = broken
+    core.scheduler.build_batch = broken
     with pytest.raises(RuntimeError, match="batch builder"):
         core.step()
     assert finished == [a] and a.state is RequestState.CANCELLED and not a.block_ids
@@ -214,14 +214,14 @@ def test_recompute_keeps_every_token_a_client_has_seen(workload, capacity, block
     core.executor = executor = RandomTokens(profile, seed)
     evicted = record_evictions(core)
     kept = []
-    spy = core._evict
+    spy = core.scheduler.evict
 
     def evict(r):
         out = list(r.output_token_ids)
         spy(r)
         kept.append((r, out))
         assert r.output_token_ids == out and r.num_output_tokens == len(out)
-    core._evict = evict
+    core.scheduler.evict = evict
     requests = [r for r in _drive(core, workload) if r.state is not RequestState.REJECTED]
     event(f"evicted: {bool(kept)}")
     assert all(r.state is RequestState.FINISHED for r in requests)
@@ -414,7 +414,7 @@ def test_blocks_grow_exactly_in_activation_order_off_the_front_of_the_free_list(
     core = make_engine(Scripted(budgets, lates), capacity, block_size, eviction=eviction, **kwargs)
     if with_tokens:
         core.executor = RandomTokens(profile, seed)
-    pool, make_room, build_batch = core.pool, core._make_room, core._build_batch
+    pool, make_room, build_batch = core.pool, core.scheduler.make_room, core.scheduler.build_batch
 
     def checked_make_room():
         before = list(core.running)
@@ -439,7 +439,7 @@ def test_blocks_grow_exactly_in_activation_order_off_the_front_of_the_free_list(
         assert len(held) == len(set(held)) and len(held) + pool.num_free_blocks == pool.num_blocks
         return build_batch(token_budget, late_after_s)
 
-    core._make_room, core._build_batch = checked_make_room, checked_build_batch
+    core.scheduler.make_room, core.scheduler.build_batch = checked_make_room, checked_build_batch
     requests = _drive(core, workload)
     event(f"evicted: {core.metrics.evictions > 0}")
     assert all(r.state in (RequestState.FINISHED, RequestState.REJECTED) for r in requests)

@@ -223,12 +223,12 @@ def test_unseeded_sampling_streams_each_token_once_under_evictions(tiny):
     text a client was streamed survives evictions only because evicted requests keep their tokens."""
     small = LLM(kv_capacity_tokens=96, block_size=8, model_and_tokenizer=tiny, device="cpu")
     kept = []
-    evict = small.core._evict
+    evict = small.core.scheduler.evict
 
     def spy(r):
         kept.append((r, list(r.output_token_ids)))
         evict(r)
-    small.core._evict = spy
+    small.core.scheduler.evict = spy
     got: dict[str, list[str]] = {}
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
     reqs = [small.add_request(p, sampling, max_tokens=40,

@@ -73,7 +73,7 @@ def run_episode(shield: ShieldedController, arrivals, capacity: int = 128, block
         now = core.clock.now()
         while pending and pending[0].arrival_time_s <= now:
             core.add_request(pending.pop(0))
-        if not (core.waiting or core.running or core._cancel):
+        if not (core.waiting or core.running or core.scheduler.to_cancel):
             if not pending:
                 break
             core.clock.advance_to(pending[0].arrival_time_s)
@@ -83,7 +83,7 @@ def run_episode(shield: ShieldedController, arrivals, capacity: int = 128, block
         if shield.mode == "strict":
             assert core.metrics.evictions == 0
             # the stronger invariant behind it: the running set's full reservation fits
-            assert sum(core._reservation(r, 1.0) for r in core.running) <= core.pool.capacity_tokens
+            assert sum(core.scheduler.reservation(r, 1.0) for r in core.running) <= core.pool.capacity_tokens
         else:  # docs/SAFETY.md: evictions <= B + r*T + N_max after any T steps
             bound = shield.eviction_burst + shield.eviction_budget_per_step * core.metrics.steps + seqs_max
             assert core.metrics.evictions <= bound

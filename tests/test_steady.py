@@ -1,7 +1,7 @@
 """Steady decodes counted in aggregate schedule exactly as listing every decode does.
 
 The simulator's executor reads only a batch's counts, so the engine counts a request that has
-started to decode in aggregate (``EngineCore._join_steady``). The same run with an executor that
+started to decode in aggregate (``SteadyDecodes.join``). The same run with an executor that
 asks for every request listed (as the real engine's does) must agree at every step: clock, KV
 blocks (block tables included), every request's counts and ending, and the observation; and at
 the end on the metrics' summary and step records (both record modes).
@@ -131,7 +131,7 @@ def test_steady_decodes_schedule_exactly_as_listed_ones(spec, workload, capacity
     # the step records, kept only when asked for (none when every request was refused on arrival)
     assert bool(steady_final[-1][0]) == (record and core.metrics.steps > 0)
     assert core.pool.num_free_blocks == core.pool.num_blocks
-    assert core._steady == 0 and core._steady_base == 0
+    assert core.scheduler.steady.count == 0 and core.scheduler.steady.base == 0
 
 
 def test_steady_decodes_are_counted_not_listed():
@@ -203,7 +203,7 @@ def _lines_per_decode_step(running: int) -> float:
             core.step(sync=False)
     finally:
         sys.settrace(None)
-    assert len(core.running) == running and core._steady == running
+    assert len(core.running) == running and core.scheduler.steady.count == running
     return lines[0] / steps
 
 

@@ -141,5 +141,5 @@ def test_a_controller_without_the_promise_is_asked_at_every_step():
     core.add_request(req(0, 8, 40))
     core.step()
     core.step()  # decoding in aggregate now
-    assert core._steady == 1
+    assert core.scheduler.steady.count == 1
     assert run_steady(core, math.inf) == [] and core.steady_steps == 0

@@ -1,16 +1,15 @@
 """EngineCore: one continuous-batching loop shared by the simulator twin and the real engine.
 
-A step: ask the controller for a Decision, activate up to that many waiting requests, make
-room by evicting the most recently activated requests (LIFO) while the pool cannot hold the
-step's tokens, build the batch (decodes, then prefill chunks, within the token budget), run the
-executor, commit tokens and finish requests.
+A step, along vLLM's seams: observe, ask the controller for a Decision and check it
+(``_decide``), let the scheduler turn it into the step's plan (``Scheduler.schedule``: a fresh
+``Batch``), run the plan on the executor, and let the scheduler commit the result
+(``Scheduler.update``). The step loop owns nothing else: the requests and the KV pool are the
+scheduler's, the figures a controller sees are the statistics' (``ObservationStats``).
 
 With an executor that reads only a batch's counts (``reads_requests = False``, the simulator's),
-a request that has started to decode is counted in aggregate, its decodes "steady", until it
-ends, is evicted or the decodes must rotate: a step's work then grows with the requests that
-start, end, prefill or need a KV block in it, not with the running set (see ``_join_steady``).
-The schedule is exactly the one per-request bookkeeping gives; only the running requests' token
-counts lag until ``sync()`` (``step()`` syncs unless asked not to).
+decoding requests are counted in aggregate (``SteadyDecodes``): the schedule is exactly the one
+per-request bookkeeping gives; only the running requests' token counts lag until ``sync()``
+(``step()`` syncs unless asked not to).
 
 An evicted request keeps its output tokens by default and recomputes their KV by prefill when it
 runs again (vLLM's recompute preemption), so eviction never changes text a client has seen;
@@ -23,11 +22,8 @@ requests, a failing callback is skipped; each is counted and logged once per cau
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
-from heapq import heappop, heappush
-from operator import attrgetter
 from typing import Callable
 
 from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
@@ -38,10 +34,8 @@ from tidegate.engine.core.decision import bounded, plainly_usable, real_number
 from tidegate.engine.core.executor import Batch, Executor
 from tidegate.engine.core.metrics import EngineMetrics
 from tidegate.engine.core.request import Request, RequestState, unservable_reason
-from tidegate.engine.core.slo import time_per_output_token_s, time_to_first_token_s
+from tidegate.engine.core.scheduler import Scheduler, count_error
 from tidegate.engine.core.stats import ObservationStats
-
-_log = logging.getLogger(__name__)
 
 #: ``recompute``: an evicted request keeps its tokens and re-prefills them (vLLM); ``reset``: its
 #: progress is discarded (the paper's model)
@@ -53,9 +47,6 @@ class _Ask:
 
 
 ASK = _Ask()
-_FINISHED = RequestState.FINISHED
-_RUNNING = RequestState.RUNNING
-_by_activation = attrgetter("activation_seq")
 
 
 class EngineCore:
@@ -91,46 +82,27 @@ class EngineCore:
         if eviction not in EVICTION_MODES:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_MODES)}, got {eviction!r}")
         self.controller = controller
-        self.executor = executor
         self.clock = clock
         self.eviction = eviction
-        self._reset_on_eviction = eviction == "reset"
         self.pool = BlockPool(kv_capacity_tokens, block_size)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.metrics = EngineMetrics(record_steps=record_steps)
         #: the statistics the controller's Observation is made from (``stats.current``: as of now)
         self.stats = ObservationStats(self.pool.capacity_tokens, block_size, rate_window_s)
-        self.on_token = on_token
-        self.on_finish = on_finish
-        self._waiting_prompt_tokens = 0  # tokens the waiting requests must prefill
-        self._running_prompt_tokens = 0  # prompt tokens of the running requests
-        self._activation_seq = 0
-        self._cancel: list[Request] = []
-        # running requests whose last committed token left them short of a block (see _make_room)
-        self._needs_block: list[Request] = []
-        # running requests whose decodes are not counted in aggregate, in activation order
-        self._explicit: list[Request] = []
-        self._steady = 0  # running requests in steady decode (see _join_steady)
-        self._steady_base = 0  # their sum of prompt_len - decode_lag: they hold base + steady * tick tokens
-        self._tick = 0  # decode tick: steps whose batch held the steady decodes
-        self._steady_ends: list[tuple[int, int, Request]] = []  # heap: (tick it ends at, activation_seq, r)
-        # steady requests by the tick, modulo the block size, at which their next token starts a block
-        self._steady_blocks: list[list[Request]] = [[] for _ in range(block_size)]
-        self._rotating = False  # the last batch served only some of the decodes
-        self._steady_first = (0, 0)  # (tick, steady requests joined at it with one output token)
-        self._evicted_last_step = 0
-        self._decode_offset = 0  # round-robin start of the decodes served when the budget cuts them
-        self._token_budget = 8192  # the last applied token budget, for TTFT predictions
-        self._late_after_s: float | None = None  # the last applied late_after_s
-        self._running_cap = UNLIMITED  # the last applied running cap
-        self.step_index = 0
         #: times a controller raised or answered something unusable, by cause
         self.controller_errors: dict[str, int] = {}
         #: times an ``on_token`` or ``on_finish`` callback raised, by cause
         self.callback_errors: dict[str, int] = {}
         #: steps whose executor (or the commit of its result) raised, by cause
         self.step_errors: dict[str, int] = {}
+        #: the requests, each step's plan and the update from its result
+        self.scheduler = Scheduler(self.pool, clock, self.stats, self.metrics, executor, eviction == "reset",
+                                   self.callback_errors)
+        self.executor = executor
+        self.on_token = on_token
+        self.on_finish = on_finish
+        self._token_budget = 8192  # the last applied token budget, for TTFT predictions
+        self._running_cap = UNLIMITED  # the last applied running cap
+        self.step_index = 0
 
     @property
     def obs(self) -> Observation:
@@ -145,8 +117,27 @@ class EngineCore:
     @executor.setter
     def executor(self, executor: Executor) -> None:
         self._executor = executor
-        #: whether the executor reads the batch's requests, not only its counts (``Executor``)
-        self._lists_requests = getattr(executor, "reads_requests", True)
+        self.scheduler.executor = executor
+        self.scheduler.lists_requests = getattr(executor, "reads_requests", True)
+
+    @property
+    def on_token(self) -> Callable[[Request, int | None], None] | None:
+        """Called as ``on_token(request, token_id)`` for every committed output token."""
+        return self.scheduler.on_token
+
+    @on_token.setter
+    def on_token(self, on_token: Callable[[Request, int | None], None] | None) -> None:
+        self.scheduler.on_token = on_token
+
+    @property
+    def waiting(self) -> deque[Request]:
+        """The queue, in the order requests start (the scheduler's)."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, in activation order (the scheduler's)."""
+        return self.scheduler.running
 
     # ------------------------------------------------------------------ arrivals
     def add_request(self, request: Request, admission: Rejection | None | _Ask = ASK) -> Rejection | None:
@@ -171,8 +162,7 @@ class EngineCore:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
         # from the latest observation: admit() has just made it, or the last step did
         request.predicted_ttft_s = predicted_ttft_s(stats.current, request.prompt_len, self._token_budget)
-        self.waiting.append(request)
-        self._waiting_prompt_tokens += request.prompt_len
+        self.scheduler.queue(request)
         return None
 
     def observe(self) -> Observation:
@@ -225,13 +215,12 @@ class EngineCore:
 
     def cancel(self, request: Request) -> None:
         """Cancel a waiting or running request; its blocks are freed at the start of the next step."""
-        if not request.state.is_terminal and not request.cancel_requested:
-            request.cancel_requested = True
-            self._cancel.append(request)
+        self.scheduler.cancel(request)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._cancel)
+        sched = self.scheduler
+        return bool(sched.waiting or sched.running or sched.to_cancel)
 
     # ------------------------------------------------------------------ the step
     def step(self, sync: bool = True) -> list[Request]:
@@ -247,8 +236,8 @@ class EngineCore:
         try:
             self._step(ended)
         finally:
-            if sync and self._steady:
-                self.sync()
+            if sync and self.scheduler.steady.count:
+                self.scheduler.sync()
             if ended:
                 self._notify_finished(ended)
         return ended
@@ -263,53 +252,52 @@ class EngineCore:
     def sync(self) -> None:
         """Write the current token counts into the requests in steady decode (they lag while the
         engine steps with ``sync=False``; everything else is always current)."""
-        if not self._steady:
-            return
-        tick = self._tick
-        for r in self.running:
-            lag = r.decode_lag
-            if lag is not None:
-                out = tick - lag
-                r.num_output_tokens = out
-                r.num_computed_tokens = r.prompt_len + out - 1
+        self.scheduler.sync()
 
     def _step(self, ended: list[Request]) -> None:
         now = self.clock.now()
-        if self._cancel:
-            self._apply_cancellations(ended)
-        if self.waiting:
-            try:
-                timeout = self.controller.queue_timeout_s
-            except Exception:
-                timeout = None
-            if timeout is not None:
-                self._expire(now, timeout, ended)
+        sched = self.scheduler
+        if sched.to_cancel:
+            sched.apply_cancellations(ended)
+        if sched.waiting:
+            self._expire(now, ended)
 
         self.stats.step_started(self._observe(now).kv_used_tokens)
-        decision = self._decide(self.stats.snapshot())
-        if self.waiting:
-            self._activate(decision)
-        self._evicted_last_step = 0
-        self._make_room()
-        self._late_after_s = decision.late_after_s
-        batch = self._build_batch(decision.token_budget, decision.late_after_s)
-
+        batch = sched.schedule(self._decide(self.stats.snapshot()))
         try:
             result = self._executor.execute(batch)
             if result.duration_s is not None:
                 self.clock.advance(result.duration_s)
-            self._commit(batch, result, ended)
+            sched.update(batch, result, ended)
         except Exception as exc:  # the step's requests fail; the engine keeps serving
             self._count_error(self.step_errors, f"step failed: {type(exc).__name__}", exc)
-            self._fail_batch(batch, f"step failed: {type(exc).__name__}: {exc}", ended)
+            sched.fail(batch, f"step failed: {type(exc).__name__}: {exc}", ended)
         self._finish_step(now, batch)
+
+    def _expire(self, now: float, ended: list[Request]) -> None:
+        """Expire the requests that waited past the controller's queue timeout without starting."""
+        try:
+            timeout = self.controller.queue_timeout_s
+        except Exception:
+            return
+        if timeout is None:
+            return
+        try:
+            seconds = real_number(timeout)
+        except Exception:
+            seconds = None
+        if seconds is None:
+            self._count_error(self.controller_errors, "controller.queue_timeout_s is not a number")
+            return
+        self.scheduler.expire(now, seconds, ended)
 
     def _finish_step(self, start: float, batch: Batch) -> None:
         end = self.clock.now()
         duration = end - start
         self.stats.step_ended(duration, batch.num_tokens)
-        self.metrics.on_step(end, duration, self.pool.used_tokens, len(self.waiting),
-                             len(self.running), batch.num_tokens)
+        sched = self.scheduler
+        self.metrics.on_step(end, duration, self.pool.used_tokens, len(sched.waiting),
+                             len(sched.running), batch.num_tokens)
         self.step_index += 1
 
     def _notify_finished(self, ended: list[Request]) -> None:
@@ -325,17 +313,15 @@ class EngineCore:
 
     def _count_error(self, errors: dict[str, int], cause: str, exc: BaseException | None = None) -> None:
         """Count an error by cause; log the first of each cause."""
-        seen = errors.get(cause, 0)
-        errors[cause] = seen + 1
-        if not seen:
-            _log.warning("engine: %s (logged once, counted from now on)", cause, exc_info=exc)
+        count_error(errors, cause, exc)
 
     def _observe(self, now: float) -> Observation:
         """The engine's state into its statistics; returns ``stats.current`` (the engine's own)."""
-        waiting = self.waiting
-        return self.stats.observe(now, self.step_index, self.pool.used_tokens, len(waiting), len(self.running),
-                                  self._waiting_prompt_tokens, self._running_prompt_tokens,
-                                  waiting[0].prompt_len if waiting else 0, self._evicted_last_step)
+        sched = self.scheduler
+        waiting = sched.waiting
+        return self.stats.observe(now, self.step_index, self.pool.used_tokens, len(waiting), len(sched.running),
+                                  sched.waiting_prompt_tokens, sched.running_prompt_tokens,
+                                  waiting[0].prompt_len if waiting else 0, sched.evicted_last_step)
 
     # ------------------------------------------------------------------ the decision
     def _decide(self, obs: Observation) -> Decision:
@@ -367,444 +353,6 @@ class EngineCore:
         self._count_error(self.controller_errors, cause, exc)
         return Decision(0 if self.running else 1, self._token_budget, max(self._running_cap, 1), 1.0)
 
-    # ------------------------------------------------------------------ activation and eviction
-    def _activate(self, decision: Decision) -> None:
-        running, waiting, pool = self.running, self.waiting, self.pool
-        room = decision.running_cap - len(running)
-        if decision.class_budgets is not None:
-            self._activate_by_class(decision.class_budgets, room)
-            return
-        budget = min(decision.activation_budget, room)
-        if budget <= 0:
-            return
-        ratio = decision.kv_reserve_ratio
-        reserved = self._reserved_tokens(ratio) if ratio is not None else 0
-        while budget > 0 and waiting:
-            r = waiting[0]
-            if ratio is not None:
-                need = self._reservation(r, ratio)
-                if reserved + need > pool.capacity_tokens:
-                    break
-            if not pool.grow(r, r.prompt_len + r.num_output_tokens):
-                break
-            waiting.popleft()
-            self._start(r)
-            budget -= 1
-            if ratio is not None:
-                reserved += need
-
-    def _activate_by_class(self, class_budgets: dict[int, int], room: int) -> None:
-        left = {k: v for k, v in class_budgets.items() if v > 0}
-        if not left or room <= 0:
-            return
-        kept: deque[Request] = deque()
-        waiting = self.waiting
-        while waiting and left and room > 0:
-            r = waiting.popleft()
-            allowance = left.get(r.class_id, 0)
-            if allowance > 0 and self.pool.grow(r, r.num_tokens):
-                self._start(r)
-                room -= 1
-                if allowance == 1:
-                    del left[r.class_id]
-                else:
-                    left[r.class_id] = allowance - 1
-            else:
-                kept.append(r)
-        kept.extend(waiting)
-        self.waiting = kept
-
-    def _reservation(self, r: Request, ratio: float) -> int:
-        future = math.ceil(ratio * (r.max_tokens - r.num_output_tokens))
-        return self.pool.blocks_for(r.prompt_len + r.num_output_tokens + future) * self.pool.block_size
-
-    def _reserved_tokens(self, ratio: float) -> int:
-        self.sync()
-        return sum(self._reservation(r, ratio) for r in self.running)
-
-    def _start(self, r: Request) -> None:
-        r.state = _RUNNING
-        if not r.ever_activated:
-            r.ever_activated = True
-            r.start_time_s = self.clock.now()
-        r.activation_seq = self._activation_seq
-        self._activation_seq += 1
-        self._waiting_prompt_tokens -= r.prompt_len + r.num_output_tokens
-        self._running_prompt_tokens += r.prompt_len
-        self.running.append(r)
-        self._explicit.append(r)
-
-    def _make_room(self) -> None:
-        """Evict the most recently activated requests while the step's decodes do not fit.
-
-        A running request holds blocks for its whole sequence from activation on, so only a
-        request whose last committed token started a block needs one more, and exactly one:
-        ``_commit`` lists the listed ones, and a steady one is looked at every ``block_size``
-        ticks (``_steady_blocks``). They grow in activation order, the order of ``running``.
-        """
-        candidates = self._needs_block
-        tick = self._tick
-        due = self._steady_blocks[tick % self.pool.block_size] if self._steady else []
-        if not candidates and not due:
-            return
-        bs_tokens = self.pool.block_size
-        growing = []
-        if candidates:
-            self._needs_block = []
-            growing = [r for r in candidates if r.state is _RUNNING and r.decode_lag is None
-                       and r.prompt_len + r.num_output_tokens > len(r.block_ids) * bs_tokens]
-        if due:  # one joined with its block in hand (a recompute's prefill) may be due at once
-            growing += [r for r in due if r.prompt_len + tick - (r.decode_lag or 0) > len(r.block_ids) * bs_tokens]
-        if not growing:
-            return
-        growing.sort(key=_by_activation)
-        need = len(growing)
-        pool = self.pool
-        evicted = False
-        while need > pool.num_free_blocks:
-            victim = self.running.pop()
-            lag = victim.decode_lag
-            if victim.prompt_len + (victim.num_output_tokens if lag is None else tick - lag) \
-                    > len(victim.block_ids) * bs_tokens:
-                need -= 1
-            self._evict(victim)
-            evicted = True
-        pool.add_one_block([r for r in growing if r.state is _RUNNING] if evicted else growing)
-
-    @staticmethod
-    def _due(heap: list[tuple[int, int, Request]], tick: int) -> list[Request]:
-        """Pop the entries of ``heap`` due by ``tick``; the requests they still stand for (an entry
-        outlives its request's time in steady decode: ended, evicted or re-activated ones are skipped)."""
-        due = []
-        while heap and heap[0][0] <= tick:
-            _, seq, r = heappop(heap)
-            if r.decode_lag is not None and r.activation_seq == seq and r.state is _RUNNING:
-                due.append(r)
-        return due
-
-    def _evict(self, r: Request) -> None:
-        """Send a running request back to the front of the queue, its KV freed. It keeps its output
-        tokens and re-prefills them when it runs again; in ``reset`` mode its progress is discarded."""
-        if r.decode_lag is not None:
-            self._leave_steady(r)
-        else:
-            explicit = self._explicit
-            if explicit and explicit[-1] is r:  # the newest running request, as eviction picks
-                explicit.pop()
-            else:
-                explicit.remove(r)
-        wasted = r.num_computed_tokens
-        r.wasted_tokens += wasted
-        r.num_evictions += 1
-        self.pool.free(r)
-        r.num_computed_tokens = 0
-        if self._reset_on_eviction:
-            r.num_output_tokens = 0
-            r.output_token_ids = []
-            self.executor.release(r)  # its sampling state starts over too
-        r.state = RequestState.WAITING
-        self.waiting.appendleft(r)
-        self._waiting_prompt_tokens += r.prompt_len + r.num_output_tokens
-        self._running_prompt_tokens -= r.prompt_len
-        self._evicted_last_step += 1
-        self.stats.evicted()
-        self.metrics.on_eviction(wasted)
-
-    # ------------------------------------------------------------------ the batch
-    def _build_batch(self, token_budget: int, late_after_s: float | None = None) -> Batch:
-        """Decodes (a request with one token pending and an output token to feed), then prefill
-        chunks of the other requests' pending tokens (the prompt, or after an eviction the prompt
-        and the kept output), never more than ``token_budget`` tokens in all. When the decodes
-        alone exceed the budget, which of them run rotates from step to step.
-
-        Prefill chunks go in activation order; with ``late_after_s``, requests still without a
-        first token that many seconds after their arrival (late: their TTFT SLO is missed
-        whatever happens next) come after the others, in activation order among themselves.
-
-        Steady decodes are counted, not listed: ``batch.num_decodes`` includes them, and
-        ``batch.requests`` starts with the listed decodes (none while any decode is steady)."""
-        batch = Batch()
-        prefilling = self._add_decodes(batch, token_budget)
-        n_decodes = batch.num_decodes
-        left = token_budget - n_decodes
-        if late_after_s is not None and len(prefilling) > 1:
-            cutoff_s = self.clock.now() - late_after_s
-            prefilling.sort(key=lambda r: r.first_token_time_s is None and r.arrival_time_s < cutoff_s)
-        reqs, counts = batch.requests, batch.num_new_tokens
-        kv_read = 0
-        pending = 0
-        prefill = 0
-        pairs = 0
-        for r in prefilling:
-            chunk = r.prompt_len + r.num_output_tokens - r.num_computed_tokens
-            pending += chunk
-            if left <= 0:
-                continue
-            if chunk > left:
-                chunk = left
-            reqs.append(r)
-            counts.append(chunk)
-            kv_read += r.num_computed_tokens + chunk
-            pairs += chunk * r.num_computed_tokens + chunk * (chunk + 1) // 2
-            left -= chunk
-            prefill += chunk
-        batch.num_tokens = n_decodes + prefill
-        batch.num_prefills = len(reqs) - (n_decodes - self._steady)
-        batch.prefill_pairs = pairs
-        self.stats.prefill_pending(pending - prefill)
-        batch.kv_tokens_read += kv_read
-        return batch
-
-    def _add_decodes(self, batch: Batch, token_budget: int) -> list[Request]:
-        """Put the step's decodes in ``batch`` (steady ones counted, the others listed, rotated
-        when they exceed the budget); returns the listed requests that prefill, in activation order."""
-        steady = self._steady
-        if steady and (self.on_token is not None or self._lists_requests):
-            self._dissolve_steady()
-            steady = 0
-        reqs = batch.requests
-        kv_read = 0
-        prefilling: list[Request] = []
-        decode, prefill_next = reqs.append, prefilling.append
-        for r in self._explicit:
-            out = r.num_output_tokens
-            computed = r.num_computed_tokens
-            if out and computed + 1 == r.prompt_len + out:
-                decode(r)
-                kv_read += computed
-            else:
-                prefill_next(r)
-        n_listed = len(reqs)
-        n_decodes = n_listed + steady
-        self._rotating = n_decodes > token_budget
-        if self._rotating:
-            if steady:  # rotation picks among all decodes in running order: list them
-                self._dissolve_steady()
-                reqs.clear()
-                return self._add_decodes(batch, token_budget)
-            kv_read = self._rotate_decodes(reqs, token_budget)
-            n_decodes = n_listed = token_budget
-        else:
-            kv_read += n_listed  # each decode reads its new token too
-            if steady:  # each steady decode reads its prompt and output, the new token included
-                kv_read += self._steady_base + steady * self._tick
-        batch.num_new_tokens.extend([1] * n_listed)
-        self.stats.decodes_read(kv_read)
-        batch.num_decodes = n_decodes
-        batch.kv_tokens_read = kv_read
-        first = 0
-        for r in reqs:  # the listed decodes (all of the list so far)
-            first += r.num_output_tokens == 1
-        if steady:
-            fresh_tick, fresh = self._steady_first
-            if fresh_tick == self._tick:
-                first += fresh
-        batch.first_decodes = first
-        return prefilling
-
-    def _rotate_decodes(self, decodes: list[Request], budget: int) -> int:
-        """Keep ``budget`` of ``decodes`` (in place), starting where the last cut stopped; returns
-        the KV tokens they read."""
-        start = self._decode_offset % len(decodes)
-        kept = (decodes[start:] + decodes[:start])[:budget]
-        self._decode_offset = (start + budget) % len(decodes)
-        decodes[:] = kept
-        return sum(r.num_computed_tokens for r in kept) + budget
-
-    def _commit(self, batch: Batch, result, ended: list[Request]) -> None:
-        """Count each batch request's new tokens; one that reached the end of its sequence (every
-        decode, and a prefill's last chunk) gets an output token and may finish. Requests the
-        token leaves short of a block are listed for the next ``_make_room``."""
-        now = self.clock.now()
-        token_ids = result.token_ids
-        on_token = self.on_token
-        requests, counts = batch.requests, batch.num_new_tokens
-        n_decodes = batch.num_decodes - self._steady
-        needs_block, bs_tokens = self._needs_block, self.pool.block_size
-        first = 0
-        any_done = self._commit_steady(now, ended) if self._steady else False
-        if token_ids is None and on_token is None and n_decodes:
-            any_done |= self._commit_decodes(requests[:n_decodes], now, ended)
-            first = n_decodes
-        for i in range(first, len(requests)):
-            r = requests[i]
-            if r.state is not _RUNNING:
-                continue
-            r.num_computed_tokens += counts[i]
-            if r.num_computed_tokens < r.prompt_len + r.num_output_tokens:
-                continue  # a prefill chunk that did not reach the end of the sequence
-            r.num_output_tokens += 1
-            tok = None
-            if token_ids is not None:
-                tok = token_ids[i]
-                r.output_token_ids.append(tok)
-            if r.first_token_time_s is None:
-                self._first_token(r, now)
-            if on_token is not None:
-                try:
-                    on_token(r, tok)
-                except Exception as exc:
-                    self._count_error(self.callback_errors, f"on_token raised {type(exc).__name__}", exc)
-            out = r.num_output_tokens
-            if out >= r.max_tokens:
-                self._end(r, _FINISHED, "length", now, ended)
-                any_done = True
-            elif r.target_output_len is not None and out >= r.target_output_len:
-                self._end(r, _FINISHED, "stop", now, ended)
-                any_done = True
-            elif r.prompt_len + out > len(r.block_ids) * bs_tokens:
-                needs_block.append(r)
-        if result.stopped or result.failed:
-            any_done |= self._end_stopped_and_failed(result, now, ended)
-        joined = (requests and token_ids is None and on_token is None and not self._rotating
-                  and not self._lists_requests and self._join_steady(requests))
-        if any_done:
-            self.running = [r for r in self.running if r.state is _RUNNING]
-        if any_done or joined:
-            self._explicit = [r for r in self._explicit if r.state is _RUNNING and r.decode_lag is None]
-
-    # ------------------------------------------------------------------ steady decodes
-    def _join_steady(self, requests: list[Request]) -> bool:
-        """Count the listed requests that now decode in aggregate; returns whether any joined.
-
-        A steady request's output length is ``tick - decode_lag``: every step whose batch holds
-        the steady decodes advances the tick, and a steady request decodes in every such step,
-        since it leaves the aggregate when it ends, is evicted or the decodes must rotate. Its end
-        and its KV blocks are due at ticks known now (``_steady_ends``, ``_steady_blocks``).
-        """
-        tick, bs_tokens = self._tick, self.pool.block_size
-        joined = False
-        for r in requests:
-            if r.state is not _RUNNING or r.decode_lag is not None:
-                continue
-            out = r.num_output_tokens
-            if not out or r.num_computed_tokens + 1 != r.prompt_len + out:
-                continue  # prefilling still
-            lag = tick - out
-            r.decode_lag = lag
-            self._steady += 1
-            self._steady_base += r.prompt_len - lag
-            heappush(self._steady_ends, (_end_tokens(r) + lag, r.activation_seq, r))
-            if out == 1:  # its next decode is its first (Batch.first_decodes)
-                fresh_tick, fresh = self._steady_first
-                self._steady_first = (tick, fresh + 1 if fresh_tick == tick else 1)
-            # its tokens start blocks at ticks t with prompt_len + t - lag = 1 modulo the block size
-            self._steady_blocks[(1 + lag - r.prompt_len) % bs_tokens].append(r)
-            joined = True
-        return joined
-
-    def _commit_steady(self, now: float, ended: list[Request]) -> bool:
-        """Every steady request decoded one token: advance the tick and end those due now, in
-        activation order (the order of ``running``). Returns whether any ended."""
-        self._tick = tick = self._tick + 1
-        heap = self._steady_ends
-        if not heap or heap[0][0] > tick:
-            return False
-        for r in self._due(heap, tick):
-            self._end(r, _FINISHED, "length" if _end_tokens(r) == r.max_tokens else "stop", now, ended)
-        return True
-
-    def _leave_steady(self, r: Request) -> None:
-        """Take ``r`` out of the steady decodes, its token counts made current."""
-        lag = r.decode_lag
-        assert lag is not None
-        out = self._tick - lag
-        r.num_output_tokens = out
-        r.num_computed_tokens = r.prompt_len + out - 1
-        r.decode_lag = None
-        self._steady -= 1
-        self._steady_base -= r.prompt_len - lag
-        fresh_tick, fresh = self._steady_first
-        if out == 1 and fresh_tick == self._tick:
-            self._steady_first = (fresh_tick, fresh - 1)
-        self._steady_blocks[(1 + lag - r.prompt_len) % self.pool.block_size].remove(r)
-
-    def _dissolve_steady(self) -> None:
-        """List every running request again (before a rotation of the decodes, or when tokens must
-        be seen one by one)."""
-        self.sync()
-        for r in self.running:
-            r.decode_lag = None
-        self._steady = self._steady_base = 0
-        self._steady_ends = []
-        self._steady_first = (0, 0)
-        for due in self._steady_blocks:
-            due.clear()
-        self._explicit = list(self.running)
-
-    def _end_stopped_and_failed(self, result, now: float, ended: list[Request]) -> bool:
-        """End the running requests the executor stopped (EOS, a stop string) or failed; returns
-        whether it ended any."""
-        any_done = False
-        for r in result.stopped:
-            if r.state is _RUNNING:
-                self._end(r, _FINISHED, "stop", now, ended)
-                any_done = True
-        for r, reason in result.failed:
-            if r.state is _RUNNING:
-                self._end(r, RequestState.FAILED, reason, now, ended)
-                any_done = True
-        return any_done
-
-    def _commit_decodes(self, decodes: list[Request], now: float, ended: list[Request]) -> bool:
-        """``_commit`` for decodes (one token each, which ends their sequence) when there is no
-        token id to store and no ``on_token`` to call: the simulator's common case, kept lean.
-        Returns whether a request finished."""
-        needs_block, bs_tokens = self._needs_block, self.pool.block_size
-        any_done = False
-        for r in decodes:
-            if r.state is not _RUNNING:
-                continue
-            r.num_computed_tokens += 1
-            out = r.num_output_tokens + 1
-            r.num_output_tokens = out
-            if r.first_token_time_s is None:
-                self._first_token(r, now)
-            if out >= r.max_tokens:
-                self._end(r, _FINISHED, "length", now, ended)
-                any_done = True
-            elif r.target_output_len is not None and out >= r.target_output_len:
-                self._end(r, _FINISHED, "stop", now, ended)
-                any_done = True
-            elif r.prompt_len + out > len(r.block_ids) * bs_tokens:
-                needs_block.append(r)
-        return any_done
-
-    def _first_token(self, r: Request, now: float) -> None:
-        """Record ``r``'s first token and how late its admission prediction ran."""
-        r.first_token_time_s = now
-        if r.predicted_ttft_s is not None:
-            ttft = now - r.arrival_time_s
-            if self._late_after_s is not None and r.start_time_s is not None:
-                # late requests prefill last by the controller's choice: past the SLO, the wait of a
-                # running request is the order's doing, not the prediction's error; the queue wait
-                # before its activation is the prediction's to foresee, however long
-                ttft = min(ttft, max(self._late_after_s, r.start_time_s - r.arrival_time_s))
-            self.stats.first_token(now, ttft - r.predicted_ttft_s)
-
-    # ------------------------------------------------------------------ endings
-    def _end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:
-        if r.decode_lag is not None:
-            self._leave_steady(r)
-        if r.state is _RUNNING:
-            self._running_prompt_tokens -= r.prompt_len
-        r.state = state
-        r.finish_reason = reason
-        r.finish_time_s = now
-        if r.ever_activated:  # running, or evicted with state the executor still keeps
-            self.pool.free(r)
-            self.executor.release(r)
-        ended.append(r)
-        if state is _FINISHED:
-            self._record_completion(r, now)
-        else:
-            self.metrics.on_terminal(r)
-
-    def _record_completion(self, r: Request, now: float) -> None:
-        self.stats.completed(now, r.prompt_len, r.num_output_tokens, time_to_first_token_s(r),
-                             time_per_output_token_s(r, end_s=now))
-        self.metrics.on_terminal(r)
-
     def _reject(self, r: Request, reason: str, retry_after_s: float) -> Rejection:
         r.state = RequestState.REJECTED
         r.finish_reason = reason
@@ -814,58 +362,3 @@ class EngineCore:
         self.metrics.on_terminal(r)
         self._notify_finished([r])
         return Rejection(reason, retry_after_s)
-
-    def _apply_cancellations(self, ended: list[Request]) -> None:
-        now = self.clock.now()
-        cancelled = {id(r) for r in self._cancel if not r.state.is_terminal}
-        if not cancelled:
-            self._cancel.clear()
-            return
-        for r in self._cancel:
-            if r.state is RequestState.WAITING:
-                self._waiting_prompt_tokens -= r.prompt_len + r.num_output_tokens
-            if not r.state.is_terminal:
-                self._end(r, RequestState.CANCELLED, "cancelled", now, ended)
-        self._cancel.clear()
-        self.waiting = deque(r for r in self.waiting if id(r) not in cancelled)
-        self.running = [r for r in self.running if id(r) not in cancelled]
-        self._explicit = [r for r in self._explicit if id(r) not in cancelled]
-
-    def _expire(self, now: float, timeout_s: object, ended: list[Request]) -> None:
-        """Expire requests that waited past the queue timeout without ever starting."""
-        try:
-            seconds = real_number(timeout_s)
-        except Exception:
-            seconds = None
-        if seconds is None:
-            self._count_error(self.controller_errors, "controller.queue_timeout_s is not a number")
-            return
-        cutoff_s = now - seconds
-        waiting = self.waiting
-        resumed = []
-        while waiting:
-            r = waiting[0]
-            if r.ever_activated:  # evicted requests already started serving: they do not expire
-                resumed.append(waiting.popleft())
-            elif r.arrival_time_s < cutoff_s:
-                waiting.popleft()
-                self._waiting_prompt_tokens -= r.prompt_len
-                self._end(r, RequestState.EXPIRED, f"queue timeout of {seconds:.3g} s", now, ended)
-            else:
-                break
-        waiting.extendleft(reversed(resumed))
-
-    def _fail_batch(self, batch: Batch, reason: str, ended: list[Request]) -> None:
-        now = self.clock.now()
-        steady = [r for r in self.running if r.decode_lag is not None]  # the batch's first decodes
-        for r in steady + batch.requests:
-            if r.state is _RUNNING:
-                self._end(r, RequestState.FAILED, reason, now, ended)
-        self.running = [r for r in self.running if r.state is _RUNNING]
-        self._explicit = [r for r in self._explicit if r.state is _RUNNING]
-
-
-def _end_tokens(r: Request) -> int:
-    """The output length at which ``r`` ends for certain: ``max_tokens``, or the target length."""
-    target = r.target_output_len
-    return target if target is not None and target < r.max_tokens else r.max_tokens

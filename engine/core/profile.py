@@ -49,94 +49,42 @@ which it took and why). ``Profile`` still takes each optional term as a keyword 
 reads it as an attribute (``profile.noise_corr``), so ``dataclasses.replace(profile,
 noise_corr=...)`` works too; docs/PROFILES.md has the evidence for each term.
 
-Profiles live in JSON or YAML files; the shipped ones are in ``engine/core/profiles/``. The file
-format and the derivation of the shipped numbers are in docs/PROFILES.md.
+Profiles live in JSON or YAML files (read and checked by ``profile_file``); the shipped ones are in
+``engine/core/profiles/``. The file format and the derivation of the shipped numbers are in
+docs/PROFILES.md.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-import yaml
+from tidegate.engine.core.profile_file import (
+    FILE_KEY,
+    PROFILE_SUFFIXES,
+    Invalid,
+    ProfileError,
+    check_text,
+    checked_values,
+    checked_terms,
+    fields_from_file,
+    profile_to_dict,
+    read_profile_file,
+    show,
+)
+
+__all__ = ["EXTRA_TERMS", "PROFILES_DIR", "Profile", "ProfileError", "StepExtras", "after_prefill_weights",
+           "load_profile", "shipped_profiles"]
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
-PROFILE_SUFFIXES = (".json", ".yaml", ".yml")
 
-
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-3`` and ``1.0e5`` as floats, as YAML 1.2 does.
-
-    Coefficients are naturally written that way, and YAML 1.1 would read them as strings.
-    """
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
-
-
-class ProfileError(ValueError):
-    """A profile file or name that cannot be used; the message is one sentence naming it."""
-
-
-class _Invalid(Exception):
-    """A value problem, phrased without saying where the value came from."""
-
-
-# How each dataclass field is spelled in a profile file, and what it must be.
-_FILE_KEY = {
-    "base_s": "step_time.base_s",
-    "per_token_s": "step_time.per_token_s",
-    "per_kv_token_s": "step_time.per_kv_token_s",
-    "per_decode_token_s": "step_time.per_decode_token_s",
-    "noise_sigma": "step_time.noise_sigma",
-    "per_prefill_s": "step_time.per_prefill_s",
-    "noise_corr": "step_time.noise_corr",
-    "noise_sigma_below": "step_time.noise_sigma_below",
-    "per_prefill_pair_s": "step_time.per_prefill_pair_s",
-    "per_first_decode_s": "step_time.per_first_decode_s",
-    "per_after_prefill_s": "step_time.per_after_prefill_s",
-    "after_prefill_decay": "step_time.after_prefill_decay",
-    "per_after_prefill_token_s": "step_time.per_after_prefill_token_s",
-    "noise_knee_s": "step_time.noise_knee_s",
-    "noise_floor": "step_time.noise_floor",
-    "noise_white": "step_time.noise_white",
-    "per_prefill_alone_s": "step_time.per_prefill_alone_s",
-    "idle_s": "step_time.idle_s",
-    "kv_capacity_tokens": "kv_capacity_tokens",
-    "block_size": "block_size",
-    "ttft_slo_s": "slo.ttft_s",
-    "tpot_slo_s": "slo.tpot_s",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "max_num_seqs": "max_num_seqs",
-}
-_NON_NEGATIVE = ("base_s", "per_token_s", "per_kv_token_s", "noise_sigma", "per_prefill_s", "noise_corr",
-                 "per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
-                 "per_after_prefill_token_s", "noise_knee_s", "noise_floor", "noise_white", "per_prefill_alone_s")
-#: fields that may be None (absent from the file)
-_OPTIONAL = ("idle_s", "per_decode_token_s", "noise_sigma_below")
-#: the largest noise_sigma accepted: a factor of e^2 between the median and one sigma away
-MAX_NOISE_SIGMA = 2.0
-#: the largest noise_corr accepted (1 would freeze the factor at its first draw)
-MAX_NOISE_CORR = 0.999
-#: the largest after_prefill_decay accepted (1 would let a prefill's cost last for ever)
-MAX_AFTER_PREFILL_DECAY = 0.99
-#: the largest value of each bounded field (noise_floor is a share of the noise's sigma)
-_AT_MOST = {"noise_sigma": MAX_NOISE_SIGMA, "noise_sigma_below": MAX_NOISE_SIGMA, "noise_corr": MAX_NOISE_CORR,
-            "after_prefill_decay": MAX_AFTER_PREFILL_DECAY, "noise_floor": 1.0, "noise_white": 1.0}
-_POSITIVE = ("ttft_slo_s", "tpot_slo_s")
-_POSITIVE_INT = ("kv_capacity_tokens", "block_size", "max_num_batched_tokens", "max_num_seqs")
 #: the optional terms (``StepExtras``' fields, in its order): a profile without them has the core model
 EXTRA_TERMS = ("per_prefill_pair_s", "per_first_decode_s", "per_after_prefill_s", "after_prefill_decay",
                "per_after_prefill_token_s", "per_prefill_alone_s", "noise_corr", "noise_white", "noise_sigma_below",
                "noise_knee_s", "noise_floor")
-
 
 class _Keep:
     """The default of ``Profile``'s keyword arguments for the optional terms: what ``extras`` says."""
@@ -192,8 +140,8 @@ class StepExtras:
 
     def __post_init__(self) -> None:
         try:
-            values = _checked_terms({f: getattr(self, f) for f in EXTRA_TERMS}, key_of=lambda f: f)
-        except _Invalid as e:
+            values = checked_terms({f: getattr(self, f) for f in EXTRA_TERMS}, key_of=lambda f: f)
+        except Invalid as e:
             raise ProfileError(f"step extras: {e}.") from None
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -209,7 +157,7 @@ class StepExtras:
 #: the default of every optional term (what a file that leaves a key out means)
 _EXTRA_DEFAULTS: dict[str, Any] = {f: StepExtras.__dataclass_fields__[f].default for f in EXTRA_TERMS}
 #: the core's numeric fields, checked and normalised by ``_checked``
-_CORE_NUMBERS = tuple(f for f in _FILE_KEY if f not in _EXTRA_DEFAULTS)
+_CORE_NUMBERS = tuple(f for f in FILE_KEY if f not in _EXTRA_DEFAULTS)
 
 
 @dataclass(frozen=True, init=False)
@@ -280,7 +228,7 @@ class Profile:
                  noise_floor: float | _Keep = _KEEP) -> None:
         if extras is not None and not isinstance(extras, StepExtras):
             raise ProfileError(f"profile {name!r}: extras must be a StepExtras or nothing (None), got "
-                               f"{_show(extras)}.")
+                               f"{show(extras)}.")
         terms: dict[str, Any] = dict(_EXTRA_DEFAULTS) if extras is None else {
             f: getattr(extras, f) for f in EXTRA_TERMS}
         for f, v in (("per_prefill_pair_s", per_prefill_pair_s), ("per_first_decode_s", per_first_decode_s),
@@ -298,9 +246,9 @@ class Profile:
                   "block_size": block_size, "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s,
                   "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs, **terms}
         try:
-            checked = _checked(values, key_of=lambda f: f)
-            _check_text(name, description, source, extra_map, key_of=lambda f: f)
-        except _Invalid as e:
+            checked = checked_values(values, key_of=lambda f: f)
+            check_text(name, description, source, extra_map, key_of=lambda f: f)
+        except Invalid as e:
             raise ProfileError(f"profile {name!r}: {e}.") from None
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "description", description)
@@ -475,53 +423,11 @@ class Profile:
 
     def to_dict(self) -> dict:
         """The profile in file format (the structure :func:`load_profile` reads)."""
-        step_time = {"base_s": self.base_s, "per_token_s": self.per_token_s,
-                     "per_kv_token_s": self.per_kv_token_s}
-        if self.per_decode_token_s is not None:
-            step_time["per_decode_token_s"] = self.per_decode_token_s
-        if self.noise_sigma:
-            step_time["noise_sigma"] = self.noise_sigma
-        if self.noise_corr:
-            step_time["noise_corr"] = self.noise_corr
-        if self.noise_white:
-            step_time["noise_white"] = self.noise_white
-        if self.noise_sigma_below is not None:
-            step_time["noise_sigma_below"] = self.noise_sigma_below
-        if self.noise_knee_s:
-            step_time["noise_knee_s"] = self.noise_knee_s
-            step_time["noise_floor"] = self.noise_floor
-        if self.per_prefill_pair_s:
-            step_time["per_prefill_pair_s"] = self.per_prefill_pair_s
-        if self.per_first_decode_s:
-            step_time["per_first_decode_s"] = self.per_first_decode_s
-        if self.per_after_prefill_s or self.per_after_prefill_token_s:
-            step_time["per_after_prefill_s"] = self.per_after_prefill_s
-            step_time["after_prefill_decay"] = self.after_prefill_decay
-        if self.per_after_prefill_token_s:
-            step_time["per_after_prefill_token_s"] = self.per_after_prefill_token_s
-        if self.per_prefill_s:
-            step_time["per_prefill_s"] = self.per_prefill_s
-        if self.per_prefill_alone_s:
-            step_time["per_prefill_alone_s"] = self.per_prefill_alone_s
-        if self.idle_s is not None:
-            step_time["idle_s"] = self.idle_s
-        return {
-            "name": self.name,
-            "description": self.description,
-            "source": self.source,
-            "step_time": step_time,
-            "kv_capacity_tokens": self.kv_capacity_tokens,
-            "block_size": self.block_size,
-            "slo": {"ttft_s": self.ttft_slo_s, "tpot_s": self.tpot_slo_s},
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "extra": copy.deepcopy(self.extra),
-        }
+        return profile_to_dict(self)
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON (indent 2) to ``path``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
 
 def after_prefill_weights(prefilled, decay: float) -> list[float]:
     """The weight A of ``Profile.step_time_s`` for each of a run's non-empty steps, in the order they
@@ -534,7 +440,6 @@ def after_prefill_weights(prefilled, decay: float) -> list[float]:
         weights.append(a)
         a = decay * a + float(p)
     return weights
-
 
 def shipped_profiles() -> list[str]:
     """Names of the profiles shipped in ``engine/core/profiles/``, sorted."""
@@ -560,180 +465,14 @@ def load_profile(name_or_path: str | Path) -> Profile:
         return _load_file(PROFILES_DIR / f"{text}.json")
     return _load_file(Path(name_or_path))
 
-
 def _load_file(path: Path) -> Profile:
-    where = f"profile file {str(path)!r}"
-    if path.suffix.lower() not in PROFILE_SUFFIXES:
-        raise ProfileError(f"{where}: expected a .json, .yaml or .yml file.")
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ProfileError(f"{where} does not exist.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ProfileError(f"{where} cannot be read ({type(e).__name__}).") from None
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProfileError(
-                f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).") from None
-    else:
-        try:
-            data = yaml.load(text, Loader=_YamlLoader)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or "syntax error"
-            raise ProfileError(f"{where} is not valid YAML ({problem}{at}).") from None
-    try:
-        return Profile(**_fields_from_file(data))
-    except _Invalid as e:
-        raise ProfileError(f"{where}: {e}.") from None
-
-
-def _fields_from_file(data: Any) -> dict:
-    """Dataclass keyword arguments from a parsed profile file; raises _Invalid."""
-    if not isinstance(data, dict):
-        raise _Invalid(f"expected a mapping of profile keys at the top level, got {_show(data)}")
-    _no_unknown_keys(data, {"name", "description", "source", "step_time", "kv_capacity_tokens",
-                            "block_size", "slo", "max_num_batched_tokens", "max_num_seqs", "extra"})
-    for key in ("name", "step_time", "kv_capacity_tokens"):
-        if key not in data:
-            raise _Invalid(f"missing required key {key!r}")
-    step_time = _section(data, "step_time", {key.split(".", 1)[1] for key in _FILE_KEY.values()
-                                             if key.startswith("step_time.")})
-    for key in ("base_s", "per_token_s", "per_kv_token_s"):
-        if key not in step_time:
-            raise _Invalid(f"missing required key 'step_time.{key}'")
-    slo = _section(data, "slo", {"ttft_s", "tpot_s"}) if "slo" in data else {}
-
-    fields = {
-        "name": data["name"],
-        "description": data.get("description", ""),
-        "source": data.get("source", ""),
-        "extra": data.get("extra", {}),
-        "base_s": step_time["base_s"],
-        "per_token_s": step_time["per_token_s"],
-        "per_kv_token_s": step_time["per_kv_token_s"],
-        "idle_s": step_time.get("idle_s"),
-        "per_decode_token_s": step_time.get("per_decode_token_s"),
-        "noise_sigma": step_time.get("noise_sigma", 0.0),
-        "per_prefill_s": step_time.get("per_prefill_s", 0.0),
-        "noise_corr": step_time.get("noise_corr", 0.0),
-        "noise_sigma_below": step_time.get("noise_sigma_below"),
-        "per_prefill_pair_s": step_time.get("per_prefill_pair_s", 0.0),
-        "per_first_decode_s": step_time.get("per_first_decode_s", 0.0),
-        "per_after_prefill_s": step_time.get("per_after_prefill_s", 0.0),
-        "after_prefill_decay": step_time.get("after_prefill_decay", 0.0),
-        "per_after_prefill_token_s": step_time.get("per_after_prefill_token_s", 0.0),
-        "noise_knee_s": step_time.get("noise_knee_s", 0.0),
-        "noise_floor": step_time.get("noise_floor", 0.0),
-        "noise_white": step_time.get("noise_white", 0.0),
-        "per_prefill_alone_s": step_time.get("per_prefill_alone_s", 0.0),
-        "kv_capacity_tokens": data["kv_capacity_tokens"],
-    }
-    for key in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-        if key in data:
-            fields[key] = data[key]
-    if "ttft_s" in slo:
-        fields["ttft_slo_s"] = slo["ttft_s"]
-    if "tpot_s" in slo:
-        fields["tpot_slo_s"] = slo["tpot_s"]
-
-    # Check with the file's spelling of the keys, so the message points into the file.
-    defaults = {**{f: Profile.__dataclass_fields__[f].default for f in _FILE_KEY if f not in _EXTRA_DEFAULTS},
+    data = read_profile_file(path)
+    defaults = {**{f: Profile.__dataclass_fields__[f].default for f in FILE_KEY if f not in _EXTRA_DEFAULTS},
                 **_EXTRA_DEFAULTS}
-    checked = _checked({**defaults, **{f: v for f, v in fields.items() if f in _FILE_KEY}},
-                       key_of=_FILE_KEY.__getitem__)
-    _check_text(fields["name"], fields["description"], fields["source"], fields["extra"],
-                key_of=lambda f: f)
-    # normalised here too (a count written 4096.0 is the int 4096), not only by Profile itself: a
-    # compiled Profile (engine/sim/compiled.py) takes only an int where it annotates one
-    return {**fields, **{f: checked[f] for f in fields if f in checked}}
-
-
-def _section(data: dict, key: str, allowed: set[str]) -> dict:
-    section = data[key]
-    if not isinstance(section, dict):
-        raise _Invalid(f"{key!r} must be a mapping, got {_show(section)}")
-    _no_unknown_keys(section, allowed, prefix=f"{key}.")
-    return section
-
-
-def _no_unknown_keys(mapping: dict, allowed: set[str], prefix: str = "") -> None:
-    for key in mapping:
-        if key not in allowed:
-            raise _Invalid(f"unknown key {prefix + str(key)!r} (expected one of "
-                           f"{', '.join(prefix + k for k in sorted(allowed))})")
-
-
-def _checked_terms(values: dict, key_of) -> dict:
-    """The float fields among ``values`` validated and normalised to float (None kept where it
-    may be); raises _Invalid naming the first bad one."""
-    out: dict[str, Any] = {}
-    for f in _NON_NEGATIVE + _POSITIVE + _OPTIONAL:
-        if f not in values:
-            continue
-        v = values[f]
-        if f in _OPTIONAL and v is None:
-            out[f] = None
-            continue
-        if not _is_number(v) or not math.isfinite(v):
-            raise _Invalid(f"{key_of(f)} must be a finite number, got {_show(v)}")
-        if f in _NON_NEGATIVE and v < 0 or f in _OPTIONAL and f != "idle_s" and v < 0:
-            raise _Invalid(f"{key_of(f)} must be a non-negative number, got {_show(v)}")
-        if f in _AT_MOST and v > _AT_MOST[f]:
-            raise _Invalid(f"{key_of(f)} must be at most {_AT_MOST[f]}, got {_show(v)}")
-        if f not in _NON_NEGATIVE and f in _POSITIVE + ("idle_s",) and v <= 0:
-            raise _Invalid(f"{key_of(f)} must be a positive number of seconds, got {_show(v)}")
-        out[f] = float(v)
-    return out
-
-
-def _checked(values: dict, key_of) -> dict:
-    """Numeric fields validated and normalised (floats as float, counts as int); raises _Invalid."""
-    out = _checked_terms(values, key_of)
-    for f in _POSITIVE_INT:
-        v = values[f]
-        if not _is_number(v) or not math.isfinite(v) or v != int(v) or v < 1:
-            raise _Invalid(f"{key_of(f)} must be a positive whole number, got {_show(v)}")
-        out[f] = int(v)
-    if out["kv_capacity_tokens"] < out["block_size"]:
-        raise _Invalid(f"{key_of('kv_capacity_tokens')} ({out['kv_capacity_tokens']}) must be at "
-                       f"least one block of {key_of('block_size')} ({out['block_size']}) tokens")
-    # A step that does work, and an idle tick, must move the clock or the simulator stalls.
-    if out["base_s"] == out["per_token_s"] == out["per_kv_token_s"] == 0:
-        raise _Invalid(f"{key_of('base_s')}, {key_of('per_token_s')} and {key_of('per_kv_token_s')} "
-                       f"are all 0, so a step would take no time; expected at least one positive")
-    if out["base_s"] == out["per_kv_token_s"] == out["per_decode_token_s"] == 0:
-        raise _Invalid(f"{key_of('base_s')}, {key_of('per_kv_token_s')} and {key_of('per_decode_token_s')} "
-                       f"are all 0, so a decode step would take no time; expected at least one positive")
-    if out["base_s"] == 0 and out["idle_s"] is None:
-        raise _Invalid(f"{key_of('idle_s')} must be given and positive when {key_of('base_s')} "
-                       f"is 0, since an idle step would otherwise take no time")
-    return out
-
-
-def _check_text(name: Any, description: Any, source: Any, extra: Any, key_of) -> None:
-    if not isinstance(name, str) or not name.strip():
-        raise _Invalid(f"{key_of('name')} must be a non-empty string, got {_show(name)}")
-    for key, value in (("description", description), ("source", source)):
-        if not isinstance(value, str):
-            raise _Invalid(f"{key_of(key)} must be a string, got {_show(value)}")
-    if not isinstance(extra, dict):
-        raise _Invalid(f"{key_of('extra')} must be a mapping, got {_show(extra)}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "nothing (null)"
-    if isinstance(value, (dict, list)):
-        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
-    return repr(value)
+    try:
+        return Profile(**fields_from_file(data, defaults))
+    except Invalid as e:
+        raise ProfileError(f"profile file {str(path)!r}: {e}.") from None
 
 
 #: the core model (made here, once its checks are defined): no optional term (a profile keeps None instead)

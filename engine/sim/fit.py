@@ -55,8 +55,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import f as f_dist
 
-from tidegate.engine.core.profile import MAX_NOISE_CORR, MAX_NOISE_SIGMA, after_prefill_weights
-
+from tidegate.engine.core.profile import after_prefill_weights
+from tidegate.engine.core.profile_file import MAX_NOISE_CORR, MAX_NOISE_SIGMA
 
 #: fewer rows than this with prefill tokens, or with decodes, and the fit keeps one cost per token
 MIN_SPLIT_ROWS = 3

@@ -1,7 +1,7 @@
 """The simulator's fast path: the stretches in which only steady decodes run, stepped in one call.
 
 With an executor that reads only a batch's counts (the simulator's, ``reads_requests = False``),
-``EngineCore`` counts the requests that decode steadily in aggregate (``EngineCore._join_steady``).
+the scheduler counts the requests that decode steadily in aggregate (``engine.core.steady_decodes``).
 Between two events that need the scheduler (an arrival, an end, an expiry, a block the pool
 lacks) every step is then the same: the steady decodes, one token each. :func:`run_steady` runs
 those steps without asking the controller or observing, each exactly as ``EngineCore.step(False)``
@@ -44,22 +44,22 @@ def run_steady(core: EngineCore, until_s: float, max_steps: int | None = None) -
     (``Controller.steady_decision``). Afterwards the observation reads as after stepping one by one.
     """
     core.steady_steps = 0
-    if (core._explicit or not core._steady or core._tick < core._steady_retry_tick
+    sched, steady_set = core.scheduler, core.scheduler.steady
+    if (sched.explicit or not steady_set.count or steady_set.tick < core._steady_retry_tick
             or until_s == core._steady_retry_until):  # the common misses, kept cheap
         return []
     start_with = _steady_start(core, until_s)
     if start_with is None:
         return []
     d, expires_after = start_with
-    clock, pool, execute, heap, stats = core.clock, core.pool, core._executor.execute, core._steady_ends, core.stats
-    blocks, bs = core._steady_blocks, core.pool.block_size
-    steady, base = core._steady, core._steady_base
+    clock, pool, execute, heap, stats = core.clock, core.pool, core._executor.execute, steady_set.ends, core.stats
+    blocks, bs, steady, base = steady_set.blocks, core.pool.block_size, steady_set.count, steady_set.base
     limit = UNLIMITED if max_steps is None else max_steps
     ended: list[Request] = []
     ran, seen = 0, None  # seen: what the last step's observation saw (``_observe_steady``)
     try:
         while ran < limit:
-            now, tick = clock.now(), core._tick
+            now, tick = clock.now(), steady_set.tick
             if now >= until_s or (heap and heap[0][0] <= tick + 1):
                 break
             if expires_after is not None and expires_after[0] < now - expires_after[1]:
@@ -71,10 +71,10 @@ def run_steady(core: EngineCore, until_s: float, max_steps: int | None = None) -
             batch = Batch()
             batch.num_tokens = batch.num_decodes = steady
             batch.kv_tokens_read = kv_read = base + steady * tick
-            seen = (now, held, stats.decode_kv_steps, core._evicted_last_step)
-            core._evicted_last_step = 0
+            seen = (now, held, stats.decode_kv_steps, sched.evicted_last_step)
+            sched.evicted_last_step = 0
             stats.decode_kv_steps += kv_read
-            fresh = core._steady_first
+            fresh = steady_set.first
             batch.first_decodes = fresh[1] if fresh[0] == tick else 0
             ran += 1
             try:
@@ -88,7 +88,7 @@ def run_steady(core: EngineCore, until_s: float, max_steps: int | None = None) -
                 _steady_step_ends(core, seen, batch, outcome, ended)
                 seen = None  # that step's observation is made
                 break
-            core._tick = tick + 1
+            steady_set.tick = tick + 1
             core._finish_step(now, batch)
     finally:
         if ran:
@@ -98,10 +98,10 @@ def run_steady(core: EngineCore, until_s: float, max_steps: int | None = None) -
 
 
 def _grow_steady(core: EngineCore, tick: int) -> bool:
-    """``_make_room`` for a step in which only steady decodes run: the blocks due at ``tick``,
+    """``Scheduler.make_room`` for a step in which only steady decodes run: the blocks due at ``tick``,
     in activation order; False, and nothing given, when the pool has too few (an eviction)."""
     bs = core.pool.block_size
-    growing = [r for r in core._steady_blocks[tick % bs]
+    growing = [r for r in core.scheduler.steady.blocks[tick % bs]
                if r.prompt_len + tick - (r.decode_lag or 0) > len(r.block_ids) * bs]
     if len(growing) > core.pool.num_free_blocks:
         return False
@@ -120,13 +120,13 @@ def _steady_step_ends(core: EngineCore, seen: tuple[float, int, float, int], bat
     _observe_steady(core, *seen)
     if not isinstance(outcome, BaseException):
         try:
-            core._commit(batch, outcome, ended)
+            core.scheduler.update(batch, outcome, ended)
             outcome = None
         except Exception as exc:
             outcome = exc
     if outcome is not None:  # the step's requests fail, the engine keeps serving
         core._count_error(core.step_errors, f"step failed: {type(outcome).__name__}", outcome)
-        core._fail_batch(batch, f"step failed: {type(outcome).__name__}: {outcome}", ended)
+        core.scheduler.fail(batch, f"step failed: {type(outcome).__name__}: {outcome}", ended)
     core._finish_step(seen[0], batch)
 
 
@@ -135,8 +135,8 @@ def _after_steady(core: EngineCore, d: Decision, seen: tuple[float, int, float, 
     """What the steps ``run_steady`` ran leave as full steps leave it: the decision's settings,
     and the observation as the last step's start made it (``seen``; None: made already)."""
     core._token_budget, core._running_cap = d.token_budget, d.running_cap
-    core._late_after_s = d.late_after_s
-    core._rotating = False
+    core.scheduler.late_after_s = d.late_after_s
+    core.scheduler.rotating = False
     if seen is not None:
         _observe_steady(core, *seen)
         core.stats.current.step_index = core.step_index - 1
@@ -160,7 +160,7 @@ def _observe_steady(core: EngineCore, start: float, used: int, decoded: float, e
 def _steady_start(core: EngineCore, until_s: float) -> tuple[Decision, tuple[float, float] | None] | None:
     """The decision a steady stretch runs under and the queue's first expiry, when one may
     start now and is not too short to be worth it (``MIN_STEADY_RUN``)."""
-    heap, tick = core._steady_ends, core._tick
+    heap, tick = core.scheduler.steady.ends, core.scheduler.steady.tick
     if heap and heap[0][0] <= tick + MIN_STEADY_RUN:
         core._steady_retry_tick = heap[0][0]  # a stretch this short is cheaper stepped one by one
         return None
@@ -179,11 +179,12 @@ def _steady_decision(core: EngineCore) -> Decision | None:
     step without asking: nothing is cancelled or short of a block (``run_steady`` has seen
     that some decode steadily and none is listed), the decodes fit the token budget, the
     decision is one ``_decide`` takes as it is, and the queue's head, if any, cannot start."""
-    if core._cancel or core._needs_block or core.on_token is not None or core._lists_requests:
+    sched = core.scheduler
+    if sched.to_cancel or sched.needs_block or sched.on_token is not None or sched.lists_requests:
         return None
     try:
         d = core.controller.steady_decision()
-        if type(d) is not Decision or not plainly_usable(d) or d.token_budget < core._steady:
+        if type(d) is not Decision or not plainly_usable(d) or d.token_budget < sched.steady.count:
             return None
     except Exception:
         return None

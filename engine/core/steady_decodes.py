@@ -1,0 +1,130 @@
+"""The decodes an engine counts in aggregate: running requests that decode one token a step.
+
+With an executor that reads only a batch's counts (``reads_requests = False``, the simulator's),
+a request that has started to decode is counted here, its decodes "steady", until it ends, is
+evicted or the decodes must rotate. A step's bookkeeping then grows with the requests that start,
+end, prefill or need a KV block in it, not with the running set; the schedule is exactly the one
+per-request bookkeeping gives, and only the steady requests' token counts lag until ``sync``.
+
+A steady request's output length is ``tick - decode_lag``: every step whose batch holds the steady
+decodes advances the tick, and a steady request decodes in every such step. Its end and the ticks
+at which it needs a KV block are known when it joins (``ends``, ``blocks``). The scheduler keeps
+this bookkeeping exact for any executor; the simulator's fast path (``tidegate.engine.sim.steady``)
+runs whole stretches of steady steps from it.
+"""
+
+from __future__ import annotations
+
+from heapq import heappop, heappush
+from typing import Iterable
+
+from tidegate.engine.core.request import Request, RequestState
+
+_RUNNING = RequestState.RUNNING
+
+
+class SteadyDecodes:
+    """The steady decodes of one engine, for a pool of ``block_size``-token blocks."""
+
+    __slots__ = ("count", "base", "tick", "ends", "blocks", "first")
+
+    def __init__(self, block_size: int) -> None:
+        #: running requests in steady decode
+        self.count = 0
+        #: their sum of ``prompt_len - decode_lag``: they hold ``base + count * tick`` tokens
+        self.base = 0
+        #: decode tick: steps whose batch held the steady decodes
+        self.tick = 0
+        #: heap of (tick it ends at, activation_seq, request)
+        self.ends: list[tuple[int, int, Request]] = []
+        #: steady requests by the tick, modulo the block size, at which their next token starts a block
+        self.blocks: list[list[Request]] = [[] for _ in range(block_size)]
+        #: (tick, steady requests that joined at it with one output token: their next decode is the first)
+        self.first = (0, 0)
+
+    def join(self, requests: Iterable[Request]) -> bool:
+        """Count the requests among ``requests`` that now decode (running, their sequence computed
+        but for the last token, at least one output token); returns whether any joined."""
+        tick, bs = self.tick, len(self.blocks)
+        joined = False
+        for r in requests:
+            if r.state is not _RUNNING or r.decode_lag is not None:
+                continue
+            out = r.num_output_tokens
+            if not out or r.num_computed_tokens + 1 != r.prompt_len + out:
+                continue  # prefilling still
+            lag = tick - out
+            r.decode_lag = lag
+            self.count += 1
+            self.base += r.prompt_len - lag
+            heappush(self.ends, (end_tokens(r) + lag, r.activation_seq, r))
+            if out == 1:  # its next decode is its first (Batch.first_decodes)
+                fresh_tick, fresh = self.first
+                self.first = (tick, fresh + 1 if fresh_tick == tick else 1)
+            # its tokens start blocks at ticks t with prompt_len + t - lag = 1 modulo the block size
+            self.blocks[(1 + lag - r.prompt_len) % bs].append(r)
+            joined = True
+        return joined
+
+    def advance(self) -> list[Request] | None:
+        """Every steady request decoded one token: advance the tick. Returns None when no end was
+        due, else the requests that end now, in activation order (the caller ends them)."""
+        self.tick = tick = self.tick + 1
+        heap = self.ends
+        if not heap or heap[0][0] > tick:
+            return None
+        return due(heap, tick)
+
+    def leave(self, r: Request) -> None:
+        """Take ``r`` out of the steady decodes, its token counts made current."""
+        lag = r.decode_lag
+        assert lag is not None
+        out = self.tick - lag
+        r.num_output_tokens = out
+        r.num_computed_tokens = r.prompt_len + out - 1
+        r.decode_lag = None
+        self.count -= 1
+        self.base -= r.prompt_len - lag
+        fresh_tick, fresh = self.first
+        if out == 1 and fresh_tick == self.tick:
+            self.first = (fresh_tick, fresh - 1)
+        self.blocks[(1 + lag - r.prompt_len) % len(self.blocks)].remove(r)
+
+    def sync(self, running: Iterable[Request]) -> None:
+        """Write the current token counts into the steady requests among ``running``."""
+        tick = self.tick
+        for r in running:
+            lag = r.decode_lag
+            if lag is not None:
+                out = tick - lag
+                r.num_output_tokens = out
+                r.num_computed_tokens = r.prompt_len + out - 1
+
+    def dissolve(self, running: Iterable[Request]) -> None:
+        """Stop counting any of ``running`` (the running set) in aggregate, their counts made current."""
+        if self.count:
+            self.sync(running)
+        for r in running:
+            r.decode_lag = None
+        self.count = self.base = 0
+        self.ends = []
+        self.first = (0, 0)
+        for blocks in self.blocks:
+            blocks.clear()
+
+
+def due(heap: list[tuple[int, int, Request]], tick: int) -> list[Request]:
+    """Pop the entries of ``heap`` due by ``tick``; the requests they still stand for (an entry
+    outlives its request's time in steady decode: ended, evicted or re-activated ones are skipped)."""
+    found = []
+    while heap and heap[0][0] <= tick:
+        _, seq, r = heappop(heap)
+        if r.decode_lag is not None and r.activation_seq == seq and r.state is _RUNNING:
+            found.append(r)
+    return found
+
+
+def end_tokens(r: Request) -> int:
+    """The output length at which ``r`` ends for certain: ``max_tokens``, or the target length."""
+    target = r.target_output_len
+    return target if target is not None and target < r.max_tokens else r.max_tokens

@@ -22,6 +22,7 @@ COMMANDS = {
     "generate": "tidegate.engine.cli.real:generate_command",
     "profile": "tidegate.engine.cli.real:profile_command",
     "twin-check": "tidegate.engine.cli.real:twin_check_command",
+    "tiny-model": "tidegate.engine.cli.real:tiny_model_command",
     "train": "tidegate.training.cli:train_command",
     "export": "tidegate.training.cli:export_command",
     "evaluate": "tidegate.training.cli:evaluate_command",

@@ -215,3 +215,14 @@ def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_toke
     fitted = f", {out_dir}/profile.json" if fit_around else ""
     click.echo(f"\nwrote {out_dir}/twin_report.json{fitted} and {out_dir}/twin_step_time.png")
 
+
+
+@click.command("tiny-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights (0: --model tiny's).")
+def tiny_model_command(out_dir, seed):
+    """Save the built-in tiny model (config, seeded random weights, a byte-level tokenizer.json and a chat
+    template) as a Hugging Face folder that vLLM or transformers serve like any model; nothing is downloaded."""
+    from tidegate.engine.real.tiny_folder import save_tiny_model
+
+    click.echo(f"wrote {save_tiny_model(out_dir, seed)}")

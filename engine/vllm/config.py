@@ -1,0 +1,137 @@
+"""The plugin's settings and its controller, built exactly as ``tidegate serve --controller`` builds one.
+
+The settings come from vLLM's ``--additional-config`` JSON, under the key ``tidegate``::
+
+    --additional-config '{"tidegate": {"controller": "flow:budget=2", "step_log": "steps.csv"}}'
+
+and, when that holds no ``tidegate`` key, from the environment of the vLLM server
+(``TIDEGATE_CONTROLLER``, ``TIDEGATE_PROFILE``, ``TIDEGATE_STEP_LOG``, ``TIDEGATE_DECIDE_TIMEOUT_S``).
+vLLM hands the additional config to the scheduler as ``vllm_config.additional_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tidegate.ctrl import DEFAULT_CONTROLLER, Controller, ControllerSpecError, build_controller, parse_spec
+from tidegate.engine.core.profile import Profile, ProfileError, load_profile
+
+#: the controller name that leaves vLLM's own scheduling untouched (the baseline)
+PASS_THROUGH = "vllm"
+#: the additional config's key for the plugin's settings
+CONFIG_KEY = "tidegate"
+_ENV = {"controller": "TIDEGATE_CONTROLLER", "profile": "TIDEGATE_PROFILE", "step_log": "TIDEGATE_STEP_LOG",
+        "decide_timeout_s": "TIDEGATE_DECIDE_TIMEOUT_S"}
+
+
+class PluginConfigError(ValueError):
+    """A setting of the plugin that cannot be used; the message is one sentence naming it."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """What the plugin runs.
+
+    :param controller: ``NAME[:key=value,...]`` as ``tidegate serve --controller`` takes it, or
+        ``vllm``: vLLM's own scheduling, untouched (the step log is still written).
+    :param profile: the step-time profile the controllers estimate with (a shipped name or a file);
+        its KV size, block size and batch limits are replaced by the vLLM replica's.
+    :param step_log: the CSV file of one row per step (None: no log).
+    :param decide_timeout_s: the longest a step waits for the controller's decision; a later one is
+        replaced by the conservative decision.
+    """
+
+    controller: str = DEFAULT_CONTROLLER
+    profile: str = "tiny-cpu"
+    step_log: str | None = None
+    decide_timeout_s: float = 0.05
+
+    @property
+    def passes_through(self) -> bool:
+        return self.controller.strip() == PASS_THROUGH
+
+
+def read_plugin_config(additional_config: object, environ: Mapping[str, str] = os.environ) -> PluginConfig:
+    """The settings under ``tidegate`` in vLLM's additional config, else those of the environment.
+
+    :raises PluginConfigError: an unknown key, or a value of the wrong kind.
+    """
+    section = additional_config.get(CONFIG_KEY) if isinstance(additional_config, Mapping) else None
+    where = f"--additional-config's {CONFIG_KEY!r}"
+    if section is None:
+        section = {key: environ[var] for key, var in _ENV.items() if environ.get(var)}
+        where = "the TIDEGATE_* environment"
+    if not isinstance(section, Mapping):
+        raise PluginConfigError(f"{where} must be a JSON object such as {{\"controller\": \"slo-flow\"}}, "
+                                f"got {type(section).__name__}.")
+    unknown = sorted(set(section) - set(_ENV))
+    if unknown:
+        raise PluginConfigError(f"{where} has no setting {unknown[0]!r}; it accepts {', '.join(_ENV)}.")
+    values: dict[str, object] = {}
+    for key in ("controller", "profile", "step_log"):
+        if key in section:
+            value = section[key]
+            if not isinstance(value, str) or not value.strip():
+                raise PluginConfigError(f"{where}: {key} must be a non-empty string, got {value!r}.")
+            values[key] = value
+    if "decide_timeout_s" in section:
+        values["decide_timeout_s"] = _positive_seconds(section["decide_timeout_s"], where)
+    return PluginConfig(**values)  # type: ignore[arg-type]
+
+
+def _positive_seconds(value: object, where: str) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not 0 < seconds < math.inf or isinstance(value, bool):
+        raise PluginConfigError(f"{where}: decide_timeout_s must be a positive number of seconds, got {value!r}.")
+    return seconds
+
+
+@dataclass(frozen=True)
+class ReplicaLimits:
+    """What vLLM's configuration says about this replica: the numbers a profile takes from it."""
+
+    kv_capacity_tokens: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+def replica_profile(config: PluginConfig, limits: ReplicaLimits) -> Profile:
+    """The configured profile with the replica's KV size, block size and batch limits."""
+    try:
+        profile = load_profile(config.profile)
+        return dataclasses.replace(profile, kv_capacity_tokens=limits.kv_capacity_tokens,
+                                   block_size=limits.block_size, max_num_seqs=limits.max_num_seqs,
+                                   max_num_batched_tokens=limits.max_num_batched_tokens)
+    except ProfileError as exc:
+        raise PluginConfigError(str(exc)) from None
+
+
+def build_plugin_controller(config: PluginConfig, profile: Profile) -> Controller | None:
+    """The controller of ``config`` on ``profile`` (None for ``vllm``, the pass-through), on a wall
+    clock; ``learned`` comes inside its shield with its fallback, as ``tidegate serve`` builds it.
+
+    :raises PluginConfigError: an unknown controller or option, or a bad value.
+    """
+    try:
+        name, options = parse_spec(config.controller)
+        if name == PASS_THROUGH:
+            if options:
+                raise PluginConfigError(f"controller {PASS_THROUGH!r} (vLLM's own scheduling) takes no options, "
+                                        f"got {', '.join(options)}.")
+            return None
+        controller = build_controller(config.controller, profile)
+    except ControllerSpecError as exc:
+        message = str(exc).rstrip(".")
+        if message.startswith("unknown controller"):
+            message += f", or {PASS_THROUGH} (vLLM's own scheduling, untouched)"
+        raise PluginConfigError(f"{message}.") from None
+    controller.use_wall_clock()
+    return controller

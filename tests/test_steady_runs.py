@@ -42,20 +42,28 @@ class Fixed(Controller):
         self.decision = Decision(activation_budget, token_budget, running_cap)
         self.asked = 0
 
-    def decide(self, obs):
+    def decide(self, obs):  # never asked: the engine takes the promise instead
         self.asked += 1
         return self.decision
 
     def steady_decision(self):
+        self.asked += 1
         return self.decision
 
 
-def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, steady_runs):
+class Unpromised(Fixed):
+    """The same decisions, without the promise: asked at every step."""
+
+    def steady_decision(self):
+        return None
+
+
+def _run(controller_args, workload, capacity, eviction, record, fail_at, seed, steady_runs, promise=True):
     profile = step_profile(kv_capacity_tokens=capacity, noise_sigma=0.3, noise_corr=0.8, per_token_s=0.05,
                            per_kv_token_s=0.01, per_prefill_s=0.2, per_first_decode_s=0.5,
                            per_after_prefill_s=0.3, after_prefill_decay=0.5, per_after_prefill_token_s=0.01,
                            per_prefill_alone_s=0.25)
-    controller = (Fixed(*controller_args) if isinstance(controller_args, tuple)
+    controller = ((Fixed if promise else Unpromised)(*controller_args) if isinstance(controller_args, tuple)
                   else build_controller(controller_args or "greedy", profile))
     finished: list = []
     executor = Failing(profile, fail_at)
@@ -133,6 +141,19 @@ def test_steady_runs_skip_the_controller_and_keep_every_step():
     assert fast[8] > 0.8 * steps
     assert fast[7].controller.asked < 0.2 * slow[7].controller.asked
     assert len(fast[1][0]) == steps  # a record for every step
+
+
+@given(workload=workloads, args=st.tuples(st.sampled_from([2, 5, 64]), st.sampled_from([1, 3, UNLIMITED]),
+                                          st.sampled_from([1, 2, UNLIMITED]), st.sampled_from([None, 3.0])),
+       capacity=st.sampled_from([24, 64, 256]), fail_at=st.frozensets(st.integers(1, 100), max_size=2))
+def test_a_promise_taken_at_every_step_changes_nothing(workload, args, capacity, fail_at):
+    """A step takes a promising controller's decision without making an Observation or asking
+    ``decide``: the run is the one the same decisions give when asked for at every step."""
+    promised = _run(args, workload, capacity, "recompute", True, fail_at, 0, False)
+    asked = _run(args, workload, capacity, "recompute", True, fail_at, 0, False, promise=False)
+    assert promised[:6] == asked[:6] and promised[6] == asked[6]
+    assert promised[7].controller.asked == promised[7].metrics.steps  # steady_decision, once a step
+    assert asked[7].controller.asked == asked[7].metrics.steps  # decide, once a step
 
 
 def test_a_controller_without_the_promise_is_asked_at_every_step():

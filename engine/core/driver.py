@@ -27,14 +27,14 @@ def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Cal
         simulator's ``tidegate.engine.sim.steady.run_steady``: the same steps, without asking the
         controller at each). None: every step one by one.
     """
-    clock, step, add = core.clock, core.step, core.add_request
+    clock, step, add, sched = core.clock, core.step, core.add_request, core.scheduler
     n, i = len(arrival_times_s), 0
     while i < n or core.has_unfinished:
         now = clock.now()
         while i < n and arrival_times_s[i] <= now:
             add(make_request(i))
             i += 1
-        if not (core.waiting or core.running):
+        if not (sched.waiting or sched.running):
             if i >= n:
                 break
             clock.advance_to(arrival_times_s[i])

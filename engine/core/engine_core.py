@@ -263,7 +263,7 @@ class EngineCore:
             self._expire(now, ended)
 
         self.stats.step_started(self._observe(now).kv_used_tokens)
-        batch = sched.schedule(self._decide(self.stats.snapshot()))
+        batch = sched.schedule(self._decide())
         try:
             result = self._executor.execute(batch)
             if result.duration_s is not None:
@@ -324,11 +324,21 @@ class EngineCore:
                                   waiting[0].prompt_len if waiting else 0, sched.evicted_last_step)
 
     # ------------------------------------------------------------------ the decision
-    def _decide(self, obs: Observation) -> Decision:
+    def _decide(self) -> Decision:
         """The Decision this step applies: the controller's when it is usable (numbers within
-        bounds), else the conservative one."""
+        bounds), else the conservative one. A controller that promises its decision whatever the
+        observation (``Controller.steady_decision``) is taken at its word: no Observation is made
+        for it."""
+        controller = self.controller
         try:
-            d = self.controller.decide(obs)
+            d = controller.steady_decision()
+        except Exception:
+            d = None
+        if type(d) is Decision and plainly_usable(d):
+            self._token_budget, self._running_cap = d.token_budget, d.running_cap
+            return d
+        try:
+            d = controller.decide(self.stats.snapshot())
         except Exception as exc:
             return self._conservative(f"controller.decide raised {type(exc).__name__}", exc)
         try:

@@ -50,8 +50,10 @@ class RateEstimator:
             self._first_s = now_s
         self._value = self._ewma(now_s) + count / self.window_s
         self._last_s = now_s
-        for _ in range(min(count, self.min_events)):
+        if count == 1:
             self._times.append(now_s)
+        else:
+            self._times.extend([now_s] * min(count, self.min_events))
 
     def _ewma(self, now_s: float) -> float:
         dt = now_s - self._last_s
@@ -181,13 +183,30 @@ class ObservationStats:
 
     def settle_arrival_rates(self) -> None:
         """Compute the deferred arrival rates of the figures handed out, before an arrival is counted."""
-        self.current.settle_arrival_rates()
-        self.latest.settle_arrival_rates()
+        current, latest = self.current, self.latest
+        both = current._arrival_sources is not None
+        current.settle_arrival_rates()
+        if latest._arrival_sources is not None:
+            # both deferred at the same time and computed now from the same estimators: the same rates
+            if both and latest.now_s == current.now_s:
+                latest._arrival_sources = None
+                latest._arrival_rate_rps = current._arrival_rate_rps
+                latest._offered_rate_rps = current._offered_rate_rps
+            else:
+                latest.settle_arrival_rates()
 
     def settle_completion_rates(self) -> None:
         """The same for the completion rates, before a completion is counted."""
-        self.current.settle_completion_rates()
-        self.latest.settle_completion_rates()
+        current, latest = self.current, self.latest
+        both = current._completion_sources is not None
+        current.settle_completion_rates()
+        if latest._completion_sources is not None:
+            if both and latest.now_s == current.now_s:
+                latest._completion_sources = None
+                latest._completion_rate_rps = current._completion_rate_rps
+                latest._served_rate_rps = current._served_rate_rps
+            else:
+                latest.settle_completion_rates()
 
     # ------------------------------------------------------------------ events
     def arrived(self, now_s: float, prompt_len: int) -> None:

@@ -26,9 +26,10 @@ _RUNNING = RequestState.RUNNING
 class SteadyDecodes:
     """The steady decodes of one engine, for a pool of ``block_size``-token blocks."""
 
-    __slots__ = ("count", "base", "tick", "ends", "blocks", "first")
+    __slots__ = ("block_size", "count", "base", "tick", "ends", "blocks", "first")
 
     def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         #: running requests in steady decode
         self.count = 0
         #: their sum of ``prompt_len - decode_lag``: they hold ``base + count * tick`` tokens
@@ -45,7 +46,7 @@ class SteadyDecodes:
     def join(self, requests: Iterable[Request]) -> bool:
         """Count the requests among ``requests`` that now decode (running, their sequence computed
         but for the last token, at least one output token); returns whether any joined."""
-        tick, bs = self.tick, len(self.blocks)
+        tick, bs = self.tick, self.block_size
         joined = False
         for r in requests:
             if r.state is not _RUNNING or r.decode_lag is not None:
@@ -88,7 +89,7 @@ class SteadyDecodes:
         fresh_tick, fresh = self.first
         if out == 1 and fresh_tick == self.tick:
             self.first = (fresh_tick, fresh - 1)
-        self.blocks[(1 + lag - r.prompt_len) % len(self.blocks)].remove(r)
+        self.blocks[(1 + lag - r.prompt_len) % self.block_size].remove(r)
 
     def sync(self, running: Iterable[Request]) -> None:
         """Write the current token counts into the steady requests among ``running``."""

@@ -1,10 +1,15 @@
 """The Decision a step of vLLM applies: the controller's, checked, and in time; else a conservative one.
 
-The controller answers on a thread of its own and the step waits at most ``timeout_s`` for it,
-so a controller that hangs costs one step that wait and the steps after it nothing (they take the
-conservative decision at once while it is still busy). A controller that raises or answers
-something that is not a usable Decision is checked exactly as tidegate's own engine checks it
-(``tidegate.engine.core.decision``). Every fallback is counted by cause and logged once per cause.
+The controller is called inline: tidegate's controllers answer in microseconds, and handing each
+call to another thread cost half a millisecond a step in vLLM's engine process (the thread waits
+for the interpreter lock), a tenth of a small model's step. A call that takes longer than
+``timeout_s`` is counted as a fallback, and from then on the controller answers on a thread of its
+own and each step waits at most ``timeout_s`` for it: a slow or hung controller then costs a step
+that wait, and the steps after it nothing while it is still busy (they take the conservative
+decision at once). The learned controller's policy has a thread and a time budget of its own
+(``LearnedController``). A controller that raises or answers something that is not a usable
+Decision is checked exactly as tidegate's own engine checks it (``tidegate.engine.core.decision``).
+Every fallback is counted by cause and logged once per cause.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ class _Worker:
                 return False, None, None
             return True, self._answer, self._error
 
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no call is running; False if one still is after ``timeout_s``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.busy, timeout_s)
+
     def _serve(self) -> None:
         while True:
             with self._cond:
@@ -66,7 +76,8 @@ class CheckedDecider:
     """Asks ``controller`` for each step's Decision and hands back one the scheduler can apply.
 
     :param controller: any tidegate controller.
-    :param timeout_s: the longest a step waits for the answer.
+    :param timeout_s: the longest a step waits for the answer (on the controller's thread, once one
+        call took longer inline).
     :param token_budget: vLLM's configured token budget, the conservative one until a decision applies.
     :param running_cap: vLLM's configured running cap, the same.
     """
@@ -74,7 +85,8 @@ class CheckedDecider:
     def __init__(self, controller: Controller, timeout_s: float, token_budget: int, running_cap: int) -> None:
         self.controller = controller
         self.timeout_s = timeout_s
-        self._worker = _Worker(controller)
+        #: the controller's thread, once a call took longer than ``timeout_s`` (None: it is called inline)
+        self.worker: _Worker | None = None
         #: steps whose decision was the conservative one, by cause
         self.fallbacks: dict[str, int] = {}
         #: the cause of the last step's fallback (None: the controller's decision was applied)
@@ -87,15 +99,32 @@ class CheckedDecider:
     def decide(self, obs: Observation) -> Decision:
         """The Decision for a step observed as ``obs`` (``obs.num_running`` requests running)."""
         self.last_fallback = None
-        if self._worker.busy:
-            return self._conservative(obs, "controller.decide is still busy with an earlier step")
+        worker = self.worker
         start = time.perf_counter()
-        answered, d, error = self._worker.call(obs, self.timeout_s)
+        if worker is None:
+            try:
+                d = self.controller.decide(obs)
+            except Exception as exc:
+                return self._conservative(obs, f"controller.decide raised {type(exc).__name__}", exc)
+            finally:
+                self.last_wait_s = time.perf_counter() - start
+            if self.last_wait_s > self.timeout_s:
+                self.worker = _Worker(self.controller)
+                return self._conservative(obs, f"controller.decide took longer than {self.timeout_s:g} s "
+                                               "(it answers on a thread of its own from now on)")
+            return self._checked(obs, d)
+        if worker.busy:
+            self.last_wait_s = 0.0
+            return self._conservative(obs, "controller.decide is still busy with an earlier step")
+        answered, d, error = worker.call(obs, self.timeout_s)
         self.last_wait_s = time.perf_counter() - start
         if not answered:
             return self._conservative(obs, f"controller.decide took longer than {self.timeout_s:g} s")
         if error is not None:
             return self._conservative(obs, f"controller.decide raised {type(error).__name__}", error)
+        return self._checked(obs, d)
+
+    def _checked(self, obs: Observation, d: object) -> Decision:
         try:
             if type(d) is Decision:
                 if plainly_usable(d):

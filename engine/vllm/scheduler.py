@@ -128,6 +128,7 @@ class TidegateSchedulerMixin:
         if self._decider is not None:
             self._apply(self._decider.decide(obs), row)
             row.fallback = self._decider.last_fallback or ""
+            row.decide_s = self._decider.last_wait_s
         own = time.perf_counter()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         after = time.perf_counter()

@@ -38,6 +38,7 @@ class StepRow:
     :param running_cap: the running cap applied.
     :param fallback: why the step took the conservative decision (empty: it did not).
     :param plugin_s: seconds the plugin's own work took in this step (observing, deciding, logging).
+    :param decide_s: of them, seconds the step waited for the controller's decision.
     """
 
     step: int
@@ -63,6 +64,7 @@ class StepRow:
     running_cap: int | None = None
     fallback: str = ""
     plugin_s: float = 0.0
+    decide_s: float = 0.0
 
 
 COLUMNS = tuple(f.name for f in fields(StepRow))

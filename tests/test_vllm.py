@@ -1,0 +1,388 @@
+"""tidegate inside vLLM: the scheduler plugin (engine/vllm) against a real vLLM server.
+
+vLLM runs from its own venv, ``.venv-vllm`` (``make vllm-setup``; ``make test`` makes it first), and serves
+the tiny model saved as a Hugging Face folder. Each server is started once, for the class of tests that
+use it, and driven with the official ``openai`` client from the project's venv. The KV cache is held to
+64 blocks of 128 tokens so that a flood fills it. The first tests need no vLLM: the plugin's settings,
+decisions and step log on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tidegate.ctrl.base import Decision, Observation
+from tidegate.engine.vllm.config import (
+    PluginConfig, PluginConfigError, ReplicaLimits, build_plugin_controller, read_plugin_config, replica_profile,
+)
+from tidegate.engine.vllm.decider import CheckedDecider
+from tidegate.engine.vllm.step_log import StepLog, StepRow
+from tidegate.engine.vllm.version import UnsupportedVllmError, check_vllm_version
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(),
+                                reason=".venv-vllm is missing: `make vllm-setup` makes it (`make test` does)")
+SCHEDULER = "tidegate.engine.vllm.scheduler.TidegateScheduler"
+NUM_BLOCKS = 64  # vLLM's CPU build has blocks of 128 tokens: 63 usable blocks, 8064 tokens
+START_TIMEOUT_S = 240
+LIMITS = ReplicaLimits(kv_capacity_tokens=8064, block_size=128, max_num_seqs=128, max_num_batched_tokens=2048)
+
+
+# ---------------------------------------------------------------------------- without vLLM
+def test_only_the_pinned_vllm_is_supported():
+    assert check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+    with pytest.raises(UnsupportedVllmError, match=r"supports vLLM 0\.32\.0, not the installed 0\.31\.1"):
+        check_vllm_version("0.31.1")
+
+
+def test_settings_come_from_the_additional_config_else_the_environment():
+    config = read_plugin_config({"tidegate": {"controller": "flow:budget=2", "step_log": "s.csv"}},
+                                environ={"TIDEGATE_CONTROLLER": "greedy"})
+    assert config == PluginConfig(controller="flow:budget=2", step_log="s.csv")
+    config = read_plugin_config({}, environ={"TIDEGATE_CONTROLLER": "greedy", "TIDEGATE_DECIDE_TIMEOUT_S": "0.2"})
+    assert (config.controller, config.decide_timeout_s) == ("greedy", 0.2)
+    assert read_plugin_config(None, environ={}).controller == "slo-flow"
+
+
+def test_the_controller_is_built_as_tidegate_serve_builds_it():
+    profile = replica_profile(PluginConfig(), LIMITS)
+    assert (profile.kv_capacity_tokens, profile.block_size, profile.max_num_seqs) == (8064, 128, 128)
+    assert build_plugin_controller(PluginConfig("vllm"), profile) is None  # vLLM's own scheduling
+    learned = build_plugin_controller(PluginConfig("learned"), profile)
+    assert type(learned).__name__ == "ShieldedController" and callable(learned.inner.set_guarded)
+    assert type(build_plugin_controller(PluginConfig("flow:budget=2"), profile)).__name__ == "FlowController"
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"controler": "greedy"}, "has no setting 'controler'; it accepts controller, profile"),
+    ({"controller": "nope"}, "unknown controller 'nope'; choose one of class-budgets, flow,"),
+    ({"controller": "flow:bogus=1"}, "controller 'flow' has no option 'bogus'; it accepts adaptive"),
+    ({"controller": "flow:budget=many"}, "option budget='many' is not valid: expected float"),
+    ({"controller": "vllm:budget=1"}, "controller 'vllm' (vLLM's own scheduling) takes no options"),
+    ({"profile": "nope"}, "unknown profile 'nope'"),
+    ({"decide_timeout_s": 0}, "decide_timeout_s must be a positive number of seconds"),
+    ("greedy", "must be a JSON object"),
+])
+def test_a_bad_setting_is_one_sentence(section, message):
+    with pytest.raises(PluginConfigError) as info:
+        config = read_plugin_config({"tidegate": section})
+        build_plugin_controller(config, replica_profile(config, LIMITS))
+    text = str(info.value)
+    assert message in text and "\n" not in text and text.endswith(".")
+
+
+class _Scripted:
+    """A controller that answers from a script of callables (each gets the Observation)."""
+
+    def __init__(self, *script) -> None:
+        self.script = list(script)
+
+    def decide(self, obs):
+        return self.script.pop(0)(obs)
+
+
+def _obs(running: int) -> Observation:
+    obs = Observation(LIMITS.kv_capacity_tokens, LIMITS.block_size)
+    obs.num_running = running
+    return obs
+
+
+def test_decisions_that_cannot_be_used_become_the_conservative_one():
+    good = Decision(3, 1024, 32)
+
+    def raises(obs):
+        raise ZeroDivisionError
+
+    decider = CheckedDecider(_Scripted(lambda o: good, raises, lambda o: Decision(math.nan, 512, 8),
+                                       lambda o: "three", lambda o: Decision(2.0, 1e9, -5)),
+                             timeout_s=1.0, token_budget=2048, running_cap=128)
+    assert decider.decide(_obs(4)) is good and decider.last_fallback is None
+    # the conservative decision: nothing starts while requests run, the last applied budget and cap
+    assert vars_of(decider.decide(_obs(4))) == (0, 1024, 32, 1.0)
+    assert vars_of(decider.decide(_obs(0))) == (1, 1024, 32, 1.0)  # nothing runs: the head starts
+    assert vars_of(decider.decide(_obs(4))) == (0, 1024, 32, 1.0)
+    # numbers that are not whole or out of bounds are made so, as tidegate's engine does
+    assert vars_of(decider.decide(_obs(4))) == (2, 10**9, 0, None) and decider.last_fallback is None
+    assert set(decider.fallbacks) == {"controller.decide raised ZeroDivisionError",
+                                      "controller.decide gave an unusable activation_budget",
+                                      "controller.decide returned str, not a Decision"}
+
+
+def vars_of(d: Decision) -> tuple:
+    return d.activation_budget, d.token_budget, d.running_cap, d.kv_reserve_ratio
+
+
+def test_a_slow_controller_moves_to_its_own_thread_and_never_holds_a_step_longer_than_the_timeout():
+    release = threading.Event()
+
+    def slow(obs):
+        time.sleep(0.05)
+        return Decision(1, 256, 16)
+
+    def hangs(obs):
+        release.wait(10)
+        return Decision(1, 256, 16)
+
+    decider = CheckedDecider(_Scripted(slow, lambda o: Decision(2, 256, 16), hangs, lambda o: Decision(4, 256, 16)),
+                             timeout_s=0.01, token_budget=2048, running_cap=128)
+    assert decider.decide(_obs(1)).activation_budget == 0 and decider.worker is not None  # slow inline, once
+    assert decider.decide(_obs(1)).activation_budget == 2  # on its thread, in time
+    start = time.perf_counter()
+    assert decider.decide(_obs(1)).activation_budget == 0  # hangs: the step waits the timeout only
+    assert decider.decide(_obs(1)).activation_budget == 0  # still busy: no wait at all
+    assert time.perf_counter() - start < 0.5
+    assert decider.fallbacks["controller.decide is still busy with an earlier step"] == 1
+    release.set()
+    assert decider.worker.wait_idle(5)
+    assert decider.decide(_obs(1)).activation_budget == 4
+
+
+def test_the_step_log_is_a_steps_file_tidegate_profile_reads(tmp_path):
+    from tidegate.engine.twin.fit import read_steps_csv
+
+    log = StepLog(tmp_path / "logs" / "steps.csv")
+    for i in range(4):
+        log.write(StepRow(i, 0.01 * i, 0.005, 40, 8, 32, 33, 32, 1, 36, 2, 9000, 128, 0, 3, 32, 8064, 8064,
+                          fallback="controller.decide returned str, not a Decision" if i == 2 else ""))
+    log.close()
+    assert read_steps_csv(log.path) == [(40, 9000, 0.005, 32, 1, 36, 2)] * 4
+
+
+# ---------------------------------------------------------------------------- against vLLM
+class VllmServer:
+    """A vLLM OpenAI server started from .venv-vllm, in a process group of its own."""
+
+    def __init__(self, tmp: Path, model_dir: Path, scheduler: str, tidegate: dict | None, *,
+                 extra_env: dict | None = None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.step_log = tmp / "steps.csv"
+        self.log_path = tmp / "vllm.log"
+        config = {"tidegate": {**tidegate, "step_log": str(self.step_log)}} if tidegate is not None else {}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+        self.start_s = time.monotonic()
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(
+                [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--dtype", "bfloat16", "--max-model-len", "2048", "--num-gpu-blocks-override", str(NUM_BLOCKS),
+                 "--enforce-eager", "--scheduler-cls", scheduler, "--additional-config", json.dumps(config)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True)
+
+    def wait_ready(self) -> float:
+        """Seconds from launch until /health answered."""
+        deadline = self.start_s + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - self.start_s
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"vLLM did not start within {START_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    def steps(self) -> list[dict]:
+        import csv
+
+        with open(self.step_log) as f:
+            return [{k: (v if k == "fallback" else float(v) if v else None) for k, v in row.items()}
+                    for row in csv.DictReader(f)]
+
+    def stop(self) -> None:
+        """End the server and its engine and worker processes (its process group), and wait until all are gone."""
+        group = self.proc.pid
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                self.proc.poll()
+                try:
+                    os.killpg(group, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+            else:
+                continue
+            break
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from tidegate.engine.real.tiny_folder import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-hf"))
+
+
+def _serve(tmp_path_factory, model_dir, name: str, scheduler: str, tidegate: dict | None, **kwargs):
+    server = VllmServer(tmp_path_factory.mktemp(name), model_dir, scheduler, tidegate, **kwargs)
+    try:
+        server.ready_s = server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def _flood(client, n: int, prompt_len: int, max_tokens: int, workers: int = 48) -> list:
+    def one(i: int):
+        return client.completions.create(model="tiny", prompt=f"{i:04d}" + "ab" * ((prompt_len - 5) // 2),
+                                         max_tokens=max_tokens, extra_body={"ignore_eos": True})
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, range(n)))
+
+
+@needs_vllm
+@pytest.mark.slow
+class TestPlugin:
+    """The shipped learned policy, in its shield with its runtime guard, inside vLLM's scheduler."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def server(cls, tmp_path_factory, model_dir):
+        yield from _serve(tmp_path_factory, model_dir, "vllm-learned", SCHEDULER, {"controller": "learned"})
+
+    def test_starts_with_the_controller_named(self, server):
+        log = server.log_path.read_text(errors="replace")
+        assert "tidegate: controller 'learned' on vLLM's scheduler (KV 8064 tokens in blocks of 128" in log
+        print(f"vLLM with the plugin answered /health {server.ready_s:.0f} s after launch")
+
+    def test_streaming_completion(self, server):
+        stream = server.client().completions.create(model="tiny", prompt="Once upon a time", max_tokens=24,
+                                                    stream=True, stream_options={"include_usage": True},
+                                                    extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["length"]
+        assert chunks[-1].usage.completion_tokens == 24
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+
+    def test_streaming_chat(self, server):
+        stream = server.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Say something."}], max_tokens=16, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+        assert chunks[-1].usage.completion_tokens == 16
+        rendered = len("user: Say something.\nassistant: ".encode())  # one token a byte, and BOS or not
+        assert chunks[-1].usage.prompt_tokens in (rendered, rendered + 1)
+
+    def test_a_flood_is_served_whole_and_kv_never_exceeds_capacity(self, server):
+        usage: list[float] = []
+        done = threading.Event()
+
+        def sample_metrics():
+            while not done.is_set():
+                text = httpx.get(server.url + "/metrics", timeout=5).text
+                usage.extend(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                             if line.startswith("vllm:kv_cache_usage_perc"))
+                time.sleep(0.2)
+
+        sampler = threading.Thread(target=sample_metrics, daemon=True)
+        sampler.start()
+        try:
+            answers = _flood(server.client(), n=48, prompt_len=400, max_tokens=200)  # 48 x 600 tokens > 8064
+        finally:
+            done.set()
+            sampler.join(10)
+        assert [a.usage.completion_tokens for a in answers] == [200] * 48
+        assert usage and max(usage) <= 1.0
+        steps = server.steps()
+        assert steps and all(s["kv_used_tokens"] <= s["kv_capacity_tokens"] == 8064 for s in steps)
+        assert all(s["tokens"] <= s["token_budget"] and s["prefill_tokens"] + s["decode_tokens"] == s["tokens"]
+                   for s in steps)
+        # a step admits at most the activations its decision allowed
+        for before, after in zip(steps, steps[1:]):
+            assert after["running"] <= before["running"] + before["activation_budget"]
+        assert max(s["running"] for s in steps) > 8  # the batch did grow
+
+    def test_prefix_cache_hits_are_logged(self, server):
+        prompt = "The same long prompt, twice. " * 24  # 696 tokens: 5 whole blocks
+        client = server.client()
+        for _ in range(2):
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
+        assert max(s["cached_tokens"] for s in server.steps()) >= 5 * 128
+
+    def test_the_step_log_fits_a_profile_and_the_plugin_costs_little(self, server, model_dir):
+        from tidegate.engine.twin.fit import run_profile_from_steps
+
+        profile = run_profile_from_steps(server.step_log, model=str(model_dir), name="tiny-vllm-cpu",
+                                         kv_capacity_tokens=8064, block_size=128)
+        assert profile.base_s > 0 and profile.kv_capacity_tokens == 8064
+        steps = [s for s in server.steps() if s["tokens"] > 8]
+        share = statistics.median(s["plugin_s"] for s in steps) / statistics.median(s["real_s"] for s in steps)
+        print(f"plugin's median time per step: {share:.1%} of the median step ({len(steps)} steps)")
+        assert share < 0.05
+
+
+@needs_vllm
+@pytest.mark.slow
+class TestFaults:
+    """A controller that raises, answers nonsense and sleeps past its timeout, in a fixed rotation."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def server(cls, tmp_path_factory, model_dir):
+        yield from _serve(tmp_path_factory, model_dir, "vllm-faulty", "vllm_faults.FaultyScheduler",
+                          {"controller": "slo-flow", "decide_timeout_s": 0.02},
+                          extra_env={"PYTHONPATH": str(ROOT / "tests")})
+
+    def test_vllm_keeps_serving_on_the_conservative_decision(self, server):
+        start = time.monotonic()
+        answers = _flood(server.client(), n=24, prompt_len=100, max_tokens=64)
+        assert [a.usage.completion_tokens for a in answers] == [64] * 24
+        assert time.monotonic() - start < 120
+        causes = {s["fallback"] for s in server.steps() if s["fallback"]}
+        assert {"controller.decide raised RuntimeError",
+                "controller.decide gave an unusable activation_budget"} <= causes
+        assert any(c.startswith("controller.decide took longer than 0.02 s") for c in causes)
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_bad_controller_option_ends_start_up_with_one_sentence(tmp_path, model_dir):
+    server = VllmServer(tmp_path, model_dir, SCHEDULER, {"controller": "flow:bogus=1"})
+    try:
+        server.proc.wait(START_TIMEOUT_S)
+    finally:
+        server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert server.proc.returncode != 0
+    assert "tidegate: error:" in log, server.log_tail()
+    sentence = ("tidegate: error: controller 'flow' has no option 'bogus'; it accepts adaptive, budget, dist, "
+                "drain_steps, headroom,")
+    assert [line for line in log.splitlines() if line.startswith("tidegate: error:")] == [
+        next(line for line in log.splitlines() if line.startswith(sentence))]
+    # the engine process exits without a traceback; vLLM's API process then reports that its engine
+    # did not start (its own traceback, which runs through none of tidegate's code)
+    assert log.count("Traceback (most recent call last)") <= 1
+    assert "engine/vllm/" not in log

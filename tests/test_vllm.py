@@ -39,6 +39,9 @@ needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(),
 SCHEDULER = "tidegate.engine.vllm.scheduler.TidegateScheduler"
 NUM_BLOCKS = 64  # vLLM's CPU build has blocks of 128 tokens: 63 usable blocks, 8064 tokens
 START_TIMEOUT_S = 240
+#: greedy answers to PROBE by the server with the plugin, for the one without (TestPassThrough)
+GREEDY: dict[str, str] = {}
+PROBE = "The plugin must not change what vLLM answers:"
 LIMITS = ReplicaLimits(kv_capacity_tokens=8064, block_size=128, max_num_seqs=128, max_num_batched_tokens=2048)
 
 
@@ -166,16 +169,21 @@ def test_the_step_log_is_a_steps_file_tidegate_profile_reads(tmp_path):
 class VllmServer:
     """A vLLM OpenAI server started from .venv-vllm, in a process group of its own."""
 
-    def __init__(self, tmp: Path, model_dir: Path, scheduler: str, tidegate: dict | None, *,
+    def __init__(self, tmp: Path, model_dir: Path, scheduler: str, tidegate: dict, *, via_env: bool = False,
                  extra_env: dict | None = None) -> None:
+        """``tidegate``: the plugin's settings (a step log in ``tmp`` is added), in ``--additional-config``
+        or, ``via_env``, in the TIDEGATE_* environment."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.step_log = tmp / "steps.csv"
         self.log_path = tmp / "vllm.log"
-        config = {"tidegate": {**tidegate, "step_log": str(self.step_log)}} if tidegate is not None else {}
+        settings = {**tidegate, "step_log": str(self.step_log)}
+        config = {} if via_env else {"tidegate": settings}
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+        if via_env:
+            env.update({f"TIDEGATE_{key.upper()}": str(value) for key, value in settings.items()})
         self.start_s = time.monotonic()
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(
@@ -243,7 +251,7 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-hf"))
 
 
-def _serve(tmp_path_factory, model_dir, name: str, scheduler: str, tidegate: dict | None, **kwargs):
+def _serve(tmp_path_factory, model_dir, name: str, scheduler: str, tidegate: dict, **kwargs):
     server = VllmServer(tmp_path_factory.mktemp(name), model_dir, scheduler, tidegate, **kwargs)
     try:
         server.ready_s = server.wait_ready()
@@ -284,6 +292,12 @@ class TestPlugin:
         assert finishes == ["length"]
         assert chunks[-1].usage.completion_tokens == 24
         assert "".join(c.choices[0].text for c in chunks if c.choices)
+
+    def test_a_greedy_answer(self, server):
+        answer = server.client().completions.create(model="tiny", prompt=PROBE, max_tokens=32, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+        GREEDY["learned"] = answer.choices[0].text
+        assert answer.usage.completion_tokens == 32
 
     def test_streaming_chat(self, server):
         stream = server.client().chat.completions.create(
@@ -341,6 +355,27 @@ class TestPlugin:
         share = statistics.median(s["plugin_s"] for s in steps) / statistics.median(s["real_s"] for s in steps)
         print(f"plugin's median time per step: {share:.1%} of the median step ({len(steps)} steps)")
         assert share < 0.05
+
+
+@needs_vllm
+@pytest.mark.slow
+class TestPassThrough:
+    """``controller: vllm``: vLLM's own scheduling, untouched, with the step log (settings from the environment)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def server(cls, tmp_path_factory, model_dir):
+        yield from _serve(tmp_path_factory, model_dir, "vllm-own", SCHEDULER, {"controller": "vllm"}, via_env=True)
+
+    def test_answers_as_with_the_plugin_and_logs_steps_without_decisions(self, server):
+        answer = server.client().completions.create(model="tiny", prompt=PROBE, max_tokens=32, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+        if "learned" in GREEDY:  # one request alone: the same batches, the same tokens
+            assert answer.choices[0].text == GREEDY["learned"]
+        steps = server.steps()
+        assert sum(s["decode_tokens"] for s in steps) == 31 and sum(s["prefill_tokens"] for s in steps) > 0
+        assert all(s["activation_budget"] is None and s["token_budget"] is None and not s["fallback"] for s in steps)
+        assert "tidegate: controller 'vllm' on vLLM's scheduler" in server.log_path.read_text(errors="replace")
 
 
 @needs_vllm

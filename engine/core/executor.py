@@ -8,7 +8,8 @@ from tidegate.engine.core.request import Request
 
 
 class Batch:
-    """The work of one step: each scheduled request with its number of new tokens.
+    """The work of one step, its plan (vLLM's ``SchedulerOutput``): built fresh by the scheduler
+    at every step, each scheduled request with its number of new tokens.
 
     A request samples an output token in this step when its new tokens reach the end of its
     sequence (the last prefill chunk, or a decode).
@@ -24,10 +25,15 @@ class Batch:
                  "prefill_pairs", "first_decodes")
 
     def __init__(self) -> None:
+        # scheduled requests: the listed decodes first, then the prefill chunks
         self.requests: list[Request] = []
+        # new tokens per request, parallel to requests (1 for a decode)
         self.num_new_tokens: list[int] = []
+        # new tokens in the step: decodes plus prefill chunks, within the Decision's token budget
         self.num_tokens = 0
+        # context tokens the step's attention reads (cached plus new)
         self.kv_tokens_read = 0
+        # decodes in the step, listed or counted in aggregate (steady decodes are not in requests)
         self.num_decodes = 0
         self.num_prefills = 0  # prefill chunks, one per prefilling request in the step
         # query-key pairs of the prefills' attention: a chunk of n tokens after c cached ones has

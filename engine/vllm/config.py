@@ -5,13 +5,16 @@ The settings come from vLLM's ``--additional-config`` JSON, under the key ``tide
     --additional-config '{"tidegate": {"controller": "flow:budget=2", "step_log": "steps.csv"}}'
 
 and, when that holds no ``tidegate`` key, from the environment of the vLLM server
-(``TIDEGATE_CONTROLLER``, ``TIDEGATE_PROFILE``, ``TIDEGATE_STEP_LOG``, ``TIDEGATE_DECIDE_TIMEOUT_S``).
-vLLM hands the additional config to the scheduler as ``vllm_config.additional_config``.
+(``TIDEGATE_CONTROLLER``, ``TIDEGATE_PROFILE``, ``TIDEGATE_STEP_LOG``, ``TIDEGATE_DECIDE_TIMEOUT_S``,
+``TIDEGATE_CHANNEL``). vLLM hands the additional config to the scheduler as
+``vllm_config.additional_config``, and the API process (``middleware``) reads the same settings
+from its own copy of the config, so both build the same controller.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -25,7 +28,7 @@ PASS_THROUGH = "vllm"
 #: the additional config's key for the plugin's settings
 CONFIG_KEY = "tidegate"
 _ENV = {"controller": "TIDEGATE_CONTROLLER", "profile": "TIDEGATE_PROFILE", "step_log": "TIDEGATE_STEP_LOG",
-        "decide_timeout_s": "TIDEGATE_DECIDE_TIMEOUT_S"}
+        "decide_timeout_s": "TIDEGATE_DECIDE_TIMEOUT_S", "channel": "TIDEGATE_CHANNEL"}
 
 
 class PluginConfigError(ValueError):
@@ -43,12 +46,15 @@ class PluginConfig:
     :param step_log: the CSV file of one row per step (None: no log).
     :param decide_timeout_s: the longest a step waits for the controller's decision; a later one is
         replaced by the conservative decision.
+    :param channel: the path prefix of the records the engine and API processes share (``channel``);
+        None: one named after the API process's pid in ``/dev/shm``.
     """
 
     controller: str = DEFAULT_CONTROLLER
     profile: str = "tiny-cpu"
     step_log: str | None = None
     decide_timeout_s: float = 0.05
+    channel: str | None = None
 
     @property
     def passes_through(self) -> bool:
@@ -72,7 +78,7 @@ def read_plugin_config(additional_config: object, environ: Mapping[str, str] = o
     if unknown:
         raise PluginConfigError(f"{where} has no setting {unknown[0]!r}; it accepts {', '.join(_ENV)}.")
     values: dict[str, object] = {}
-    for key in ("controller", "profile", "step_log"):
+    for key in ("controller", "profile", "step_log", "channel"):
         if key in section:
             value = section[key]
             if not isinstance(value, str) or not value.strip():
@@ -135,3 +141,13 @@ def build_plugin_controller(config: PluginConfig, profile: Profile) -> Controlle
         raise PluginConfigError(f"{message}.") from None
     controller.use_wall_clock()
     return controller
+
+
+def share_vllm_log_handlers() -> None:
+    """tidegate's log lines go out through vLLM's own handlers, formatted as vLLM's."""
+    ours, theirs = logging.getLogger("tidegate"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False

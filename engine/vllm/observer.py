@@ -65,6 +65,14 @@ class VllmObserver:
         self._tracked[request.request_id] = _Tracked(arrival, predicted)
         self._awaiting_first.add(request.request_id)
 
+    def refused(self, prompt_tokens: int) -> None:
+        """The API process refused an arrival (it never entered vLLM's queue)."""
+        stats = self.stats
+        stats.settle_arrival_rates()
+        stats.arrived(self.now(), prompt_tokens)
+        stats.admitted(prompt_tokens, False)
+        stats.refused()
+
     def observe(self, step_index: int, waiting: Any, holding: Any, running: list, kv_usage: float) -> Observation:
         """The state at the start of a step into the stats; returns the controller's fresh copy.
 

@@ -14,6 +14,11 @@ when vLLM schedules asynchronously; its CPU build never does). At each ``schedul
 5. after ``update_from_output()``: the step's duration (from the start of ``schedule()``) and one
    row of the step log.
 
+After each decision the step's Observation, the controller's admission state and the engine's
+counters go to the record the API process reads (``channel``): its middleware answers 429 from
+them, and puts the counters on ``/metrics``. The arrivals it refused come back through the same
+channel, so the controller's arrival rate counts them, as in tidegate's own engine.
+
 A bad setting or an unsupported vLLM ends start-up with one line on stderr and exit code 2.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -32,8 +38,10 @@ from vllm.v1.request import RequestStatus
 
 from tidegate.ctrl.base import Controller, Decision
 from tidegate.engine.core.builder import rate_window_s
+from tidegate.engine.vllm.channel import EngineCounters, EngineRecordWriter, RefusalReader, default_channel
 from tidegate.engine.vllm.config import (
     PluginConfigError, ReplicaLimits, build_plugin_controller, read_plugin_config, replica_profile,
+    share_vllm_log_handlers,
 )
 from tidegate.engine.vllm.decider import CheckedDecider
 from tidegate.engine.vllm.observer import VllmObserver
@@ -62,6 +70,8 @@ class TidegateSchedulerMixin:
     _decider: CheckedDecider | None = None
     _guard: Any = None
     _step_log: StepLog | None = None
+    _publisher: EngineRecordWriter | None = None
+    _refusals: RefusalReader | None = None
     #: the controller (None: ``vllm``, vLLM's own scheduling)
     tidegate_controller: Controller | None = None
 
@@ -78,7 +88,7 @@ class TidegateSchedulerMixin:
 
     def _start_tidegate(self) -> None:
         s: Any = self
-        _share_vllm_log_handlers()
+        share_vllm_log_handlers()
         config = read_plugin_config(s.vllm_config.additional_config)
         pool = s.kv_cache_manager.block_pool
         limits = ReplicaLimits(kv_capacity_tokens=(pool.num_gpu_blocks - 1) * s.block_size, block_size=s.block_size,
@@ -99,6 +109,16 @@ class TidegateSchedulerMixin:
             self._decider = CheckedDecider(controller, config.decide_timeout_s, limits.max_num_batched_tokens,
                                            limits.max_num_seqs)
             self._guard = _guard_for(profile, controller)
+            # vLLM's engine process is a child of its API process, which names the channel the same way
+            channel = config.channel or default_channel(os.getppid())
+            self._publisher = EngineRecordWriter(channel, limits)
+            self._refusals = RefusalReader(channel)
+            self._counters = EngineCounters()
+            self._shield = controller if hasattr(controller, "interventions") else None
+            inner = getattr(controller, "inner", None)
+            self._learned = inner if inner is not None and hasattr(inner, "fallbacks") else None
+            log.info("tidegate: the engine publishes its observations to %s", self._publisher.path)
+        self._arrivals = 0
         self._steps: deque[tuple[Any, StepRow, float]] = deque()  # scheduled, not yet committed
         self._step_index = 0
         log.info("tidegate: controller %r on vLLM's scheduler (KV %d tokens in blocks of %d, at most %d running, "
@@ -113,6 +133,7 @@ class TidegateSchedulerMixin:
         super().add_request(request)  # type: ignore[misc]
         if new and self._observer is not None:
             self._observer.arrived(request)
+            self._arrivals += 1
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         s: Any = self
@@ -122,6 +143,9 @@ class TidegateSchedulerMixin:
         start = time.perf_counter()
         step = self._step_index
         self._step_index += 1
+        if self._refusals is not None:
+            for prompt in self._refusals.new():
+                observer.refused(prompt)
         obs = observer.observe(step, s.waiting, s.kv_holding_waiting, s.running, s.kv_cache_manager.usage)
         row = StepRow(step, obs.now_s, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, obs.num_waiting, obs.num_running,
                       obs.kv_used_tokens, observer.kv_capacity_tokens)
@@ -129,6 +153,7 @@ class TidegateSchedulerMixin:
             self._apply(self._decider.decide(obs), row)
             row.fallback = self._decider.last_fallback or ""
             row.decide_s = self._decider.last_wait_s
+            self._publish(obs, row.decide_s)
         own = time.perf_counter()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         after = time.perf_counter()
@@ -171,6 +196,9 @@ class TidegateSchedulerMixin:
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
         super().shutdown()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ the decision
@@ -215,6 +243,30 @@ class TidegateSchedulerMixin:
                 n += 1
         return n
 
+    def _publish(self, obs: Any, decide_s: float) -> None:
+        """The step's Observation, the admission state and the counters, for the API process."""
+        publisher, counters, decider = self._publisher, self._counters, self._decider
+        if publisher is None or decider is None:
+            return
+        counters.decided(decide_s)
+        shield, learned, guard = self._shield, self._learned, self._guard
+        try:
+            state = decider.controller.admission_state()
+            if shield is not None:
+                counters.interventions = shield.interventions
+            if learned is not None:
+                counters.degraded = bool(learned.degraded)
+                counters.fallbacks = {**decider.fallbacks, **learned.fallbacks}
+            else:
+                counters.fallbacks = decider.fallbacks
+            if guard is not None:
+                counters.guard_switches, counters.guarded = guard.switches, bool(guard.guarded)
+            publisher.publish(obs, state, self._arrivals, counters)
+        except Exception:  # the API process then admits on a stale record (and counts it)
+            log.exception("tidegate: publishing the step's observation failed; the API process no longer sees "
+                          "the engine's state")
+            self._publisher = None
+
     def _tick_guard(self, now_s: float) -> None:
         try:
             self._guard.maybe_check(now_s, background=True)
@@ -245,13 +297,3 @@ def _guard_for(profile: Any, controller: Controller) -> Any:
     from tidegate.engine.twin.guard import TwinGuard
 
     return TwinGuard(profile, controller)
-
-
-def _share_vllm_log_handlers() -> None:
-    """tidegate's log lines go out through vLLM's own handlers, formatted as vLLM's."""
-    ours, theirs = logging.getLogger("tidegate"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False

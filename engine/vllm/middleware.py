@@ -7,7 +7,7 @@ tokens with the model's tokenizer (chat: through its chat template) and the ``ma
 default when absent), and asks the twin controller (``admission``): a refusal is answered at once
 with 429, an OpenAI-style error body and ``Retry-After`` (whole seconds, from the drain rate), and
 never enters vLLM's queue; anything else goes to vLLM exactly as it came, and vLLM's answer comes
-back untouched.
+back untouched. It also registers tidegate's counters on vLLM's ``/metrics`` (``metrics``).
 
 With ``controller: vllm`` (the pass-through) or settings it cannot read, it passes everything through.
 """
@@ -172,8 +172,11 @@ class AdmissionMiddleware:
         except PluginConfigError as exc:  # the engine refuses the same settings at its start-up
             log.warning("tidegate: %s No admission in the API process.", exc)
             return
+        from tidegate.engine.vllm.metrics import register_metrics
+
         model_config = vllm_config.model_config
         if config.passes_through:
+            register_metrics(None, _model_name(model_config))
             return
         self.gate = AdmissionGate(config)
         self.counter = PromptCounter(_load_tokenizer(model_config))
@@ -182,8 +185,14 @@ class AdmissionMiddleware:
             self.default_max_tokens = model_config.get_diff_sampling_param().get("max_tokens")
         except Exception:
             self.default_max_tokens = None
+        register_metrics(self.gate, _model_name(model_config))
         log.info("tidegate: arrivals decided in the API process by a twin of %r (reading %s.obs)",
                  config.controller, self.gate.channel)
+
+
+def _model_name(model_config: Any) -> str:
+    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", "")
+    return str(name[0] if isinstance(name, (list, tuple)) else name)
 
 
 def _load_tokenizer(model_config: Any) -> Any:

@@ -11,6 +11,7 @@ import click
 
 from tidegate.ctrl import DEFAULT_CONTROLLER
 from tidegate.engine.cli.support import friendly
+from tidegate.engine.cli.vllm_serve import VllmServeError, serve_vllm
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -22,6 +23,20 @@ class _StartError(Exception):
 
 @click.command()
 @click.version_option(package_name="tidegate", prog_name="tidegate")
+@click.option("--engine", type=click.Choice(["tidegate", "vllm"]), default="tidegate", show_default=True,
+              help="tidegate's own engine, or vLLM's OpenAI server with tidegate's controller in its scheduler and "
+                   "its 429 in its API process (vLLM runs from .venv-vllm, `make vllm-setup`; --controller vllm: "
+                   "vLLM's own scheduling, the baseline). With vllm, --host, --port, --served-model-name, "
+                   "--max-model-len, --dtype, --api-key and --chat-template go to vLLM; the options of tidegate's "
+                   "own engine do not apply.")
+@click.option("--vllm-arg", "vllm_args", multiple=True,
+              help="With --engine vllm: more flags for vLLM's server, split as a shell would (repeatable), e.g. "
+                   "--vllm-arg '--max-num-seqs 64' --vllm-arg=--enforce-eager.")
+@click.option("--vllm-python", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --engine vllm: vLLM's python [default: .venv-vllm/bin/python beside the project].")
+@click.option("--step-log", default=None,
+              help="With --engine vllm: the plugin's CSV of one row per step (`tidegate profile --from-steps` "
+                   "fits a profile from it).")
 @click.option("--model", default="tiny", show_default=True, help="'tiny' (built-in, offline) or a local model folder.")
 @click.option("--served-model-name", default=None, help="Model name clients send (default: --model).")
 @click.option("--controller", "controller_spec", default=DEFAULT_CONTROLLER, show_default=True,
@@ -76,13 +91,20 @@ class _StartError(Exception):
 @click.option("--engine-nice", type=click.IntRange(0, 19), default=None,
               help="Niceness the engine process adds to the server's, so that on a busy machine health checks "
                    "and refusals are answered before model steps run (0: the same priority)  [default: 5]")
-@friendly(_StartError)
-def serve(model, served_model_name, controller_spec, profile_name, host, port, api_key, chat_template_path,
+@friendly(_StartError, VllmServeError)
+@click.pass_context
+def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_name, controller_spec, profile_name,
+          host, port, api_key, chat_template_path,
           max_model_len, max_request_bytes, log_level, access_log, kv_capacity_tokens, block_size,
           max_num_batched_tokens, max_num_seqs, device, dtype, max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads,
           engine_nice):
     """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /tokenize, /metrics)."""
+    if engine == "vllm":
+        serve_vllm(ctx, model, controller_spec, profile_name, vllm_args, vllm_python, step_log,
+                   own_options=_OWN_ENGINE_OPTIONS)
+    elif vllm_args or vllm_python or step_log:
+        raise click.UsageError("--vllm-arg, --vllm-python and --step-log apply to --engine vllm")
     import logging
 
     from tidegate.ctrl import build_controller
@@ -124,6 +146,13 @@ def serve(model, served_model_name, controller_spec, profile_name, host, port, a
         raise click.UsageError(str(exc)) from None
     on_started = functools.partial(_banner, config, service, controller)
     GracefulServer(create_app(service, config), service, config, sockets, on_started).run()
+
+
+#: the options of tidegate's own engine and server, which --engine vllm refuses (vLLM takes its own, --vllm-arg)
+_OWN_ENGINE_OPTIONS = ("log_level", "access_log", "max_request_bytes", "kv_capacity_tokens", "block_size",
+                       "max_num_batched_tokens", "max_num_seqs", "device", "max_in_flight", "queue_timeout_s",
+                       "stream_buffer_chunks", "drain_timeout_s", "default_max_tokens", "engine_process",
+                       "engine_timeout_s", "threads", "engine_nice")
 
 
 def _read_chat_template(path: Path | None) -> str | None:

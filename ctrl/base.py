@@ -159,12 +159,11 @@ class Observation:
     # estimators in at the step's start; the first read, write or copy of a rate computes it and
     # its pair's at ``now_s``. The engine settles a pair before it adds an event to its
     # estimators, so a late read sees what an eager one would have.
-    def defer_rates(self, arrival_sources: tuple[_RateSource, _RateSource],
-                    completion_sources: tuple[_RateSource, _RateSource]) -> None:
-        """Compute the four rates at ``now_s`` when first read: the arrival and offered rates from
-        ``arrival_sources``, the completion and served rates from ``completion_sources``."""
-        self._arrival_sources = arrival_sources
-        self._completion_sources = completion_sources
+    def defer_rates(self, arrivals: _RateSource, offered: _RateSource, completions: _RateSource,
+                    served: _RateSource) -> None:
+        """Compute the four rates from these estimators at ``now_s`` when first read."""
+        self._arrival_sources = (arrivals, offered)
+        self._completion_sources = (completions, served)
 
     def settle_arrival_rates(self) -> None:
         """Compute ``arrival_rate_rps`` and ``offered_rate_rps`` now, if they are deferred."""

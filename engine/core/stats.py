@@ -139,8 +139,6 @@ class ObservationStats:
         self.offered = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
         self.completions = RateEstimator(rate_window_s)
         self.served = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
-        self._arrival_sources = (self.arrivals, self.offered)  # what an Observation's deferred rates read
-        self._completion_sources = (self.completions, self.served)
         # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
         self.ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)
         self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
@@ -173,7 +171,7 @@ class ObservationStats:
         obs.waiting_prompt_tokens = waiting_prompt_tokens
         obs.running_prompt_tokens = running_prompt_tokens
         obs.head_prompt_tokens = head_prompt_tokens
-        obs.defer_rates(self._arrival_sources, self._completion_sources)
+        obs.defer_rates(self.arrivals, self.offered, self.completions, self.served)
         obs.evicted_last_step = evicted_last_step
         obs.ttft_error_p90_s = self.ttft_error.current(now_s)
         return obs

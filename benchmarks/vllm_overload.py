@@ -27,13 +27,14 @@ and TPOT SLOs), TTFT and TPOT p50/p99 of served requests, 429s with their latenc
 and other 5xx, every request in one bucket, the ratios against vanilla vLLM and against the best
 queued arm, the plugin's share of each step from its step log, and issue 32's targets for the tidegate
 arms. Writes ``vllm_overload.json``, ``.md`` and ``.png`` to ``--out`` (after every load, so an
-interrupted run keeps what it measured) and the servers' logs and step logs to ``--out``/logs; progress
-goes to stderr. The pieces are in ``engine/bench/vllm/``.
+interrupted run keeps what it measured) and the servers' logs, step logs and every request's record
+(``requests-ARM-LOADx.jsonl``) to ``--out``/logs; progress goes to stderr. The pieces are in ``engine/bench/vllm/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -198,6 +199,7 @@ def run_arm(ctx, arm: Arm, args, run: dict) -> None:
             row.update(probe_stats(raw["probes"], raw["t0"], args.duration_s))
             row.update(queue_stats(raw["samples"], raw["t0"]))
             row["load_failures"] = raw["failures"]
+            save_records(logs / f"requests-{arm.name}-{load:g}x.jsonl", raw["records"], raw["t0"])
             if raw["failures"]:
                 log(f"[{arm.name}] load process failures: {'; '.join(raw['failures'])}")
             try:
@@ -225,6 +227,14 @@ def run_arm(ctx, arm: Arm, args, run: dict) -> None:
             server.stop()
             for row in rows:
                 row.setdefault("server_log_errors", server.log_errors()["count"])
+
+
+def save_records(path: Path, records: list[dict], t0: float) -> None:
+    """Every request's record, one JSON line each, times in seconds since the load started."""
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps({k: round(v - t0, 4) if k.endswith("_s") and v is not None else v
+                                for k, v in r.items()}) + "\n")
 
 
 def start_server(server: VllmServer, arm: Arm, args, run: dict) -> None:

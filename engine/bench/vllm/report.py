@@ -73,6 +73,13 @@ def markdown(result: dict) -> str:
     rows = [_flat(r) for r in result["rows"] if "goodput_rps" in r]
     lines += ["## Figures", ""] + table(rows, FIGURES) + [""]
     lines += ["## How every request ended", ""] + table(rows, OUTCOMES) + [""]
+    lagging = [r for r in rows if (r.get("client_start_lag_p99_ms") or 0) > 100]
+    if lagging:
+        worst = max(r["client_start_lag_p99_ms"] for r in lagging)
+        lines += [f"Warning: the load processes sent requests late (start lag p99 up to {worst:.0f} ms in "
+                  f"{len(lagging)} of {len(rows)} runs): "
+                  "the machine was short of CPU for the clients, so arrivals were not Poisson on time and the clients' "
+                  "timings include their own delays. Run on an otherwise idle machine.", ""]
     lines += ["Open at cut-off: the client stopped waiting at the end of the drain (vLLM still held them, queued "
               "or streaming); they could not have met the SLOs.", ""]
     tide = [r for r in rows if "targets_missed" in r]

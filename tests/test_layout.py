@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,14 @@ def test_every_import_names_the_one_package():
                                                           "tests", "benchmarks", "tidegate")
                  for p in (ROOT / folder).rglob("*.py") if bare.search(p.read_text())]
     assert offenders == []
+
+
+def test_the_docs_links_resolve():
+    """Every relative link in the README and docs/ points at a file or folder of the repository."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            target = match.group(1)
+            if "://" not in target and not target.startswith("mailto:") and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken

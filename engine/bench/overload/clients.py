@@ -40,16 +40,24 @@ async def _read_stream(resp: httpx.Response, rec: dict) -> None:
         rec["outcome"] = "http"
         rec["error"] = error_type(await resp.aread())
         return
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            rec["done"] = True
+    # events split on "\n" alone: httpx's aiter_lines also splits on U+0085 and U+2028, which a random
+    # model's text holds inside one JSON event
+    pending = b""
+    async for part in resp.aiter_bytes():
+        pending += part
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            if not raw.startswith(b"data:"):
+                continue
+            data = raw[5:].strip().decode(errors="replace")
+            if data == "[DONE]":
+                rec["done"] = True
+                break
+            rec["chunks"] += 1
+            if '"error"' in data:
+                rec["error"] = error_type(data) or rec["error"]
+        if rec["done"]:
             break
-        rec["chunks"] += 1
-        if '"error"' in data:
-            rec["error"] = error_type(data) or rec["error"]
     rec["outcome"] = "error_event" if rec["error"] else ("completed" if rec["done"] else "closed")
 
 

@@ -68,11 +68,13 @@ class AdmissionGate:
         or several prompts) of ``prompt_tokens`` and ``max_tokens`` each; None admits them."""
         record = self._reader.read()
         if record is None:
-            return self._open("no_observation", requests, prompt_tokens)
+            self._open("no_observation", requests, prompt_tokens)
+            return None
         self.latest = record
         obs = record.observation
         if record.age_s > STALE_AFTER_S and (obs.num_running or obs.num_waiting):
-            return self._open("stale_observation", requests, prompt_tokens)
+            self._open("stale_observation", requests, prompt_tokens)
+            return None
         try:
             controller = self.controller or self._twin(record)
             controller.set_admission_state(record.admission_state)
@@ -92,7 +94,8 @@ class AdmissionGate:
             if cause not in self._errors_logged:
                 self._errors_logged.add(cause)
                 log.exception("tidegate: the controller's %s; arrivals are admitted (logged once)", cause)
-            return self._open("admit_failed", requests, prompt_tokens)
+            self._open("admit_failed", requests, prompt_tokens)
+            return None
         self._admitted(requests, prompt_tokens)
         return None
 
@@ -124,7 +127,6 @@ class AdmissionGate:
     def _open(self, cause: str, requests: int, prompt_tokens: int) -> None:
         self.fail_open[cause] = self.fail_open.get(cause, 0) + requests
         self._admitted(requests, prompt_tokens)
-        return None
 
     def _refuse(self, rejection: Rejection, prompt_tokens: int, requests: int) -> Rejection:
         label = reason_label(rejection)

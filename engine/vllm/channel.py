@@ -59,6 +59,29 @@ def default_channel(api_pid: int) -> str:
     return os.path.join(folder, f"tidegate-vllm-{os.getuid()}-{api_pid}")
 
 
+def remove_stale_channels(channel: str) -> None:
+    """Remove the records of default channels whose API process is gone (a server killed before it
+    could remove its own), beside ``channel``."""
+    folder, name = os.path.split(channel)
+    prefix = f"tidegate-vllm-{os.getuid()}-"
+    if not name.startswith(prefix):
+        return
+    for entry in os.listdir(folder):
+        pid = entry[len(prefix):].partition(".")[0]
+        if entry.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            Path(folder, entry).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _create(path: str, size: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -242,10 +265,16 @@ class RefusalReader:
         self.path = channel + ".refusals"
         self._mm: mmap.mmap | None = None
         self._seen = 0
+        self._calls = 0
 
     def new(self) -> list[int]:
         mm = self._mm
         if mm is None:
+            # the API process makes the file at its first refusal; look for it every 64 steps (a failed
+            # open costs microseconds), and take every refusal it holds once it is there
+            self._calls += 1
+            if self._calls % 64 != 1:
+                return []
             mm = self._mm = _open(self.path, RING_BYTES)
             if mm is None:
                 return []

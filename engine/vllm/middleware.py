@@ -210,7 +210,7 @@ def _load_tokenizer(model_config: Any) -> Any:
 
 async def _read_body(receive: Receive) -> tuple[bytes, bool]:
     """The whole request body, and whether the client went away first."""
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

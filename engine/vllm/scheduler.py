@@ -38,7 +38,9 @@ from vllm.v1.request import RequestStatus
 
 from tidegate.ctrl.base import Controller, Decision
 from tidegate.engine.core.builder import rate_window_s
-from tidegate.engine.vllm.channel import EngineCounters, EngineRecordWriter, RefusalReader, default_channel
+from tidegate.engine.vllm.channel import (
+    EngineCounters, EngineRecordWriter, RefusalReader, default_channel, remove_stale_channels,
+)
 from tidegate.engine.vllm.config import (
     PluginConfigError, ReplicaLimits, build_plugin_controller, read_plugin_config, replica_profile,
     share_vllm_log_handlers,
@@ -111,6 +113,7 @@ class TidegateSchedulerMixin:
             self._guard = _guard_for(profile, controller)
             # vLLM's engine process is a child of its API process, which names the channel the same way
             channel = config.channel or default_channel(os.getppid())
+            remove_stale_channels(channel)
             self._publisher = EngineRecordWriter(channel, limits)
             self._refusals = RefusalReader(channel)
             self._counters = EngineCounters()

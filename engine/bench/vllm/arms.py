@@ -17,6 +17,8 @@ from tidegate.ctrl import DEFAULT_CONTROLLER
 
 #: the plugin's scheduler class
 SCHEDULER_CLS = "tidegate.engine.vllm.scheduler.TidegateScheduler"
+#: the plugin's admission in vLLM's API process (the 429)
+MIDDLEWARE = "tidegate.engine.vllm.middleware.AdmissionMiddleware"
 _QUEUED = re.compile(r"vllm-queued-(\d+)")
 
 
@@ -54,11 +56,13 @@ class Arm:
 
 
 def plugin_args(controller: str, step_log: str | None = None) -> tuple[str, ...]:
-    """The server arguments that load the plugin with ``controller`` (and its step log)."""
+    """The server arguments that load the plugin with ``controller`` (and its step log): the scheduler
+    and the admission middleware that answers its refusals with 429."""
     config: dict[str, str] = {"controller": controller}
     if step_log:
         config["step_log"] = step_log
-    return ("--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps({"tidegate": config}))
+    return ("--scheduler-cls", SCHEDULER_CLS, "--middleware", MIDDLEWARE,
+            "--additional-config", json.dumps({"tidegate": config}))
 
 
 def queued_arms(values: list[int], loads: tuple[float, ...] | None) -> list[Arm]:

@@ -67,7 +67,7 @@ STEADY_OVERLOAD = 3.0 * math.sqrt(2.0 / STEADY_RATE_EVENTS)
 
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
-                     prior_output_tokens: int = 128, occupied: bool = True) -> float:
+                     prior_output_tokens: int = 128, occupied: bool = True, running_cap: float = math.inf) -> float:
     """Seconds until the first token of an arrival with ``prompt_tokens``, from ``Observation`` only.
 
     The larger of two bounds, plus the step that produces the token:
@@ -75,7 +75,10 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     - **activation**: the ``num_waiting`` requests ahead, less those that fit into the free memory at
       once, start at the memory-safe rate while KV usage is under ``target_usage``; above it, only
       as running requests complete (the observed completion rate, or before any completion
-      ``num_running`` per mean lifetime, Little's law);
+      ``num_running`` per mean lifetime, Little's law); and whatever the memory, once the queue
+      ahead and the arrival itself outnumber the slots ``running_cap`` leaves free, the rest start
+      only as running requests complete (an engine's limit on running requests, vLLM's
+      ``max_num_seqs``, binds before its memory does);
     - **prefill**: the prompt tokens still to prefill of the running requests, of the queue ahead and
       its own, at the step's token budget less one token for each running request's decode.
 
@@ -83,6 +86,7 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
 
     :param occupied: the memory-safe rate is paced by the KV held per completion where that W is
         larger (``ctrl.theory.safe_activation_rate``), as slo-flow activates by default.
+    :param running_cap: the most requests that run at once (the applied Decision's ``running_cap``).
     """
     step_s = obs.mean_step_time_s or obs.last_step_time_s
     if not step_s > 0:
@@ -102,6 +106,12 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
                 out = obs.mean_output_tokens or prior_output_tokens
                 rate = obs.num_running / out
         queue_steps = ahead / max(rate, 1e-9)
+        short = obs.num_waiting + 1 - max(running_cap - obs.num_running, 0.0)  # slots it waits for
+        if short > 0:
+            done = obs.completion_rate_rps * step_s
+            if not done > 0:
+                done = obs.num_running / (obs.mean_output_tokens or prior_output_tokens)
+            queue_steps = max(queue_steps, short / max(done, 1e-9))
     return (max(queue_steps, prefill_steps) + 1.0) * step_s
 
 
@@ -267,7 +277,7 @@ class SloFlowController(Controller):
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""
         return predicted_ttft_s(obs, prompt_tokens, self._decision.token_budget, self.target_usage,
-                                self.prior_output_tokens, self.occupied_pacing)
+                                self.prior_output_tokens, self.occupied_pacing, self._decision.running_cap)
 
     def nothing_ahead(self, obs: Observation) -> bool:
         """No request waits and the running requests' prefill fits into the next step: an arrival

@@ -141,6 +141,21 @@ def test_prediction_counts_the_running_requests_prefill_and_decodes():
     assert predicted_ttft_s(obs, 1000, 1000) > base  # decodes take half the budget
 
 
+def test_prediction_waits_for_a_running_slot_when_the_cap_binds():
+    """With memory to spare but every running slot taken (vLLM's max_num_seqs), the queue ahead and
+    the arrival start only as running requests complete."""
+    obs = Observation(kv_capacity_tokens=131_072)
+    obs.mean_step_time_s, obs.num_waiting, obs.num_running = 0.05, 60, 128
+    obs.completed_total, obs.completion_rate_rps = 500, 13.0
+    obs.mean_prompt_tokens, obs.mean_output_tokens, obs.kv_used_tokens = 256.0, 128.0, 40_000
+    free = predicted_ttft_s(obs, 256, 8192)
+    capped = predicted_ttft_s(obs, 256, 8192, running_cap=128)
+    assert free < 1.0 < capped
+    assert capped == pytest.approx((61 / (13.0 * 0.05) + 1) * 0.05)  # 61 completions at 13 a second
+    assert predicted_ttft_s(obs, 256, 8192, running_cap=256) == free  # slots to spare: no wait for one
+    assert SloFlowController(max_num_seqs=128).predict_ttft_s(obs, 256) == capped
+
+
 def test_slo_flow_predicts_the_queue_at_the_activation_rate_it_applies():
     """The queue ahead starts at the memory-safe rate slo-flow activates at: paced by the KV held
     per completion where that is the larger W, the prediction waits for the same pace."""

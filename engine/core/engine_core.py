@@ -161,7 +161,8 @@ class EngineCore:
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
         # from the latest observation: admit() has just made it, or the last step did
-        request.predicted_ttft_s = predicted_ttft_s(stats.current, request.prompt_len, self._token_budget)
+        request.predicted_ttft_s = predicted_ttft_s(stats.current, request.prompt_len, self._token_budget,
+                                                    running_cap=self._running_cap)
         self.scheduler.queue(request)
         return None
 

@@ -10,6 +10,7 @@ the same figures whichever engine it runs in. It reads vLLM's ``Request`` object
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ class VllmObserver:
         self.evicted_last_step = 0
         #: the token budget last applied, for the arrivals' TTFT predictions
         self.token_budget = 8192
+        self.running_cap: float = math.inf  # the applied running cap (the TTFT prediction's slots)
 
     def now(self) -> float:
         return time.monotonic() - self._mono0
@@ -61,7 +63,7 @@ class VllmObserver:
         arrival = min(request.arrival_time - self._wall0, self.now())
         stats.arrived(arrival, prompt)
         stats.admitted(prompt, True)
-        predicted = predicted_ttft_s(stats.current, prompt, self.token_budget)
+        predicted = predicted_ttft_s(stats.current, prompt, self.token_budget, running_cap=self.running_cap)
         self._tracked[request.request_id] = _Tracked(arrival, predicted)
         self._awaiting_first.add(request.request_id)
 

@@ -224,6 +224,7 @@ class TidegateSchedulerMixin:
         row.running_cap = cap
         if self._observer is not None:
             self._observer.token_budget = tokens
+            self._observer.running_cap = cap
 
     def _activations_reserved(self, ratio: float, most: int) -> int:
         """How many of the first ``most`` waiting requests can start with ``ratio`` of every running and

@@ -33,6 +33,21 @@ def error_type(payload: bytes | str) -> str | None:
         return None
 
 
+async def sse_data(resp: httpx.Response):
+    """The ``data:`` payloads of a stream of server-sent events, decoded (the last one ``[DONE]`` when the
+    server ended the stream with it).
+
+    Events are split on ``\n`` alone: httpx's ``aiter_lines`` also splits on U+0085 and U+2028, which a
+    random model's text holds inside one JSON event."""
+    pending = b""
+    async for part in resp.aiter_bytes():
+        pending += part
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            if raw.startswith(b"data:"):
+                yield raw[5:].strip().decode(errors="replace")
+
+
 async def _read_stream(resp: httpx.Response, rec: dict) -> None:
     rec["status"] = resp.status_code
     rec["first_byte_s"] = time.monotonic()
@@ -40,24 +55,13 @@ async def _read_stream(resp: httpx.Response, rec: dict) -> None:
         rec["outcome"] = "http"
         rec["error"] = error_type(await resp.aread())
         return
-    # events split on "\n" alone: httpx's aiter_lines also splits on U+0085 and U+2028, which a random
-    # model's text holds inside one JSON event
-    pending = b""
-    async for part in resp.aiter_bytes():
-        pending += part
-        *lines, pending = pending.split(b"\n")
-        for raw in lines:
-            if not raw.startswith(b"data:"):
-                continue
-            data = raw[5:].strip().decode(errors="replace")
-            if data == "[DONE]":
-                rec["done"] = True
-                break
-            rec["chunks"] += 1
-            if '"error"' in data:
-                rec["error"] = error_type(data) or rec["error"]
-        if rec["done"]:
+    async for data in sse_data(resp):
+        if data == "[DONE]":
+            rec["done"] = True
             break
+        rec["chunks"] += 1
+        if '"error"' in data:
+            rec["error"] = error_type(data) or rec["error"]
     rec["outcome"] = "error_event" if rec["error"] else ("completed" if rec["done"] else "closed")
 
 

@@ -30,7 +30,7 @@ import time
 import httpx
 
 from tidegate.engine.bench.overload import clients as overload_clients
-from tidegate.engine.bench.overload.clients import _client, error_type
+from tidegate.engine.bench.overload.clients import _client, error_type, sse_data
 from tidegate.engine.bench.vllm.model import random_prompt
 
 
@@ -65,20 +65,11 @@ async def _read(resp: httpx.Response, rec: dict) -> None:
         rec["outcome"] = "http"
         rec["error"] = error_type(await resp.aread())
         return
-    pending = b""
-    async for part in resp.aiter_bytes():
-        pending += part
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip().decode(errors="replace")
-            if data == "[DONE]":
-                rec["done"] = True
-                break
-            _chunk(rec, data)
-        if rec["done"]:
+    async for data in sse_data(resp):
+        if data == "[DONE]":
+            rec["done"] = True
             break
+        _chunk(rec, data)
     rec["outcome"] = "error_event" if rec["error"] else ("completed" if rec["done"] else "closed")
 
 

@@ -153,27 +153,43 @@ def metric(values: dict[str, float], name: str) -> float:
     return sum(v for k, v in values.items() if k == name or k.startswith(name + "{"))
 
 
-class Sampler(threading.Thread):
-    """Polls ``/metrics`` for KV usage and the server tree's resident memory every ``period_s``."""
+class Poller(threading.Thread):
+    """Calls :meth:`sample` every ``period_s`` (on the clock, not after each call) until :meth:`stop`;
+    ``samples`` holds what it appended, ``failures`` the polls whose ``/metrics`` failed."""
 
-    def __init__(self, server: Server, period_s: float) -> None:
+    def __init__(self, period_s: float) -> None:
         super().__init__(daemon=True)
-        self.server, self.period_s = server, period_s
-        self.samples: list[tuple[float, float | None, float]] = []  # (time, kv usage, rss MiB)
+        self.period_s = period_s
+        self.samples: list[tuple] = []
         self.failures = 0
         self.halt = threading.Event()
+
+    def sample(self, t: float) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
         while not self.halt.is_set():
             t = time.monotonic()
-            try:
-                kv = metric(self.server.metrics(), "tidegate:kv_cache_usage_perc")
-            except (httpx.HTTPError, ValueError):
-                kv, self.failures = None, self.failures + 1
-            self.samples.append((t, kv, self.server.rss_mib()))
+            self.sample(t)
             self.halt.wait(max(0.0, t + self.period_s - time.monotonic()))
 
     def stop(self) -> None:
         self.halt.set()
         self.join(10)
+
+
+class Sampler(Poller):
+    """Polls ``/metrics`` for KV usage and the server tree's resident memory every ``period_s``:
+    (time, kv usage, rss MiB)."""
+
+    def __init__(self, server: Server, period_s: float) -> None:
+        super().__init__(period_s)
+        self.server = server
+
+    def sample(self, t: float) -> None:
+        try:
+            kv = metric(self.server.metrics(), "tidegate:kv_cache_usage_perc")
+        except (httpx.HTTPError, ValueError):
+            kv, self.failures = None, self.failures + 1
+        self.samples.append((t, kv, self.server.rss_mib()))
 

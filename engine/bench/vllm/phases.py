@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from pathlib import Path
 
@@ -11,36 +10,26 @@ import httpx
 
 from tidegate.engine.bench.overload import log
 from tidegate.engine.bench.overload.probe import idle_probe
-from tidegate.engine.bench.overload.server import ServerError, metric
+from tidegate.engine.bench.overload.server import Poller, ServerError, metric
 from tidegate.engine.bench.vllm.clients import LoadProcesses
 from tidegate.engine.bench.vllm.server import VllmServer
 from tidegate.engine.bench.vllm.stats import request_stats
 
 
-class QueueSampler(threading.Thread):
+class QueueSampler(Poller):
     """Polls vLLM's ``/metrics`` every ``period_s``: (time, running, waiting, KV usage)."""
 
     def __init__(self, server: VllmServer, period_s: float) -> None:
-        super().__init__(daemon=True)
-        self.server, self.period_s = server, period_s
-        self.samples: list[tuple[float, float, float, float]] = []
-        self.failures = 0
-        self.halt = threading.Event()
+        super().__init__(period_s)
+        self.server = server
 
-    def run(self) -> None:
-        while not self.halt.is_set():
-            t = time.monotonic()
-            try:
-                m = self.server.metrics()
-                self.samples.append((t, metric(m, "vllm:num_requests_running"), metric(m, "vllm:num_requests_waiting"),
-                                     metric(m, "vllm:kv_cache_usage_perc")))
-            except (httpx.HTTPError, ValueError):
-                self.failures += 1
-            self.halt.wait(max(0.0, t + self.period_s - time.monotonic()))
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(10)
+    def sample(self, t: float) -> None:
+        try:
+            m = self.server.metrics()
+            self.samples.append((t, metric(m, "vllm:num_requests_running"), metric(m, "vllm:num_requests_waiting"),
+                                 metric(m, "vllm:kv_cache_usage_perc")))
+        except (httpx.HTTPError, ValueError):
+            self.failures += 1
 
 
 def closed_run(ctx, server: VllmServer, spec: dict, *, clients: int, duration_s: float, processes: int,

@@ -74,7 +74,7 @@ class _Stream:
 
     def __init__(self, tokenizer, callback: DeltaCallback | None, sampling: SamplingParams,
                  stop_ids: frozenset[int]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, sampling.skip_special_tokens)
         self.callback = callback
         self.sent = 0      # characters of text already handed out
         self.stops = list(sampling.stop)
@@ -222,7 +222,7 @@ class LLM:
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 16,
                     request_id: str | None = None, on_delta: DeltaCallback | None = None,
-                    admission=ASK) -> Request:
+                    admission=ASK, class_id: int = 0) -> Request:
         """Queue one request; the engine serves it as ``step()`` is called.
 
         :param prompt: text or token ids.
@@ -232,6 +232,7 @@ class LLM:
             complete and once more (possibly with an empty delta) when the request ends.
         :param admission: the arrival decision if the caller already took it (see
             ``EngineCore.add_request``); by default the controller is asked now.
+        :param class_id: the request's class, as per-class controllers see it.
         :return: the Request (its ``state`` says whether the controller rejected it).
         :raises ValueError: the request can never run (too long, empty, bad token ids), or its
             sampling parameters do not fit the model.
@@ -240,7 +241,8 @@ class LLM:
         sampling = sampling or SamplingParams()
         self.check_request(ids, max_tokens, sampling)
         rid = request_id if request_id is not None else str(next(self._ids))
-        r = Request(rid, self.core.clock.now(), len(ids), max_tokens, prompt_token_ids=ids, sampling=sampling)
+        r = Request(rid, self.core.clock.now(), len(ids), max_tokens, prompt_token_ids=ids, sampling=sampling,
+                    class_id=class_id)
         self._streams[r] = _Stream(self.tokenizer, on_delta, sampling, self.executor.stop_token_ids(sampling))
         if self.core.add_request(r, admission) is not None:  # rejected: it ended at once, through _on_finish
             self._streams.pop(r, None)
@@ -279,9 +281,10 @@ class LLM:
         include = sampling.include_stop_str_in_output
         if ids and not include and ids[-1] in self.executor.stop_token_ids(sampling):
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        skip = sampling.skip_special_tokens
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
         if sampling.stop:
-            min_chars = len(self.tokenizer.decode(ids[:sampling.min_tokens], skip_special_tokens=True))
+            min_chars = len(self.tokenizer.decode(ids[:sampling.min_tokens], skip_special_tokens=skip))
             cut = _stop_cut(text, sampling.stop, min_chars, include)
             text = text if cut is None else text[:cut]
         return text

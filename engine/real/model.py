@@ -76,8 +76,9 @@ class IncrementalDetokenizer:
     trailing U+FFFD (an incomplete character) is held back.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.text = ""
         self.num_tokens = 0
         self._bytes = isinstance(tokenizer, ByteTokenizer)
@@ -93,7 +94,7 @@ class IncrementalDetokenizer:
         if self._bytes:
             delta = self._decoder.decode(b"", final=True)
         else:
-            full = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            full = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
             delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += delta
         return delta
@@ -102,10 +103,11 @@ class IncrementalDetokenizer:
         """Add tokens; returns the newly completed text (possibly empty)."""
         self.num_tokens += len(token_ids)
         if self._bytes:
-            delta = self._decoder.decode(self.tokenizer.decode_bytes(token_ids))
+            delta = self._decoder.decode(self.tokenizer.decode_bytes(token_ids,
+                                                                     skip_special_tokens=self.skip_special_tokens))
         else:
             self._ids.extend(int(t) for t in token_ids)
-            full = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            full = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
             if full.endswith("\ufffd"):
                 return ""
             delta = full[len(self.text):] if full.startswith(self.text) else ""

@@ -1,9 +1,10 @@
 """Sampler: picks one token per row of a step's logits, each row with its request's ``SamplingParams``.
 
-The order of the steps is vLLM's (see ``engine.real.sampling``): the ``min_tokens`` mask and
-``logit_bias``, the repetition, frequency and presence penalties, the logprobs, then temperature,
-``min_p``, ``top_k`` and ``top_p`` over the drawn rows at once, and each request's draw. A batch of
-plain greedy requests is one argmax over the raw logits.
+The order of the steps is vLLM's (see ``engine.real.sampling``): the ``allowed_token_ids`` and
+``bad_words_token_ids`` masks, the ``min_tokens`` mask and ``logit_bias``, the repetition, frequency
+and presence penalties, the logprobs, then temperature, ``min_p``, ``top_k`` and ``top_p`` over the
+drawn rows at once, and each request's draw. A batch of plain greedy requests is one argmax over the
+raw logits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class RequestSampling:
     """
 
     __slots__ = ("params", "generator", "mask_ids", "bias_ids", "bias_values", "counts", "seen", "counted",
-                 "plain")
+                 "banned", "bad_words", "masked", "plain")
 
     def __init__(self, r: Request, sampling: SamplingParams, stop_ids: frozenset[int], device,
                  vocab_size: int) -> None:
@@ -42,6 +43,7 @@ class RequestSampling:
         self.bias_values = torch.tensor(list(bias.values()), device=device) if bias else None
         masked = [t for t in stop_ids if t < vocab_size] if sampling.min_tokens else []
         self.mask_ids = _long(masked, device) if masked else None
+        self._build_bans(sampling, device, vocab_size)
         self.counts = self.seen = None  # output token counts; tokens of the prompt or the output
         self.counted = 0
         if sampling.penalized:
@@ -50,7 +52,62 @@ class RequestSampling:
             self.seen[_long([t for t in r.prompt_token_ids if t < vocab_size], device)] = True
         # A plain request is one greedy argmax over the raw logits: the fast path of a step.
         self.plain = (sampling.greedy and self.bias_ids is None and self.mask_ids is None and self.counts is None
-                      and sampling.logprobs is None)
+                      and not self.masked and sampling.logprobs is None)
+
+    def _build_bans(self, sampling: SamplingParams, device, vocab_size: int) -> None:
+        """The bans that ``allowed_token_ids`` and ``bad_words_token_ids`` put on the logits:
+        ``banned``, a bool mask over the vocabulary of the tokens banned at every step (the ones
+        outside ``allowed_token_ids`` and the one-token bad words), or None; ``bad_words``, the
+        longer bad words as {the last token of a prefix: [(the prefix, the token it bans)]}, so a
+        step only compares the prefixes that end with the request's last output token; ``masked``,
+        whether there is either."""
+        sequences = [seq for seq in sampling.bad_words_token_ids or () if max(seq) < vocab_size]
+        always = [seq[0] for seq in sequences if len(seq) == 1]
+        self.banned = None
+        if sampling.allowed_token_ids is not None:
+            self.banned = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            self.banned[_long([t for t in sampling.allowed_token_ids if t < vocab_size], device)] = False
+        if always:
+            if self.banned is None:
+                self.banned = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.banned[_long(always, device)] = True
+        self.bad_words: dict[int, list[tuple[list[int], int]]] = {}
+        for seq in sequences:
+            if len(seq) > 1:
+                self.bad_words.setdefault(seq[-2], []).append((seq[:-1], seq[-1]))
+        self.masked = self.banned is not None or bool(self.bad_words)
+
+    def banned_now(self, r: Request) -> list[int]:
+        """The last tokens of the longer bad words whose prefix the output ends with: banned this step
+        (vLLM's rule: only output tokens count, not the prompt's)."""
+        out = r.output_token_ids
+        if not out:
+            return []
+        return [token for prefix, token in self.bad_words.get(out[-1], ()) if out[-len(prefix):] == prefix]
+
+    def ban(self, row: torch.Tensor, r: Request, early: bool) -> None:
+        """Set the logits of the banned tokens of ``row`` (the request's float32 logits) to -inf: those
+        of :meth:`banned_now` and the ``banned`` mask, and with ``early`` the ``min_tokens`` mask.
+
+        Where the request's parameters contradict each other so that nothing is left (say
+        ``allowed_token_ids`` of a bad word's last token and its prefix, or of EOS under
+        ``min_tokens``), the bans are lifted for the step: softmax over no token is NaN, and the
+        draw would fail. That check is on the device, without a sync."""
+        now = self.banned_now(r) if self.bad_words else []
+        if self.banned is None:  # a few bad words' tokens, never every token of the vocabulary
+            if now:
+                row[now] = float("-inf")
+            if early:
+                row[self.mask_ids] = float("-inf")
+            return
+        banned = self.banned
+        if now or early:
+            banned = banned.clone()
+            if now:
+                banned[now] = True
+            if early:
+                banned[self.mask_ids] = True
+        row.masked_fill_(banned & ~banned.all(), float("-inf"))
 
     def sync_counts(self, r: Request, device) -> None:
         """Add the output tokens committed since the last step to the penalty counts."""
@@ -93,17 +150,21 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, reqs: list[Request], states: list[RequestSampling]) -> torch.Tensor:
-        """The logits after the ``min_tokens`` mask, ``logit_bias`` and the penalties (float32, a copy
-        when anything changes them); only the rows that need a step take part in it."""
+        """The logits after the ``allowed_token_ids``, ``bad_words_token_ids`` and ``min_tokens``
+        masks, ``logit_bias`` and the penalties (float32, a copy when anything changes them); only
+        the rows that need a step take part in it."""
         copied = False
         penalized = []
         for i, (r, s) in enumerate(zip(reqs, states)):
             early = s.mask_ids is not None and len(r.output_token_ids) < s.params.min_tokens
-            if s.plain or not (early or s.bias_ids is not None or s.counts is not None):
+            if s.plain or not (early or s.masked or s.bias_ids is not None or s.counts is not None):
                 continue
             if not copied:
                 logits, copied = logits.to(torch.float32, copy=True), True
-            if early:
+            # The masks before the bias and penalties, as in vLLM: -inf stays -inf through both.
+            if s.masked:
+                s.ban(logits[i], r, early)
+            elif early:
                 logits[i, s.mask_ids] = float("-inf")
             if s.bias_ids is not None:
                 logits[i].index_add_(0, s.bias_ids, s.bias_values)
@@ -161,7 +222,8 @@ class Sampler:
 def _sample_logprobs(logits: torch.Tensor, tokens: torch.Tensor, out: list[int], wanted: list[int],
                      reqs: list[Request], states: list[RequestSampling]) -> None:
     """Append each wanted request's entry for its new token: its logprob under ``logits`` (after
-    bias and penalties, before temperature and truncation) and the k most likely tokens."""
+    bias and penalties, before temperature and truncation) and the k most likely tokens (or the
+    request's ``logprob_token_ids``)."""
     rows = _long(wanted, logits.device)
     logprobs = torch.log_softmax(logits[rows], -1)
     chosen = logprobs.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
@@ -170,8 +232,11 @@ def _sample_logprobs(logits: torch.Tensor, tokens: torch.Tensor, out: list[int],
     top_values = top.values.tolist() if top is not None else None
     top_ids = top.indices.tolist() if top is not None else None
     for j, i in enumerate(wanted):
-        r, k = reqs[i], states[i].params.logprobs
-        alternatives = list(zip(top_ids[j][:k], top_values[j][:k])) if top_ids is not None else []
+        r, k, named = reqs[i], states[i].params.logprobs, states[i].params.logprob_token_ids
+        if named:  # vLLM's logprob_token_ids: these ids, in place of the most likely ones
+            alternatives = list(zip(named, logprobs[j, _long(named, logits.device)].tolist()))
+        else:
+            alternatives = list(zip(top_ids[j][:k], top_values[j][:k])) if top_ids is not None else []
         entries = r.logprobs if r.logprobs is not None else []
         del entries[len(r.output_token_ids):]  # one entry per output token, whatever happened before
         entries.append((out[i], chosen[j], alternatives))

@@ -3,9 +3,10 @@
 Plain data with no torch import, so the server's protocol layer can build and check it without
 loading the model stack; ``engine.real.sampler.Sampler`` does the sampling.
 
-The order of the steps on a request's next-token logits is vLLM's: the ``min_tokens`` mask and
-``logit_bias``, then the repetition, frequency and presence penalties, then (for ``logprobs``) the
-log-softmax, then temperature, ``min_p``, ``top_k`` and ``top_p``, then the draw.
+The order of the steps on a request's next-token logits is vLLM's (v1): the ``allowed_token_ids``
+and ``bad_words_token_ids`` masks, then the ``min_tokens`` mask and ``logit_bias``, then the
+repetition, frequency and presence penalties, then (for ``logprobs``) the log-softmax, then
+temperature, ``min_p``, ``top_k`` and ``top_p``, then the draw.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 
 #: the most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's limit, vLLM's default)
 MAX_LOGPROBS = 20
+#: the most token ids ``logprob_token_ids`` may name: each is one entry of every token's logprobs
+MAX_LOGPROB_TOKEN_IDS = 1024
 #: the largest ``logit_bias`` magnitude (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
 
@@ -48,15 +51,32 @@ class SamplingParams:
         ``stop_token_ids`` are masked out until then, and a stop string only counts when the token
         that completes it comes after them.
     :param include_stop_str_in_output: keep the stop string (or the stop token's text) in the text.
+    :param allowed_token_ids: None: any token; otherwise a non-empty list of the only token ids the
+        request may generate (every other logit is -inf from the first step of the logits
+        processing on); ids must be in the model's vocabulary (checked by :meth:`verify`).
+    :param bad_words_token_ids: token id sequences the output must never contain (vLLM's
+        ``bad_words``, tokenized by :func:`bad_words_token_ids`): a one-token sequence bans its token
+        at every step; a longer one bans its last token at the steps where the output so far ends
+        with the rest of it. Only output tokens count, as in vLLM: a sequence that begins in the
+        prompt is not banned. The sequences must be non-empty, their ids in the model's vocabulary
+        (checked by :meth:`verify`), and they must not ban every id of ``allowed_token_ids``. At a
+        step where the masks together leave no token (say a longer bad word, or ``min_tokens``,
+        bans the rest of ``allowed_token_ids``), they are lifted for that step.
     :param logprobs: None: none; k in [0, 20]: for every generated token, its log-probability and the
         k most likely tokens with theirs (``Request.logprobs``). The distribution is the one the token
-        was drawn from after ``logit_bias``, the ``min_tokens`` mask and the penalties, but before
-        temperature and the ``min_p``/``top_k``/``top_p`` truncation. vLLM's default
-        (``--logprobs-mode raw_logprobs``) is before the bias and penalties as well; the two agree
-        whenever a request sets neither.
+        was drawn from after the ``allowed_token_ids`` and ``bad_words_token_ids`` masks,
+        ``logit_bias``, the ``min_tokens`` mask and the penalties, but before temperature and the
+        ``min_p``/``top_k``/``top_p`` truncation (masked tokens have logprob -inf). vLLM's default
+        (``--logprobs-mode raw_logprobs``) is before the masks, bias and penalties as well; the two
+        agree whenever a request sets none of them.
     :param prompt_logprobs: None: none; k in [0, 20]: the log-probability of each prompt token given
         the ones before it under the model's raw distribution, and the k most likely tokens
         (``Request.prompt_logprobs``; the first prompt token has None).
+    :param logprob_token_ids: with ``logprobs``, the alternatives of each token's entry are these ids
+        (in this order, at most ``MAX_LOGPROB_TOKEN_IDS``) instead of the most likely ones, as vLLM's
+        parameter of that name.
+    :param skip_special_tokens: the text leaves out special tokens (BOS, EOS, ...), as vLLM's default;
+        False shows them.
     """
 
     temperature: float = 0.0
@@ -75,6 +95,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    skip_special_tokens: bool = True
+    logprob_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -91,6 +115,7 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         self._check_penalties()
         self._check_tokens()
+        self._check_masks()
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -125,6 +150,35 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value}")
+        ids = self.logprob_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS \
+                    or not all(_is_token_id(t) for t in ids):
+                raise ValueError(f"logprob_token_ids must be None or a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids "
+                                 f"(integers >= 0), got {len(ids) if isinstance(ids, (list, tuple)) else ids!r}")
+            if self.logprobs is None:
+                raise ValueError("logprob_token_ids needs logprobs")
+            self.logprob_token_ids = list(ids)
+
+    def _check_masks(self) -> None:
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \
+                    or not all(_is_token_id(t) for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be None or a non-empty list of token ids (integers >= 0), "
+                                 f"got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words_token_ids is not None:
+            sequences = self.bad_words_token_ids
+            if not isinstance(sequences, (list, tuple)) or not all(
+                    isinstance(seq, (list, tuple)) and seq and all(_is_token_id(t) for t in seq) for seq in sequences):
+                raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids (integers >= 0), "
+                                 f"got {sequences!r}")
+            self.bad_words_token_ids = [list(seq) for seq in sequences]
+            # Then no token could ever be generated (vLLM would draw from all -inf logits): refused up front.
+            if self.allowed_token_ids is not None \
+                    and set(self.allowed_token_ids) <= {seq[0] for seq in sequences if len(seq) == 1}:
+                raise ValueError("bad_words_token_ids bans every token of allowed_token_ids, which leaves nothing "
+                                 "to generate")
 
     def verify(self, vocab_size: int, max_tokens: int | None = None) -> None:
         """Check what depends on the model and the request: token ids within the vocabulary, and
@@ -139,6 +193,16 @@ class SamplingParams:
         bad = sorted(t for t in self.stop_token_ids if t >= vocab_size)
         if bad:
             raise ValueError(f"stop_token_ids holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
+        bad = sorted({t for t in self.allowed_token_ids or () if t >= vocab_size})
+        if bad:
+            raise ValueError(f"allowed_token_ids holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
+        bad = sorted({t for t in self.logprob_token_ids or () if t >= vocab_size})
+        if bad:
+            raise ValueError(f"logprob_token_ids holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
+        bad = sorted({t for seq in self.bad_words_token_ids or () for t in seq if t >= vocab_size})
+        if bad:
+            raise ValueError(f"bad_words (bad_words_token_ids) holds token ids outside the vocabulary of {vocab_size}: "
+                             f"{bad[:5]}.")
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({max_tokens}), got {self.min_tokens}.")
 
@@ -151,3 +215,35 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any of the repetition, frequency and presence penalties is on."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token id sequences of vLLM's ``bad_words``, as its ``SamplingParams.update_from_tokenizer``
+    builds them, for ``SamplingParams.bad_words_token_ids``.
+
+    Each word is tokenized without special tokens twice, stripped of leading whitespace: as it is,
+    and after a space, since most tokenizers give a word in mid-text (after a space) other tokens
+    than at the start. The second is kept only where it is a different word token of the same
+    length: same length, and a first id unlike the first's.
+
+    :param tokenizer: has ``encode(text, add_special_tokens=...)`` (a Hugging Face tokenizer or the
+        tiny model's ``ByteTokenizer``).
+    :param words: the bad words; a lone string is one word.
+    :raises ValueError: for a word with no tokens (empty or only whitespace), naming ``bad_words``.
+    """
+    if isinstance(words, str):
+        words = [words]
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = [int(t) for t in tokenizer.encode(word.lstrip(), add_special_tokens=False)]
+        if not plain:
+            raise ValueError(f"bad_words must hold words with at least one token, got {word!r}")
+        sequences.append(plain)
+        spaced = [int(t) for t in tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)]
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return sequences

@@ -53,6 +53,8 @@ class _StartError(Exception):
                    "/version stay open).")
 @click.option("--chat-template", "chat_template_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="A Jinja chat template file, used instead of the tokenizer's.")
+@click.option("--trust-request-chat-template/--no-trust-request-chat-template", default=False, show_default=True,
+              help="Take a chat request's own chat_template (rendered in a sandbox), as vLLM's flag of that name.")
 @click.option("--max-model-len", type=click.IntRange(min=1), default=None,
               help="The longest prompt + output served, in tokens (at most the model's context) "
                    "[default: the model's context].")
@@ -94,7 +96,7 @@ class _StartError(Exception):
 @friendly(_StartError, VllmServeError)
 @click.pass_context
 def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_name, controller_spec, profile_name,
-          host, port, api_key, chat_template_path,
+          host, port, api_key, chat_template_path, trust_request_chat_template,
           max_model_len, max_request_bytes, log_level, access_log, kv_capacity_tokens, block_size,
           max_num_batched_tokens, max_num_seqs, device, dtype, max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads,
@@ -128,7 +130,8 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
                              default_max_tokens=default_max_tokens, engine_process=engine_process,
                              engine_timeout_s=engine_timeout_s, threads=threads,
                              api_key=api_key or None,
-                             chat_template=chat_template, max_model_len=max_model_len,
+                             chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
+                             max_model_len=max_model_len,
                              max_request_bytes=max_request_bytes, log_level=log_level, access_log=access_log,
                              **({} if engine_nice is None else {"engine_nice": engine_nice}))
     except ValueError as exc:
@@ -149,7 +152,8 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
 
 
 #: the options of tidegate's own engine and server, which --engine vllm refuses (vLLM takes its own, --vllm-arg)
-_OWN_ENGINE_OPTIONS = ("log_level", "access_log", "max_request_bytes", "kv_capacity_tokens", "block_size",
+_OWN_ENGINE_OPTIONS = ("trust_request_chat_template",
+                       "log_level", "access_log", "max_request_bytes", "kv_capacity_tokens", "block_size",
                        "max_num_batched_tokens", "max_num_seqs", "device", "max_in_flight", "queue_timeout_s",
                        "stream_buffer_chunks", "drain_timeout_s", "default_max_tokens", "engine_process",
                        "engine_timeout_s", "threads", "engine_nice")

@@ -22,6 +22,7 @@ from tidegate.engine.serve.protocol import (
     completion_choice,
     completion_logprobs,
     error_body,
+    prompt_logprobs_body,
     error_response,
     sse_event,
     usage_body,
@@ -34,30 +35,48 @@ if TYPE_CHECKING:
 
 
 class Choice:
-    """One engine request of a completion, and what has been read of it."""
+    """One engine request of a completion, and what has been read of it.
 
-    __slots__ = ("index", "stream", "parts", "entries", "prompt_entries", "finished", "offset", "echoed")
+    :param index: its place among the completion's engine requests (``best_of`` per prompt, in prompt order)
+    :param stream: its stream of events
+    :param prompt: which of the completion's prompts it answers
+    :param prompt_ids: that prompt's token ids
+    :param echo: the text put before its own (the echoed prompt), or None
+    """
 
-    def __init__(self, index: int, stream: Stream) -> None:
+    __slots__ = ("index", "stream", "prompt", "prompt_ids", "echo", "parts", "entries", "prompt_entries",
+                 "token_ids", "finished", "offset", "echoed", "sent_tokens")
+
+    def __init__(self, index: int, stream: Stream, prompt: int = 0, prompt_ids: list[int] | None = None,
+                 echo: str | None = None) -> None:
         self.index = index
         self.stream = stream
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids or []
+        self.echo = echo
         self.parts: list[str] = []
         self.entries: list = []
         self.prompt_entries: list | None = None
+        self.token_ids: list[int] = []
         self.finished = False
         #: the next token's ``text_offset``: the token texts sent before it (as the whole answer counts them)
         self.offset = 0
         self.echoed = False
+        #: tokens already streamed
+        self.sent_tokens = 0
 
-    def read(self) -> tuple[str, list]:
-        """Take every chunk waiting: returns their text and logprob entries (also kept)."""
+    def read(self, most: int | None = None) -> tuple[str, list, list[int]]:
+        """Take the chunks waiting (at most ``most`` of them): returns their text, logprob entries and
+        token ids (also kept)."""
         text: list[str] = []
         entries: list = []
+        ids: list[int] = []
         chunks = self.stream.chunks
-        while chunks and not self.finished:
+        while chunks and not self.finished and (most is None or len(text) < most):
             chunk = chunks.popleft()
             self.finished = chunk.finished
             text.append(chunk.delta)
+            ids.extend(chunk.token_ids)
             if chunk.logprobs:
                 entries.extend(chunk.logprobs)
             if chunk.prompt_logprobs is not None:
@@ -65,7 +84,8 @@ class Choice:
         joined = "".join(text)
         self.parts.append(joined)
         self.entries.extend(entries)
-        return joined, entries
+        self.token_ids.extend(ids)
+        return joined, entries, ids
 
     @property
     def cumulative_logprob(self) -> float:
@@ -95,12 +115,13 @@ class AnswerWriter:
         self.model_name = model_name
         self._token_texts: dict[int, tuple[str, list[int]]] = {}
 
-    async def respond(self, http: HttpRequest, choices: list[Choice], ask: Ask, prompt_ids: list[int]) -> Response:
+    async def respond(self, http: HttpRequest, choices: list[Choice], ask: Ask,
+                      prompts: list[tuple[list[int], str | None]]) -> Response:
         """Answer admitted choices whole or, once their first token has come (or every choice has
         ended, maybe refused), as a stream of events."""
-        rid = f"{'chatcmpl' if ask.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if ask.chat else 'cmpl'}-{ask.request_id or uuid.uuid4().hex}"
         if not ask.stream:
-            return await self.complete(http, choices, rid, ask, prompt_ids)
+            return await self.complete(http, choices, rid, ask, prompts)
 
         def started() -> bool:  # every choice has an answer, or one is generating (the others may queue)
             return (all(c.stream.chunks for c in choices)
@@ -121,11 +142,11 @@ class AnswerWriter:
             if bad is not None:
                 abandon(self.service, choices)
                 return _error(bad)
-        return StreamingResponse(self.sse(choices, rid, ask, prompt_ids), media_type="text/event-stream",
+        return StreamingResponse(self.sse(choices, rid, ask), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def complete(self, http: HttpRequest, choices: list[Choice], rid: str, ask: Ask,
-                       prompt_ids: list[int]) -> Response:
+                       prompts: list[tuple[list[int], str | None]]) -> Response:
         """The whole answer as one body, once every request has finished."""
         try:
             while not all(c.finished for c in choices):
@@ -139,83 +160,143 @@ class AnswerWriter:
                             return _error(bad)
         finally:
             abandon(self.service, choices)
-        usage = _usage([c.stream.result for c in choices])
-        if ask.best_of > ask.n:
-            choices = sorted(choices, key=lambda c: c.cumulative_logprob, reverse=True)[:ask.n]
+        usage = _usage(choices)
         bodies = []
-        for index, c in enumerate(choices):
-            text = "".join(c.parts)
-            if ask.echo is not None:
-                text = ask.echo + text
-            bodies.append(completion_choice(index, text, _finish_reason(c.stream.result),
-                                            self._choice_logprobs(c, ask, prompt_ids), ask.chat))
-        return JSONResponse(completion_body(rid, self.model_name, bodies, usage, ask.chat))
+        for p in range(len(prompts)):
+            ranked = [c for c in choices if c.prompt == p]
+            if ask.best_of > ask.n:
+                ranked = sorted(ranked, key=lambda c: c.cumulative_logprob, reverse=True)[:ask.n]
+            for k, c in enumerate(ranked):
+                text = (c.echo or "") + "".join(c.parts)
+                bodies.append(completion_choice(p * ask.n + k, text, _finish_reason(c.stream.result),
+                                                self._choice_logprobs(c, ask), ask.chat, self._choice_extra(c, ask)))
+        return JSONResponse(completion_body(rid, self.model_name, bodies, usage, ask.chat,
+                                            self._top_extra(choices[0], ask, whole=True)))
 
-    def _choice_logprobs(self, c: Choice, ask: Ask, prompt_ids: list[int]) -> dict | None:
+    def _choice_extra(self, c: Choice, ask: Ask, whole: bool = True) -> dict | None:
+        """vLLM's fields of a whole choice: ``token_ids`` and, for completions, ``prompt_token_ids``
+        and ``prompt_logprobs``."""
+        extra: dict = {}
+        if ask.return_token_ids:
+            extra["token_ids"] = list(c.token_ids)
+            if not ask.chat:
+                extra["prompt_token_ids"] = list(c.prompt_ids)
+        if not ask.chat and ask.prompt_logprobs is not None and whole:
+            extra["prompt_logprobs"] = self._prompt_logprobs(c, ask)
+        return extra
+
+    def _top_extra(self, c: Choice, ask: Ask, whole: bool) -> dict | None:
+        """vLLM's top-level fields of a chat answer: the prompt's ids, logprobs and text."""
+        if not ask.chat:
+            return None
+        extra: dict = {}
+        if ask.return_token_ids:
+            extra["prompt_token_ids"] = list(c.prompt_ids)
+        if ask.prompt_logprobs is not None and whole:
+            extra["prompt_logprobs"] = self._prompt_logprobs(c, ask)
+        if ask.prompt_text is not None:
+            extra["prompt_text"] = ask.prompt_text
+        return extra
+
+    def _prompt_logprobs(self, c: Choice, ask: Ask) -> list:
+        """vLLM's ``prompt_logprobs`` of the choice's prompt; ``decoded_token`` is the token's text (vLLM's
+        detokenizer writes it, whatever ``return_tokens_as_token_ids`` says of the answer's logprobs)."""
+        entries = _prompt_entries(c.prompt_ids, c.prompt_entries)
+        top = ask.prompt_logprobs or 0
+        return prompt_logprobs_body([(t, lp, (alts or [])[:top]) for t, lp, alts in entries], self.token_text)
+
+    def _choice_logprobs(self, c: Choice, ask: Ask) -> dict | None:
         if ask.logprobs is None:
             return None
         if ask.chat:
-            return chat_logprobs(c.entries, self.token_text)
+            return chat_logprobs(c.entries, self._namer(ask))
         entries = c.entries
-        if ask.echo is not None:
-            entries = _prompt_entries(prompt_ids, c.prompt_entries) + entries
-        return completion_logprobs(entries, self.token_text)
+        if c.echo is not None:
+            entries = _prompt_entries(c.prompt_ids, c.prompt_entries) + entries
+        return completion_logprobs(entries, self._namer(ask))
 
-    async def sse(self, choices: list[Choice], rid: str, ask: Ask, prompt_ids: list[int]):
+    async def sse(self, choices: list[Choice], rid: str, ask: Ask):
         """The answer as server-sent events, ending with ``[DONE]``; the choices' chunks interleave,
-        each with its ``index``."""
-        events = StreamEvents(rid, self.model_name, ask.chat, ask.include_usage)
+        each with its ``index``. A chunk per engine event (a token, as vLLM streams them), or per
+        ``stream_interval`` tokens after the first."""
+        events = StreamEvents(rid, self.model_name, ask.chat, ask.include_usage, ask.continuous_usage)
+
+        # a chunk to send, not merely one waiting: waiting for the latter, a chunk held back for its
+        # interval would have the loop spin, holding the event loop, until the interval's tokens came
+        def due() -> bool:
+            return any(not c.finished and _due(c, ask.stream_interval) for c in choices)
+
         try:
             if ask.chat:
                 for c in choices:
-                    yield events.chunk(c.index, None, None, role=True)
+                    top = self._top_extra(c, ask, whole=False) if c is choices[0] else None
+                    yield events.chunk(c.index, None, None, role=True, top=top, usage=_choice_usage(c))
             while not all(c.finished for c in choices):
-                await _wait(choices, None)
+                await _wait(choices, None, due)
                 for c in choices:
-                    if c.finished or not c.stream.chunks:
-                        continue
-                    text, entries = c.read()
-                    for event in self._choice_events(events, c, ask, prompt_ids, text, entries):
-                        yield event
-                    if c.finished and _ended_badly(c.stream.result, c.stream) is not None:
-                        yield SSE_DONE
-                        return
+                    while not c.finished and _due(c, ask.stream_interval):
+                        # the first chunk alone, then at most an interval's events a chunk, though
+                        # more wait when the client reads slowly: chunks keep the size asked for
+                        text, entries, ids = c.read(1 if c.sent_tokens == 0 else ask.stream_interval)
+                        for event in self._choice_events(events, c, ask, text, entries, ids):
+                            yield event
+                        if c.finished and _ended_badly(c.stream.result, c.stream) is not None:
+                            yield SSE_DONE
+                            return
             if ask.include_usage:
-                yield events.usage(_usage([c.stream.result for c in choices]))
+                yield events.usage(_usage(choices))
             yield SSE_DONE
         finally:  # also when the client went away mid-stream: free the KV blocks of the unfinished
             abandon(self.service, choices)
 
-    def _choice_events(self, events: StreamEvents, c: Choice, ask: Ask, prompt_ids: list[int], text: str,
-                       entries: list) -> list[str]:
+    def _choice_events(self, events: StreamEvents, c: Choice, ask: Ask, text: str, entries: list,
+                       ids: list[int]) -> list[str]:
         """The events of what was just read of choice ``c``: the echoed prompt first, its text, and
         at its end the finish (or the error)."""
         out = []
         want = ask.logprobs is not None
-        if ask.echo is not None and not c.echoed:
-            c.echoed = True
-            lps = self._completion_logprobs(c, _prompt_entries(prompt_ids, c.prompt_entries)) if want else None
-            out.append(events.chunk(c.index, ask.echo, None, lps))
-        if text or (want and entries):
+        first = not c.echoed
+        if c.echo is not None and not c.echoed:
+            lps = None
+            if want and not ask.chat:
+                lps = self._completion_logprobs(c, _prompt_entries(c.prompt_ids, c.prompt_entries), ask)
+            out.append(events.chunk(c.index, c.echo, None, lps, extra=self._first_extra(c, ask),
+                                    usage=_choice_usage(c)))
+            first = False
+        c.echoed = True
+        c.sent_tokens += len(ids)
+        if text or ids or (want and entries):
             lps = None
             if want:
-                lps = chat_logprobs(entries, self.token_text) if ask.chat else self._completion_logprobs(c, entries)
-            out.append(events.chunk(c.index, text, None, lps))
+                lps = (chat_logprobs(entries, self._namer(ask)) if ask.chat
+                       else self._completion_logprobs(c, entries, ask))
+            extra = self._first_extra(c, ask) if first else {}
+            if ask.return_token_ids:
+                extra["token_ids"] = list(ids)
+            out.append(events.chunk(c.index, text, None, lps, extra=extra, usage=_choice_usage(c)))
         if c.finished:
             bad = _ended_badly(c.stream.result, c.stream)
             if bad is not None:
                 status, kind, message = bad
                 out.append(sse_event(error_body(message, kind, status)))
             else:
-                out.append(events.chunk(c.index, None, _finish_reason(c.stream.result)))
+                out.append(events.chunk(c.index, None, _finish_reason(c.stream.result), usage=_choice_usage(c)))
         return out
 
-    def _completion_logprobs(self, c: Choice, entries: list) -> dict:
+    def _first_extra(self, c: Choice, ask: Ask) -> dict:
+        """What a completion choice's first chunk carries besides its text: its prompt's ids."""
+        return {"prompt_token_ids": list(c.prompt_ids)} if ask.return_token_ids and not ask.chat else {}
+
+    def _completion_logprobs(self, c: Choice, entries: list, ask: Ask) -> dict:
         """The ``logprobs`` of a streamed completion chunk; its text offsets go on from the previous chunk's."""
-        lps = completion_logprobs(entries, self.token_text, c.offset)
+        lps = completion_logprobs(entries, self._namer(ask), c.offset)
         if lps["tokens"]:
             c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
         return lps
+
+    def _namer(self, ask: Ask) -> Callable[[int], tuple[str, list[int]]]:
+        """How logprobs name a token: its text, or ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)."""
+        return _token_as_id if ask.tokens_as_ids else self.token_text
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """A token's text (the tokenizer's decode of the one id) and its UTF-8 bytes."""
@@ -230,6 +311,31 @@ class AnswerWriter:
                 known = (text, list(text.encode("utf-8", errors="replace")))
             self._token_texts[token_id] = known
         return known
+
+
+def _token_as_id(token_id: int) -> tuple[str, list[int]]:
+    text = f"token_id:{token_id}"
+    return text, list(text.encode())
+
+
+def _due(c: Choice, interval: int) -> bool:
+    """Whether choice ``c`` has a chunk to send: anything waiting for its first, then ``interval``
+    tokens' events, or its end (vLLM's ``stream_interval``: the first and last chunks go at once);
+    also once half its buffer waits, whatever the interval, since a full buffer ends the stream as
+    a slow client's."""
+    # a copy: the service's reader thread appends to the deque while this runs, and a generator
+    # over the deque itself would see it change ("deque mutated during iteration")
+    chunks = tuple(c.stream.chunks)
+    if not chunks:
+        return False
+    if interval <= 1 or c.sent_tokens == 0 or any(ch.finished for ch in chunks):
+        return True
+    return sum(len(ch.token_ids) for ch in chunks) >= interval or 2 * len(chunks) >= c.stream.limit
+
+
+def _choice_usage(c: Choice) -> dict:
+    """The usage of one choice so far (``continuous_usage_stats``)."""
+    return usage_body(len(c.prompt_ids), len(c.token_ids))
 
 
 async def _wait(choices: list[Choice], http: HttpRequest | None, ready: Callable[[], bool] | None = None) -> bool:
@@ -267,10 +373,12 @@ def _prompt_entries(prompt_ids: list[int], engine_entries: list | None) -> list:
     return out
 
 
-def _usage(results: list[Outcome | None]) -> dict:
-    """Token counts of a completion's requests: the prompt once (as OpenAI counts it), every choice's output."""
-    prompt = next((r.prompt_len for r in results if r is not None and r.prompt_len), 0)
-    return usage_body(prompt, sum(r.completion_tokens for r in results if r is not None))
+def _usage(choices: list[Choice]) -> dict:
+    """Token counts of a completion's requests: each prompt once (as OpenAI and vLLM count them), every
+    choice's output."""
+    prompts = {c.prompt: len(c.prompt_ids) for c in choices}
+    results = [c.stream.result for c in choices]
+    return usage_body(sum(prompts.values()), sum(r.completion_tokens for r in results if r is not None))
 
 
 def _finish_reason(r: Outcome | None) -> str:

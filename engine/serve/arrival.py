@@ -32,25 +32,48 @@ def bad_request(message: str, param: str | None = None) -> Refused:
 
 @dataclass
 class Ask:
-    """What a client asked for beyond the sampling: how many choices, which logprobs, echo, streaming."""
+    """What a client asked for beyond the sampling: how many choices, which logprobs, echo, streaming,
+    and vLLM's extras of the answer."""
 
     chat: bool
     max_tokens: int | None
-    #: choices in the answer
+    #: choices in the answer, per prompt
     n: int = 1
-    #: engine requests; the n of them with the highest cumulative logprob are the answer
+    #: engine requests per prompt; the n of them with the highest cumulative logprob are the answer
     best_of: int = 1
     #: alternatives per token in the answer's logprobs; None: no logprobs
     logprobs: int | None = None
-    #: the prompt's text, put before each choice's text (completions' ``echo``)
-    echo: str | None = None
+    #: whether the prompt's text goes before each choice's text (completions' ``echo``; chat's: the
+    #: last message's content, when it is the assistant's)
+    echo: bool = False
     stream: bool = False
     include_usage: bool = False
+    #: usage in every chunk (``stream_options.continuous_usage_stats``)
+    continuous_usage: bool = False
+    #: tokens per streamed chunk after the first
+    stream_interval: int = 1
+    #: vLLM's ``prompt_logprobs``: alternatives per prompt token; None: none
+    prompt_logprobs: int | None = None
+    #: ``token_ids`` (and ``prompt_token_ids``) in the answer
+    return_token_ids: bool = False
+    #: logprobs name tokens ``token_id:<id>`` instead of by their text
+    tokens_as_ids: bool = False
+    #: the response id's suffix (vLLM's ``request_id``); None: a new one
+    request_id: str | None = None
+    #: the request's class as the controller sees it (vLLM's ``priority``)
+    priority: int = 0
+    #: chat's rendered prompt, in the answer (``return_prompt_text``)
+    prompt_text: str | None = None
 
     @classmethod
     def of(cls, body: SamplingBody, chat: bool, max_tokens: int | None, **fields) -> Ask:
-        include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        return cls(chat, max_tokens, n=body.n, stream=body.stream, include_usage=include_usage, **fields)
+        options = body.stream_options
+        include_usage = bool(body.stream and options and options.include_usage)
+        return cls(chat, max_tokens, n=body.choices, stream=body.streamed, include_usage=include_usage,
+                   continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
+                   stream_interval=body.stream_interval or 1, prompt_logprobs=body.prompt_logprobs,
+                   return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                   request_id=body.request_id, priority=body.priority or 0, **fields)
 
 
 def refuse_unserved(body: SamplingBody) -> None:
@@ -64,19 +87,24 @@ def refuse_unserved(body: SamplingBody) -> None:
 #: keyword arguments of SamplingParams this engine has (newer parameters may be missing)
 _SAMPLING_FIELDS = frozenset(inspect.signature(SamplingParams).parameters)
 #: the request parameter each engine parameter comes from, where the names differ
-_PARAM_OF = {"prompt_logprobs": "logprobs", "logprobs": "logprobs"}
+_PARAM_OF = {"logprobs": "logprobs", "bad_words_token_ids": "bad_words"}
 
 
-def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int) -> SamplingParams:
+def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=None) -> SamplingParams:
     """The engine's sampling parameters of a request; raises :class:`Refused` (400, naming the
-    parameter) for a value the engine refuses or a parameter it does not have."""
-    kwargs: dict = dict(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
-                        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-                        ignore_eos=body.ignore_eos)
+    parameter) for a value the engine refuses or a parameter it does not have.
+
+    :param tokenizer: turns ``bad_words`` into token ids (as vLLM does)
+    """
+    kwargs: dict = dict(temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=1.0 if body.top_p is None else body.top_p, top_k=max(body.top_k or 0, 0),
+                        seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+                        ignore_eos=bool(body.ignore_eos))
     # only what differs from the engine's neutral default, so an engine without a parameter
     # still serves the clients that send it at its default
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                          ("min_p", 0.0), ("min_tokens", 0), ("include_stop_str_in_output", False)):
+                          ("min_p", 0.0), ("min_tokens", 0), ("include_stop_str_in_output", False),
+                          ("skip_special_tokens", True)):
         value = getattr(body, name)
         if value is not None and value != neutral:
             kwargs[name] = value
@@ -84,12 +112,22 @@ def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int) -> SamplingPa
         if any(t < 0 or t >= vocab_size for t in body.stop_token_ids):
             raise bad_request(f"stop_token_ids holds ids outside the vocabulary of {vocab_size}", "stop_token_ids")
         kwargs["stop_token_ids"] = list(body.stop_token_ids)
+    if body.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(body.allowed_token_ids)
+    if body.bad_words:
+        kwargs["bad_words_token_ids"] = _bad_words(tokenizer, body.bad_words)
     if body.logit_bias:
         kwargs["logit_bias"] = _logit_bias(body.logit_bias, vocab_size)
     if ask.logprobs is not None or ask.best_of > ask.n:  # best_of ranks by cumulative logprob
         kwargs["logprobs"] = ask.logprobs or 0
-    if ask.echo is not None and ask.logprobs is not None:
-        kwargs["prompt_logprobs"] = ask.logprobs
+    if body.logprob_token_ids is not None:
+        if ask.logprobs is None:
+            raise bad_request("logprob_token_ids needs logprobs", "logprob_token_ids")
+        kwargs["logprob_token_ids"] = list(body.logprob_token_ids)
+    prompt_logprobs = [k for k in (ask.prompt_logprobs, ask.logprobs if ask.echo and not ask.chat else None)
+                       if k is not None]
+    if prompt_logprobs:
+        kwargs["prompt_logprobs"] = max(prompt_logprobs)
     missing = [name for name in kwargs if name not in _SAMPLING_FIELDS]
     if missing:
         param = "best_of" if missing[0] == "logprobs" and ask.logprobs is None else _PARAM_OF.get(missing[0],
@@ -99,6 +137,18 @@ def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int) -> SamplingPa
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise bad_request(str(exc).rstrip("."), named_param(str(exc), kwargs)) from None
+
+
+def _bad_words(tokenizer, words: list[str]) -> list[list[int]]:
+    """``bad_words`` as the token-id sequences the engine bans, tokenized as vLLM tokenizes them."""
+    from tidegate.engine.real.sampling import bad_words_token_ids
+
+    if any(not w.strip() for w in words):
+        raise bad_request("bad_words must not hold empty words", "bad_words")
+    try:
+        return bad_words_token_ids(tokenizer, words)
+    except (UnicodeError, TypeError, ValueError) as exc:
+        raise bad_request(f"bad_words cannot be tokenized ({type(exc).__name__})", "bad_words") from None
 
 
 def named_param(message: str, names) -> str | None:

@@ -11,11 +11,15 @@ from tidegate.engine.serve.protocol import ChatMessage
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: str | None = None,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> str:
     """The text of a chat, as the chat route renders it: ``chat_template`` (else the tokenizer's)
     over the messages. A Hugging Face tokenizer with neither is refused; the tiny model's byte
     tokenizer without one gets ``<|role|>`` headers.
 
+    :param continue_final_message: the last message is left open (the text ends with its content),
+        so that the answer goes on from it, as vLLM's parameter of that name
+    :param template_kwargs: more variables for the template (vLLM's ``chat_template_kwargs``, ``documents``)
     :raises ValueError: one sentence, when the messages cannot be rendered.
     """
     if not all(m.text_parts_only() for m in messages):
@@ -27,17 +31,30 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: str | Non
         if hugging_face:
             raise ValueError("the model has no chat template; start the server with --chat-template FILE")
         text = "".join(f"<|{t['role']}|>\n{t['content']}\n" for t in turns)
+        if continue_final_message:
+            return text[:-1]
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
     from jinja2 import TemplateError
 
+    kwargs = {k: v for k, v in (template_kwargs or {}).items()
+              if k not in ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                           "tokenize", "conversation")}
     try:
         if hugging_face:
             return tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-        return _compiled(template).render(messages=turns, add_generation_prompt=add_generation_prompt,
-                                          bos_token="", eos_token="")
-    except TemplateError as exc:
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, **kwargs)
+        text = _compiled(template).render(messages=turns, add_generation_prompt=add_generation_prompt,
+                                          bos_token="", eos_token="", **kwargs)
+    except (TemplateError, TypeError, ValueError) as exc:  # and transformers' own checks of the arguments
         raise ValueError(f"the chat template cannot render these messages ({exc})") from None
+    if continue_final_message:  # as transformers does: cut the text after the last message's content
+        final = turns[-1]["content"].strip()
+        end = text.rfind(final)
+        if not final or end < 0:
+            raise ValueError("continue_final_message: the template does not show the last message's text")
+        text = text[:end + len(final)]
+    return text
 
 
 def check_chat_template(text: str, where: str) -> None:

@@ -56,6 +56,8 @@ class ServeConfig:
     api_key: str | None = None
     #: a Jinja chat template's text, used instead of the tokenizer's (None: the tokenizer's)
     chat_template: str | None = None
+    #: take a request's own ``chat_template`` (rendered in the sandbox, as the server's), as vLLM's flag
+    trust_request_chat_template: bool = False
     #: the longest prompt + output served, in tokens (None: the model's context)
     max_model_len: int | None = None
     #: a request body larger than this gets 413 before it is read whole

@@ -59,10 +59,10 @@ def observation_of(values: tuple) -> Observation:
 
 
 class _Track:
-    """One request's logprobs as the engine sends them: whether it asked for them, how many entries
-    have gone out, whether its prompt's are still to send."""
+    """What of one request the engine has sent: its tokens, and its logprobs (whether it asked for
+    them, how many entries have gone out, whether its prompt's are still to send)."""
 
-    __slots__ = ("sid", "request", "logprobs", "logprobs_sent", "prompt_logprobs_due")
+    __slots__ = ("sid", "request", "logprobs", "logprobs_sent", "prompt_logprobs_due", "tokens_sent")
 
     def __init__(self, sid: int, sampling) -> None:
         self.sid = sid
@@ -70,6 +70,7 @@ class _Track:
         self.logprobs = getattr(sampling, "logprobs", None) is not None
         self.logprobs_sent = 0
         self.prompt_logprobs_due = getattr(sampling, "prompt_logprobs", None) is not None
+        self.tokens_sent = 0
 
 
 class TimedController:
@@ -219,7 +220,7 @@ class EngineLoop:
         """Act on one message from the HTTP side; :class:`UnknownMessage` for one it does not know."""
         match msg:
             case AddRequest():
-                self._add(msg.sid, msg.prompt_ids, msg.sampling, msg.max_tokens)
+                self._add(msg.sid, msg.prompt_ids, msg.sampling, msg.max_tokens, msg.class_id)
                 self._taken = (self._taken[0] + 1, self._taken[1] + len(msg.prompt_ids))
             case RecordRejection():
                 r = Request(f"rejected-{self._taken[0]}", self.core.clock.now(), msg.prompt_len, msg.max_tokens)
@@ -233,7 +234,7 @@ class EngineLoop:
             case _:
                 raise unknown_message("the engine", msg, (AddRequest, RecordRejection, CancelRequest, Shutdown))
 
-    def _add(self, sid: int, ids, sampling, max_tokens: int) -> None:
+    def _add(self, sid: int, ids, sampling, max_tokens: int, class_id: int = 0) -> None:
         track = _Track(sid, sampling)
 
         def on_delta(r: Request, delta: str, finished: bool) -> None:
@@ -245,7 +246,7 @@ class EngineLoop:
 
         try:
             r = self.llm.add_request(ids, sampling, max_tokens, request_id=f"req-{sid}", on_delta=on_delta,
-                                     admission=None)
+                                     admission=None, class_id=class_id)
         except ValueError as exc:  # checked on arrival already; the engine's own check has the last word
             self._events.append(TokenEvent(sid, "", True, Outcome(RequestState.REJECTED, str(exc), len(ids), 0),
                                            None, None))
@@ -272,7 +273,11 @@ class EngineLoop:
             if prompt_logprobs is not None:
                 prompt_logprobs = list(prompt_logprobs)  # the event may outlive this step (engine thread)
             track.prompt_logprobs_due = prompt_logprobs is None and outcome is None
-        self._events.append(TokenEvent(track.sid, delta, outcome is not None, outcome, logprobs, prompt_logprobs))
+        ids = r.output_token_ids
+        token_ids = tuple(ids[track.tokens_sent:])
+        track.tokens_sent = len(ids)
+        self._events.append(TokenEvent(track.sid, delta, outcome is not None, outcome, logprobs, prompt_logprobs,
+                                       token_ids))
 
     def _first_token_events(self) -> None:
         """An event for each request whose first token came without visible text (an incomplete

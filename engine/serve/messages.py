@@ -159,6 +159,8 @@ class AddRequest:
     sampling: Any
     #: the most tokens to generate, in tokens
     max_tokens: int
+    #: the request's class as controllers see it (a client's ``priority``; 0 by default)
+    class_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +215,7 @@ class EngineFailed:
     message: str
 
 
-_EVENT_FIELDS = ("sid", "delta", "finished", "outcome", "logprobs", "prompt_logprobs")
+_EVENT_FIELDS = ("sid", "delta", "finished", "outcome", "logprobs", "prompt_logprobs", "token_ids")
 _event_values = attrgetter(*_EVENT_FIELDS)
 
 
@@ -236,6 +238,8 @@ class TokenEvent:
     logprobs: list | None
     #: the prompt's entries (the first None), once; None otherwise or if not asked for
     prompt_logprobs: list | None
+    #: the ids of the tokens committed since the previous event (a stop token included)
+    token_ids: tuple[int, ...] = ()
 
     def __reduce__(self):
         # one per request and step: pickled as the class and a tuple of its values, which is smaller

@@ -23,6 +23,8 @@ from tidegate.ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 SSE_DONE = "data: [DONE]\n\n"
 #: The most choices (``n``, ``best_of``) one request may ask for.
 MAX_CHOICES = 16
+#: The most prompts one completion may batch (each is ``best_of`` engine requests, admitted one by one).
+MAX_PROMPTS = 64
 #: The most alternatives per token (``logprobs``, ``top_logprobs``), as vLLM's default ``max_logprobs``.
 MAX_LOGPROBS = 20
 #: the most stop strings a request may give, and the longest one: every generated token of every
@@ -42,44 +44,79 @@ _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 class StreamOptions(BaseModel):
     model_config = _STRICT
 
-    include_usage: bool = False
+    include_usage: bool | None = False
+    #: usage in every chunk, as vLLM's extension
+    continuous_usage_stats: bool | None = False
     include_obfuscation: bool | None = None  # OpenAI's padding of chunks; nothing to obfuscate here
 
 
+_Ids = list[Annotated[int, Field(ge=0)]]
+
+
 class SamplingBody(BaseModel):
-    """The fields both completion bodies share: the model, the length limit and the sampling settings."""
+    """The fields both completion bodies share: the model, the length limit, the sampling settings,
+    and vLLM's extensions (every field of vLLM's request models is here: :data:`VLLM_FIELDS` says
+    what each does in this server). A ``null`` is taken wherever vLLM takes one, as the default."""
 
     model_config = _STRICT
 
-    model: str
+    #: None: the served model, as vLLM
+    model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
            | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)]
            | None) = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
     logit_bias: dict[str, _Bias] | None = None
     # vLLM's sampling parameters beyond OpenAI's
-    top_k: int = Field(0, ge=-1)
+    top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     # vLLM asks only > 0; the bounds keep logits / penalty finite in float32 (a 1e-300 is 0 there)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
+    min_tokens: int | None = Field(0, ge=0)
+    stop_token_ids: _Ids | None = None
+    include_stop_str_in_output: bool | None = False
+    ignore_eos: bool | None = False
+    allowed_token_ids: Annotated[_Ids, Field(min_length=1)] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    #: with logprobs: these ids' logprobs at each token, in place of the most likely ones
+    logprob_token_ids: _Ids | None = None
+    skip_special_tokens: bool | None = True
+    #: changes the text of slow (Python) tokenizers only; this server's are fast or bytes, as vLLM's v1
+    spaces_between_special_tokens: bool | None = True
+    #: keep only this many prompt tokens (-1: as many as the context holds), from ``truncation_side``
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    #: None: the route's default (completions add BOS, chat leaves it to the template)
+    add_special_tokens: bool | None = None
+    #: lower is earlier; reaches the controller as the request's class
+    priority: int | None = 0
+    #: the response's id is ``cmpl-<request_id>`` (``chatcmpl-`` for chat), as vLLM
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    #: tokens per streamed chunk (the first and the last chunk go at once)
+    stream_interval: int | None = Field(None, ge=1)
+    # beam search's length penalty: changes nothing without beam search, as in vLLM
+    length_penalty: float | None = 1.0
     # refused when set (see unserved)
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    use_beam_search: bool | None = False
+    watermarking: bool | None = None
+    repetition_detection: dict[str, Any] | None = None
     # OpenAI's metadata: accepted, and ignored
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -87,34 +124,67 @@ class SamplingBody(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # vLLM's fields that change nothing in this engine (VLLM_FIELDS says why): accepted, and ignored
+    session_id: str | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = Field(None, ge=-1)
+    routed_experts_prompt_start: int | None = Field(0, ge=0)
+    return_token_offsets: bool | None = False
+    mm_payload: Literal["tensors", "none"] | None = "tensors"
+    return_mm_kwargs: bool | None = None
 
     def unserved(self) -> tuple[str, str] | None:
         """``(parameter, why)`` for a parameter of a feature this server does not serve; None if all are served."""
-        if self.response_format is not None and self.response_format != {"type": "text"}:
+        if self.response_format is not None and self.response_format.get("type") != "text":
             return "response_format", 'only response_format {"type": "text"} is served; structured output is not'
+        if self.structured_outputs:
+            return "structured_outputs", "structured output (structured_outputs) is not served"
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
                 return name, f"guided decoding ({name}) is not served"
+        if self.use_beam_search:
+            return "use_beam_search", "beam search is not served"
+        if self.watermarking:
+            return "watermarking", "watermarking is not served"
+        if self.repetition_detection and self.repetition_detection.get("max_pattern_size"):
+            return "repetition_detection", "repetition detection is not served"
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            return "truncation_side", "truncation_side needs truncate_prompt_tokens"
         return None
+
+    @property
+    def choices(self) -> int:
+        return self.n if self.n is not None else 1
+
+    @property
+    def streamed(self) -> bool:
+        return bool(self.stream)
 
 
 class CompletionBody(SamplingBody):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    #: one prompt (a text or token ids) or a batch of them (texts or token-id lists)
+    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[_Ids, Field(min_length=1)]
+             | Annotated[list[Annotated[_Ids, Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = Field(16, ge=1)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    prompt_embeds: Any = None
 
     def unserved(self) -> tuple[str, str] | None:
         if self.suffix is not None:
             return "suffix", "suffix (text after the insertion point) is not served"
-        if self.best_of is not None and self.best_of < self.n:
-            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+        if self.prompt_embeds is not None:
+            return "prompt_embeds", "prompt embeddings (prompt_embeds) are not served"
+        if self.best_of is not None and self.best_of < self.choices:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.choices})"
         if self.best_of is not None and self.best_of > 1 and self.stream:
             return "best_of", "best_of cannot be streamed; send stream: false"
         return super().unserved()
-
 
 class ChatMessage(BaseModel):
     # Lenient about extra fields: clients send back the assistant messages they were given, with
@@ -148,9 +218,27 @@ class ChatMessage(BaseModel):
 class ChatBody(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     modalities: list[Literal["text"]] | None = None
+    #: the answer begins with the last message's content when that message is the assistant's (vLLM)
+    echo: bool | None = False
+    # what the chat template is given
+    add_generation_prompt: bool | None = True
+    #: the last (assistant) message is left open, and the answer goes on from it
+    continue_final_message: bool | None = False
+    documents: list[dict[str, str]] | None = None
+    #: a template for this request only (as vLLM: taken when the server trusts request templates)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: handed to the chat template as ``reasoning_effort``, as vLLM does
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    #: the rendered prompt in the answer (``prompt_text``; streamed: in the first chunk)
+    return_prompt_text: bool | None = None
+    # what changes nothing for a text model without a reasoning parser (VLLM_FIELDS says why): ignored
+    include_reasoning: bool | None = True
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     # refused when set (see unserved)
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -169,7 +257,82 @@ class ChatBody(SamplingBody):
             return "messages", "only text content parts are served"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both be "
+                                              "true; send add_generation_prompt: false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            return "continue_final_message", "continue_final_message needs the last message to be the assistant's"
         return super().unserved()
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is given besides the messages (vLLM's ``chat_template_kwargs``,
+        ``documents`` and ``reasoning_effort``)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
+
+
+#: What this server does with each field of vLLM's request models (``CompletionRequest``,
+#: ``ChatCompletionRequest`` and their ``stream_options``): ``served`` (implemented), ``ignored``
+#: (accepted; it changes nothing in this engine, the reason given) or ``refused`` (400 naming the
+#: field when set to anything but its neutral value; the README lists these as not served).
+#: ``tests/test_vllm_fields.py`` checks it against the installed vLLM's models.
+VLLM_FIELDS: dict[str, dict[str, str]] = {
+    "both": {
+        **dict.fromkeys((
+            "model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty", "seed",
+            "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+            "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+            "truncate_prompt_tokens", "truncation_side", "allowed_token_ids", "prompt_logprobs", "bad_words",
+            "add_special_tokens", "priority", "request_id", "return_tokens_as_token_ids", "return_token_ids",
+            "stream_interval", "echo", "stream_options.include_usage", "stream_options.continuous_usage_stats",
+            "logprob_token_ids",
+        ), "served"),
+        "user": "ignored: OpenAI's metadata",
+        "response_format": "refused: structured output, unless {'type': 'text'}",
+        "structured_outputs": "refused: structured output",
+        "use_beam_search": "refused: beam search, when true",
+        "watermarking": "refused: watermarking, when true",
+        "repetition_detection": "refused: repetition detection, when on",
+        "length_penalty": "ignored: beam search's; vLLM ignores it without beam search too",
+        "spaces_between_special_tokens": "ignored: changes the text of slow tokenizers only, as in vLLM v1",
+        "session_id": "ignored: an identity for routers; one replica has nothing to route",
+        "cache_salt": "ignored: salts the prefix cache, and this engine has none",
+        "kv_transfer_params": "ignored: disaggregated prefill's; no KV connector here",
+        "ec_transfer_params": "ignored: encoder-cache transfer's; no connector here",
+        "vllm_xargs": "ignored: arguments of custom logits processors; none are installed",
+        "thinking_token_budget": "ignored: needs a reasoning parser; none is configured",
+        "routed_experts_prompt_start": "ignored: mixture-of-experts routing data; none is returned",
+        "return_token_offsets": "ignored: vLLM's render routes only",
+        "mm_payload": "ignored: multimodal render data; text only",
+        "return_mm_kwargs": "ignored: multimodal render data; text only",
+    },
+    "completions": {
+        "prompt": "served",
+        "suffix": "refused: insertion",
+        "prompt_embeds": "refused: prompt embeddings",
+    },
+    "chat": {
+        **dict.fromkeys((
+            "messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
+            "documents", "chat_template", "chat_template_kwargs", "reasoning_effort", "return_prompt_text",
+        ), "served"),
+        "parallel_tool_calls": "ignored: metadata while no tools are served",
+        "include_reasoning": "ignored: needs a reasoning parser; none is configured",
+        "media_io_kwargs": "ignored: multimodal input; text only",
+        "mm_processor_kwargs": "ignored: multimodal input; text only",
+        "tools": "refused: tool calling",
+        "tool_choice": "refused: tool calling, unless 'none'",
+    },
+}
+
+
+def vllm_field_handling(route: str, field: str) -> str | None:
+    """What :data:`VLLM_FIELDS` says of ``field`` on ``route`` (``completions`` or ``chat``); None if unclassified."""
+    return VLLM_FIELDS[route].get(field) or VLLM_FIELDS["both"].get(field)
 
 
 # ---------------------------------------------------------------------------------- response bodies
@@ -227,15 +390,22 @@ def chat_logprobs(entries: list[Entry], token: TokenText) -> dict:
                         for tid, lp, alts in entries], "refusal": None}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None, chat: bool) -> dict:
-    """One choice of a non-streamed completion (``finish_reason``: ``"stop"`` or ``"length"``)."""
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None, chat: bool,
+                      extra: dict | None = None) -> dict:
+    """One choice of a non-streamed completion (``finish_reason``: ``"stop"`` or ``"length"``).
+
+    :param extra: vLLM's fields the client asked for (``token_ids``, ``prompt_token_ids``, ``prompt_logprobs``)
+    """
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {**choice, **extra} if extra else choice
 
 
-def completion_body(rid: str, model_name: str, choices: list[dict], usage: dict, chat: bool) -> dict:
+def completion_body(rid: str, model_name: str, choices: list[dict], usage: dict, chat: bool,
+                    extra: dict | None = None) -> dict:
     """The body of a non-streamed completion.
 
     :param rid: the response id (``cmpl-...`` or ``chatcmpl-...``)
@@ -243,9 +413,29 @@ def completion_body(rid: str, model_name: str, choices: list[dict], usage: dict,
     :param choices: as :func:`completion_choice` gives them
     :param usage: token counts, as :func:`usage_body` gives them
     :param chat: a ``chat.completion`` rather than a ``text_completion``
+    :param extra: vLLM's top-level fields the client asked for (chat's ``prompt_token_ids``, ``prompt_text``, ...)
     """
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "usage": usage}
+    return {**body, **extra} if extra else body
+
+
+def prompt_logprobs_body(entries: list[Entry], token: TokenText) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: for each prompt token, None for the first, else ``{token id: {logprob,
+    rank, decoded_token}}`` with the prompt's own token and the alternatives asked for."""
+    out: list[dict | None] = []
+    for tid, lp, alts in entries:
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = list(alts or ())
+        rank = next((i + 1 for i, (a, _) in enumerate(ranked) if a == tid),
+                    1 + sum(1 for _, alp in ranked if alp > lp))
+        one = {str(tid): {"logprob": _wire_logprob(lp), "rank": rank, "decoded_token": token(tid)[0]}}
+        for i, (a, alp) in enumerate(ranked):
+            one.setdefault(str(a), {"logprob": _wire_logprob(alp), "rank": i + 1, "decoded_token": token(a)[0]})
+        out.append(one)
+    return out
 
 
 def sse_event(payload: dict) -> str:
@@ -259,29 +449,43 @@ class StreamEvents:
     :param model_name: the served model's name
     :param chat: ``chat.completion.chunk`` events rather than ``text_completion`` ones
     :param include_usage: the client asked for ``stream_options.include_usage``
+    :param continuous_usage: the client asked for ``stream_options.continuous_usage_stats``: every chunk
+        carries the usage so far
     """
 
-    def __init__(self, rid: str, model_name: str, chat: bool, include_usage: bool) -> None:
+    def __init__(self, rid: str, model_name: str, chat: bool, include_usage: bool,
+                 continuous_usage: bool = False) -> None:
         self.rid = rid
         self.model_name = model_name
         self.chat = chat
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
-              role: bool = False) -> str:
+              role: bool = False, extra: dict | None = None, top: dict | None = None,
+              usage: dict | None = None) -> str:
         """One chunk of choice ``index``: text with the logprobs of its tokens (or, for chat, the
-        opening ``role`` delta, or the closing empty delta)."""
+        opening ``role`` delta, or the closing empty delta).
+
+        :param extra: vLLM's fields of the choice (``token_ids``, ``prompt_token_ids``)
+        :param top: vLLM's top-level fields (chat's ``prompt_token_ids``, ``prompt_text``)
+        :param usage: the usage so far, sent with ``continuous_usage``
+        """
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        if extra:
+            choice.update(extra)
         body = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model_name,
                 "choices": [choice]}
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = usage if self.continuous_usage else None
+        if top:
+            body.update(top)
         return sse_event(body)
 
     def usage(self, usage: dict) -> str:

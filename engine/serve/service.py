@@ -290,8 +290,11 @@ class EngineService:
             self._admit_errors += 1
             return None
 
-    def submit(self, stream: Stream, prompt_ids: list[int], sampling, max_tokens: int) -> None:
-        """Hand an admitted request to the engine; raises :class:`EngineUnavailable` while it is down."""
+    def submit(self, stream: Stream, prompt_ids: list[int], sampling, max_tokens: int, class_id: int = 0) -> None:
+        """Hand an admitted request to the engine; raises :class:`EngineUnavailable` while it is down.
+
+        :param class_id: the request's class as the controller sees it (a client's ``priority``)
+        """
         with self._lock:
             engine = self._engine
             if not self._alive or engine is None:
@@ -301,7 +304,7 @@ class EngineService:
             stream.max_tokens = max_tokens
             self._streams[sid] = stream
             self._submitted = (self._submitted[0] + 1, self._submitted[1] + len(prompt_ids))
-            engine.send(AddRequest(sid, prompt_ids, sampling, max_tokens))
+            engine.send(AddRequest(sid, prompt_ids, sampling, max_tokens, class_id))
         stream.admitted = True
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)

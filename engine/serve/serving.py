@@ -29,7 +29,14 @@ from tidegate.engine.serve.arrival import (
     sampling_params,
 )
 from tidegate.engine.serve.chat import chat_prompt
-from tidegate.engine.serve.protocol import ChatBody, ChatMessage, CompletionBody, SamplingBody, error_response
+from tidegate.engine.serve.protocol import (
+    MAX_PROMPTS,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    SamplingBody,
+    error_response,
+)
 from tidegate.engine.serve.service import EngineService, EngineUnavailable, Stream
 
 if TYPE_CHECKING:
@@ -58,42 +65,83 @@ class OpenAIServing:
     async def create_completion(self, body: CompletionBody, http: HttpRequest) -> Response:
         try:
             refuse_unserved(body)
-            ids, text = await asyncio.to_thread(self._completion_prompt, body.prompt, body.echo)
+            prompts = await asyncio.to_thread(self._completion_prompts, body)
         except Refused as refused:
             return refused.response
-        best_of = body.best_of or body.n
-        ask = Ask.of(body, False, body.max_tokens, best_of=best_of, logprobs=body.logprobs,
-                     echo=text if body.echo else None)
-        return await self.respond(http, body, ids, ask)
+        ask = Ask.of(body, False, body.max_tokens, best_of=body.best_of or body.choices, logprobs=body.logprobs,
+                     echo=bool(body.echo))
+        return await self.respond(http, body, prompts, ask)
 
     async def create_chat_completion(self, body: ChatBody, http: HttpRequest) -> Response:
         try:
             refuse_unserved(body)
-            ids = await asyncio.to_thread(self.chat_prompt_ids, body.messages)
+            if body.chat_template is not None and not self.config.trust_request_chat_template:
+                raise bad_request("a chat_template in the request is taken only when the server runs with "
+                                  "--trust-request-chat-template", "chat_template")
+            ids, text = await asyncio.to_thread(self._chat_prompt, body)
         except Refused as refused:
             return refused.response
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        ask = Ask.of(body, True, max_tokens, best_of=body.n,
-                     logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        return await self.respond(http, body, ids, ask)
+        last = body.messages[-1]
+        # vLLM's chat echo: the answer begins with the last message when it is the assistant's own
+        echo = last.turn()["content"] if body.echo and last.role == "assistant" else None
+        ask = Ask.of(body, True, max_tokens, best_of=body.choices,
+                     logprobs=(body.top_logprobs or 0) if body.logprobs else None, echo=echo is not None,
+                     prompt_text=text if body.return_prompt_text else None)
+        return await self.respond(http, body, [(ids, echo)], ask)
 
     # -- prompts (run off the event loop)
-    def _completion_prompt(self, prompt: str | list[str] | list[int], echo: bool) -> tuple[list[int], str | None]:
-        """(token ids, text, when echoed) of a completion's prompt; raises :class:`Refused` for one
-        that is not served."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise bad_request("only one prompt per request is served; send a string", "prompt")
-            prompt = prompt[0]
+    def _completion_prompts(self, body: CompletionBody) -> list[tuple[list[int], str | None]]:
+        """(token ids, text when echoed) of each of a completion's prompts; raises :class:`Refused`
+        for one that is not served."""
+        prompt = body.prompt
+        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if len(batch) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request are served, got {len(batch)}", "prompt")
+        special = body.add_special_tokens is not False
+        return [self._completion_prompt(p, bool(body.echo), special, body) for p in batch]
+
+    def _completion_prompt(self, prompt, echo: bool, special: bool,
+                           body: CompletionBody) -> tuple[list[int], str | None]:
+        truncate = body.truncate_prompt_tokens
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("the prompt is empty", "prompt")
-            return self.encode(prompt, True, "prompt"), prompt
-        ids = list(prompt)
+            ids = self._truncated(self.encode(prompt, special, "prompt", check_length=truncate is None), body)
+            return ids, (prompt if truncate is None else self.tokenizer.decode(ids)) if echo else None
+        ids = self._truncated(list(prompt), body)
         vocab = self.service.info.vocab_size if self.service.info is not None else None
         if vocab is not None and any(t < 0 or t >= vocab for t in ids):
             raise bad_request(f"the prompt holds token ids outside the vocabulary of {vocab}", "prompt")
         return ids, self.tokenizer.decode(ids, skip_special_tokens=True) if echo else None
+
+    def _truncated(self, ids: list[int], body: SamplingBody) -> list[int]:
+        """The prompt's ids cut to vLLM's ``truncate_prompt_tokens`` (-1: the context), keeping the last
+        ones unless ``truncation_side`` is ``right``."""
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.service.max_model_len or len(ids)
+        if keep >= len(ids):
+            return ids
+        if keep == 0:
+            raise bad_request("truncate_prompt_tokens 0 leaves no prompt", "truncate_prompt_tokens")
+        return ids[:keep] if body.truncation_side == "right" else ids[len(ids) - keep:]
+
+    def _chat_prompt(self, body: ChatBody) -> tuple[list[int], str]:
+        """(token ids, text) of a chat's prompt, rendered with the request's template settings."""
+        try:
+            text = chat_prompt(self.tokenizer, body.messages, body.chat_template or self.config.chat_template,
+                               body.add_generation_prompt is not False, bool(body.continue_final_message),
+                               body.template_kwargs())
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        special = not hasattr(self.tokenizer, "apply_chat_template")
+        if body.add_special_tokens is not None:
+            special = body.add_special_tokens
+        ids = self.encode(text, special, "messages", check_length=body.truncate_prompt_tokens is None)
+        return self._truncated(ids, body), text
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                         add_special_tokens: bool | None = None) -> list[int]:
@@ -102,22 +150,22 @@ class OpenAIServing:
         one BOS, not two; the tiny model's byte tokenizer has no BOS text, so its BOS is added
         (``add_special_tokens`` None; True or False overrides it, as ``/tokenize`` may)."""
         try:
-            text = chat_prompt(self.tokenizer, messages, getattr(self.config, "chat_template", None),
-                               add_generation_prompt)
+            text = chat_prompt(self.tokenizer, messages, self.config.chat_template, add_generation_prompt)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         special = (not hasattr(self.tokenizer, "apply_chat_template") if add_special_tokens is None
                    else add_special_tokens)
         return self.encode(text, special, "messages")
 
-    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, param: str, check_length: bool = True) -> list[int]:
         """The token ids of a prompt text; raises :class:`Refused` (400) for a text that is not valid
-        Unicode or is too long to fit, before tokenizing a long one whole."""
+        Unicode or (``check_length``) is too long to fit, before tokenizing a long one whole."""
         try:
             n_bytes = len(text.encode("utf-8"))
         except UnicodeEncodeError:
             raise bad_request("the prompt is not valid Unicode (it holds a lone surrogate)", param) from None
-        self._refuse_too_long(n_bytes, param)
+        if check_length:
+            self._refuse_too_long(n_bytes, param)
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except (UnicodeError, TypeError, ValueError) as exc:
@@ -140,37 +188,42 @@ class OpenAIServing:
                               f"KV capacity of {info.kv_capacity_tokens} tokens", param)
 
     # -- arrival
-    async def respond(self, http: HttpRequest, body: SamplingBody, prompt_ids: list[int], ask: Ask) -> Response:
+    async def respond(self, http: HttpRequest, body: SamplingBody, prompts: list[tuple[list[int], str | None]],
+                      ask: Ask) -> Response:
         """Admit an arrival, then answer it whole or, once its first token has come (or every choice
-        has ended, maybe refused), as a stream of events."""
-        choices, refusal = await self.admit(body, prompt_ids, ask)
+        has ended, maybe refused), as a stream of events.
+
+        :param prompts: (token ids, the text echoed before each choice's or None) of each prompt
+        """
+        choices, refusal = await self.admit(body, prompts, ask)
         if refusal is not None:
             return refusal
-        return await self.answers.respond(http, choices, ask, prompt_ids)
+        return await self.answers.respond(http, choices, ask, prompts)
 
-    async def admit(self, body: SamplingBody, prompt_ids: list[int], ask: Ask):
+    async def admit(self, body: SamplingBody, prompts: list[tuple[list[int], str | None]], ask: Ask):
         """Common arrival path: returns (choices, None) when admitted, one engine request per choice
-        (``best_of`` of them), or (None, response) otherwise."""
+        (``best_of`` of them per prompt), or (None, response) otherwise."""
         try:
             self._check_open()
-            max_tokens, sampling = self._check_request(body, prompt_ids, ask)
+            checked = [self._check_request(body, ids, ask) for ids, _ in prompts]
         except Refused as refused:
             return None, refused.response
         event = asyncio.Event()
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
-        for i in range(ask.best_of):
-            try:
-                self._check_admission(len(prompt_ids), max_tokens)
-                stream = Stream(loop, self.config.stream_buffer_chunks, event)
-                self.service.submit(stream, prompt_ids, nth_sampling(sampling, i), max_tokens)
-            except (Refused, EngineUnavailable) as exc:
-                abandon(self.service, choices)
-                if isinstance(exc, Refused):
-                    return None, exc.response
-                self.metrics.rejected("engine_down")
-                return None, error_response(503, "the engine is restarting", "unavailable", retry_after_s=5)
-            choices.append(Choice(i, stream))
+        for p, ((ids, echo), (max_tokens, sampling)) in enumerate(zip(prompts, checked)):
+            for i in range(ask.best_of):
+                try:
+                    self._check_admission(len(ids), max_tokens)
+                    stream = Stream(loop, self.config.stream_buffer_chunks, event)
+                    self.service.submit(stream, ids, nth_sampling(sampling, i), max_tokens, ask.priority)
+                except (Refused, EngineUnavailable) as exc:
+                    abandon(self.service, choices)
+                    if isinstance(exc, Refused):
+                        return None, exc.response
+                    self.metrics.rejected("engine_down")
+                    return None, error_response(503, "the engine is restarting", "unavailable", retry_after_s=5)
+                choices.append(Choice(p * ask.best_of + i, stream, p, ids, echo))
         return choices, None
 
     def _check_open(self) -> None:
@@ -184,28 +237,27 @@ class OpenAIServing:
     def _check_request(self, body: SamplingBody, prompt_ids: list[int], ask: Ask):
         """(max_tokens, sampling parameters) of a request this server can serve; raises :class:`Refused`
         (400) otherwise. A request that sets no ``max_tokens`` gets the default, within the context."""
-        if body.model != self.model_name:
+        if body.model is not None and body.model != self.model_name:
             raise Refused(error_response(400, f"the model {body.model!r} is not served here; use "
                                               f"{self.model_name!r}", "invalid_request_error", "model"))
         context = self.service.max_model_len or (len(prompt_ids) + self.config.default_max_tokens)
         max_tokens = ask.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.config.default_max_tokens, context - len(prompt_ids)))
-        if body.min_tokens > max_tokens:
+        if (body.min_tokens or 0) > max_tokens:
             raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
         try:
             self.service.check_request(prompt_ids, max_tokens)
         except ValueError as exc:
             raise bad_request(str(exc).rstrip("."), "max_tokens" if "max_tokens" in str(exc) else None) from None
         vocab = self.service.info.vocab_size if self.service.info is not None else 0
-        sampling = sampling_params(body, ask, vocab)
+        sampling = sampling_params(body, ask, vocab, self.tokenizer)
         verify = getattr(sampling, "verify", None)  # what depends on the model and on max_tokens
         if verify is not None:
             try:
                 verify(vocab, max_tokens)
             except ValueError as exc:
-                raise bad_request(str(exc).rstrip("."), named_param(str(exc), ("logit_bias", "stop_token_ids",
-                                                                               "min_tokens"))) from None
+                raise bad_request(str(exc).rstrip("."), named_param(str(exc), _CHECKED_PARAMS)) from None
         return max_tokens, sampling
 
     def _check_admission(self, prompt_len: int, max_tokens: int) -> None:
@@ -221,6 +273,11 @@ class OpenAIServing:
             self.service.record_rejection(prompt_len, max_tokens, rejection)
             raise Refused(error_response(429, rejection.reason, "rate_limited",
                                          retry_after_s=rejection.retry_after_s))
+
+
+#: the request parameters that the engine's check of a request (``SamplingParams.verify``) may name
+_CHECKED_PARAMS = ("logit_bias", "stop_token_ids", "min_tokens", "allowed_token_ids", "bad_words",
+                   "logprob_token_ids")
 
 
 def _max_bytes_per_token(tokenizer) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tidegate.engine.bench.vllm.fields import field_rows, tally, vllm_request_fields
+from tidegate.engine.serve.vllm_fields import field_rows, tally, vllm_request_fields
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tidegate.engine.bench.vllm.fields import field_rows, tally, vllm_request_fields
+from tidegate.engine.serve.vllm_fields import field_rows, tally, vllm_request_fields
 from tidegate.engine.serve.protocol import VLLM_FIELDS, ChatBody, CompletionBody, StreamOptions
 
 ROOT = Path(__file__).resolve().parent.parent

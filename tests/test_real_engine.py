@@ -8,6 +8,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 from tidegate.ctrl import ControllerSpecError, build_controller
@@ -412,3 +414,66 @@ def test_an_unusable_device_is_one_sentence_and_exit_2(monkeypatch, device, expe
     assert "Traceback" not in result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style BPE (Metaspace, byte fallback) trained here, as Llama 2's is built."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", "merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "héllo wörld, ça va?"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers():
+    from tests.test_sampling_masks import byte_level_bpe
+
+    return [byte_level_bpe(), _metaspace_tokenizer()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_streamed_text_is_the_whole_decode_on_hugging_face_tokenizers(hf_tokenizers, data):
+    """Token by token (DecodeStream) or in pieces, the deltas of an output that is text (any characters,
+    byte-fallback ones split across tokens included) with special tokens among it add up to the
+    tokenizer's decode of the whole output, with or without the special tokens."""
+    tok = data.draw(st.sampled_from(hf_tokenizers))
+    ids: list[int] = []
+    for text in data.draw(st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=4)):
+        if ids:  # between two texts, never inside a character's bytes
+            ids.append(data.draw(st.sampled_from([tok.bos_token_id, tok.eos_token_id])))
+        ids += tok.encode(text, add_special_tokens=False)
+    skip = data.draw(st.booleans())
+    assert "".join(_deltas(tok, ids, skip, data)) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_any_token_ids_stream_without_failing(hf_tokenizers, data):
+    """Any ids at all (invalid byte runs too, where the tokenizers library's DecodeStream raises) stream
+    to an end; what was shown is never taken back."""
+    tok = data.draw(st.sampled_from(hf_tokenizers))
+    ids = data.draw(st.lists(st.integers(0, len(tok) - 1), min_size=1, max_size=40))
+    deltas = _deltas(tok, ids, data.draw(st.booleans()), data)
+    assert all(isinstance(d, str) for d in deltas)
+
+
+def _deltas(tok, ids: list[int], skip: bool, data) -> list[str]:
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(len(ids), 1)), max_size=5)) | {len(ids)})
+    start, deltas = 0, []
+    for cut in cuts:
+        deltas.append(detok.push(ids[start:cut]))
+        start = cut
+    deltas.append(detok.finish())
+    assert "".join(deltas) == detok.text
+    return deltas

@@ -323,6 +323,10 @@ def test_bad_words_on_the_byte_tokenizer_are_their_bytes():
 
 @pytest.fixture(scope="module")
 def bpe_tokenizer():
+    return byte_level_bpe()
+
+
+def byte_level_bpe():
     """A byte-level BPE tokenizer trained here (no files, no network) whose ``add_special_tokens``
     puts a BOS first, like Llama's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -71,9 +71,11 @@ class ByteTokenizer:
 class IncrementalDetokenizer:
     """Text deltas of a growing token sequence, safe for multi-byte characters split across tokens.
 
-    Bytes of an incomplete UTF-8 character are held back until the character completes. For
-    tokenizers other than :class:`ByteTokenizer` the whole output is decoded again and a
-    trailing U+FFFD (an incomplete character) is held back.
+    Bytes of an incomplete UTF-8 character are held back until the character completes. A Hugging
+    Face fast tokenizer decodes through the tokenizers library's ``DecodeStream`` (as vLLM v1 does),
+    which decodes only a window around each new token, so a token costs the same however long the
+    output has grown; other tokenizers decode the whole output again and hold back a trailing U+FFFD
+    (an incomplete character). Either way the text is the tokenizer's decode of the whole sequence.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
@@ -83,6 +85,14 @@ class IncrementalDetokenizer:
         self.num_tokens = 0
         self._bytes = isinstance(tokenizer, ByteTokenizer)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace") if self._bytes else None
+        # transformers' decode may also clean up spaces around punctuation, which DecodeStream does not
+        plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend = None if self._bytes or not plain else getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self.finished = False
 
@@ -105,14 +115,39 @@ class IncrementalDetokenizer:
         if self._bytes:
             delta = self._decoder.decode(self.tokenizer.decode_bytes(token_ids,
                                                                      skip_special_tokens=self.skip_special_tokens))
+        elif self._stream is not None:
+            delta = self._step(token_ids)
         else:
             self._ids.extend(int(t) for t in token_ids)
-            full = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
-            if full.endswith("\ufffd"):
-                return ""
-            delta = full[len(self.text):] if full.startswith(self.text) else ""
+            delta = self._redecoded()
         self.text += delta
         return delta
+
+    def _step(self, token_ids) -> str:
+        """The text ``DecodeStream`` completes with these tokens; on a sequence it cannot decode by
+        windows (it raises on some byte-fallback runs), this sequence decodes whole from then on."""
+        pieces = []
+        for i, t in enumerate(token_ids):
+            self._ids.append(int(t))
+            try:
+                piece = self._stream.step(self._backend, int(t))
+            except Exception:  # the tokenizers library raises a bare Exception here
+                self._stream = None
+                self._ids.extend(int(u) for u in token_ids[i + 1:])
+                done = "".join(pieces)
+                return done + self._redecoded(done)
+            if piece:
+                pieces.append(piece)
+        return "".join(pieces)
+
+    def _redecoded(self, pending: str = "") -> str:
+        """The new text of the whole sequence decoded again, past the text shown and ``pending``, the
+        text about to be; a trailing U+FFFD (an incomplete character) is held back."""
+        full = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
+        if full.endswith("\ufffd"):
+            return ""
+        shown = self.text + pending
+        return full[len(shown):] if full.startswith(shown) else ""
 
 
 def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

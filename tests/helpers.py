@@ -50,3 +50,21 @@ def record_evictions(core: EngineCore) -> list[tuple[Request, int, int, int, int
         evicted.append((r, r.activation_seq, newest, before, r.num_computed_tokens + r.num_output_tokens))
     core.scheduler.evict = spy
     return evicted
+
+
+def byte_level_bpe():
+    """A byte-level BPE tokenizer trained here (no files, no network) whose ``add_special_tokens``
+    puts a BOS first, like Llama's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello there, how are you today",
+                             "a continuous batching engine serves many requests", "the end"] * 20, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

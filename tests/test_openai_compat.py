@@ -16,6 +16,7 @@ import pytest
 from tidegate.engine.real.model import load_model
 from tidegate.engine.real.sampling import SamplingParams
 from tidegate.engine.serve.service import Stream
+from tests.helpers import byte_level_bpe
 from tests.test_server import Running
 
 pytestmark = pytest.mark.timeout(180)
@@ -388,25 +389,16 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m[
 def bpe_model(tmp_path_factory):
     """A local model folder: a small random Llama and a byte-level BPE tokenizer trained here, whose
     ``add_special_tokens`` puts a BOS first and whose chat template writes ``{{ bos_token }}``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("bpe-model")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello there, how are you today",
-                             "a continuous batching engine serves many requests"] * 20, trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast = byte_level_bpe()
+    bos = fast.bos_token_id
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     config = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         bos_token_id=bos, eos_token_id=tok.token_to_id("</s>"), pad_token_id=0)
+                         bos_token_id=bos, eos_token_id=fast.eos_token_id, pad_token_id=0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder, bos
 

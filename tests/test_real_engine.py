@@ -435,7 +435,7 @@ def _metaspace_tokenizer():
 
 @pytest.fixture(scope="module")
 def hf_tokenizers():
-    from tests.test_sampling_masks import byte_level_bpe
+    from tests.helpers import byte_level_bpe
 
     return [byte_level_bpe(), _metaspace_tokenizer()]
 

@@ -16,29 +16,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.test_sampling import _hf_logits, _reference_greedy
+from tests.helpers import byte_level_bpe
+from tests.test_sampling import PROMPT, _hf_logits, _reference_greedy, greedy_ids, llm  # noqa: F401 (fixtures)
 from tidegate.engine.core.request import Request
-from tidegate.engine.real.llm import LLM
 from tidegate.engine.real.model import ByteTokenizer
 from tidegate.engine.real.sampler import RequestSampling, Sampler
 from tidegate.engine.real.sampling import SamplingParams, bad_words_token_ids
 
 torch.set_num_threads(1)  # 2 threads stall badly when the 2 cores are shared
 
-PROMPT = "The tide gates open at dawn"
 EOS = 2
 VOCAB = 259
 LETTERS = [ord(c) + 3 for c in "abcdefghijklmnopqrstuvwxyz"]  # the byte tokenizer's ids of a-z
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM("tiny", kv_capacity_tokens=4096, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def greedy_ids(llm):
-    return llm.generate(PROMPT, SamplingParams(ignore_eos=True), max_tokens=40)[0].token_ids
 
 
 def _vllm_masks(allowed: list[int] | None, bad: list[list[int]]):
@@ -324,24 +313,6 @@ def test_bad_words_on_the_byte_tokenizer_are_their_bytes():
 @pytest.fixture(scope="module")
 def bpe_tokenizer():
     return byte_level_bpe()
-
-
-def byte_level_bpe():
-    """A byte-level BPE tokenizer trained here (no files, no network) whose ``add_special_tokens``
-    puts a BOS first, like Llama's."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello there, how are you today",
-                             "a continuous batching engine serves many requests", "the end"] * 20, trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
 def test_bad_words_on_a_bpe_tokenizer_are_vllms(bpe_tokenizer):

@@ -17,9 +17,9 @@ import time
 import httpx
 import pytest
 
-from tidegate.engine.real.model import BOS_TOKEN_ID, load_model
+from tidegate.engine.real.model import BOS_TOKEN_ID
 from tidegate.engine.serve.protocol import MAX_PROMPTS, VLLM_FIELDS
-from tests.test_server import Running
+from tests.test_openai_compat import server, tiny  # noqa: F401 (fixtures: the tiny model on a greedy server)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,18 +29,6 @@ LETTERS = "abcdefgh"
 ASCII_ONLY = [ord(ch) + _BYTE_OFFSET for ch in LETTERS]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 USER_HI = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", "cpu", "float32")
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    s = Running(tiny, controller="greedy")
-    yield s
-    s.close()
 
 
 def post(server, path: str, body: dict) -> httpx.Response:

@@ -274,6 +274,18 @@ def test_serve_with_vllm_refuses_a_bad_controller_option_in_one_sentence(tmp_pat
         assert len(done.stderr.strip().splitlines()) == 1
 
 
+def test_the_shared_options_reach_vllms_command_line():
+    from tidegate.engine.cli.vllm_serve import vllm_command
+
+    shared = {"port": 8001, "api_key": "k", "trust_request_chat_template": True, "dtype": None}
+    command = vllm_command(Path("/py"), "/m", {"controller": "slo-flow"}, shared, ("--max-num-seqs 64",))
+    assert command[:5] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert command[5:10] == ["--port", "8001", "--api-key", "k", "--trust-request-chat-template"]
+    assert "--dtype" not in command and command[-2:] == ["--max-num-seqs", "64"]
+    shared["trust_request_chat_template"] = False  # an off flag is left out, as vLLM's default
+    assert "--trust-request-chat-template" not in vllm_command(Path("/py"), "/m", {}, shared, ())
+
+
 # ---------------------------------------------------------------------------- against vLLM
 class VllmServer:
     """A vLLM OpenAI server started from .venv-vllm, in a process group of its own."""

@@ -27,8 +27,8 @@ class _StartError(Exception):
               help="tidegate's own engine, or vLLM's OpenAI server with tidegate's controller in its scheduler and "
                    "its 429 in its API process (vLLM runs from .venv-vllm, `make vllm-setup`; --controller vllm: "
                    "vLLM's own scheduling, the baseline). With vllm, --host, --port, --served-model-name, "
-                   "--max-model-len, --dtype, --api-key and --chat-template go to vLLM; the options of tidegate's "
-                   "own engine do not apply.")
+                   "--max-model-len, --dtype, --api-key, --chat-template and --trust-request-chat-template go to "
+                   "vLLM; the options of tidegate's own engine do not apply.")
 @click.option("--vllm-arg", "vllm_args", multiple=True,
               help="With --engine vllm: more flags for vLLM's server, split as a shell would (repeatable), e.g. "
                    "--vllm-arg '--max-num-seqs 64' --vllm-arg=--enforce-eager.")
@@ -152,8 +152,7 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
 
 
 #: the options of tidegate's own engine and server, which --engine vllm refuses (vLLM takes its own, --vllm-arg)
-_OWN_ENGINE_OPTIONS = ("trust_request_chat_template",
-                       "log_level", "access_log", "max_request_bytes", "kv_capacity_tokens", "block_size",
+_OWN_ENGINE_OPTIONS = ("log_level", "access_log", "max_request_bytes", "kv_capacity_tokens", "block_size",
                        "max_num_batched_tokens", "max_num_seqs", "device", "max_in_flight", "queue_timeout_s",
                        "stream_buffer_chunks", "drain_timeout_s", "default_max_tokens", "engine_process",
                        "engine_timeout_s", "threads", "engine_nice")

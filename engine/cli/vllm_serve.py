@@ -27,7 +27,8 @@ MIDDLEWARE = "tidegate.engine.vllm.middleware.AdmissionMiddleware"
 #: ``serve``'s options that mean the same to vLLM, and vLLM's flag for each
 SHARED_OPTIONS = {"host": "--host", "port": "--port", "served_model_name": "--served-model-name",
                   "max_model_len": "--max-model-len", "dtype": "--dtype", "api_key": "--api-key",
-                  "chat_template_path": "--chat-template"}
+                  "chat_template_path": "--chat-template",
+                  "trust_request_chat_template": "--trust-request-chat-template"}
 
 
 class VllmServeError(Exception):
@@ -78,7 +79,9 @@ def vllm_command(python: Path, model: str, settings: dict, shared: dict, vllm_ar
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     for name, flag in SHARED_OPTIONS.items():
         value = shared.get(name)
-        if value is not None:
+        if value is True:  # an on/off flag
+            command.append(flag)
+        elif value is not None and value is not False:
             command += [flag, str(value)]
     return command + ["--scheduler-cls", scheduler, "--middleware", MIDDLEWARE,
                       "--additional-config", json.dumps({"tidegate": settings}), *extra]

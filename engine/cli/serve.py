@@ -64,7 +64,8 @@ class _StartError(Exception):
 @click.option("--access-log/--no-access-log", default=False, show_default=True,
               help="One log line per HTTP request (uvicorn's access log).")
 @click.option("--kv-capacity-tokens", type=click.IntRange(min=1), default=None,
-              help="KV cache size M in tokens (default: 32768 on CPU, 80% of free memory on CUDA).")
+              help="KV cache size M in tokens (default: what fits in 1 GiB, or a quarter of the available memory if "
+                   "less, on CPU; in 80% of the free memory on CUDA).")
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -33,6 +34,28 @@ from tidegate.engine.real.paged_cache import kv_bytes_per_token
 from tidegate.engine.real.sampling import SamplingParams
 
 DeltaCallback = Callable[[Request, str, bool], None]
+
+#: the KV cache's memory on a CPU by default, as vLLM's CPU build is commonly run (``VLLM_CPU_KVCACHE_SPACE=1``)
+CPU_KV_BYTES = 1 << 30
+#: ... and at most this share of the memory available at start-up, so that a small machine keeps room to run
+CPU_KV_MEMORY_SHARE = 0.25
+#: the smallest KV cache a default gives, in tokens
+MIN_KV_TOKENS = 1024
+
+
+def available_memory_bytes() -> int:
+    """Memory the system can give without swapping: Linux's ``MemAvailable``, else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return CPU_KV_BYTES
 
 
 @dataclass
@@ -151,8 +174,9 @@ class LLM:
     """The real engine behind a small offline API.
 
     :param model: ``"tiny"`` or a local Hugging Face model folder.
-    :param kv_capacity_tokens: KV capacity M in tokens (the pool's size); None: 32768 on CPU,
-        on CUDA what fits in 80% of the free GPU memory.
+    :param kv_capacity_tokens: KV capacity M in tokens (the pool's size); None: on CPU what fits in
+        ``CPU_KV_BYTES`` (1 GiB) or a quarter of the available memory if less, on CUDA what fits in 80% of
+        the free GPU memory (at least ``MIN_KV_TOKENS`` either way).
     :param block_size: tokens per KV block.
     :param controller: a controller spec (``greedy``, ``flow:budget=2``, ...) or a Controller.
     :param device: torch device; None: CUDA when available, else CPU.
@@ -196,11 +220,12 @@ class LLM:
         self._ids = itertools.count()
 
     def _default_capacity(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 32768
         per_token = kv_bytes_per_token(self.model.config, self.executor.dtype)
+        if device.type != "cuda":
+            budget = min(CPU_KV_BYTES, int(CPU_KV_MEMORY_SHARE * available_memory_bytes()))
+            return max(budget // per_token, MIN_KV_TOKENS)
         free, _ = torch.cuda.mem_get_info(device)
-        return max(int(0.8 * free) // per_token, 1024)
+        return max(int(0.8 * free) // per_token, MIN_KV_TOKENS)
 
     # ------------------------------------------------------------------ requests
     def _tokenize(self, prompt) -> list[int]:

@@ -173,7 +173,7 @@ class AnswerWriter:
         return JSONResponse(completion_body(rid, self.model_name, bodies, usage, ask.chat,
                                             self._top_extra(choices[0], ask, whole=True)))
 
-    def _choice_extra(self, c: Choice, ask: Ask, whole: bool = True) -> dict | None:
+    def _choice_extra(self, c: Choice, ask: Ask) -> dict | None:
         """vLLM's fields of a whole choice: ``token_ids`` and, for completions, ``prompt_token_ids``
         and ``prompt_logprobs``."""
         extra: dict = {}
@@ -181,7 +181,7 @@ class AnswerWriter:
             extra["token_ids"] = list(c.token_ids)
             if not ask.chat:
                 extra["prompt_token_ids"] = list(c.prompt_ids)
-        if not ask.chat and ask.prompt_logprobs is not None and whole:
+        if not ask.chat and ask.prompt_logprobs is not None:
             extra["prompt_logprobs"] = self._prompt_logprobs(c, ask)
         return extra
 
@@ -230,7 +230,7 @@ class AnswerWriter:
             if ask.chat:
                 for c in choices:
                     top = self._top_extra(c, ask, whole=False) if c is choices[0] else None
-                    yield events.chunk(c.index, None, None, role=True, top=top, usage=_choice_usage(c))
+                    yield events.chunk(c.index, None, None, role=True, top=top, usage=_choice_usage(c, ask))
             while not all(c.finished for c in choices):
                 await _wait(choices, None, due)
                 for c in choices:
@@ -261,7 +261,7 @@ class AnswerWriter:
             if want and not ask.chat:
                 lps = self._completion_logprobs(c, _prompt_entries(c.prompt_ids, c.prompt_entries), ask)
             out.append(events.chunk(c.index, c.echo, None, lps, extra=self._first_extra(c, ask),
-                                    usage=_choice_usage(c)))
+                                    usage=_choice_usage(c, ask)))
             first = False
         c.echoed = True
         c.sent_tokens += len(ids)
@@ -273,14 +273,15 @@ class AnswerWriter:
             extra = self._first_extra(c, ask) if first else {}
             if ask.return_token_ids:
                 extra["token_ids"] = list(ids)
-            out.append(events.chunk(c.index, text, None, lps, extra=extra, usage=_choice_usage(c)))
+            out.append(events.chunk(c.index, text, None, lps, extra=extra, usage=_choice_usage(c, ask)))
         if c.finished:
             bad = _ended_badly(c.stream.result, c.stream)
             if bad is not None:
                 status, kind, message = bad
                 out.append(sse_event(error_body(message, kind, status)))
             else:
-                out.append(events.chunk(c.index, None, _finish_reason(c.stream.result), usage=_choice_usage(c)))
+                out.append(events.chunk(c.index, None, _finish_reason(c.stream.result),
+                                        usage=_choice_usage(c, ask)))
         return out
 
     def _first_extra(self, c: Choice, ask: Ask) -> dict:
@@ -323,19 +324,22 @@ def _due(c: Choice, interval: int) -> bool:
     tokens' events, or its end (vLLM's ``stream_interval``: the first and last chunks go at once);
     also once half its buffer waits, whatever the interval, since a full buffer ends the stream as
     a slow client's."""
+    if not c.stream.chunks:
+        return False
+    if interval <= 1 or c.sent_tokens == 0:
+        return True
     # a copy: the service's reader thread appends to the deque while this runs, and a generator
     # over the deque itself would see it change ("deque mutated during iteration")
     chunks = tuple(c.stream.chunks)
-    if not chunks:
-        return False
-    if interval <= 1 or c.sent_tokens == 0 or any(ch.finished for ch in chunks):
+    if any(ch.finished for ch in chunks):
         return True
     return sum(len(ch.token_ids) for ch in chunks) >= interval or 2 * len(chunks) >= c.stream.limit
 
 
-def _choice_usage(c: Choice) -> dict:
-    """The usage of one choice so far (``continuous_usage_stats``)."""
-    return usage_body(len(c.prompt_ids), len(c.token_ids))
+def _choice_usage(c: Choice, ask: Ask) -> dict | None:
+    """The usage of one choice so far, for a client that asked for it in every chunk
+    (``continuous_usage_stats``); None otherwise."""
+    return usage_body(len(c.prompt_ids), len(c.token_ids)) if ask.continuous_usage else None
 
 
 async def _wait(choices: list[Choice], http: HttpRequest | None, ready: Callable[[], bool] | None = None) -> bool:

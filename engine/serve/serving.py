@@ -98,12 +98,11 @@ class OpenAIServing:
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         if len(batch) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request are served, got {len(batch)}", "prompt")
-        special = body.add_special_tokens is not False
-        return [self._completion_prompt(p, bool(body.echo), special, body) for p in batch]
+        return [self._completion_prompt(p, body) for p in batch]
 
-    def _completion_prompt(self, prompt, echo: bool, special: bool,
-                           body: CompletionBody) -> tuple[list[int], str | None]:
-        truncate = body.truncate_prompt_tokens
+    def _completion_prompt(self, prompt, body: CompletionBody) -> tuple[list[int], str | None]:
+        """(token ids, text when echoed) of one of a completion's prompts."""
+        echo, special, truncate = bool(body.echo), body.add_special_tokens is not False, body.truncate_prompt_tokens
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("the prompt is empty", "prompt")
@@ -131,31 +130,31 @@ class OpenAIServing:
 
     def _chat_prompt(self, body: ChatBody) -> tuple[list[int], str]:
         """(token ids, text) of a chat's prompt, rendered with the request's template settings."""
-        try:
-            text = chat_prompt(self.tokenizer, body.messages, body.chat_template or self.config.chat_template,
-                               body.add_generation_prompt is not False, bool(body.continue_final_message),
-                               body.template_kwargs())
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
-        special = not hasattr(self.tokenizer, "apply_chat_template")
-        if body.add_special_tokens is not None:
-            special = body.add_special_tokens
-        ids = self.encode(text, special, "messages", check_length=body.truncate_prompt_tokens is None)
+        ids, text = self._render_chat(body.messages, body.chat_template, body.add_generation_prompt is not False,
+                                      bool(body.continue_final_message), body.template_kwargs(),
+                                      body.add_special_tokens, check_length=body.truncate_prompt_tokens is None)
         return self._truncated(ids, body), text
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                         add_special_tokens: bool | None = None) -> list[int]:
-        """The token ids of the conversation (:func:`engine.serve.chat.chat_prompt`). A template writes
-        the BOS text where the model wants it, so its text is tokenized without adding special tokens:
-        one BOS, not two; the tiny model's byte tokenizer has no BOS text, so its BOS is added
-        (``add_special_tokens`` None; True or False overrides it, as ``/tokenize`` may)."""
+        """The token ids of the conversation, as ``/tokenize`` gives them (:meth:`_render_chat`)."""
+        return self._render_chat(messages, None, add_generation_prompt, add_special_tokens=add_special_tokens)[0]
+
+    def _render_chat(self, messages: list[ChatMessage], chat_template: str | None, add_generation_prompt: bool,
+                     continue_final_message: bool = False, template_kwargs: dict | None = None,
+                     add_special_tokens: bool | None = None, check_length: bool = True) -> tuple[list[int], str]:
+        """(token ids, text) of a conversation (:func:`engine.serve.chat.chat_prompt`; ``chat_template`` None:
+        the server's). A template writes the BOS text where the model wants it, so its text is tokenized
+        without adding special tokens: one BOS, not two; the tiny model's byte tokenizer has no BOS text, so
+        its BOS is added (``add_special_tokens`` None; True or False overrides it, as vLLM's parameter)."""
         try:
-            text = chat_prompt(self.tokenizer, messages, self.config.chat_template, add_generation_prompt)
+            text = chat_prompt(self.tokenizer, messages, chat_template or self.config.chat_template,
+                               add_generation_prompt, continue_final_message, template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         special = (not hasattr(self.tokenizer, "apply_chat_template") if add_special_tokens is None
                    else add_special_tokens)
-        return self.encode(text, special, "messages")
+        return self.encode(text, special, "messages", check_length=check_length), text
 
     def encode(self, text: str, add_special_tokens: bool, param: str, check_length: bool = True) -> list[int]:
         """The token ids of a prompt text; raises :class:`Refused` (400) for a text that is not valid

@@ -186,23 +186,14 @@ class SamplingParams:
 
         :raises ValueError: one sentence naming the parameter.
         """
-        if self.logit_bias:
-            bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+        named = (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids),
+                 ("allowed_token_ids", self.allowed_token_ids or ()),
+                 ("logprob_token_ids", self.logprob_token_ids or ()),
+                 ("bad_words (bad_words_token_ids)", [t for seq in self.bad_words_token_ids or () for t in seq]))
+        for param, ids in named:
+            bad = sorted({t for t in ids if t >= vocab_size})
             if bad:
-                raise ValueError(f"logit_bias holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
-        bad = sorted(t for t in self.stop_token_ids if t >= vocab_size)
-        if bad:
-            raise ValueError(f"stop_token_ids holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
-        bad = sorted({t for t in self.allowed_token_ids or () if t >= vocab_size})
-        if bad:
-            raise ValueError(f"allowed_token_ids holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
-        bad = sorted({t for t in self.logprob_token_ids or () if t >= vocab_size})
-        if bad:
-            raise ValueError(f"logprob_token_ids holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
-        bad = sorted({t for seq in self.bad_words_token_ids or () for t in seq if t >= vocab_size})
-        if bad:
-            raise ValueError(f"bad_words (bad_words_token_ids) holds token ids outside the vocabulary of {vocab_size}: "
-                             f"{bad[:5]}.")
+                raise ValueError(f"{param} holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({max_tokens}), got {self.min_tokens}.")
 

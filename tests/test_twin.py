@@ -15,7 +15,7 @@ import torch
 from tidegate.engine.core.profile import Profile, load_profile
 from tidegate.engine.sim.fit import binned_samples, fit_step_time
 from tidegate.engine.core.request import Request, RequestState
-from tidegate.engine.twin.check import COMPARED, refit_floor, step_time_errors
+from tidegate.engine.twin.check import COMPARED, _runs_text, refit_floor, step_time_errors
 from tidegate.engine.twin.seeds import (NOISE_SEEDS, POOLED, ks_distances, latencies, real_sampling, seed_spread,
                                simulate_seeds)
 from tidegate.engine.twin.fit import read_steps_csv, run_profile_from_steps
@@ -238,6 +238,14 @@ def test_fit_around_serves_half_the_profiling_slice_before_the_check_and_half_af
     # the pooled fit has the steps of both halves, the first one only its own
     assert profile.extra["fit"]["points"] == runs[0]["steps"] + runs[1]["steps"] > first.extra["fit"]["points"]
     assert first.extra["fit"]["points"] == runs[0]["steps"]
+
+
+def test_speed_runs_name_a_run_without_a_single_token_step_instead_of_dropping_it():
+    # a short slice can end with no batch-1 decode in one of its runs: both runs are still named
+    assert _runs_text({"runs_s": {"before": None, "after": 0.00105}}) == \
+        " (before without a single-token step, after 1.05 ms)"
+    assert _runs_text({"runs_s": {"before": 0.00102, "after": 0.00105}}) == " (before 1.02 ms, after 1.05 ms)"
+    assert _runs_text({}) == ""
 
 
 @pytest.mark.slow

@@ -166,7 +166,8 @@ def _speed_adjusted_errors(arrivals, profile: Profile, controller: Callable[[], 
 def _runs_text(drift: dict) -> str:
     """`` (before 1.02 ms, after 1.05 ms)`` for a profile fitted around the check, else nothing."""
     runs = drift.get("runs_s") or {}
-    return (" (" + ", ".join(f"{when} {1e3 * s:.2f} ms" for when, s in runs.items() if s) + ")") if runs else ""
+    cells = [f"{when} {1e3 * s:.2f} ms" if s else f"{when} without a single-token step" for when, s in runs.items()]
+    return f" ({', '.join(cells)})" if cells else ""
 
 
 def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], drift: dict | None,

@@ -173,8 +173,9 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
         single = [row[2] for row in got if row[0] == 1]
         per_run.append({"steps": len(got), "batch1_decode_median_s": float(np.median(single)) if single else None})
         if log and runs > 1:
-            log(f"  run {run + 1}/{runs}: {len(got)} steps, median single-token step "
-                f"{1e3 * per_run[-1]['batch1_decode_median_s']:.2f} ms")
+            median = (f"median single-token step {1e3 * float(np.median(single)):.2f} ms" if single
+                      else "no single-token step")
+            log(f"  run {run + 1}/{runs}: {len(got)} steps, {median}")
     return rows, per_run
 
 

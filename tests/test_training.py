@@ -301,7 +301,7 @@ def test_the_wheel_installs_one_package_that_finds_policy_and_config_from_any_di
     # Build from a copy of the source tree: an in-tree build writes build/ and *.egg-info into the checkout.
     src, dist, venv = tmp_path / "src", tmp_path / "dist", tmp_path / "venv"
     shutil.copytree(REPO, src, symlinks=True,
-                    ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info",
+                    ignore=shutil.ignore_patterns(".venv*", ".git", "runs", "build", "dist", "*.egg-info",
                                                   "__pycache__", ".*_cache", ".hypothesis", "bench-out"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "--wheel-dir", str(dist), str(src)], check=True, capture_output=True, timeout=240)

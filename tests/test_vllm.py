@@ -1,10 +1,10 @@
 """tidegate inside vLLM: the scheduler plugin (engine/vllm) against a real vLLM server.
 
 vLLM runs from its own venv, ``.venv-vllm`` (``make vllm-setup``; ``make test`` makes it first), and serves
-the tiny model saved as a Hugging Face folder. Each server is started once, for the class of tests that
-use it, and driven with the official ``openai`` client from the project's venv. The KV cache is held to
-64 blocks of 128 tokens so that a flood fills it. The first tests need no vLLM: the plugin's settings,
-decisions and step log on their own.
+the tiny model saved as a Hugging Face folder. Each server serves one class of tests; all are launched
+together when the first is needed (``launched``), and each is driven with the official ``openai`` client
+from the project's venv. The KV cache is held to 64 blocks of 128 tokens so that a flood fills it. The
+first tests need no vLLM: the plugin's settings, decisions and step log on their own.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(),
                                 reason=".venv-vllm is missing: `make vllm-setup` makes it (`make test` does)")
 SCHEDULER = "tidegate.engine.vllm.scheduler.TidegateScheduler"
 NUM_BLOCKS = 64  # vLLM's CPU build has blocks of 128 tokens: 63 usable blocks, 8064 tokens
-START_TIMEOUT_S = 240
+START_TIMEOUT_S = 480  # five servers start side by side on two cores
 #: greedy answers to PROBE by the server with the plugin, for the one without (TestPassThrough)
 GREEDY: dict[str, str] = {}
 PROBE = "The plugin must not change what vLLM answers:"
@@ -379,8 +379,34 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-hf"))
 
 
-def _serve(tmp_path_factory, model_dir, name: str, scheduler: str, tidegate: dict, **kwargs):
-    server = VllmServer(tmp_path_factory.mktemp(name), model_dir, scheduler, tidegate, **kwargs)
+#: every vLLM server of this module: (scheduler, plugin settings, VllmServer options)
+SERVERS = {
+    "vllm-learned": (SCHEDULER, {"controller": "learned"}, {}),
+    "vllm-own": (SCHEDULER, {"controller": "vllm"}, {"via_env": True}),
+    "vllm-serve": (SCHEDULER, {"controller": "slo-flow:max_waiting=4"}, {"tidegate_serve": True}),
+    "vllm-faulty": ("vllm_faults.FaultyScheduler", {"controller": "slo-flow", "decide_timeout_s": 0.02},
+                    {"extra_env": {"PYTHONPATH": str(ROOT / "tests")}}),
+    "vllm-bad-option": (SCHEDULER, {"controller": "flow:bogus=1"}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, model_dir):
+    """Every server of SERVERS, launched at once when the first is needed. A start is a minute of imports in
+    three processes one after another (API server, engine core, worker), one core at a time: launched side
+    by side, the five are all up in about half the time they take one after another."""
+    servers = {name: VllmServer(tmp_path_factory.mktemp(name), model_dir, scheduler, tidegate, **options)
+               for name, (scheduler, tidegate, options) in SERVERS.items()}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _serve(launched: dict, name: str):
+    """The class's server once it answers /health; stopped when the class is done."""
+    server = launched[name]
     try:
         server.ready_s = server.wait_ready()
         yield server
@@ -403,8 +429,8 @@ class TestPlugin:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def server(cls, tmp_path_factory, model_dir):
-        yield from _serve(tmp_path_factory, model_dir, "vllm-learned", SCHEDULER, {"controller": "learned"})
+    def server(cls, launched):
+        yield from _serve(launched, "vllm-learned")
 
     def test_starts_with_the_controller_named(self, server):
         log = server.log_path.read_text(errors="replace")
@@ -494,8 +520,8 @@ class TestPassThrough:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def server(cls, tmp_path_factory, model_dir):
-        yield from _serve(tmp_path_factory, model_dir, "vllm-own", SCHEDULER, {"controller": "vllm"}, via_env=True)
+    def server(cls, launched):
+        yield from _serve(launched, "vllm-own")
 
     def test_answers_as_with_the_plugin_and_logs_steps_without_decisions(self, server):
         answer = server.client().completions.create(model="tiny", prompt=PROBE, max_tokens=32, temperature=0,
@@ -539,9 +565,8 @@ class TestServeCommand:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def server(cls, tmp_path_factory, model_dir):
-        yield from _serve(tmp_path_factory, model_dir, "vllm-serve", SCHEDULER,
-                          {"controller": "slo-flow:max_waiting=4"}, tidegate_serve=True)
+    def server(cls, launched):
+        yield from _serve(launched, "vllm-serve")
 
     def test_starts_vllm_with_the_plugin_and_the_middleware(self, server):
         log = server.log_path.read_text(errors="replace")
@@ -641,10 +666,8 @@ class TestFaults:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def server(cls, tmp_path_factory, model_dir):
-        yield from _serve(tmp_path_factory, model_dir, "vllm-faulty", "vllm_faults.FaultyScheduler",
-                          {"controller": "slo-flow", "decide_timeout_s": 0.02},
-                          extra_env={"PYTHONPATH": str(ROOT / "tests")})
+    def server(cls, launched):
+        yield from _serve(launched, "vllm-faulty")
 
     def test_vllm_keeps_serving_on_the_conservative_decision(self, server):
         start = time.monotonic()
@@ -660,8 +683,8 @@ class TestFaults:
 
 @needs_vllm
 @pytest.mark.slow
-def test_a_bad_controller_option_ends_start_up_with_one_sentence(tmp_path, model_dir):
-    server = VllmServer(tmp_path, model_dir, SCHEDULER, {"controller": "flow:bogus=1"})
+def test_a_bad_controller_option_ends_start_up_with_one_sentence(launched):
+    server = launched["vllm-bad-option"]
     try:
         server.proc.wait(START_TIMEOUT_S)
     finally:

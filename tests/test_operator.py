@@ -209,6 +209,12 @@ def test_the_banner_comes_once_the_server_listens():
             if "serving 'tiny'" in line:
                 break
         assert "context 100 tokens" in lines[-1], "".join(lines)
+        # the defaults it took for this machine: vLLM's batch limits on a CPU, a dtype this CPU computes fast
+        compute = proc.stdout.readline()
+        assert "the engine computes in " in compute and "steps of up to 2048 tokens and 128 requests" in compute
+        from tidegate.engine.real.model import cpu_has_bf16_matmul
+
+        assert ("bf16 on cpu" if cpu_has_bf16_matmul() else "fp32 on cpu") in compute
         # listening by the time the banner is out
         assert httpx.get(f"http://127.0.0.1:{port}/version").status_code == 200
         r = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"prompt": "a"},

@@ -477,3 +477,23 @@ def _deltas(tok, ids: list[int], skip: bool, data) -> list[str]:
     deltas.append(detok.finish())
     assert "".join(deltas) == detok.text
     return deltas
+
+
+def test_the_defaults_are_vllms_batch_limits_and_the_cpus_fast_dtype(tiny, monkeypatch):
+    from tidegate.engine.real import model as model_module
+
+    assert model_module.default_batch_limits("cpu") == (2048, 128)
+    llm = LLM("tiny", device="cpu", kv_capacity_tokens=4096)
+    assert (llm.profile.max_num_batched_tokens, llm.profile.max_num_seqs) == (2048, 128)
+    assert llm.executor.dtype == model_module.default_dtype(torch.device("cpu"))
+    explicit = LLM("tiny", device="cpu", kv_capacity_tokens=4096, max_num_batched_tokens=256, max_num_seqs=8)
+    assert (explicit.profile.max_num_batched_tokens, explicit.profile.max_num_seqs) == (256, 8)
+    # bf16 only where the CPU multiplies it in hardware
+    for amx, avx512_bf16, expected in ((False, False, torch.float32), (True, False, torch.bfloat16),
+                                       (False, True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        assert model_module.default_dtype(torch.device("cpu")) == expected
+    # a model handed in keeps its own dtype, whatever the machine's default
+    given = LLM("tiny", device="cpu", kv_capacity_tokens=4096, model_and_tokenizer=tiny)
+    assert given.executor.dtype == torch.float32 and given.executor.cache.key_cache.dtype == torch.float32

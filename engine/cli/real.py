@@ -35,7 +35,8 @@ model_option = click.option("--model", default="tiny", show_default=True,
                                  "model folder.")
 device_option = click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available).")
 dtype_option = click.option("--dtype", default=None,
-                            help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU).")
+                            help="float32, bfloat16, float16 (default: the fastest the device computes natively: "
+                                 "bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32).")
 threads_option = click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
 pin_option = click.option("--pin-cpu", type=click.IntRange(min=0), default=None,
                           help="Run on this CPU core alone, one torch thread: pin the profile and the twin check "

@@ -67,10 +67,16 @@ class _StartError(Exception):
               help="KV cache size M in tokens (default: what fits in 1 GiB, or a quarter of the available memory if "
                    "less, on CPU; in 80% of the free memory on CUDA).")
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+              help="The most tokens one step computes (longer prompts are prefilled in chunks) [default: vLLM's "
+                   "for the device: 2048 on a CPU; on CUDA 2048 to 16384 by the GPU's memory].")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
+              help="The most requests running at once [default: vLLM's for the device: 128 on a CPU, 256 to 1024 "
+                   "on CUDA].")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available).")
-@click.option("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on CUDA, fp32 on CPU).")
+@click.option("--dtype", default=None,
+              help="float32, bfloat16, float16 [default: the fastest the device computes natively: bf16 on CUDA "
+                   "(fp16 before Ampere); on a CPU bf16 where it has AMX or AVX512-BF16, else fp32].")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Requests admitted and not yet answered before new ones get 429.")
 @click.option("--queue-timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
@@ -207,6 +213,8 @@ def _banner(config, service, controller) -> None:
     click.echo(f"tidegate: serving {config.model_name!r} with controller {config.controller!r} on "
                f"http://{config.host}:{config.port}/v1 (KV capacity {info.kv_capacity_tokens} tokens, context "
                f"{info.max_model_len} tokens, {where})", err=True)
+    if info.compute:
+        click.echo(f"tidegate: the engine computes in {info.compute}", err=True)
     profile = info.profile
     click.echo(f"tidegate: step-time profile {profile.name!r}: {profile.description}", err=True)
     if config.api_key:

@@ -29,7 +29,8 @@ from tidegate.engine.core.engine_core import ASK
 from tidegate.engine.core.profile import Profile, load_profile
 from tidegate.engine.core.request import Request, unservable_reason
 from tidegate.engine.real.executor import TorchExecutor
-from tidegate.engine.real.model import IncrementalDetokenizer, load_model, resolve_device, resolve_dtype
+from tidegate.engine.real.model import (IncrementalDetokenizer, default_batch_limits, load_model, resolve_device,
+                                        resolve_dtype)
 from tidegate.engine.real.paged_cache import kv_bytes_per_token
 from tidegate.engine.real.sampling import SamplingParams
 
@@ -180,24 +181,30 @@ class LLM:
     :param block_size: tokens per KV block.
     :param controller: a controller spec (``greedy``, ``flow:budget=2``, ...) or a Controller.
     :param device: torch device; None: CUDA when available, else CPU.
-    :param dtype: torch dtype or name; None: bf16 on CUDA, fp32 on CPU.
-    :param max_num_batched_tokens: token budget of one step (chunked prefill beyond it).
-    :param max_num_seqs: most running requests.
+    :param dtype: torch dtype or name; None: the device's fastest (``default_dtype``), or the dtype of a
+        model given in ``model_and_tokenizer``.
+    :param max_num_batched_tokens: token budget of one step (chunked prefill beyond it); None: vLLM's
+        default for the device (``default_batch_limits``: 2,048 on a CPU).
+    :param max_num_seqs: most running requests; None: vLLM's default for the device (128 on a CPU).
     :param model_and_tokenizer: an already loaded ``(model, tokenizer)`` to use instead of ``model``.
     :param profile: the step-time profile controllers are given (``serving_profile``).
     """
 
     def __init__(self, model: str = "tiny", kv_capacity_tokens: int | None = None, block_size: int = 16,
-                 controller="greedy", device=None, dtype=None, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, model_and_tokenizer=None, record_steps: bool = True,
+                 controller="greedy", device=None, dtype=None, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, model_and_tokenizer=None, record_steps: bool = True,
                  profile=None) -> None:
         spec = controller if isinstance(controller, str) else None
-        settings = dict(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                        max_num_seqs=max_num_seqs)
+        device = resolve_device(device)
+        tokens, seqs = default_batch_limits(device)
+        settings = dict(block_size=block_size,
+                        max_num_batched_tokens=tokens if max_num_batched_tokens is None else max_num_batched_tokens,
+                        max_num_seqs=seqs if max_num_seqs is None else max_num_seqs)
         serving = serving_profile(profile, kv_capacity_tokens, **settings)
         if spec is not None:  # check the cheap inputs before loading anything
             controller = build_controller(spec, serving)
-        device = resolve_device(device)
+        if dtype is None and model_and_tokenizer is not None:
+            dtype = next(model_and_tokenizer[0].parameters()).dtype
         dtype = resolve_dtype(dtype, device)
         if kv_capacity_tokens is not None:
             BlockPool(kv_capacity_tokens, block_size)  # raises ValueError on a bad size

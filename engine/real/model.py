@@ -217,8 +217,50 @@ def resolve_device(device=None) -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    """The fastest dtype the device computes natively.
+
+    - CUDA: bf16, or fp16 on a GPU without bf16 arithmetic (before Ampere).
+    - CPU: bf16 where the CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16), fp32 elsewhere: without
+      them torch converts bf16 matmuls to fp32 and back, and a step takes several times longer (about 4x on an
+      AVX2 machine, docs/BENCHMARKS.md).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    if dev.type == "cpu" and cpu_has_bf16_matmul():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16), as torch sees it."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+#: vLLM 0.32's defaults for its OpenAI server (``EngineArgs.get_batch_defaults``): the step's token budget
+#: and the most running requests, on a CPU and on GPUs by memory
+CPU_BATCH_LIMITS = (2048, 128)
+GPU_BATCH_LIMITS = ((160, 16384, 1024), (70, 8192, 1024))  # (at least GiB, tokens, requests); A100s excepted
+SMALL_GPU_BATCH_LIMITS = (2048, 256)
+
+
+def default_batch_limits(device: torch.device | str) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` as vLLM's server chooses them for ``device``.
+
+    On a CPU, 2,048 tokens and 128 requests. On CUDA, it goes by the GPU's memory: 16,384 and 1,024 from
+    160 GiB, 8,192 and 1,024 from 70 GiB (but not an A100, where vLLM measured the larger budget as slower),
+    2,048 and 256 below.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return CPU_BATCH_LIMITS
+    props = torch.cuda.get_device_properties(dev)
+    gib = props.total_memory / (1 << 30)
+    for at_least, tokens, seqs in GPU_BATCH_LIMITS:
+        if gib >= at_least and (at_least >= 160 or "a100" not in props.name.lower()):
+            return tokens, seqs
+    return SMALL_GPU_BATCH_LIMITS
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -259,7 +301,7 @@ def load_model(model: str = "tiny", device=None, dtype=None):
 
     :param model: ``"tiny"`` or the path of a folder with ``config.json``, weights and tokenizer files.
     :param device: torch device; None: CUDA when available, else CPU.
-    :param dtype: torch dtype or its name; None: bf16 on CUDA, fp32 on CPU.
+    :param dtype: torch dtype or its name; None: the device's fastest (``default_dtype``).
     :return: ``(model, tokenizer)`` with the model in eval mode on ``device``.
     :raises ModelLoadError: the folder is missing or does not hold a loadable model, or the device is
         unknown or absent.

@@ -28,8 +28,9 @@ class ServeConfig:
     port: int = 8000
     kv_capacity_tokens: int | None = None
     block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    #: the step's token budget and the most running requests (None: vLLM's defaults for the device)
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     device: str | None = None
     dtype: str | None = None
     max_in_flight: int = 1024
@@ -67,7 +68,7 @@ class ServeConfig:
     access_log: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("threads", "max_model_len"):
+        for name in ("threads", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")

@@ -162,7 +162,8 @@ class EngineLoop:
         self._taken = (0, 0)
         self.info = EngineInfo(os.getpid(), self.core.pool.capacity_tokens, self.core.pool.block_size,
                                llm.max_model_len, llm.executor.vocab_size, llm.profile,
-                               getattr(getattr(controller, "inner", None), "policy_status", None))
+                               getattr(getattr(controller, "inner", None), "policy_status", None),
+                               _compute_note(llm))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -352,6 +353,18 @@ def _guard_for(llm, controller) -> TwinGuard | None:
     if profile is None or not callable(getattr(inner, "set_guarded", None)):
         return None
     return TwinGuard(profile, controller)
+
+
+def _compute_note(llm) -> str:
+    """``fp32 on cpu, 1 torch thread, steps of up to 2048 tokens and 128 requests``."""
+    import torch
+
+    executor, profile = llm.executor, llm.profile
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(executor.dtype,
+                                                                                         str(executor.dtype))
+    threads = torch.get_num_threads()
+    return (f"{dtype} on {executor.device}, {threads} torch thread{'s' * (threads != 1)}, steps of up to "
+            f"{profile.max_num_batched_tokens} tokens and {profile.max_num_seqs} requests")
 
 
 def _cores() -> int:

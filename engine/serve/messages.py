@@ -72,6 +72,8 @@ class EngineInfo:
     profile: Any
     #: the learned controller's policy status line, for the log; None for any other controller
     controller_note: str | None = None
+    #: how the engine computes, for the log: dtype, torch threads, the step's limits
+    compute: str = ""
 
 
 @dataclass(frozen=True, slots=True)

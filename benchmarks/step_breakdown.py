@@ -76,7 +76,7 @@ def run(args) -> dict:
     for name, part in (("_pack", "pack inputs"), ("_forward", "model forward"), ("_sample", "sample"),
                        ("_stops", "stop checks")):
         timers.wrap(executor, name, part)
-    timers.wrap(llm, "_on_token", "detokenise and stream")
+    timers.wrap(llm.core.scheduler, "on_token", "detokenise and stream")  # the callback the core calls
     for p in prompts:  # a callback per request, as the server's stream has
         llm.add_request(p, sampling, args.output_len, on_delta=lambda *_: None)
     steps, step_s, profiled = 0, 0.0, 0
@@ -122,7 +122,7 @@ def report(result: dict) -> str:
              f"steps timed in {total:.1f} s (and {result['profiled_steps']} profiled), about "
              f"{result['output_tokens'] / total:.0f} output tok/s.",
              "", "| part of the step | seconds | share |", "|---|---:|---:|"]
-    lines += [f"| {p} | {s:.2f} | {100 * s / total:.1f}% |" for p, s in result["parts_s"].items()]
+    lines += [f"| {p} | {s:.3f} | {100 * s / total:.2f}% |" for p, s in result["parts_s"].items()]
     lines += ["", f"Inside the forward, by torch operator (self CPU time over {result['profiled_steps']} steps of a "
                   "full decode batch):", "", "| operators | share |", "|---|---:|"]
     lines += [f"| {k} | {100 * v:.1f}% |" for k, v in result["forward_ops_share"].items()]

@@ -186,6 +186,30 @@ def test_the_options_reach_the_config(tmp_path, monkeypatch):
     assert (config.max_request_bytes, config.log_level, config.access_log) == (1000, "warning", True)
 
 
+@pytest.mark.parametrize("args, warning", [([], None), (["--dtype", "bfloat16"], "off for dtype bfloat16"),
+                                           (["--device", "cpu", "--dtype", "fp32"], None)])
+def test_the_tiny_models_profile_is_called_off_where_it_was_not_fitted(monkeypatch, args, warning):
+    import torch
+
+    import tidegate.engine.serve
+    from tidegate.engine.real.model import cpu_has_bf16_matmul
+
+    def build_service(config):
+        raise ValueError("stopped before the model loads")
+
+    monkeypatch.setattr(tidegate.engine.serve, "build_service", build_service)
+    result = CliRunner().invoke(main, ["serve", "--port", str(free_port()), *args])
+    assert result.exit_code == 2 and "stopped before the model loads" in result.output
+    if not args and torch.cuda.is_available():
+        warning = "off for device cuda"  # the default device is not the profile's
+    elif not args and cpu_has_bf16_matmul():
+        warning = "off for dtype bf16"  # this CPU's default dtype is not the profile's
+    if warning is None:
+        assert "no --profile" not in result.output
+    else:
+        assert "no --profile" in result.output and warning in result.output
+
+
 @pytest.mark.parametrize("content, fragment", [(None, "does not exist"), ("{% for %}", "not a valid Jinja template")])
 def test_a_bad_chat_template_file_is_one_sentence(tmp_path, content, fragment):
     path = tmp_path / "chat.jinja"

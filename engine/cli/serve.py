@@ -199,11 +199,29 @@ def _choose_profile(config, fit: bool) -> None:
                    f"for it)", err=True)
         config.profile = str(fit_profile(config, out))
         click.echo(f"tidegate: the fit is in {out}; `--profile {out}` uses it without fitting again", err=True)
-    elif config.profile is None and config.model != "tiny":
-        click.echo("tidegate: warning: no --profile, so the controllers estimate step times with tiny-cpu, the "
-                   "built-in tiny model's profile, and their admission and TTFT estimates will be off for this "
-                   "model; fit one with `tidegate profile --model MODEL --out FILE` and pass --profile FILE, or "
-                   "pass --profile fit to fit a quick one at start-up", err=True)
+    elif config.profile is None and (why := _unlike_tiny_cpu(config)):
+        click.echo(f"tidegate: warning: no --profile, so the controllers estimate step times with tiny-cpu, the "
+                   f"built-in tiny model's profile on a CPU in fp32, and their admission and TTFT estimates will be "
+                   f"off for {why}; fit one with `tidegate profile --model MODEL --out FILE` and pass --profile FILE, "
+                   f"or pass --profile fit to fit a quick one at start-up", err=True)
+
+
+def _unlike_tiny_cpu(config) -> str | None:
+    """What differs from what the shipped profile was fitted on (the tiny model, a CPU, fp32), if anything."""
+    if config.model != "tiny":
+        return "this model"
+    device = config.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not str(device).startswith("cpu"):
+        return f"device {device}"
+    if config.dtype is None:
+        from tidegate.engine.real.model import cpu_has_bf16_matmul
+
+        return "dtype bf16 (this CPU's default)" if cpu_has_bf16_matmul() else None
+    return None if config.dtype in ("float32", "fp32") else f"dtype {config.dtype}"
 
 
 def _banner(config, service, controller) -> None:

@@ -84,7 +84,29 @@ def main() -> None:
         lines.append(f"| {name} | `{flags}` | {r['completed']} | {r['output_throughput']:.0f} | {ratio} | "
                      f"{r['median_tpot_ms']:.1f} | {r['median_ttft_ms']:.0f} |")
     (args.out / "serve_vs_vllm.md").write_text("\n".join(lines) + "\n")
+    plot(rows, args.out / "serve_vs_vllm.png")
     print("\n".join(lines))
+
+
+def plot(rows: list[tuple[str, str, dict]], path: Path) -> None:
+    """Output tokens a second, requests completed and TPOT p50 of each arm, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, _, _ in rows]
+    figures = (("output tok/s", "output_throughput"), ("requests completed", "completed"),
+               ("TPOT p50 (ms)", "median_tpot_ms"))
+    fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 3.2))
+    for ax, (label, key) in zip(axes, figures):
+        ax.bar(names, [r[key] for _, _, r in rows], color=["tab:gray" if n.startswith("vllm") else "tab:blue"
+                                                           for n in names])
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

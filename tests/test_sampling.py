@@ -260,9 +260,14 @@ def test_every_eos_id_of_the_generation_config_ends_generation():
 # --- logprobs ------------------------------------------------------------------------------------
 
 def _assert_entries_match(entries, logits: torch.Tensor, k: int):
-    """Each ``(token, logprob, alternatives)`` against HF's log-softmax of the row that predicted it."""
-    for (tok, lp, alternatives), row in zip(entries, torch.log_softmax(logits, -1)):
+    """Each ``(token, logprob, alternatives)`` against HF's log-softmax of the row that predicted it, and a
+    prompt entry's fourth field, the token's rank in the vocabulary, against the row's."""
+    for entry, row in zip(entries, torch.log_softmax(logits, -1)):
+        tok, lp, alternatives = entry[:3]
         assert lp <= 0 and abs(lp - float(row[tok])) < 1e-4
+        if len(entry) > 3:  # the rank, allowing for near ties between the two computations
+            at = float(row[tok])
+            assert 1 + int((row > at + 1e-4).sum()) <= entry[3] <= 1 + int((row > at - 1e-4).sum())
         assert len(alternatives) == k
         values = [v for _, v in alternatives]
         assert values == sorted(values, reverse=True)

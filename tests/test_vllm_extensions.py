@@ -264,6 +264,10 @@ def test_prompt_logprobs_have_vllms_shape(server):
         pytest.approx(echoed["token_logprobs"][1:len(ids)], rel=1e-5, abs=1e-5)
     only_own = complete(server, prompt, max_tokens=1, prompt_logprobs=0)["choices"][0]["prompt_logprobs"]
     assert [list(e) for e in only_own[1:]] == [[str(t)] for t in ids[1:]]
+    # the rank is the token's in the whole vocabulary, however many alternatives were asked for
+    assert [e[str(t)]["rank"] for t, e in zip(ids[1:], only_own[1:])] == \
+        [e[str(t)]["rank"] for t, e in zip(ids[1:], entries[1:])]
+    assert all(e[str(t)]["rank"] > 2 for t, e in zip(ids[1:], entries[1:]) if len(e) == 3)
     none = complete(server, prompt, max_tokens=1)["choices"][0]
     assert "prompt_logprobs" not in none or none["prompt_logprobs"] is None
     conversation = chat(server, USER_HI, max_tokens=1, prompt_logprobs=1)

@@ -245,13 +245,16 @@ def _sample_logprobs(logits: torch.Tensor, tokens: torch.Tensor, out: list[int],
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) -> None:
     """Append prompt logprobs from the raw logits of the positions before each target prompt token
-    (row j of ``logits`` gives ``targets[j]``, a request and the position of its prompt token)."""
+    (row j of ``logits`` gives ``targets[j]``, a request and the position of its prompt token): entries
+    ``(token, logprob, alternatives, rank)``, the rank of the token among the whole vocabulary (1: the likeliest)."""
     chunk = 256  # rows at a time: a long prompt's float32 log-softmax over a large vocabulary is big
     for start in range(0, len(targets), chunk):
         part = targets[start:start + chunk]
         logprobs = torch.log_softmax(logits[start:start + len(part)].float(), -1)
         ids = _long([r.prompt_token_ids[t] for r, t in part], logits.device)
-        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        chosen_t = logprobs.gather(1, ids.unsqueeze(1))
+        ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()  # the token's rank in the whole vocabulary
+        chosen = chosen_t.squeeze(1).tolist()
         k_max = max(r.sampling.prompt_logprobs for r, _ in part)
         top = logprobs.topk(k_max, -1) if k_max else None
         top_values = top.values.tolist() if top is not None else None
@@ -261,4 +264,4 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) ->
                 continue
             k = r.sampling.prompt_logprobs
             alternatives = list(zip(top_ids[j][:k], top_values[j][:k])) if top_ids is not None else []
-            r.prompt_logprobs.append((r.prompt_token_ids[t], chosen[j], alternatives))
+            r.prompt_logprobs.append((r.prompt_token_ids[t], chosen[j], alternatives, ranks[j]))

@@ -45,7 +45,7 @@ class Choice:
     """
 
     __slots__ = ("index", "stream", "prompt", "prompt_ids", "echo", "parts", "entries", "prompt_entries",
-                 "token_ids", "finished", "offset", "echoed", "sent_tokens")
+                 "token_ids", "finished", "offset", "started", "sent_tokens")
 
     def __init__(self, index: int, stream: Stream, prompt: int = 0, prompt_ids: list[int] | None = None,
                  echo: str | None = None) -> None:
@@ -61,7 +61,8 @@ class Choice:
         self.finished = False
         #: the next token's ``text_offset``: the token texts sent before it (as the whole answer counts them)
         self.offset = 0
-        self.echoed = False
+        #: its first chunk was sent (the echoed prompt, when asked for, goes in it)
+        self.started = False
         #: tokens already streamed
         self.sent_tokens = 0
 
@@ -201,9 +202,10 @@ class AnswerWriter:
     def _prompt_logprobs(self, c: Choice, ask: Ask) -> list:
         """vLLM's ``prompt_logprobs`` of the choice's prompt; ``decoded_token`` is the token's text (vLLM's
         detokenizer writes it, whatever ``return_tokens_as_token_ids`` says of the answer's logprobs)."""
-        entries = _prompt_entries(c.prompt_ids, c.prompt_entries)
+        entries = _prompt_entries(c.prompt_ids, c.prompt_entries, ranks=True)
         top = ask.prompt_logprobs or 0
-        return prompt_logprobs_body([(t, lp, (alts or [])[:top]) for t, lp, alts in entries], self.token_text)
+        return prompt_logprobs_body([(t, lp, (alts or [])[:top], rank) for t, lp, alts, rank in entries],
+                                    self.token_text)
 
     def _choice_logprobs(self, c: Choice, ask: Ask) -> dict | None:
         if ask.logprobs is None:
@@ -255,15 +257,15 @@ class AnswerWriter:
         at its end the finish (or the error)."""
         out = []
         want = ask.logprobs is not None
-        first = not c.echoed
-        if c.echo is not None and not c.echoed:
+        first = not c.started
+        if c.echo is not None and not c.started:
             lps = None
             if want and not ask.chat:
                 lps = self._completion_logprobs(c, _prompt_entries(c.prompt_ids, c.prompt_entries), ask)
             out.append(events.chunk(c.index, c.echo, None, lps, extra=self._first_extra(c, ask),
                                     usage=_choice_usage(c, ask)))
             first = False
-        c.echoed = True
+        c.started = True
         c.sent_tokens += len(ids)
         if text or ids or (want and entries):
             lps = None
@@ -367,13 +369,18 @@ async def _wait(choices: list[Choice], http: HttpRequest | None, ready: Callable
     return True
 
 
-def _prompt_entries(prompt_ids: list[int], engine_entries: list | None) -> list:
-    """The prompt's logprob entries for echo: the first token's logprob is None (it has no context)."""
+def _prompt_entries(prompt_ids: list[int], engine_entries: list | None, ranks: bool = False) -> list:
+    """The prompt's logprob entries ``(token, logprob, alternatives)``, for echo: the first token's logprob is
+    None (it has no context). ``ranks``: each entry ends with the token's rank in the vocabulary (None when
+    unknown)."""
     engine_entries = engine_entries or []
     out = []
     for i, tid in enumerate(prompt_ids):
         e = engine_entries[i] if 0 < i < len(engine_entries) else None
-        out.append((tid, e[1], e[2]) if e is not None else (tid, None, None))
+        entry = (tid, e[1], e[2]) if e is not None else (tid, None, None)
+        if ranks:
+            entry += (e[3] if e is not None and len(e) > 3 else None,)
+        out.append(entry)
     return out
 
 

@@ -360,6 +360,8 @@ def _compute_note(llm) -> str:
     import torch
 
     executor, profile = llm.executor, llm.profile
+    if getattr(executor, "dtype", None) is None:  # an engine of another kind, served through the same interface
+        return ""
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(executor.dtype,
                                                                                          str(executor.dtype))
     threads = torch.get_num_threads()

@@ -422,15 +422,18 @@ def completion_body(rid: str, model_name: str, choices: list[dict], usage: dict,
 
 def prompt_logprobs_body(entries: list[Entry], token: TokenText) -> list[dict | None]:
     """vLLM's ``prompt_logprobs``: for each prompt token, None for the first, else ``{token id: {logprob,
-    rank, decoded_token}}`` with the prompt's own token and the alternatives asked for."""
+    rank, decoded_token}}`` with the prompt's own token and the alternatives asked for.
+
+    An entry may end with the token's rank in the vocabulary (the engine's); without it the rank is told from
+    the alternatives, which is exact only when the token is among them."""
     out: list[dict | None] = []
-    for tid, lp, alts in entries:
+    for tid, lp, alts, *known in entries:
         if lp is None:
             out.append(None)
             continue
         ranked = list(alts or ())
-        rank = next((i + 1 for i, (a, _) in enumerate(ranked) if a == tid),
-                    1 + sum(1 for _, alp in ranked if alp > lp))
+        rank = known[0] if known and known[0] is not None else next(
+            (i + 1 for i, (a, _) in enumerate(ranked) if a == tid), 1 + sum(1 for _, alp in ranked if alp > lp))
         one = {str(tid): {"logprob": _wire_logprob(lp), "rank": rank, "decoded_token": token(tid)[0]}}
         for i, (a, alp) in enumerate(ranked):
             one.setdefault(str(a), {"logprob": _wire_logprob(alp), "rank": i + 1, "decoded_token": token(a)[0]})

@@ -95,8 +95,9 @@ class _StartError(Exception):
               help="An engine that sends nothing (not even its idle heartbeat) for this long is stopped; open "
                    "streams end with an error and a new engine starts.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch threads of the engine (default: every core but one in an engine process, which the "
-                   "HTTP side needs; torch's default in an engine thread).")
+              help="torch threads of the engine (default in an engine process: the cores no other work keeps "
+                   "busy at its start, all but one for the HTTP side from four on; torch's default in an engine "
+                   "thread).")
 @click.option("--engine-nice", type=click.IntRange(0, 19), default=None,
               help="Niceness the engine process adds to the server's, so that on a busy machine health checks "
                    "and refusals are answered before model steps run (0: the same priority)  [default: 5]")

@@ -46,8 +46,8 @@ class ServeConfig:
     engine_start_timeout_s: float = 600.0
     #: the runtime twin guard of a learned controller
     guard: bool = True
-    #: torch threads of the engine (None: in an engine process, every core but one, which the HTTP side
-    #: needs; in an engine thread, torch's default)
+    #: torch threads of the engine (None: in an engine process, the cores free at its start, all but one
+    #: from four on, ``engine.serve.cores``; in an engine thread, torch's default)
     threads: int | None = None
     #: niceness added to the engine process: on a machine with fewer free cores than busy processes,
     #: the HTTP side's short answers (/health, 429, /metrics) then go before model steps (0: none)

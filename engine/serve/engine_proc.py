@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidegate.ctrl.base import Controller, Observation
 from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.serve.cores import engine_threads, free_cores
 from tidegate.engine.serve.messages import (
     AddRequest, CancelRequest, EngineFailed, EngineInfo, EngineReady, Outcome, RecordRejection, Shutdown, Snapshot,
     Tick, TokenEvent, unknown_message,
@@ -369,13 +370,6 @@ def _compute_note(llm) -> str:
             f"{profile.max_num_batched_tokens} tokens and {profile.max_num_seqs} requests")
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def engine_main(config: ServeConfig, conn: Connection) -> None:
     """The engine process: load the model, then serve the pipe until told to stop or orphaned.
 
@@ -391,11 +385,12 @@ def engine_main(config: ServeConfig, conn: Connection) -> None:
             os.nice(config.engine_nice)
         except OSError as exc:  # not permitted here: serve at the server's priority
             logging.getLogger(__name__).warning("the engine process keeps its priority (nice failed: %s)", exc)
+    # the cores free now, counted before this process loads anything (torch's default, one thread per core
+    # whether busy or not, slows each step many times over on a shared machine)
+    threads = config.threads or engine_threads(free_cores())
     import torch
 
-    # torch's default, one thread per core, leaves no core to the HTTP side; on a shared machine its
-    # spinning threads then slow each step many times over
-    torch.set_num_threads(config.threads or max(1, _cores() - 1))
+    torch.set_num_threads(threads)
     # the policy's worker thread must get the GIL within its budget even while a guard replay runs
     sys.setswitchinterval(0.0005)
     try:

@@ -211,18 +211,16 @@ def _unlike_tiny_cpu(config) -> str | None:
     """What differs from what the shipped profile was fitted on (the tiny model, a CPU, fp32), if anything."""
     if config.model != "tiny":
         return "this model"
-    device = config.device
-    if device is None:
-        import torch
+    import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not str(device).startswith("cpu"):
+    from tidegate.engine.real.model import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    if device.type != "cpu":
         return f"device {device}"
-    if config.dtype is None:
-        from tidegate.engine.real.model import cpu_has_bf16_matmul
-
-        return "dtype bf16 (this CPU's default)" if cpu_has_bf16_matmul() else None
-    return None if config.dtype in ("float32", "fp32") else f"dtype {config.dtype}"
+    if resolve_dtype(config.dtype, device) == torch.float32:
+        return None
+    return f"dtype {config.dtype}" if config.dtype else "dtype bf16 (this CPU's default)"
 
 
 def _banner(config, service, controller) -> None:

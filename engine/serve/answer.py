@@ -371,15 +371,15 @@ async def _wait(choices: list[Choice], http: HttpRequest | None, ready: Callable
 
 def _prompt_entries(prompt_ids: list[int], engine_entries: list | None, ranks: bool = False) -> list:
     """The prompt's logprob entries ``(token, logprob, alternatives)``, for echo: the first token's logprob is
-    None (it has no context). ``ranks``: each entry ends with the token's rank in the vocabulary (None when
-    unknown)."""
+    None (it has no context). ``ranks``: each entry ends with the token's rank in the vocabulary (None with
+    the logprob)."""
     engine_entries = engine_entries or []
     out = []
     for i, tid in enumerate(prompt_ids):
         e = engine_entries[i] if 0 < i < len(engine_entries) else None
         entry = (tid, e[1], e[2]) if e is not None else (tid, None, None)
         if ranks:
-            entry += (e[3] if e is not None and len(e) > 3 else None,)
+            entry += (e[3] if e is not None else None,)
         out.append(entry)
     return out
 

@@ -34,12 +34,12 @@ def _busy_and_total(cpus: set[int]) -> tuple[dict[int, int], dict[int, int]] | N
         with open("/proc/stat") as f:
             for line in f:
                 name, _, rest = line.partition(" ")
-                if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                if not name.startswith("cpu") or name == "cpu" or (cpu := int(name[3:])) not in cpus:
                     continue
                 fields = [int(x) for x in rest.split()]
                 idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
-                total[int(name[3:])] = sum(fields[:8])
-                busy[int(name[3:])] = total[int(name[3:])] - idle
+                total[cpu] = sum(fields[:8])
+                busy[cpu] = total[cpu] - idle
     except (OSError, ValueError, IndexError):
         return None
     return busy, total

@@ -337,7 +337,8 @@ def vllm_field_handling(route: str, field: str) -> str | None:
 
 # ---------------------------------------------------------------------------------- response bodies
 #: A token's logprob entry as the engine reports it: ``(token_id, logprob, [(alt_id, alt_logprob), ...])``;
-#: the logprob (and the alternatives) are None for a prompt's first token, which has no context.
+#: the logprob (and the alternatives) are None for a prompt's first token, which has no context. A prompt
+#: token's entry also ends with the token's rank in the vocabulary.
 Entry = tuple  # (int, float | None, list[tuple[int, float]] | None)
 #: ``token_id -> (its text, its UTF-8 bytes)``
 TokenText = Callable[[int], tuple[str, list[int]]]
@@ -424,16 +425,14 @@ def prompt_logprobs_body(entries: list[Entry], token: TokenText) -> list[dict | 
     """vLLM's ``prompt_logprobs``: for each prompt token, None for the first, else ``{token id: {logprob,
     rank, decoded_token}}`` with the prompt's own token and the alternatives asked for.
 
-    An entry may end with the token's rank in the vocabulary (the engine's); without it the rank is told from
-    the alternatives, which is exact only when the token is among them."""
+    :param entries: ``(token, logprob, alternatives, rank)``, the rank the engine found for the token in the
+        whole vocabulary (None with the logprob, for the first token)."""
     out: list[dict | None] = []
-    for tid, lp, alts, *known in entries:
+    for tid, lp, alts, rank in entries:
         if lp is None:
             out.append(None)
             continue
         ranked = list(alts or ())
-        rank = known[0] if known and known[0] is not None else next(
-            (i + 1 for i, (a, _) in enumerate(ranked) if a == tid), 1 + sum(1 for _, alp in ranked if alp > lp))
         one = {str(tid): {"logprob": _wire_logprob(lp), "rank": rank, "decoded_token": token(tid)[0]}}
         for i, (a, alp) in enumerate(ranked):
             one.setdefault(str(a), {"logprob": _wire_logprob(alp), "rank": i + 1, "decoded_token": token(a)[0]})

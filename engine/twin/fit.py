@@ -171,11 +171,11 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
                    recorder.prefill_pairs, recorder.first_decodes) if t > 0]
         rows += got
         single = [row[2] for row in got if row[0] == 1]
-        per_run.append({"steps": len(got), "batch1_decode_median_s": float(np.median(single)) if single else None})
+        median_s = float(np.median(single)) if single else None
+        per_run.append({"steps": len(got), "batch1_decode_median_s": median_s})
         if log and runs > 1:
-            median = (f"median single-token step {1e3 * float(np.median(single)):.2f} ms" if single
-                      else "no single-token step")
-            log(f"  run {run + 1}/{runs}: {len(got)} steps, {median}")
+            said = "no single-token step" if median_s is None else f"median single-token step {1e3 * median_s:.2f} ms"
+            log(f"  run {run + 1}/{runs}: {len(got)} steps, {said}")
     return rows, per_run
 
 

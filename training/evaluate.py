@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -114,8 +115,7 @@ def cell_arrivals(family: Family, load: float, seed: int, requests: int, profile
     arrivals = family.sample(np.random.default_rng([seed, purpose]), requests, 1.0)
     lam = capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals], profile).lambda_max_rps
     k = 1.0 / (load * lam)  # the sample's mean rate is 1 request/s
-    return [Arrival(a.arrival_time_s * k, a.prompt_tokens, a.output_tokens, a.max_tokens, a.class_id)
-            for a in arrivals], lam
+    return [replace(a, arrival_time_s=a.arrival_time_s * k) for a in arrivals], lam
 
 
 def run_cell(family: str, load: float, seed: int, requests: int, profile: str, specs: list[str],

@@ -13,6 +13,7 @@ to the shipped one (``ctrl.learned.DEFAULT_POLICY``); one that cannot be loaded 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from tidegate.ctrl import build_controller
@@ -22,7 +23,7 @@ from tidegate.engine.bench.bench import markdown_table
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.twin.replay import replay_real
-from tidegate.engine.workloads import Arrival, read_trace, resolve_trace
+from tidegate.engine.workloads import read_trace, resolve_trace
 from tidegate.training.errors import EvaluationError
 from tidegate.training.evaluate import require_policy
 
@@ -62,8 +63,7 @@ def sim_to_real(policy: str | Path = DEFAULT_POLICY, requests: int = 200, load: 
     lam = capacity([a.prompt_tokens for a in base], [a.output_tokens for a in base], prof).lambda_max_rps
     span = base[-1].arrival_time_s - base[0].arrival_time_s
     scale = load * lam / ((len(base) - 1) / span)
-    arrivals = [Arrival((a.arrival_time_s - base[0].arrival_time_s) / scale, a.prompt_tokens, a.output_tokens,
-                        a.max_tokens) for a in base]
+    arrivals = [replace(a, arrival_time_s=(a.arrival_time_s - base[0].arrival_time_s) / scale) for a in base]
     timeout = 5.0 * prof.ttft_slo_s
 
     def controllers():

@@ -6,7 +6,7 @@ import csv
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +44,7 @@ def rate_scale_for_load(arrivals: list[Arrival], profile, load: float) -> tuple[
 
 def _run_one(args) -> dict:
     run, arrivals, profile, seed, points = args
-    scaled = [Arrival(a.arrival_time_s / run.rate_scale, a.prompt_tokens, a.output_tokens, a.max_tokens,
-                      a.class_id) for a in arrivals]
+    scaled = [replace(a, arrival_time_s=a.arrival_time_s / run.rate_scale) for a in arrivals]
     controller = build_controller(run.controller, profile, scaled)
     if hasattr(controller, "seed"):
         controller.seed = seed  # simulate() resets the controller, which reseeds its draws

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -32,7 +33,6 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     from tidegate.engine.bench.bench import rate_scale_for_load
     from tidegate.engine.core.profile import load_profile
     from tidegate.engine.sim.simulate import simulate as run
-    from tidegate.engine.workloads import Arrival
 
     if rate_scale is not None and load is not None:
         raise click.UsageError("give --rate-scale or --load, not both")
@@ -44,8 +44,7 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
     if load is not None:
         scale, _ = rate_scale_for_load(arrivals, profile, load)
-        arrivals = [Arrival(a.arrival_time_s / scale, a.prompt_tokens, a.output_tokens, a.max_tokens, a.class_id)
-                    for a in arrivals]
+        arrivals = [replace(a, arrival_time_s=a.arrival_time_s / scale) for a in arrivals]
     controller = build_controller(controller_spec, profile, arrivals)
     if hasattr(controller, "seed"):
         controller.seed = seed

@@ -23,7 +23,8 @@ def rate_window_s(profile: Profile) -> float:
 
 def build_engine(profile: Profile, controller: Controller, executor: Executor, clock: Clock, *,
                  record_steps: bool = True, on_token: Callable[[Request, int | None], None] | None = None,
-                 on_finish: Callable[[Request], None] | None = None, eviction: str = "recompute") -> EngineCore:
+                 on_finish: Callable[[Request], None] | None = None, eviction: str = "recompute",
+                 prefix_caching: bool = True) -> EngineCore:
     """An EngineCore with the profile's KV capacity and block size.
 
     :param profile: the replica (``kv_capacity_tokens``, ``block_size``, step time).
@@ -35,9 +36,11 @@ def build_engine(profile: Profile, controller: Controller, executor: Executor, c
     :param on_finish: called once with every request that ends.
     :param eviction: ``recompute`` (an evicted request keeps its tokens) or ``reset`` (the paper's
         model: its progress is discarded); see ``EngineCore``.
+    :param prefix_caching: reuse the KV blocks of cached prompt prefixes (see ``EngineCore``).
     """
     if not isinstance(clock, VirtualClock):
         controller.use_wall_clock()
     return EngineCore(controller, executor, clock, kv_capacity_tokens=profile.kv_capacity_tokens,
                       block_size=profile.block_size, rate_window_s=rate_window_s(profile),
-                      on_token=on_token, on_finish=on_finish, record_steps=record_steps, eviction=eviction)
+                      on_token=on_token, on_finish=on_finish, record_steps=record_steps, eviction=eviction,
+                      prefix_caching=prefix_caching)

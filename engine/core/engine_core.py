@@ -64,6 +64,9 @@ class EngineCore:
     :param eviction: ``recompute`` (default): an evicted request keeps its output tokens and
         recomputes their KV by prefill when it runs again; ``reset``: its progress is discarded
         and it starts over (the paper's model, for reproducing it).
+    :param prefix_caching: a request starts with the blocks of its prompt's longest cached prefix
+        and prefills only the rest (``BlockPool``); it counts only those tokens as its prefill in
+        the queue's work, the controller's admission and its predicted TTFT.
     """
 
     def __init__(
@@ -78,13 +81,14 @@ class EngineCore:
         on_finish: Callable[[Request], None] | None = None,
         record_steps: bool = True,
         eviction: str = "recompute",
+        prefix_caching: bool = True,
     ) -> None:
         if eviction not in EVICTION_MODES:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_MODES)}, got {eviction!r}")
         self.controller = controller
         self.clock = clock
         self.eviction = eviction
-        self.pool = BlockPool(kv_capacity_tokens, block_size)
+        self.pool = BlockPool(kv_capacity_tokens, block_size, prefix_caching)
         self.metrics = EngineMetrics(record_steps=record_steps)
         #: the statistics the controller's Observation is made from (``stats.current``: as of now)
         self.stats = ObservationStats(self.pool.capacity_tokens, block_size, rate_window_s)
@@ -156,14 +160,15 @@ class EngineCore:
         self.metrics.on_arrival(request)
         if never is not None:
             return self._reject(request, never, 0.0)
-        rejection = self.admit(request) if isinstance(admission, _Ask) else admission
+        prefill = self.scheduler.prefill_tokens(request)
+        rejection = self.admit(request, prefill) if isinstance(admission, _Ask) else admission
         stats.admitted(request.prompt_len, rejection is None)
         if rejection is not None:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
         # from the latest observation: admit() has just made it, or the last step did
-        request.predicted_ttft_s = predicted_ttft_s(stats.current, request.prompt_len, self._token_budget,
+        request.predicted_ttft_s = predicted_ttft_s(stats.current, prefill, self._token_budget,
                                                     running_cap=self._running_cap)
-        self.scheduler.queue(request)
+        self.scheduler.queue(request, prefill)
         return None
 
     def observe(self) -> Observation:
@@ -171,8 +176,11 @@ class EngineCore:
         self._observe(self.clock.now())
         return self.stats.snapshot()
 
-    def admit(self, request: Request) -> Rejection | None:
+    def admit(self, request: Request, prefill_tokens: int | None = None) -> Rejection | None:
         """The controller's decision on an arrival, from the latest observation; changes nothing.
+
+        :param prefill_tokens: what the controller is told the arrival must prefill: its prompt
+            less the cached prefix (``Scheduler.prefill_tokens``); its whole prompt when not given.
 
         A controller that raises or answers neither None nor a Rejection accepts the arrival,
         unless the queue holds ``controller.max_waiting`` requests already.
@@ -180,7 +188,8 @@ class EngineCore:
         self._observe(self.clock.now())
         obs = self.stats.snapshot()
         try:
-            verdict = self.controller.admit(obs, request.prompt_len, request.max_tokens)
+            prompt = request.prompt_len if prefill_tokens is None else prefill_tokens
+            verdict = self.controller.admit(obs, prompt, request.max_tokens)
         except Exception as exc:
             self._count_error(self.controller_errors, f"controller.admit raised {type(exc).__name__}", exc)
         else:
@@ -296,6 +305,7 @@ class EngineCore:
         end = self.clock.now()
         duration = end - start
         self.stats.step_ended(duration, batch.num_tokens)
+        self.metrics.prefill_tokens += batch.num_tokens - batch.num_decodes
         sched = self.scheduler
         self.metrics.on_step(end, duration, self.pool.used_tokens, len(sched.waiting),
                              len(sched.running), batch.num_tokens)

@@ -42,6 +42,10 @@ class EngineMetrics:
         #: KV entries evictions discarded: recomputed by prefill (recompute eviction), or lost with
         #: the request's progress (reset eviction)
         self.wasted_tokens = 0
+        #: tokens computed by prefill (prompts, and sequences recomputed after an eviction)
+        self.prefill_tokens = 0
+        #: prompt tokens taken from the prefix cache instead of computed, at every start
+        self.cached_prompt_tokens = 0
         self.steps = 0
         self.busy_time_s = 0.0
         self.kv_time_product = 0.0
@@ -134,6 +138,8 @@ class EngineMetrics:
             "failed": counts[RequestState.FAILED],
             "evictions": self.evictions,
             "wasted_tokens": self.wasted_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "throughput_rps": len(ttft) / span,
             "output_tps": float(outs.sum()) / span,
             "goodput_rps": good / span,

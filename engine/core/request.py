@@ -38,6 +38,12 @@ class Request:
     :param prompt_token_ids: the prompt's token ids (real engine only).
     :param sampling: sampling parameters for the real executor (opaque to the core).
     :param class_id: workload class, used by per-class controllers.
+    :param prefix: in simulation, what the prompt's content is for the prefix cache: ``(content ids,
+        tokens per id)``, a Mooncake trace's ``hash_ids`` (``engine.core.prefix``); None for none.
+    :param cache_salt: requests with different salts share no cached prefix.
+    :param skip_reading_prefix_cache: compute the whole prompt even when its prefix is cached (a
+        request that asks for prompt logprobs needs every prompt token's logits); its blocks are
+        still cached for others.
 
     The real executor fills ``logprobs`` (one entry per output token: ``(token_id, logprob,
     [(alt_id, alt_logprob), ...])`` with the alternatives most likely first) and ``prompt_logprobs``
@@ -52,6 +58,8 @@ class Request:
         "activation_seq", "ever_activated", "start_time_s", "first_token_time_s", "finish_time_s",
         "finish_reason", "retry_after_s", "num_evictions", "wasted_tokens", "cancel_requested",
         "user_data", "predicted_ttft_s", "logprobs", "prompt_logprobs", "decode_lag",
+        "prefix", "cache_salt", "skip_reading_prefix_cache", "block_hashes", "registered_blocks",
+        "num_cached_tokens", "queued_tokens",
     )
 
     def __init__(
@@ -64,6 +72,9 @@ class Request:
         prompt_token_ids: list[int] | None = None,
         sampling: Any = None,
         class_id: int = 0,
+        prefix: tuple[tuple[int, ...], float] | None = None,
+        cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         self.request_id = request_id
         self.arrival_time_s = arrival_time_s
@@ -96,6 +107,19 @@ class Request:
         #: while the engine counts this request's decodes in aggregate (``EngineCore``'s steady
         #: decodes), its output length is the engine's decode tick minus this; None otherwise
         self.decode_lag: int | None = None
+        self.prefix = prefix
+        self.cache_salt = cache_salt
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        #: the chained hashes of the prompt's full blocks (``engine.core.prefix``), set when it is
+        #: queued on an engine with prefix caching; None otherwise
+        self.block_hashes: list[int] | None = None
+        #: how many of ``block_ids`` the pool has looked at for registering in the prefix cache
+        self.registered_blocks = 0
+        #: prompt tokens found in the prefix cache when it first started (vLLM's ``num_cached_tokens``)
+        self.num_cached_tokens = 0
+        #: the tokens it adds to the queue's prefill work while it waits (the scheduler's
+        #: ``waiting_prompt_tokens``): its sequence less what the prefix cache held when it was queued
+        self.queued_tokens = 0
 
     @property
     def num_tokens(self) -> int:

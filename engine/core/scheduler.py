@@ -30,6 +30,7 @@ from tidegate.engine.core.block_pool import BlockPool
 from tidegate.engine.core.clock import Clock
 from tidegate.engine.core.executor import Batch, Executor, StepResult
 from tidegate.engine.core.metrics import EngineMetrics
+from tidegate.engine.core.prefix import content_block_hashes, token_block_hashes
 from tidegate.engine.core.request import Request, RequestState
 from tidegate.engine.core.slo import time_per_output_token_s, time_to_first_token_s
 from tidegate.engine.core.stats import ObservationStats
@@ -92,10 +93,66 @@ class Scheduler(Planner):
         self.decode_offset = 0  # round-robin start of the decodes served when the budget cuts them
 
     # ------------------------------------------------------------------ queue
-    def queue(self, r: Request) -> None:
-        """Append an admitted arrival to the queue."""
+    def queue(self, r: Request, prefill_tokens: int | None = None) -> None:
+        """Append an admitted arrival to the queue.
+
+        :param prefill_tokens: what it must prefill (``prefill_tokens(r)``), when already known.
+        """
+        r.queued_tokens = self.prefill_tokens(r) if prefill_tokens is None else prefill_tokens
         self.waiting.append(r)
-        self.waiting_prompt_tokens += r.prompt_len
+        self.waiting_prompt_tokens += r.queued_tokens
+
+    def prefill_tokens(self, r: Request) -> int:
+        """The tokens ``r`` must prefill if it started now: its sequence less the prefix it would
+        find in the prefix cache."""
+        total = r.prompt_len + r.num_output_tokens
+        pool = self.pool
+        if not pool.prefix_caching:
+            return total
+        return total - len(self._cache_hits(r)) * pool.block_size
+
+    def _cache_hits(self, r: Request) -> list[int]:
+        """The cached blocks ``r`` would start with (its block hashes are made on first use). At
+        least one token is left to compute: the step that computes it samples the next token."""
+        hashes = r.block_hashes
+        if hashes is None:
+            bs = self.pool.block_size
+            if r.prompt_token_ids is not None:
+                hashes = token_block_hashes(r.prompt_token_ids, bs, r.cache_salt)
+            elif r.prefix is not None:
+                hashes = content_block_hashes(r.prefix[0], r.prefix[1], r.prompt_len, bs)
+            else:
+                hashes = []
+            r.block_hashes = hashes
+        if not hashes or r.skip_reading_prefix_cache:
+            return []
+        return self.pool.cached_prefix(hashes, (r.prompt_len + r.num_output_tokens - 1) // self.pool.block_size)
+
+    def blocks_to_start(self, r: Request) -> int:
+        """The free blocks waiting ``r`` would take to start now (its cached prefix counted)."""
+        pool = self.pool
+        total = r.prompt_len + r.num_output_tokens
+        if not pool.prefix_caching:
+            return pool.extra_blocks_needed(r, total)
+        return pool.blocks_to_start(r, total, self._cache_hits(r))
+
+    def _allocate(self, r: Request) -> bool:
+        """Blocks for ``r``'s whole sequence as it starts, its cached prefix counted as computed;
+        False (nothing taken) when the pool is short."""
+        pool = self.pool
+        total = r.prompt_len + r.num_output_tokens
+        if not pool.prefix_caching:
+            return pool.grow(r, total)
+        hits = self._cache_hits(r)
+        if not pool.allocate(r, total, hits):
+            return False
+        if hits:
+            cached = len(hits) * pool.block_size
+            r.num_computed_tokens = cached
+            self.metrics.cached_prompt_tokens += cached
+            if not r.ever_activated:
+                r.num_cached_tokens = cached
+        return True
 
     def cancel(self, r: Request) -> None:
         """Mark ``r`` cancelled; it ends at the start of the next step."""
@@ -135,7 +192,7 @@ class Scheduler(Planner):
                 need = self.reservation(r, ratio)
                 if reserved + need > pool.capacity_tokens:
                     break
-            if not pool.grow(r, r.prompt_len + r.num_output_tokens):
+            if not self._allocate(r):
                 break
             waiting.popleft()
             self._start(r)
@@ -152,7 +209,7 @@ class Scheduler(Planner):
         while waiting and left and room > 0:
             r = waiting.popleft()
             allowance = left.get(r.class_id, 0)
-            if allowance > 0 and self.pool.grow(r, r.num_tokens):
+            if allowance > 0 and self._allocate(r):
                 self._start(r)
                 room -= 1
                 if allowance == 1:
@@ -180,7 +237,7 @@ class Scheduler(Planner):
             r.start_time_s = self.clock.now()
         r.activation_seq = self._activation_seq
         self._activation_seq += 1
-        self.waiting_prompt_tokens -= r.prompt_len + r.num_output_tokens
+        self.waiting_prompt_tokens -= r.queued_tokens
         self.running_prompt_tokens += r.prompt_len
         self.running.append(r)
         self.explicit.append(r)
@@ -245,7 +302,8 @@ class Scheduler(Planner):
             self.executor.release(r)  # its sampling state starts over too
         r.state = RequestState.WAITING
         self.waiting.appendleft(r)
-        self.waiting_prompt_tokens += r.prompt_len + r.num_output_tokens
+        r.queued_tokens = self.prefill_tokens(r)
+        self.waiting_prompt_tokens += r.queued_tokens
         self.running_prompt_tokens -= r.prompt_len
         self.evicted_last_step += 1
         self.stats.evicted()
@@ -262,7 +320,6 @@ class Scheduler(Planner):
         steady = self.steady
         requests, counts = batch.requests, batch.num_new_tokens
         n_decodes = batch.num_decodes - steady.count
-        needs_block, bs_tokens = self.needs_block, self.pool.block_size
         first = 0
         any_done = self._update_steady(now, ended) if steady.count else False
         if token_ids is None and on_token is None and n_decodes:
@@ -273,29 +330,11 @@ class Scheduler(Planner):
             if r.state is not _RUNNING:
                 continue
             r.num_computed_tokens += counts[i]
+            if r.block_hashes:  # its prompt's blocks go into the prefix cache as they are computed
+                self.pool.register(r)
             if r.num_computed_tokens < r.prompt_len + r.num_output_tokens:
                 continue  # a prefill chunk that did not reach the end of the sequence
-            r.num_output_tokens += 1
-            tok = None
-            if token_ids is not None:
-                tok = token_ids[i]
-                r.output_token_ids.append(tok)
-            if r.first_token_time_s is None:
-                self._first_token(r, now)
-            if on_token is not None:
-                try:
-                    on_token(r, tok)
-                except Exception as exc:
-                    count_error(self.callback_errors, f"on_token raised {type(exc).__name__}", exc)
-            out = r.num_output_tokens
-            if out >= r.max_tokens:
-                self.end(r, _FINISHED, "length", now, ended)
-                any_done = True
-            elif r.target_output_len is not None and out >= r.target_output_len:
-                self.end(r, _FINISHED, "stop", now, ended)
-                any_done = True
-            elif r.prompt_len + out > len(r.block_ids) * bs_tokens:
-                needs_block.append(r)
+            any_done |= self._commit_token(r, None if token_ids is None else token_ids[i], now, ended)
         if result.stopped or result.failed:
             any_done |= self._end_stopped_and_failed(result, now, ended)
         joined = (requests and token_ids is None and on_token is None and not self.rotating
@@ -304,6 +343,31 @@ class Scheduler(Planner):
             self.running = [r for r in self.running if r.state is _RUNNING]
         if any_done or joined:
             self.explicit = [r for r in self.explicit if r.state is _RUNNING and r.decode_lag is None]
+
+    def _commit_token(self, r: Request, tok: int | None, now: float, ended: list[Request]) -> bool:
+        """``r`` got its next output token (None in simulation): record it, tell ``on_token``, and end
+        ``r`` at its length or its trace's output length; returns whether it ended."""
+        r.num_output_tokens += 1
+        if tok is not None:
+            r.output_token_ids.append(tok)
+        if r.first_token_time_s is None:
+            self._first_token(r, now)
+        on_token = self.on_token
+        if on_token is not None:
+            try:
+                on_token(r, tok)
+            except Exception as exc:
+                count_error(self.callback_errors, f"on_token raised {type(exc).__name__}", exc)
+        out = r.num_output_tokens
+        if out >= r.max_tokens:
+            self.end(r, _FINISHED, "length", now, ended)
+            return True
+        if r.target_output_len is not None and out >= r.target_output_len:
+            self.end(r, _FINISHED, "stop", now, ended)
+            return True
+        if r.prompt_len + out > len(r.block_ids) * self.pool.block_size:
+            self.needs_block.append(r)
+        return False
 
     def _update_steady(self, now: float, ended: list[Request]) -> bool:
         """Every steady request decoded one token: end those due now, in activation order.
@@ -393,7 +457,7 @@ class Scheduler(Planner):
             return
         for r in self.to_cancel:
             if r.state is RequestState.WAITING:
-                self.waiting_prompt_tokens -= r.prompt_len + r.num_output_tokens
+                self.waiting_prompt_tokens -= r.queued_tokens
             if not r.state.is_terminal:
                 self.end(r, RequestState.CANCELLED, "cancelled", now, ended)
         self.to_cancel.clear()
@@ -412,7 +476,7 @@ class Scheduler(Planner):
                 resumed.append(waiting.popleft())
             elif r.arrival_time_s < cutoff_s:
                 waiting.popleft()
-                self.waiting_prompt_tokens -= r.prompt_len
+                self.waiting_prompt_tokens -= r.queued_tokens
                 self.end(r, RequestState.EXPIRED, f"queue timeout of {timeout_s:.3g} s", now, ended)
             else:
                 break

@@ -188,12 +188,14 @@ class LLM:
     :param max_num_seqs: most running requests; None: vLLM's default for the device (128 on a CPU).
     :param model_and_tokenizer: an already loaded ``(model, tokenizer)`` to use instead of ``model``.
     :param profile: the step-time profile controllers are given (``serving_profile``).
+    :param prefix_caching: a prompt whose leading blocks are cached starts after them (vLLM's
+        automatic prefix caching, on by default as in vLLM); the tokens are the same either way.
     """
 
     def __init__(self, model: str = "tiny", kv_capacity_tokens: int | None = None, block_size: int = 16,
                  controller="greedy", device=None, dtype=None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, model_and_tokenizer=None, record_steps: bool = True,
-                 profile=None) -> None:
+                 profile=None, prefix_caching: bool = True) -> None:
         spec = controller if isinstance(controller, str) else None
         device = resolve_device(device)
         tokens, seqs = default_batch_limits(device)
@@ -220,7 +222,7 @@ class LLM:
                 controller = build_controller(spec, serving)
         self.profile = serving
         self.core = build_engine(serving, controller, self.executor, WallClock(), record_steps=record_steps,
-                                 on_token=self._on_token, on_finish=self._on_finish)
+                                 on_token=self._on_token, on_finish=self._on_finish, prefix_caching=prefix_caching)
         self.executor.attach_pool(self.core.pool)
         self.max_model_len = self.executor.max_model_len
         self._streams: dict[Request, _Stream] = {}
@@ -273,8 +275,9 @@ class LLM:
         sampling = sampling or SamplingParams()
         self.check_request(ids, max_tokens, sampling)
         rid = request_id if request_id is not None else str(next(self._ids))
+        # prompt logprobs need every prompt token's logits: such a request computes its whole prompt
         r = Request(rid, self.core.clock.now(), len(ids), max_tokens, prompt_token_ids=ids, sampling=sampling,
-                    class_id=class_id)
+                    class_id=class_id, skip_reading_prefix_cache=sampling.prompt_logprobs is not None)
         self._streams[r] = _Stream(self.tokenizer, on_delta, sampling, self.executor.stop_token_ids(sampling))
         if self.core.add_request(r, admission) is not None:  # rejected: it ended at once, through _on_finish
             self._streams.pop(r, None)

@@ -25,16 +25,19 @@ class SimResult:
 
 
 def make_sim_engine(profile: Profile, controller: Controller, record_steps: bool = True,
-                    eviction: str = "recompute", keep_requests: bool = True, noise_seed: int = 0) -> EngineCore:
+                    eviction: str = "recompute", keep_requests: bool = True, noise_seed: int = 0,
+                    prefix_caching: bool = True) -> EngineCore:
     """An EngineCore on a virtual clock with the profile's executor and KV pool.
 
     :param eviction: ``recompute`` or ``reset`` (the paper's model); see ``EngineCore``.
     :param keep_requests: keep every ended request in ``core.metrics.terminal``; without it memory
         grows by 40 bytes per finished request (see ``EngineMetrics``).
     :param noise_seed: seeds the step-time noise of a profile with ``noise_sigma`` > 0.
+    :param prefix_caching: requests whose arrivals carry content ids (``Arrival.prefix_ids``) share
+        the KV blocks of a common prefix (see ``EngineCore``).
     """
     core = build_engine(profile, controller, SimExecutor(profile, noise_seed), VirtualClock(),
-                        record_steps=record_steps, eviction=eviction)
+                        record_steps=record_steps, eviction=eviction, prefix_caching=prefix_caching)
     core.metrics.keep_requests = keep_requests
     return core
 
@@ -42,12 +45,12 @@ def make_sim_engine(profile: Profile, controller: Controller, record_steps: bool
 def make_request(i: int, arrival) -> Request:
     """Request ``i`` of a replay, with the arrival's lengths (the simulator ends it at its output length)."""
     return Request(str(i), arrival.arrival_time_s, arrival.prompt_tokens, arrival.max_tokens,
-                   target_output_len=arrival.output_tokens, class_id=arrival.class_id)
+                   target_output_len=arrival.output_tokens, class_id=arrival.class_id, prefix=arrival.prefix)
 
 
 def simulate(arrivals, profile: Profile, controller: Controller, *, record_steps: bool = True,
              progress: bool = False, desc: str = "simulating", eviction: str = "recompute",
-             keep_requests: bool = True, noise_seed: int = 0) -> SimResult:
+             keep_requests: bool = True, noise_seed: int = 0, prefix_caching: bool = True) -> SimResult:
     """Replay ``arrivals`` through the engine until every request has ended.
 
     :param arrivals: time-sorted ``engine.workloads.Arrival`` items.
@@ -60,9 +63,10 @@ def simulate(arrivals, profile: Profile, controller: Controller, *, record_steps
         what the summary needs, for long runs.
     :param noise_seed: seeds the step-time noise of a profile with ``noise_sigma`` > 0 (the same
         seed gives the same steps: a simulation stays a pure function of its inputs).
+    :param prefix_caching: see ``make_sim_engine``.
     """
     controller.reset()
-    core = make_sim_engine(profile, controller, record_steps, eviction, keep_requests, noise_seed)
+    core = make_sim_engine(profile, controller, record_steps, eviction, keep_requests, noise_seed, prefix_caching)
     on_step = None
     bar = None
     if progress:

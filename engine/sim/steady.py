@@ -191,8 +191,7 @@ def _steady_decision(core: EngineCore) -> Decision | None:
     if core.waiting:
         head = core.waiting[0]
         if (d.kv_reserve_ratio is not None or min(d.activation_budget, d.running_cap - len(core.running)) > 0
-                and core.pool.extra_blocks_needed(head, head.prompt_len + head.num_output_tokens)
-                <= core.pool.num_free_blocks):
+                and sched.blocks_to_start(head) <= core.pool.num_free_blocks):
             return None
     return d
 

@@ -33,6 +33,10 @@ class Arrival:
         at ``max_tokens``.
     :param max_tokens: the request's ``max_tokens`` (>= ``output_tokens``).
     :param class_id: workload class: the class's index in a synthetic workload, 0 for traces.
+    :param prefix_ids: what the prompt holds, for the prefix cache: one content id for each run of
+        ``prefix_block_tokens`` prompt tokens, in order, equal ids for equal content (a Mooncake
+        trace's ``hash_ids``); empty when the workload does not say.
+    :param prefix_block_tokens: prompt tokens per content id.
     """
 
     arrival_time_s: float
@@ -40,6 +44,13 @@ class Arrival:
     output_tokens: int
     max_tokens: int
     class_id: int = 0
+    prefix_ids: tuple[int, ...] = ()
+    prefix_block_tokens: float = 0.0
+
+    @property
+    def prefix(self) -> tuple[tuple[int, ...], float] | None:
+        """``(prefix_ids, prefix_block_tokens)`` as a `Request` takes it; None without ids."""
+        return (self.prefix_ids, self.prefix_block_tokens) if self.prefix_ids else None
 
     def __post_init__(self) -> None:
         if not (self.arrival_time_s >= 0 and self.prompt_tokens >= 1

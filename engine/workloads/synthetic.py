@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from tidegate.engine.workloads.arrivals import (DEFAULT_MAX_TOKENS, Arrival, WorkloadError, check_options, is_int,
-                                       scale_token_array)
+                                                scale_token_array, scale_tokens)
 
 __all__ = ["load_synthetic"]
 
@@ -31,7 +31,10 @@ _DISTRIBUTIONS = {  # name -> its keys (required, optional)
     "choice": (("values",), ("weights",)),
 }
 _TOP_KEYS = ("name", "description", "arrival", "duration_s", "seed", "max_tokens", "classes")
-_CLASS_KEYS = ("name", "rate_rps", "prompt_tokens", "output_tokens", "max_tokens")
+_CLASS_KEYS = ("name", "rate_rps", "prompt_tokens", "output_tokens", "max_tokens", "shared_prefix_tokens",
+               "turns", "think_time_s")
+#: prompt tokens per content id of a synthetic prompt (``Arrival.prefix_ids``)
+CONTENT_TOKENS = 16
 
 Sampler = Callable[[np.random.Generator, int], np.ndarray]
 
@@ -43,6 +46,9 @@ class _Stream(NamedTuple):
     prompt_tokens: Sampler
     output_tokens: Sampler
     max_tokens: int
+    shared_prefix_tokens: int
+    turns: Sampler | None
+    think_time_s: float
 
 
 def load_synthetic(
@@ -68,6 +74,16 @@ def load_synthetic(
 
     Each class is its own arrival stream over ``[0, duration_s)``; the streams are merged by
     time and ``class_id`` is the class's index.
+
+    Prompts that share a prefix, for the prefix cache (each arrival's ``prefix_ids`` say which
+    content it shares, one id per `CONTENT_TOKENS` tokens):
+
+    - ``shared_prefix_tokens: N``: every prompt of the class starts with the same N tokens (a system
+      prompt) before its own ``prompt_tokens``;
+    - ``turns: <length>`` and ``think_time_s: T``: each arrival starts a conversation of that many
+      turns. A later turn arrives an exponential time of mean T after the one before (whether or
+      not that one has been answered: the stream stays open-loop) and resends the history, every
+      earlier prompt and answer, before its own ``prompt_tokens``.
 
     :param path_or_mapping: a YAML file or an already loaded mapping.
     :param seed: random seed; when None, the file's ``seed``, else 0.
@@ -162,30 +178,94 @@ def _class_stream(cls: Any, where: str, check: _Checker, default_max_tokens: int
     max_tokens = check.integer(cls.get("max_tokens", default_max_tokens), f"{where}.max_tokens")
     if max_tokens_cap is not None:
         max_tokens = min(max_tokens, max_tokens_cap)
+    shared = check.integer(cls.get("shared_prefix_tokens", 0), f"{where}.shared_prefix_tokens", minimum=0)
+    turns = check.lengths(cls["turns"], f"{where}.turns") if "turns" in cls else None
+    if "think_time_s" in cls and turns is None:
+        check.fail(f"{where}.think_time_s", "given without turns", "think_time_s only with turns")
+    think_time_s = check.number(cls.get("think_time_s", 0.0), f"{where}.think_time_s")
     return _Stream(rate_rps * rate_scale,
                    check.lengths(cls["prompt_tokens"], f"{where}.prompt_tokens"),
                    check.lengths(cls["output_tokens"], f"{where}.output_tokens"),
-                   max_tokens)
+                   max_tokens, shared, turns, think_time_s)
 
 
 def _sample(streams: list[_Stream], rng: np.random.Generator, process: str, burstiness: float,
             duration_s: float, length_scale: float) -> list[Arrival]:
     """Sample every stream over ``[0, duration_s)`` and merge them by time; ``class_id`` is the
-    stream's index."""
-    times, prompts, outputs, max_tokens_all, class_ids = [], [], [], [], []
-    for class_id, (rate_rps, prompt_sampler, output_sampler, max_tokens) in enumerate(streams):
-        t = _arrival_times(rng, process, rate_rps, burstiness, duration_s)
+    stream's index. Streams without shared prefixes sample exactly as before they had any."""
+    arrivals: list[Arrival] = []
+    ids = _ContentIds()
+    for class_id, stream in enumerate(streams):
+        t = _arrival_times(rng, process, stream.rate_rps, burstiness, duration_s)
         n = len(t)
-        times.append(t)
-        prompts.append(scale_token_array(prompt_sampler(rng, n), length_scale))
-        outputs.append(np.minimum(scale_token_array(output_sampler(rng, n), length_scale), max_tokens))
-        max_tokens_all.append(np.full(n, max_tokens))
-        class_ids.append(np.full(n, class_id))
-    t = np.concatenate(times)
-    order = np.argsort(t, kind="stable")
-    columns = [t[order].tolist()] + [np.concatenate(c)[order].tolist()
-                                     for c in (prompts, outputs, max_tokens_all, class_ids)]
-    return [Arrival(*row) for row in zip(*columns)]
+        prompts = scale_token_array(stream.prompt_tokens(rng, n), length_scale).tolist()
+        outputs = np.minimum(scale_token_array(stream.output_tokens(rng, n), length_scale),
+                             stream.max_tokens).tolist()
+        times = t.tolist()
+        if stream.turns is None and not stream.shared_prefix_tokens:
+            arrivals += [Arrival(a, p, o, stream.max_tokens, class_id) for a, p, o in zip(times, prompts, outputs)]
+            continue
+        system_tokens = scale_tokens(stream.shared_prefix_tokens, length_scale) if stream.shared_prefix_tokens else 0
+        system = (ids.fresh(system_tokens // CONTENT_TOKENS), system_tokens)
+        if stream.turns is None:
+            for a, p, o in zip(times, prompts, outputs):
+                arrivals.append(_sharing(a, system, p, o, stream.max_tokens, class_id, ids))
+            continue
+        arrivals += _conversations(rng, stream, class_id, times, prompts, outputs, system, length_scale, ids)
+    arrivals.sort(key=lambda a: a.arrival_time_s)  # stable: a class's order stays within a tie
+    return arrivals
+
+
+class _ContentIds:
+    """Content ids, each new one unused before: equal ids mean the same tokens after the same prefix."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def fresh(self, n: int) -> tuple[int, ...]:
+        first = self.next
+        self.next += n
+        return tuple(range(first, first + n))
+
+
+def _sharing(t: float, history: tuple[tuple[int, ...], int], own: int, output: int, max_tokens: int,
+             class_id: int, ids: _ContentIds) -> Arrival:
+    """An arrival whose prompt is ``history`` (the content ids of its full runs, and its tokens) then
+    ``own`` tokens of its own."""
+    shared, history_tokens = history
+    prompt = history_tokens + own
+    content = shared + ids.fresh(-(-prompt // CONTENT_TOKENS) - len(shared))
+    return Arrival(t, prompt, output, max_tokens, class_id, prefix_ids=content,
+                   prefix_block_tokens=float(CONTENT_TOKENS))
+
+
+def _conversations(rng: np.random.Generator, stream: _Stream, class_id: int, starts: list[float],
+                   prompts: list[int], outputs: list[int], system: tuple[tuple[int, ...], int],
+                   length_scale: float, ids: _ContentIds) -> list[Arrival]:
+    """The turns of a conversation starting at each of ``starts``: its first turn takes that start's
+    lengths, later ones their own; each resends the history (``system`` first) before its prompt."""
+    n_turns = stream.turns(rng, len(starts)).tolist() if stream.turns is not None else [1] * len(starts)
+    extra = int(sum(n_turns)) - len(starts)
+    more_prompts = scale_token_array(stream.prompt_tokens(rng, extra), length_scale).tolist()
+    more_outputs = np.minimum(scale_token_array(stream.output_tokens(rng, extra), length_scale),
+                              stream.max_tokens).tolist()
+    gaps = rng.exponential(stream.think_time_s, extra).tolist() if stream.think_time_s > 0 else [0.0] * extra
+    arrivals = []
+    k = 0
+    for start, own, output, turns in zip(starts, prompts, outputs, n_turns):
+        t, history = start, system
+        for turn in range(int(turns)):
+            if turn:
+                t, own, output = t + gaps[k], more_prompts[k], more_outputs[k]
+                k += 1
+            a = _sharing(t, history, own, output, stream.max_tokens, class_id, ids)
+            arrivals.append(a)
+            # the next turn resends this prompt and its answer: the runs this prompt filled stay, the
+            # run it left partial and those of the answer are new content
+            full = a.prompt_tokens // CONTENT_TOKENS
+            sent = a.prompt_tokens + output
+            history = (a.prefix_ids[:full] + ids.fresh(sent // CONTENT_TOKENS - full), sent)
+    return arrivals
 
 
 def _load_yaml(path: Path) -> Any:

@@ -6,7 +6,8 @@ Formats are recognised by their first line, not their extension:
 - Azure 2023 CSV ``TIMESTAMP,ContextTokens,GeneratedTokens`` (``2023-11-16 18:15:46.6805900``),
 - BurstGPT CSV ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``
   (seconds; rows with 0 response tokens are failed requests and are skipped),
-- Mooncake JSONL, one ``{"timestamp": ms, "input_length": n, "output_length": n, ...}`` a line.
+- Mooncake JSONL, one ``{"timestamp": ms, "input_length": n, "output_length": n, ...}`` a line,
+  with the prompt's content as ``hash_ids`` (one id per 512 tokens) when it has them.
 
 `read_trace` is the entry point; it detects the format (`_read_rows`), reads rows of
 (trace time in seconds, prompt, output), then windows, re-bases, rescales and caps them.
@@ -36,11 +37,14 @@ _CSV_FORMATS = {
                  "Timestamp", "Request tokens", "Response tokens"),
 }
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+#: prompt tokens per Mooncake ``hash_ids`` entry (the trace release's block size)
+MOONCAKE_BLOCK_TOKENS = 512
 _ACCEPTED = ("expected one of the headers "
              + ", ".join(f"'{fmt[0]}'" for fmt in _CSV_FORMATS.values())
              + " or Mooncake JSON lines with timestamp, input_length and output_length")
 
-Row = tuple[float, int, int]  # (time on the trace's own clock in seconds, prompt, output)
+# (time on the trace's own clock in seconds, prompt, output, the prompt's content ids or ())
+Row = tuple[float, int, int, tuple[int, ...]]
 
 
 def read_trace(
@@ -70,7 +74,8 @@ def read_trace(
         trace fits a small model.
     :param max_tokens_cap: every request's ``max_tokens`` (default `DEFAULT_MAX_TOKENS`); longer
         recorded outputs are cut to it.
-    :return: arrivals sorted by time, class 0.
+    :return: arrivals sorted by time, class 0; a Mooncake trace's ``hash_ids`` become their
+        ``prefix_ids`` (scaled with the lengths).
     """
     check_options(rate_scale, length_scale, max_tokens_cap)
     if first_n is not None and first_n < 1:
@@ -91,10 +96,12 @@ def read_trace(
         rows = rows[:first_n]
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens_cap is None else max_tokens_cap
     t0 = rows[0][0]
+    per_id = MOONCAKE_BLOCK_TOKENS * length_scale
     return [
         Arrival((t - t0) / rate_scale, scale_tokens(p, length_scale),
-                min(scale_tokens(o, length_scale), max_tokens), max_tokens)
-        for t, p, o in rows
+                min(scale_tokens(o, length_scale), max_tokens), max_tokens,
+                prefix_ids=ids, prefix_block_tokens=per_id if ids else 0.0)
+        for t, p, o, ids in rows
     ]
 
 
@@ -151,15 +158,15 @@ def _read_csv(first_line: str, f: Iterable[str], source: str) -> list[Row]:
                 continue
             t, p, o = _diagnose(fields, (ti, pi, oi), columns, to_seconds, source,
                                 reader.line_num + 1)
-        rows.append((t, p, o))
+        rows.append((t, p, o, ()))
     if fmt == "azure" and rows:
         t0 = min(row[0] for row in rows)
-        rows = [(t - t0, p, o) for t, p, o in rows]
+        rows = [(t - t0, p, o, ids) for t, p, o, ids in rows]
     return rows
 
 
 def _diagnose(fields: list[str], indices: tuple[int, int, int], columns: tuple[str, str, str],
-              to_seconds: Callable[[str], float], source: str, line: int) -> Row:
+              to_seconds: Callable[[str], float], source: str, line: int) -> tuple[float, int, int]:
     """Parse one row field by field, raising a `WorkloadError` for the first bad one."""
     values = []
     for index, column in zip(indices, columns):
@@ -232,8 +239,17 @@ def _read_mooncake(first_line: str, f: Iterable[str], source: str) -> list[Row]:
                                 f"milliseconds of at least 0")
         p = _json_count(record[prompt_key], prompt_key, where)
         o = _json_count(record[output_key], output_key, where)
-        rows.append((t_ms / 1000.0, p, o))
+        rows.append((t_ms / 1000.0, p, o, _hash_ids(record.get("hash_ids"), where)))
     return rows
+
+
+def _hash_ids(value: Any, where: str) -> tuple[int, ...]:
+    """A Mooncake record's ``hash_ids``: a list of integers, or absent."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise WorkloadError(f"{where}: hash_ids is {str(value)[:40]!r}, expected a list of integers")
+    return tuple(value)
 
 
 def _json_number(value: Any) -> float:

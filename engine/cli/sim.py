@@ -23,11 +23,14 @@ from tidegate.engine.cli.support import parse_floats, friendly, load_arrivals, w
               help="What an evicted request keeps. recompute: its generated tokens (their KV is recomputed by "
                    "prefill, as in vLLM and the real engine); reset: nothing, it starts over (the paper's model, "
                    "for reproducing its results).")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Reuse the KV blocks of prompt prefixes the workload says are shared (Mooncake hash_ids, "
+                   "synthetic shared_prefix_tokens and turns), as vLLM does by default.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @friendly()
 def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
-             profile_name, controller_spec, eviction, as_json, progress):
+             profile_name, controller_spec, eviction, prefix_caching, as_json, progress):
     """Replay a trace or synthetic workload through the simulator twin."""
     from tidegate.ctrl import build_controller
     from tidegate.engine.bench.bench import rate_scale_for_load
@@ -49,8 +52,10 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     if hasattr(controller, "seed"):
         controller.seed = seed
     show = sys.stderr.isatty() if progress is None else progress
-    summary = run(arrivals, profile, controller, record_steps=False, progress=show, eviction=eviction).summary
-    summary = {"controller": controller_spec, "profile": profile.name, "eviction": eviction, **summary}
+    summary = run(arrivals, profile, controller, record_steps=False, progress=show, eviction=eviction,
+                  prefix_caching=prefix_caching).summary
+    summary = {"controller": controller_spec, "profile": profile.name, "eviction": eviction,
+               "prefix_caching": prefix_caching, **summary}
     if as_json:
         click.echo(json.dumps(summary))
     else:

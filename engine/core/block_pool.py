@@ -14,11 +14,15 @@ freed first, and a request's last blocks before its first, so a shared head stay
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from itertools import repeat
+from itertools import repeat, takewhile
 
 from tidegate.engine.core.request import Request
 
 _popleft = deque.popleft
+
+
+def _is_block(b: int | None) -> bool:
+    return b is not None
 
 
 class BlockPool:
@@ -115,18 +119,23 @@ class BlockPool:
             self._free.extend(ids)
             self.used_tokens -= len(ids) * self.block_size
             return
-        hash_of, refs, evictable, free = self._hash_of, self._refs, self._evictable, self._free
-        released = 0
-        for b in reversed(ids):  # the tail first: the head of a prompt is the likelier to be shared
-            if b in hash_of:
+        hash_of, refs = self._hash_of, self._refs
+        registered = [b for b in reversed(ids) if b in hash_of]  # the tail first: the head is likelier shared
+        if len(registered) < len(ids):
+            self._free.extend([b for b in ids if b not in hash_of])
+        released = len(ids) - len(registered)
+        evictable = self._evictable
+        if max(map(refs.__getitem__, registered), default=1) == 1:  # none shared: all become evictable
+            refs.update(dict.fromkeys(registered, 0))
+            evictable.update(dict.fromkeys(registered))
+            released += len(registered)
+        else:
+            for b in registered:
                 n = refs[b] - 1
                 refs[b] = n
-                if n:
-                    continue  # another request still holds it
-                evictable[b] = None
-            else:
-                free.append(b)
-            released += 1
+                if not n:  # no other request holds it
+                    evictable[b] = None
+                    released += 1
         self.used_tokens -= released * self.block_size
 
     # ------------------------------------------------------------------ the prefix cache
@@ -135,13 +144,7 @@ class BlockPool:
         cached = self._cached
         if not cached:
             return []
-        hits: list[int] = []
-        for h in block_hashes[:max_blocks]:
-            b = cached.get(h)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        return list(takewhile(_is_block, map(cached.get, block_hashes[:max_blocks])))  # type: ignore[arg-type]
 
     def blocks_to_start(self, request: Request, num_tokens: int, hits: list[int]) -> int:
         """The free blocks a request with nothing allocated takes to hold ``num_tokens`` tokens when
@@ -185,22 +188,18 @@ class BlockPool:
         k = request.registered_blocks
         if k >= done:
             return
-        ids, cached, hash_of, refs = request.block_ids, self._cached, self._hash_of, self._refs
-        while k < done:
-            h = hashes[k]
-            if h not in cached:
-                b = ids[k]
-                cached[h] = b
-                hash_of[b] = h
-                refs[b] = 1
-            k += 1
-        request.registered_blocks = k
+        cached = self._cached
+        new = {h: b for h, b in zip(hashes[k:done], request.block_ids[k:done]) if h not in cached}
+        if new:
+            cached.update(new)
+            self._hash_of.update(zip(new.values(), new.keys()))
+            self._refs.update(dict.fromkeys(new.values(), 1))
+        request.registered_blocks = done
 
     def _reclaim(self, n: int) -> None:
         """Move the ``n`` least recently freed registered blocks to the free list, unregistered."""
-        evictable, cached, hash_of, refs, free = self._evictable, self._cached, self._hash_of, self._refs, self._free
-        for _ in range(n):
-            b, _ = evictable.popitem(last=False)
-            del cached[hash_of.pop(b)]
-            del refs[b]
-            free.append(b)
+        pop = self._evictable.popitem
+        taken = [pop(False)[0] for _ in range(n)]
+        deque(map(self._cached.__delitem__, map(self._hash_of.pop, taken)), maxlen=0)
+        deque(map(self._refs.__delitem__, taken), maxlen=0)
+        self._free.extend(taken)

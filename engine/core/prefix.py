@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from itertools import accumulate
 
 #: the hash a chain starts from
 _ROOT = 0
@@ -44,10 +45,18 @@ def content_block_hashes(content_ids: Sequence[int], block_tokens: float, prompt
     hashes: list[int] = []
     if block_tokens <= 0:
         return hashes
+    n_blocks = prompt_len // block_size
+    per_run = block_tokens / block_size
+    if per_run == int(per_run):  # whole blocks to a run (Mooncake's 512 tokens on 16-token blocks)
+        # the runs' own chain, then each block of a run named by the run's hash and its place in it
+        runs = min(len(content_ids), -(-n_blocks // int(per_run)))
+        run_hashes = list(accumulate(content_ids[:runs], lambda h, c: hash((h, c)), initial=_ROOT))[1:]
+        per = int(per_run)
+        return [hash((run_hashes[k // per], k)) for k in range(min(n_blocks, runs * per))]
     prev = _ROOT
     n_ids = len(content_ids)
     first = 0  # the first run of block k
-    for k in range(prompt_len // block_size):
+    for k in range(n_blocks):
         last = int(((k + 1) * block_size - 1) // block_tokens)
         if last >= n_ids:
             break

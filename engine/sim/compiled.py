@@ -43,7 +43,7 @@ MODULES = tuple(f"{PACKAGE}/{module}" for module in (
     "engine/core/block_pool.py", "engine/core/clock.py", "engine/core/engine_core.py", "engine/core/executor.py",
     "engine/core/metrics.py", "engine/core/offered.py", "engine/core/profile.py", "engine/core/request.py",
     "engine/core/slo.py", "engine/core/stats.py", "engine/core/decision.py", "engine/core/scheduler.py",
-    "engine/core/batching.py", "engine/core/steady_decodes.py", "engine/core/profile_file.py",
+    "engine/core/batching.py", "engine/core/steady_decodes.py", "engine/core/profile_file.py", "engine/core/prefix.py",
     "engine/sim/executor.py", "engine/sim/steady.py",
     "ctrl/base.py", "ctrl/theory.py", "ctrl/shield.py", "ctrl/slo_flow.py", "ctrl/greedy.py", "ctrl/no_evict.py",
     "ctrl/watermark.py", "ctrl/sglang.py", "ctrl/flow.py", "ctrl/class_budgets.py",

@@ -284,3 +284,31 @@ def test_prompt_logprobs_compute_the_whole_prompt_and_still_fill_the_cache(tiny)
     assert len(again.prompt_logprobs) == len(prompt) and again.prompt_logprobs == first.prompt_logprobs
     plain = _run(llm, [prompt], 2)[0]
     assert plain.num_cached_tokens == 48 and plain.output_token_ids == first.output_token_ids
+
+
+# ---------------------------------------------------------------------------------------- the twin
+def test_real_prompts_share_tokens_exactly_where_content_ids_do():
+    from tidegate.engine.twin.replay import random_prompts
+    from tidegate.engine.workloads import Arrival
+
+    arrivals = [Arrival(0.0, 50, 1, 1, prefix_ids=(7, 8, 9), prefix_block_tokens=16.0),
+                Arrival(0.0, 40, 1, 1, prefix_ids=(7, 8, 5), prefix_block_tokens=16.0),
+                Arrival(0.0, 40, 1, 1)]
+    a, b, c = random_prompts(arrivals, 300, seed=1)
+    assert [len(a), len(b), len(c)] == [50, 40, 40]
+    assert a[:32] == b[:32] and a[32:40] != b[32:40] and a[:32] != c[:32]
+    assert random_prompts(arrivals, 300, seed=1)[0] == a and random_prompts(arrivals, 300, seed=2)[0] != a
+
+
+@pytest.mark.slow
+def test_twin_check_of_a_shared_prefix_workload_finds_the_cache_in_both_engines(tmp_path):
+    from tidegate.engine.twin.check import run_twin_check
+
+    report = run_twin_check(model="tiny", trace="shared_prefix_chat", first_n=24, length_scale=1.0,
+                            rate_scale=4.0, max_tokens=8, profile_name="tiny-cpu", device="cpu", out_dir=tmp_path,
+                            noise_seeds=1)
+    real, sim = report["real_summary"], report["sim_summary"]
+    assert report["prefix_caching"] and real["completed"] == sim["completed"] == 24
+    assert real["cached_prompt_tokens"] > 0 and sim["cached_prompt_tokens"] > 0
+    # the same requests find much the same prefixes cached (when each starts can differ a little)
+    assert abs(real["cached_prompt_tokens"] - sim["cached_prompt_tokens"]) <= 0.2 * sim["cached_prompt_tokens"]

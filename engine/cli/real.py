@@ -169,7 +169,8 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 
 @click.command("twin-check")
 @model_option
-@click.option("--trace", required=True, help="Trace file or shipped name (splitwise_conv, splitwise_code).")
+@click.option("--trace", required=True, help="Trace file or shipped name (splitwise_conv, splitwise_code), or a "
+                                             "synthetic workload YAML (sampled with --seed).")
 @click.option("--first", "first_n", type=click.IntRange(min=1), default=300, show_default=True)
 @click.option("--length-scale", type=float, default=0.1, show_default=True,
               help="Multiply prompt and output lengths (fit the trace to the tiny model).")
@@ -184,6 +185,9 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
                    "before the check and half after (a machine whose speed drifts is profiled at its speed during "
                    "the check, on average); writes it to the output folder's profile.json.")
 @click.option("--controller", "controller_spec", default="greedy", show_default=True)
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Both engines reuse the KV blocks of shared prompt prefixes (a Mooncake trace's hash_ids say "
+                   "which; the real engine's prompts share tokens where they do).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--noise-seeds", type=click.IntRange(min=1), default=8, show_default=True,
               help="Simulate with this many step-noise seeds and compare the real requests with all their "
@@ -197,7 +201,8 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 @pin_option
 @friendly(ValueError)
 def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, fit_around,
-                       controller_spec, seed, noise_seeds, out_dir, as_json, device, dtype, threads, pin_cpu):
+                       controller_spec, prefix_caching, seed, noise_seeds, out_dir, as_json, device, dtype, threads,
+                       pin_cpu):
     """Run one workload through the real engine and the simulator twin and compare them."""
     from tidegate.engine.twin.check import run_twin_check
 
@@ -208,7 +213,7 @@ def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_toke
                             rate_scale=rate_scale, max_tokens=max_tokens, profile_name=profile_name or "tiny-cpu",
                             controller_spec=controller_spec, seed=seed, out_dir=out_dir, device=device,
                             dtype=dtype, fit_around=fit_around, noise_seeds=noise_seeds,
-                            log=lambda s: click.echo(s, err=True))
+                            log=lambda s: click.echo(s, err=True), prefix_caching=prefix_caching)
     if as_json:
         click.echo(json.dumps(report))
         return

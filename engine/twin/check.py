@@ -36,7 +36,7 @@ from tidegate.engine.twin.seeds import (
     NOISE_SEEDS, SPREAD, ks_distances, real_sampling, request_latencies, scaled_to_speed, seed_spread, simulate_seeds,
     write_sim_requests_csv,
 )
-from tidegate.engine.workloads import read_trace, resolve_trace
+from tidegate.engine.workloads import WorkloadError, load_synthetic, read_trace, resolve_trace
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
 COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
@@ -151,12 +151,13 @@ def targets_met(errors: dict, rows: dict) -> dict:
 
 
 def _speed_adjusted_errors(arrivals, profile: Profile, controller: Callable[[], Controller], ratio: float,
-                           rows: dict, seeds: int, real_requests=None) -> tuple[dict, dict]:
+                           rows: dict, seeds: int, real_requests=None,
+                           prefix_caching: bool = True) -> tuple[dict, dict]:
     """Diagnostic only: the simulator's relative errors (``seeds`` pooled, as the check's) with the
     profile scaled by how much slower (or faster) the machine ran single-token steps during the
     check than while profiling, and with ``real_requests`` the KS distances (``ks_distances``)
     of that simulation's requests (an empty dict without them)."""
-    sim_scaled, requests = simulate_seeds(arrivals, scaled_to_speed(profile, ratio), controller, seeds)
+    sim_scaled, requests = simulate_seeds(arrivals, scaled_to_speed(profile, ratio), controller, seeds, prefix_caching)
     errors = {key: (float(sim_scaled[key]) - rows[key]["real"]) / rows[key]["real"]
               for key in COMPARED if rows[key]["real"]}
     ks = {} if real_requests is None else ks_distances(real_requests, [r for reqs in requests for r in reqs])
@@ -218,11 +219,27 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
     return "\n".join(lines)
 
 
+_SYNTHETIC = (".yaml", ".yml")
+
+
+def _arrivals(trace: str, first_n: int | None, rate_scale: float, length_scale: float, max_tokens: int,
+              seed: int) -> list:
+    """The check's requests: the first ``first_n`` of a trace, or of a synthetic workload sampled with ``seed``."""
+    path = resolve_trace(trace)
+    if path.suffix in _SYNTHETIC:
+        arrivals = load_synthetic(path, seed=seed, rate_scale=rate_scale, length_scale=length_scale,
+                                  max_tokens_cap=max_tokens)
+        return arrivals[:first_n] if first_n is not None else arrivals
+    return read_trace(path, first_n=first_n, rate_scale=rate_scale, length_scale=length_scale,
+                      max_tokens_cap=max_tokens)
+
+
 def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: int | None = 300,
                    length_scale: float = 0.1, rate_scale: float = 1.0, max_tokens: int = 256,
                    profile_name: str = "tiny-cpu", controller_spec: str = "greedy", seed: int = 0,
                    out_dir: Path | str = "twin-out", device=None, dtype=None, fit_around: bool = False,
-                   noise_seeds: int = NOISE_SEEDS, log: Callable[[str], None] | None = None) -> dict:
+                   noise_seeds: int = NOISE_SEEDS, log: Callable[[str], None] | None = None,
+                   prefix_caching: bool = True) -> dict:
     """Run the workload through both engines; writes ``twin_report.json``, ``twin_step_time.png``,
     ``twin_steps.csv`` (every real step), ``twin_requests.csv`` (TTFT and TPOT per request, the
     simulator's of noise seed 0) and ``twin_sim_requests.csv`` (the simulator's of every seed).
@@ -233,11 +250,14 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
         ``profile_steps.csv``); the controllers of
         both runs are built with the profile fitted on the first half.
     :param noise_seeds: noise seeds simulated, their requests pooled (:func:`simulate_seeds`).
+    :param prefix_caching: both engines' prefix cache (a trace with Mooncake ``hash_ids`` shares prefixes).
     :return: the report: per-metric real, simulated and relative error, step-time errors, targets met.
     """
 
-    arrivals = read_trace(resolve_trace(trace), first_n=first_n, rate_scale=rate_scale,
-                          length_scale=length_scale, max_tokens_cap=max_tokens)
+    arrivals = _arrivals(trace, first_n, rate_scale, length_scale, max_tokens, seed)
+    if fit_around and resolve_trace(trace).suffix in _SYNTHETIC:
+        raise WorkloadError(f"{trace}: --fit-around needs a trace (it fits on the requests after the check's), "
+                            "not a synthetic workload")
 
     def controller(p: Profile):
         c = build_controller(controller_spec, p, arrivals)
@@ -249,7 +269,8 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
         if log:
             log(f"replaying {len(arrivals)} requests through the real engine ({model}); "
                 f"about {arrivals[-1].arrival_time_s:.0f}s of arrivals")
-        return replay_real(arrivals, p, controller(p), model=model, device=device, dtype=dtype, seed=seed, log=log)
+        return replay_real(arrivals, p, controller(p), model=model, device=device, dtype=dtype, seed=seed, log=log,
+                           prefix_caching=prefix_caching)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +288,8 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
         core, recorder = real_run(profile)
     if log:
         log(f"simulating {len(arrivals)} requests with profile {profile.name}")
-    sim_summary, sim_requests = simulate_seeds(arrivals, profile, lambda: controller(control_profile), noise_seeds)
+    sim_summary, sim_requests = simulate_seeds(arrivals, profile, lambda: controller(control_profile), noise_seeds,
+                                               prefix_caching)
     seeds = len(sim_requests)  # one when the profile has no noise
     real = core.metrics.summary(core.pool.capacity_tokens, profile.ttft_slo_s, profile.tpot_slo_s,
                                 final_waiting=len(core.waiting))
@@ -285,7 +307,8 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     drift = speed_drift(profile, errors)
     if drift is not None:
         drift["rel_error_speed_adjusted"], drift["ks_speed_adjusted"] = _speed_adjusted_errors(
-            arrivals, profile, lambda: controller(control_profile), drift["ratio"], rows, seeds, core.metrics.terminal)
+            arrivals, profile, lambda: controller(control_profile), drift["ratio"], rows, seeds, core.metrics.terminal,
+            prefix_caching)
     met = targets_met(errors, rows)
     headline = (f"twin check: {len(arrivals)} requests of {trace} (length x{length_scale}, rate x{rate_scale}), "
                 f"controller {controller_spec}, profile {profile.name}"
@@ -293,6 +316,7 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     report = {
         "trace": trace, "requests": len(arrivals), "length_scale": length_scale, "rate_scale": rate_scale,
         "controller": controller_spec, "profile": profile.name, "model": model, "fit_around": fit_around,
+        "prefix_caching": prefix_caching,
         "step_time": {k: v for k, v in errors.items() if not isinstance(v, np.ndarray)},
         "step_time_by_size": by_size, "speed_drift": drift, "metrics": rows, "ks_distance": ks, "targets_met": met,
         "noise_seeds": seeds, "seed_spread": spread, "real_sampling": sampling, "real_summary": real,

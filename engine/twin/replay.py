@@ -4,7 +4,8 @@ The same ``EngineCore`` (``build_engine``) and arrival loop (``engine.core.drive
 ``simulate``, with a ``TorchExecutor`` and a ``WallClock``: the real half of the twin check, of
 ``tidegate profile --from-twin`` and of the sim-to-real check. Each request gets random prompt
 tokens of the trace's length, ignores EOS and ends at the trace's output length, exactly as in
-the simulator.
+the simulator. Where the workload says which prompts share content (``Arrival.prefix_ids``), equal
+content ids get equal tokens, so the real engine's prefix cache finds what the simulator's does.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class RecordingExecutor:
 
 
 def replay_real(arrivals, profile: Profile, controller, model: str = "tiny", device=None, dtype=None,
-                seed: int = 0, log: Callable[[str], None] | None = None) -> tuple[EngineCore, RecordingExecutor]:
+                seed: int = 0, log: Callable[[str], None] | None = None,
+                prefix_caching: bool = True) -> tuple[EngineCore, RecordingExecutor]:
     """Replay ``arrivals`` through the real engine in wall-clock time.
 
     :param arrivals: time-sorted ``engine.workloads.Arrival`` items.
@@ -71,6 +73,7 @@ def replay_real(arrivals, profile: Profile, controller, model: str = "tiny", dev
     :param controller: the controller under test; it is reset first.
     :param seed: seeds the random prompt tokens.
     :param log: gets a progress line every ten seconds of replay.
+    :param prefix_caching: the engine's prefix cache (``EngineCore``).
     :return: the engine (metrics, finished requests) and the recorder of every step's (T, K).
     """
     hf_model, tokenizer = load_model(model, device, dtype)
@@ -79,7 +82,7 @@ def replay_real(arrivals, profile: Profile, controller, model: str = "tiny", dev
     prompts = random_prompts(arrivals, executor.vocab_size, seed)
     _warm_up(profile, controller, recorder, prompts[0])
     controller.reset()
-    core = build_engine(profile, controller, recorder, WallClock())
+    core = build_engine(profile, controller, recorder, WallClock(), prefix_caching=prefix_caching)
     executor.attach_pool(core.pool)
     recorder.clear()
 
@@ -95,10 +98,23 @@ def replay_real(arrivals, profile: Profile, controller, model: str = "tiny", dev
 
 
 def random_prompts(arrivals, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random prompt token ids of each arrival's length (special ids 0-2 left out when the vocabulary allows)."""
+    """Random prompt token ids of each arrival's length (special ids 0-2 left out when the vocabulary
+    allows). The tokens of a run an arrival's ``prefix_ids`` describe are drawn from the run's content
+    id and its place in the prompt: equal prefixes get equal tokens."""
     rng = random.Random(seed)
     low = 3 if vocab_size > 3 else 0
-    return [[rng.randrange(low, vocab_size) for _ in range(a.prompt_tokens)] for a in arrivals]
+    prompts = []
+    for a in arrivals:
+        ids = [rng.randrange(low, vocab_size) for _ in range(a.prompt_tokens)]
+        per_id = a.prefix_block_tokens
+        for j, content in enumerate(a.prefix_ids):
+            start, end = int(j * per_id), min(int((j + 1) * per_id), a.prompt_tokens)
+            if start >= end:
+                break
+            run = random.Random(f"{seed}:{content}:{j}")
+            ids[start:end] = [run.randrange(low, vocab_size) for _ in range(end - start)]
+        prompts.append(ids)
+    return prompts
 
 
 def _warm_up(profile: Profile, controller, recorder: RecordingExecutor, prompt: list[int]) -> None:

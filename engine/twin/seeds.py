@@ -60,7 +60,7 @@ def ks_distances(real_requests, sim_requests) -> dict[str, float]:
 
 
 def simulate_seeds(arrivals, profile: Profile, controller: Callable[[], Controller],
-                   seeds: int = NOISE_SEEDS) -> tuple[dict, list[list]]:
+                   seeds: int = NOISE_SEEDS, prefix_caching: bool = True) -> tuple[dict, list[list]]:
     """Simulate ``arrivals`` with noise seeds 0 to ``seeds`` - 1 (once, seed 0, when the profile has
     no noise); returns the pooled summary and each seed's ended requests.
 
@@ -70,11 +70,13 @@ def simulate_seeds(arrivals, profile: Profile, controller: Callable[[], Controll
     is that simulation's own summary.
 
     :param controller: makes a fresh controller for each simulation.
+    :param prefix_caching: the simulated engine's prefix cache (``EngineCore``).
     """
     if seeds < 1:
         raise ValueError(f"seeds must be at least 1, got {seeds}")
     n = seeds if profile.noise_sigma else 1
-    runs = [simulate(arrivals, profile, controller(), record_steps=False, noise_seed=seed) for seed in range(n)]
+    runs = [simulate(arrivals, profile, controller(), record_steps=False, noise_seed=seed,
+                     prefix_caching=prefix_caching) for seed in range(n)]
     requests = [list(run.core.metrics.terminal) for run in runs]
     if n == 1:
         return runs[0].summary, requests

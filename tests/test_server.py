@@ -505,3 +505,29 @@ def test_the_server_keeps_idle_connections_open_longer_than_its_clients_do():
     from tidegate.engine.serve.launch import KEEP_ALIVE_S
 
     assert KEEP_ALIVE_S > max(DEFAULT_CONNECTION_LIMITS.keepalive_expiry or 0, httpx.Limits().keepalive_expiry or 0)
+
+
+def test_usage_counts_cached_prompt_tokens_and_salts_keep_tenants_apart(tiny):
+    s = Running(tiny, controller="greedy", enable_prompt_tokens_details=True)
+    try:
+        def cached(**extra) -> int:
+            out = s.client.completions.create(model="tiny", prompt="a shared preamble " * 6, max_tokens=2,
+                                              temperature=0, extra_body=extra)
+            assert out.usage.prompt_tokens == 109
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        assert cached() == 0
+        assert cached() == 96  # every full block but the one holding the last prompt token
+        assert cached(cache_salt="tenant-a") == 0
+        assert cached(cache_salt="tenant-a") == 96
+        assert cached(cache_salt="tenant-b") == 0
+        bad = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "cache_salt": ""})
+        assert bad.status_code == 400 and "cache_salt" in bad.text
+    finally:
+        s.close()
+
+
+def test_usage_leaves_prompt_tokens_details_out_by_default(server):
+    out = server.client.completions.create(model="tiny", prompt="hello " * 20, max_tokens=1, temperature=0)
+    again = server.client.completions.create(model="tiny", prompt="hello " * 20, max_tokens=1, temperature=0)
+    assert out.usage.prompt_tokens_details is None and again.usage.prompt_tokens_details is None

@@ -73,6 +73,13 @@ class _StartError(Exception):
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
               help="The most requests running at once [default: vLLM's for the device: 128 on a CPU, 256 to 1024 "
                    "on CUDA].")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "--prefix-caching/--no-prefix-caching",
+              "prefix_caching", default=True, show_default=True,
+              help="A prompt whose leading blocks of tokens are in the KV cache starts after them instead of "
+                   "computing them again (vLLM's automatic prefix caching, on by default as in vLLM).")
+@click.option("--enable-prompt-tokens-details", is_flag=True,
+              help="Usage says how many prompt tokens the prefix cache held (prompt_tokens_details.cached_tokens), "
+                   "as vLLM's flag.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available).")
 @click.option("--dtype", default=None,
               help="float32, bfloat16, float16 [default: the fastest the device computes natively: bf16 on CUDA "
@@ -106,7 +113,8 @@ class _StartError(Exception):
 def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_name, controller_spec, profile_name,
           host, port, api_key, chat_template_path, trust_request_chat_template,
           max_model_len, max_request_bytes, log_level, access_log, kv_capacity_tokens, block_size,
-          max_num_batched_tokens, max_num_seqs, device, dtype, max_in_flight, queue_timeout_s,
+          max_num_batched_tokens, max_num_seqs, prefix_caching, enable_prompt_tokens_details, device, dtype,
+          max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads,
           engine_nice):
     """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /tokenize, /metrics)."""
@@ -133,7 +141,9 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
                              profile=None if fit else profile_name, host=host,
                              port=port, kv_capacity_tokens=kv_capacity_tokens, block_size=block_size,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             device=device, dtype=dtype, max_in_flight=max_in_flight, queue_timeout_s=queue_timeout_s,
+                             prefix_caching=prefix_caching, enable_prompt_tokens_details=enable_prompt_tokens_details,
+                             device=device, dtype=dtype, max_in_flight=max_in_flight,
+                             queue_timeout_s=queue_timeout_s,
                              stream_buffer_chunks=stream_buffer_chunks, drain_timeout_s=drain_timeout_s,
                              default_max_tokens=default_max_tokens, engine_process=engine_process,
                              engine_timeout_s=engine_timeout_s, threads=threads,
@@ -161,9 +171,9 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
 
 #: the options of tidegate's own engine and server, which --engine vllm refuses (vLLM takes its own, --vllm-arg)
 _OWN_ENGINE_OPTIONS = ("log_level", "access_log", "max_request_bytes", "kv_capacity_tokens", "block_size",
-                       "max_num_batched_tokens", "max_num_seqs", "device", "max_in_flight", "queue_timeout_s",
-                       "stream_buffer_chunks", "drain_timeout_s", "default_max_tokens", "engine_process",
-                       "engine_timeout_s", "threads", "engine_nice")
+                       "max_num_batched_tokens", "max_num_seqs", "prefix_caching", "enable_prompt_tokens_details",
+                       "device", "max_in_flight", "queue_timeout_s", "stream_buffer_chunks", "drain_timeout_s",
+                       "default_max_tokens", "engine_process", "engine_timeout_s", "threads", "engine_nice")
 
 
 def _read_chat_template(path: Path | None) -> str | None:

@@ -256,7 +256,7 @@ class LLM:
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 16,
                     request_id: str | None = None, on_delta: DeltaCallback | None = None,
-                    admission=ASK, class_id: int = 0) -> Request:
+                    admission=ASK, class_id: int = 0, cache_salt: str | None = None) -> Request:
         """Queue one request; the engine serves it as ``step()`` is called.
 
         :param prompt: text or token ids.
@@ -267,6 +267,7 @@ class LLM:
         :param admission: the arrival decision if the caller already took it (see
             ``EngineCore.add_request``); by default the controller is asked now.
         :param class_id: the request's class, as per-class controllers see it.
+        :param cache_salt: requests with different salts share no cached prefix.
         :return: the Request (its ``state`` says whether the controller rejected it).
         :raises ValueError: the request can never run (too long, empty, bad token ids), or its
             sampling parameters do not fit the model.
@@ -277,7 +278,8 @@ class LLM:
         rid = request_id if request_id is not None else str(next(self._ids))
         # prompt logprobs need every prompt token's logits: such a request computes its whole prompt
         r = Request(rid, self.core.clock.now(), len(ids), max_tokens, prompt_token_ids=ids, sampling=sampling,
-                    class_id=class_id, skip_reading_prefix_cache=sampling.prompt_logprobs is not None)
+                    class_id=class_id, skip_reading_prefix_cache=sampling.prompt_logprobs is not None,
+                    cache_salt=cache_salt)
         self._streams[r] = _Stream(self.tokenizer, on_delta, sampling, self.executor.stop_token_ids(sampling))
         if self.core.add_request(r, admission) is not None:  # rejected: it ended at once, through _on_finish
             self._streams.pop(r, None)

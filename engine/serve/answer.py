@@ -114,6 +114,8 @@ class AnswerWriter:
         self.service = service
         self.tokenizer = tokenizer
         self.model_name = model_name
+        #: usage carries ``prompt_tokens_details.cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``)
+        self.details = bool(getattr(getattr(service, "config", None), "enable_prompt_tokens_details", False))
         self._token_texts: dict[int, tuple[str, list[int]]] = {}
 
     async def respond(self, http: HttpRequest, choices: list[Choice], ask: Ask,
@@ -161,7 +163,7 @@ class AnswerWriter:
                             return _error(bad)
         finally:
             abandon(self.service, choices)
-        usage = _usage(choices)
+        usage = _usage(choices, self.details)
         bodies = []
         for p in range(len(prompts)):
             ranked = [c for c in choices if c.prompt == p]
@@ -246,7 +248,7 @@ class AnswerWriter:
                             yield SSE_DONE
                             return
             if ask.include_usage:
-                yield events.usage(_usage(choices))
+                yield events.usage(_usage(choices, self.details))
             yield SSE_DONE
         finally:  # also when the client went away mid-stream: free the KV blocks of the unfinished
             abandon(self.service, choices)
@@ -384,12 +386,19 @@ def _prompt_entries(prompt_ids: list[int], engine_entries: list | None, ranks: b
     return out
 
 
-def _usage(choices: list[Choice]) -> dict:
+def _usage(choices: list[Choice], details: bool = False) -> dict:
     """Token counts of a completion's requests: each prompt once (as OpenAI and vLLM count them), every
-    choice's output."""
+    choice's output; with ``details``, each prompt's cached tokens once (its first choice's)."""
     prompts = {c.prompt: len(c.prompt_ids) for c in choices}
     results = [c.stream.result for c in choices]
-    return usage_body(sum(prompts.values()), sum(r.completion_tokens for r in results if r is not None))
+    cached = None
+    if details:
+        first: dict[int, int] = {}
+        for c in choices:
+            if c.stream.result is not None:
+                first.setdefault(c.prompt, c.stream.result.cached_tokens)
+        cached = sum(first.values())
+    return usage_body(sum(prompts.values()), sum(r.completion_tokens for r in results if r is not None), cached)
 
 
 def _finish_reason(r: Outcome | None) -> str:

@@ -62,6 +62,8 @@ class Ask:
     request_id: str | None = None
     #: the request's class as the controller sees it (vLLM's ``priority``)
     priority: int = 0
+    #: requests with different salts share no cached prefix (vLLM's ``cache_salt``); None: no salt
+    cache_salt: str | None = None
     #: chat's rendered prompt, in the answer (``return_prompt_text``)
     prompt_text: str | None = None
 
@@ -73,7 +75,7 @@ class Ask:
                    continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
                    stream_interval=body.stream_interval or 1, prompt_logprobs=body.prompt_logprobs,
                    return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
-                   request_id=body.request_id, priority=body.priority or 0, **fields)
+                   request_id=body.request_id, priority=body.priority or 0, cache_salt=body.cache_salt, **fields)
 
 
 def refuse_unserved(body: SamplingBody) -> None:

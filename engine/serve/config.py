@@ -31,6 +31,10 @@ class ServeConfig:
     #: the step's token budget and the most running requests (None: vLLM's defaults for the device)
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    #: a prompt whose leading blocks are cached starts after them (vLLM's automatic prefix caching)
+    prefix_caching: bool = True
+    #: usage says how many prompt tokens the prefix cache held (``prompt_tokens_details``), as vLLM's flag
+    enable_prompt_tokens_details: bool = False
     device: str | None = None
     dtype: str | None = None
     max_in_flight: int = 1024

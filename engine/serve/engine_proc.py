@@ -133,7 +133,8 @@ class EngineLoop:
             llm = LLM(config.model, kv_capacity_tokens=config.kv_capacity_tokens, block_size=config.block_size,
                       controller=config.controller, device=config.device, dtype=config.dtype,
                       max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                      model_and_tokenizer=model_and_tokenizer, record_steps=False, profile=config.profile)
+                      model_and_tokenizer=model_and_tokenizer, record_steps=False, profile=config.profile,
+                      prefix_caching=config.prefix_caching)
         if config.max_model_len is not None:  # the operator's cap on the model's context
             llm.max_model_len = min(llm.max_model_len or config.max_model_len, config.max_model_len)
         self.llm = llm
@@ -222,7 +223,7 @@ class EngineLoop:
         """Act on one message from the HTTP side; :class:`UnknownMessage` for one it does not know."""
         match msg:
             case AddRequest():
-                self._add(msg.sid, msg.prompt_ids, msg.sampling, msg.max_tokens, msg.class_id)
+                self._add(msg.sid, msg.prompt_ids, msg.sampling, msg.max_tokens, msg.class_id, msg.cache_salt)
                 self._taken = (self._taken[0] + 1, self._taken[1] + len(msg.prompt_ids))
             case RecordRejection():
                 r = Request(f"rejected-{self._taken[0]}", self.core.clock.now(), msg.prompt_len, msg.max_tokens)
@@ -236,7 +237,7 @@ class EngineLoop:
             case _:
                 raise unknown_message("the engine", msg, (AddRequest, RecordRejection, CancelRequest, Shutdown))
 
-    def _add(self, sid: int, ids, sampling, max_tokens: int, class_id: int = 0) -> None:
+    def _add(self, sid: int, ids, sampling, max_tokens: int, class_id: int = 0, cache_salt: str | None = None) -> None:
         track = _Track(sid, sampling)
 
         def on_delta(r: Request, delta: str, finished: bool) -> None:
@@ -248,7 +249,7 @@ class EngineLoop:
 
         try:
             r = self.llm.add_request(ids, sampling, max_tokens, request_id=f"req-{sid}", on_delta=on_delta,
-                                     admission=None, class_id=class_id)
+                                     admission=None, class_id=class_id, cache_salt=cache_salt)
         except ValueError as exc:  # checked on arrival already; the engine's own check has the last word
             self._events.append(TokenEvent(sid, "", True, Outcome(RequestState.REJECTED, str(exc), len(ids), 0),
                                            None, None))

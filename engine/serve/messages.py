@@ -96,12 +96,15 @@ class Outcome:
     engine_ttft_s: float | None = None
     #: ended because the engine went away (503: another try may succeed), not by the engine's doing
     unavailable: bool = False
+    #: prompt tokens found in the prefix cache when it started
+    cached_tokens: int = 0
 
     @classmethod
     def of(cls, r: Request) -> Outcome:
         queue_s = None if r.start_time_s is None else max(0.0, r.start_time_s - r.arrival_time_s)
         ttft = time_to_first_token_s(r) if r.first_token_time_s is not None else None
-        return cls(r.state, r.finish_reason, r.prompt_len, len(r.output_token_ids), queue_s, r.predicted_ttft_s, ttft)
+        return cls(r.state, r.finish_reason, r.prompt_len, len(r.output_token_ids), queue_s, r.predicted_ttft_s, ttft,
+                   cached_tokens=r.num_cached_tokens)
 
     @classmethod
     def failed(cls, reason: str) -> Outcome:
@@ -163,6 +166,8 @@ class AddRequest:
     max_tokens: int
     #: the request's class as controllers see it (a client's ``priority``; 0 by default)
     class_id: int = 0
+    #: requests with different salts share no cached prefix (a client's ``cache_salt``)
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

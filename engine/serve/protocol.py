@@ -126,7 +126,9 @@ class SamplingBody(BaseModel):
     safety_identifier: str | None = None
     # vLLM's fields that change nothing in this engine (VLLM_FIELDS says why): accepted, and ignored
     session_id: str | None = None
-    cache_salt: str | None = None
+    #: requests with different salts share no cached prefix (a tenant's own salt keeps others from
+    #: timing its prompts through the cache)
+    cache_salt: str | None = Field(None, min_length=1)
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
@@ -289,7 +291,7 @@ VLLM_FIELDS: dict[str, dict[str, str]] = {
             "truncate_prompt_tokens", "truncation_side", "allowed_token_ids", "prompt_logprobs", "bad_words",
             "add_special_tokens", "priority", "request_id", "return_tokens_as_token_ids", "return_token_ids",
             "stream_interval", "echo", "stream_options.include_usage", "stream_options.continuous_usage_stats",
-            "logprob_token_ids",
+            "logprob_token_ids", "cache_salt",
         ), "served"),
         "user": "ignored: OpenAI's metadata",
         "response_format": "refused: structured output, unless {'type': 'text'}",
@@ -300,7 +302,6 @@ VLLM_FIELDS: dict[str, dict[str, str]] = {
         "length_penalty": "ignored: beam search's; vLLM ignores it without beam search too",
         "spaces_between_special_tokens": "ignored: changes the text of slow tokenizers only, as in vLLM v1",
         "session_id": "ignored: an identity for routers; one replica has nothing to route",
-        "cache_salt": "ignored: salts the prefix cache, and this engine has none",
         "kv_transfer_params": "ignored: disaggregated prefill's; no KV connector here",
         "ec_transfer_params": "ignored: encoder-cache transfer's; no connector here",
         "vllm_xargs": "ignored: arguments of custom logits processors; none are installed",
@@ -344,9 +345,13 @@ Entry = tuple  # (int, float | None, list[tuple[int, float]] | None)
 TokenText = Callable[[int], tuple[str, list[int]]]
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's ``usage``; with ``cached_tokens``, its ``prompt_tokens_details`` too."""
+    body: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def model_list(model_name: str, created: int, max_model_len: int | None) -> dict:

@@ -290,10 +290,12 @@ class EngineService:
             self._admit_errors += 1
             return None
 
-    def submit(self, stream: Stream, prompt_ids: list[int], sampling, max_tokens: int, class_id: int = 0) -> None:
+    def submit(self, stream: Stream, prompt_ids: list[int], sampling, max_tokens: int, class_id: int = 0,
+               cache_salt: str | None = None) -> None:
         """Hand an admitted request to the engine; raises :class:`EngineUnavailable` while it is down.
 
         :param class_id: the request's class as the controller sees it (a client's ``priority``)
+        :param cache_salt: the client's ``cache_salt``: requests with different salts share no cached prefix
         """
         with self._lock:
             engine = self._engine
@@ -304,7 +306,7 @@ class EngineService:
             stream.max_tokens = max_tokens
             self._streams[sid] = stream
             self._submitted = (self._submitted[0] + 1, self._submitted[1] + len(prompt_ids))
-            engine.send(AddRequest(sid, prompt_ids, sampling, max_tokens, class_id))
+            engine.send(AddRequest(sid, prompt_ids, sampling, max_tokens, class_id, cache_salt))
         stream.admitted = True
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)

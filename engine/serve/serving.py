@@ -215,7 +215,8 @@ class OpenAIServing:
                 try:
                     self._check_admission(len(ids), max_tokens)
                     stream = Stream(loop, self.config.stream_buffer_chunks, event)
-                    self.service.submit(stream, ids, nth_sampling(sampling, i), max_tokens, ask.priority)
+                    self.service.submit(stream, ids, nth_sampling(sampling, i), max_tokens, ask.priority,
+                                        ask.cache_salt)
                 except (Refused, EngineUnavailable) as exc:
                     abandon(self.service, choices)
                     if isinstance(exc, Refused):

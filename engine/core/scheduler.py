@@ -41,6 +41,8 @@ _log = logging.getLogger("tidegate.engine.core.engine_core")
 _FINISHED = RequestState.FINISHED
 _RUNNING = RequestState.RUNNING
 _by_activation = attrgetter("activation_seq")
+#: the block hashes of a request whose prompt's content nobody knows (shared, never changed)
+_NO_HASHES: list[int] = []
 
 
 def count_error(errors: dict[str, int], cause: str, exc: BaseException | None = None) -> None:
@@ -109,6 +111,9 @@ class Scheduler(Planner):
         pool = self.pool
         if not pool.prefix_caching:
             return total
+        if r.prefix is None and r.prompt_token_ids is None:  # nothing says what the prompt holds
+            r.block_hashes = _NO_HASHES
+            return total
         return total - len(self._cache_hits(r)) * pool.block_size
 
     def _cache_hits(self, r: Request) -> list[int]:
@@ -141,7 +146,7 @@ class Scheduler(Planner):
         False (nothing taken) when the pool is short."""
         pool = self.pool
         total = r.prompt_len + r.num_output_tokens
-        if not pool.prefix_caching:
+        if not pool.prefix_caching or r.block_hashes is _NO_HASHES:
             return pool.grow(r, total)
         hits = self._cache_hits(r)
         if not pool.allocate(r, total, hits):

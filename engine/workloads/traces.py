@@ -99,8 +99,7 @@ def read_trace(
     per_id = MOONCAKE_BLOCK_TOKENS * length_scale
     return [
         Arrival((t - t0) / rate_scale, scale_tokens(p, length_scale),
-                min(scale_tokens(o, length_scale), max_tokens), max_tokens,
-                prefix_ids=ids, prefix_block_tokens=per_id if ids else 0.0)
+                min(scale_tokens(o, length_scale), max_tokens), max_tokens, 0, ids, per_id if ids else 0.0)
         for t, p, o, ids in rows
     ]
 

@@ -312,3 +312,33 @@ def test_twin_check_of_a_shared_prefix_workload_finds_the_cache_in_both_engines(
     assert real["cached_prompt_tokens"] > 0 and sim["cached_prompt_tokens"] > 0
     # the same requests find much the same prefixes cached (when each starts can differ a little)
     assert abs(real["cached_prompt_tokens"] - sim["cached_prompt_tokens"]) <= 0.2 * sim["cached_prompt_tokens"]
+
+
+def test_admission_and_the_queue_count_only_what_the_cache_lacks():
+    from tidegate.ctrl.greedy import GreedyController
+    from tidegate.engine.sim.simulate import make_request, make_sim_engine
+    from tidegate.engine.workloads import Arrival
+
+    told = []
+
+    class Recording(GreedyController):
+        def admit(self, obs, prompt_tokens, max_tokens):
+            told.append(prompt_tokens)
+            return super().admit(obs, prompt_tokens, max_tokens)
+
+    profile = load_profile("tiny-cpu")
+    core = make_sim_engine(profile, Recording())
+    system = tuple(range(8))  # 128 shared tokens
+    first = Arrival(0.0, 200, 4, 4, prefix_ids=system + (100, 101, 102, 103, 104), prefix_block_tokens=16.0)
+    core.add_request(make_request(0, first))
+    while core.has_unfinished:
+        core.step()
+    second = Arrival(core.clock.now(), 160, 4, 4, prefix_ids=system + (200, 201), prefix_block_tokens=16.0)
+    core.add_request(make_request(1, second))
+    assert told == [200, 160 - 128]
+    assert core.scheduler.waiting_prompt_tokens == 32 and core.observe().waiting_prompt_tokens == 32
+    while core.has_unfinished:
+        core.step()
+    ends = core.metrics.terminal
+    assert [r.num_cached_tokens for r in ends] == [0, 128]
+    assert core.metrics.prefill_tokens == 200 + 32 and core.metrics.cached_prompt_tokens == 128

@@ -1,7 +1,7 @@
 """Prefix caching in the twin and in the real engine.
 
     .venv/bin/python benchmarks/prefix_cache.py twin --trace conversation_trace.jsonl [--out docs/bench/prefix_cache]
-    .venv/bin/python benchmarks/prefix_cache.py real [--first 300] [--out docs/bench/prefix_cache]
+    .venv/bin/python benchmarks/prefix_cache.py real [--first 300] [--fit-around] [--pin-cpu N] [--out ...]
 
 ``twin``: a Mooncake-format trace (``hash_ids``) simulated with caching off and on, at the profile's
 KV capacity and at multiples of it (what a larger cache, a KV pool beyond one GPU's memory, would
@@ -12,7 +12,9 @@ the engine's cache, not a target). Writes ``twin.md``, ``twin.json`` and ``twin.
 
 ``real``: the twin check (``tidegate twin-check``) of the shipped ``shared_prefix_chat`` workload,
 once with caching on and once off, on the tiny model: the real engine's TTFT p50 with and without
-the cache, and the twin's. Writes ``real.md``, ``real.json`` and ``real.png``.
+the cache, and the twin's (``--fit-around``: each check's profile fitted on the workload's next
+requests, served before and after it, and ``--pin-cpu``: on that core alone, the twin check's own
+recipe; or ``--profile``). Writes ``real.md``, ``real.json`` and ``real.png``.
 """
 
 from __future__ import annotations
@@ -121,16 +123,25 @@ def _plot_twin(rows: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def real(first_n: int, rate_scale: float, out: Path) -> dict:
+def real(first_n: int, rate_scale: float, out: Path, profile: str = "tiny-cpu", pin_cpu: int | None = None,
+         fit_around: bool = False) -> dict:
+    import os
+
+    import torch
+
     from tidegate.engine.twin.check import run_twin_check
+
+    if pin_cpu is not None:
+        os.sched_setaffinity(0, {pin_cpu})
+        torch.set_num_threads(1)
 
     reports = {}
     for caching in (True, False):
         print(f"twin check, caching {'on' if caching else 'off'}", flush=True)
         reports[caching] = run_twin_check(model="tiny", trace="shared_prefix_chat", first_n=first_n,
                                           length_scale=1.0, rate_scale=rate_scale, max_tokens=128,
-                                          profile_name="tiny-cpu", out_dir=out / ("on" if caching else "off"),
-                                          prefix_caching=caching, log=print)
+                                          profile_name=profile, out_dir=out / ("on" if caching else "off"),
+                                          prefix_caching=caching, fit_around=fit_around, log=print)
     row = {}
     for side in ("real", "sim"):
         on, off = reports[True][f"{side}_summary"], reports[False][f"{side}_summary"]
@@ -145,8 +156,11 @@ def real(first_n: int, rate_scale: float, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "real.json").write_text(json.dumps(row, indent=1, default=float) + "\n")
     r, s = row["real"], row["sim"]
-    lines = [f"{first_n} requests of shared_prefix_chat (rate x{rate_scale}) on the tiny model, greedy; the twin "
-             "with the tiny-cpu profile", "",
+    where = f", pinned to core {pin_cpu}" if pin_cpu is not None else ""
+    if fit_around:
+        profile = "fitted around each check on the next requests of the workload (--fit-around)"
+    lines = [f"{first_n} requests of shared_prefix_chat (rate x{rate_scale}) on the tiny model{where}, greedy; the "
+             f"twin with the profile {profile if fit_around else Path(profile).name}", "",
              "| | TTFT p50 off (ms) | TTFT p50 on (ms) | on / off | TTFT p99 off / on (ms) | prefill tokens off / on "
              "| cached prompt tokens |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, v in (("real engine", r), ("twin", s)):
@@ -192,13 +206,17 @@ def main() -> None:
     r = sub.add_parser("real", help="the twin check of shared_prefix_chat, caching on and off")
     r.add_argument("--first", type=int, default=300)
     r.add_argument("--rate-scale", type=float, default=1.0)
+    r.add_argument("--profile", default="tiny-cpu", help="the twin's profile (a name or a file)")
+    r.add_argument("--pin-cpu", type=int, default=None, help="run on this core alone, one torch thread")
+    r.add_argument("--fit-around", action="store_true",
+                   help="fit each check's profile on the workload's next requests, served before and after it")
     r.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     if args.what == "twin":
         twin(args.trace, args.profile, args.load, [int(x) for x in args.multiples.split(",")], args.out)
         print((args.out / "twin.md").read_text())
     else:
-        real(args.first, args.rate_scale, args.out)
+        real(args.first, args.rate_scale, args.out, args.profile, args.pin_cpu, args.fit_around)
         print((args.out / "real.md").read_text())
 
 

@@ -342,3 +342,13 @@ def test_admission_and_the_queue_count_only_what_the_cache_lacks():
     ends = core.metrics.terminal
     assert [r.num_cached_tokens for r in ends] == [0, 128]
     assert core.metrics.prefill_tokens == 200 + 32 and core.metrics.cached_prompt_tokens == 128
+
+
+def test_profiling_slices_of_a_synthetic_workload_are_its_later_requests():
+    from tidegate.engine.twin.fit import serving_arrivals
+    from tidegate.engine.workloads import load_workload
+
+    whole = load_workload("shared_prefix_chat", seed=3, max_tokens_cap=64)
+    part = serving_arrivals("shared_prefix_chat", skip=10, first_n=5, length_scale=1.0, max_tokens=64, seed=3)
+    assert len(part) == 5 and part[0].arrival_time_s == 0.0
+    assert [a.prefix_ids for a in part] == [a.prefix_ids for a in whole[10:15]]

@@ -36,7 +36,7 @@ from tidegate.engine.twin.seeds import (
     NOISE_SEEDS, SPREAD, ks_distances, real_sampling, request_latencies, scaled_to_speed, seed_spread, simulate_seeds,
     write_sim_requests_csv,
 )
-from tidegate.engine.workloads import WorkloadError, load_synthetic, read_trace, resolve_trace
+from tidegate.engine.workloads import load_synthetic, read_trace, resolve_trace
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
 COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
@@ -255,9 +255,6 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     """
 
     arrivals = _arrivals(trace, first_n, rate_scale, length_scale, max_tokens, seed)
-    if fit_around and resolve_trace(trace).suffix in _SYNTHETIC:
-        raise WorkloadError(f"{trace}: --fit-around needs a trace (it fits on the requests after the check's), "
-                            "not a synthetic workload")
 
     def controller(p: Profile):
         c = build_controller(controller_spec, p, arrivals)

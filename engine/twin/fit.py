@@ -28,16 +28,22 @@ from tidegate.engine.real.model import load_model, resolve_device, resolve_dtype
 from tidegate.engine.real.profiler import describe_device, serving_defaults
 from tidegate.engine.sim.fit import binned_samples, fit_step_time, profile_fields
 from tidegate.engine.twin.replay import replay_real
-from tidegate.engine.workloads import read_trace, resolve_trace
+from tidegate.engine.workloads import load_synthetic, read_trace, resolve_trace
 
 T = TypeVar("T")
 
 
 def serving_arrivals(trace: str = "splitwise_conv", skip: int = 300, first_n: int = 300, length_scale: float = 0.1,
-                     rate_scale: float = 1.0, max_tokens: int = 256):
-    """Requests ``skip .. skip+first_n-1`` of a trace, re-based to arrive from 0 (as ``read_trace`` does)."""
-    arrivals = read_trace(resolve_trace(trace), first_n=skip + first_n, rate_scale=rate_scale,
-                          length_scale=length_scale, max_tokens_cap=max_tokens)[skip:]
+                     rate_scale: float = 1.0, max_tokens: int = 256, seed: int = 0):
+    """Requests ``skip .. skip+first_n-1`` of a trace, or of a synthetic workload sampled with ``seed``,
+    re-based to arrive from 0 (as ``read_trace`` does)."""
+    path = resolve_trace(trace)
+    if path.suffix in (".yaml", ".yml"):
+        arrivals = load_synthetic(path, seed=seed, rate_scale=rate_scale, length_scale=length_scale,
+                                  max_tokens_cap=max_tokens)[skip:skip + first_n]
+    else:
+        arrivals = read_trace(path, first_n=skip + first_n, rate_scale=rate_scale, length_scale=length_scale,
+                              max_tokens_cap=max_tokens)[skip:]
     if not arrivals:
         raise ValueError(f"{trace} has no requests after the first {skip}")
     t0 = arrivals[0].arrival_time_s
@@ -60,7 +66,7 @@ def run_profile_from_serving(model: str = "tiny", device=None, dtype=None, name:
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     base = serving_defaults(load_model(model, device, dtype)[0].config, name, block_size, kv_capacity_tokens)
-    arrivals = serving_arrivals(trace, skip, first_n, length_scale, rate_scale, max_tokens)
+    arrivals = serving_arrivals(trace, skip, first_n, length_scale, rate_scale, max_tokens, seed)
     if log:
         log(f"replaying requests {skip}-{skip + len(arrivals) - 1} of {trace} (length x{length_scale}, "
             f"rate x{rate_scale}) through the real engine: about {arrivals[-1].arrival_time_s:.0f}s")
@@ -116,7 +122,7 @@ def fit_around(check: Callable[[Profile], T], model: str = "tiny", device=None, 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     base = serving_defaults(load_model(model, device, dtype)[0].config, name, block_size, kv_capacity_tokens)
-    arrivals = serving_arrivals(trace, skip, first_n, length_scale, rate_scale, max_tokens)
+    arrivals = serving_arrivals(trace, skip, first_n, length_scale, rate_scale, max_tokens, seed)
     if len(arrivals) < 2:
         raise ValueError(f"fitting around a check needs at least 2 profiling requests, got {len(arrivals)}")
     half = len(arrivals) // 2

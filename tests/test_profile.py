@@ -1156,3 +1156,32 @@ def test_a_fit_without_a_fixed_cost_gives_a_profile_whose_idle_tick_is_one_token
     assert none["idle_s"] is None
     with pytest.raises(ProfileError, match="idle_s must be given"):
         replace(load_profile("tiny-cpu"), **none)
+
+
+def test_fit_reports_its_error_by_step_kind_so_a_missing_term_shows():
+    import numpy as np
+
+    from tidegate.engine.sim.fit import fit_step_time
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(400):
+        d = int(rng.integers(0, 30))
+        p = int(rng.integers(0, 200)) if rng.random() < 0.5 or d == 0 else 0
+        if p == 0 and d == 0:
+            d = 1
+        k = int(rng.integers(d + p, 4000))
+        t = 0.002 + 1e-4 * p + 5e-5 * d + 1e-6 * k
+        if p and d:
+            t += 0.004  # a cost of mixed steps that the model has no term for
+        rows.append((p + d, k, t, d))
+    fit = fit_step_time(rows, after_prefill=False, noise_by_length=False)
+    kinds = fit["by_kind"]
+    assert set(kinds) == {"decode only", "prefill only", "prefill beside decodes"}
+    assert sum(k["steps"] for k in kinds.values()) == fit["points"] == 400
+    mixed = kinds["prefill beside decodes"]
+    others = max(kinds["decode only"]["bias"], kinds["prefill only"]["bias"])
+    assert mixed["bias"] > 0.02 and mixed["bias"] > others + 0.03
+    assert mixed["mape"] > 2 * kinds["decode only"]["mape"]
+    exact = fit_step_time([r[:2] + (0.002 + 1e-6 * r[1] + 1e-4 * r[0],) for r in rows], noise_by_length=False)
+    assert all(abs(k["bias"]) < 1e-6 and k["mape"] < 1e-6 for k in exact["by_kind"].values())

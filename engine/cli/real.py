@@ -164,6 +164,9 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
     what = "serving steps" if (from_twin or from_steps) else "grid points"
     click.echo(f"R^2={fit['r2']:.4f} MAPE={100 * fit['mape']:.2f}% held-out MAPE={100 * fit['heldout_mape']:.2f}% "
                f"({fit['points']} {what})")
+    for kind, res in fit.get("by_kind", {}).items():
+        click.echo(f"  {kind}: {res['steps']} steps, MAPE {100 * res['mape']:.2f}%, "
+                   f"median measured / predicted {1 + res['bias']:.3f}")
     click.echo(f"wrote {out_path}")
 
 

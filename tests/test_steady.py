@@ -72,8 +72,10 @@ def _controller(spec: str, profile, seed: int) -> Controller:
     return build_controller(spec, profile)
 
 
-def _run(spec, workload, capacity, eviction, listed, cancels, fail_at, seed, sync, record=True):
-    """Drive one engine; the state after every step, and the requests and the metrics at the end."""
+def _run(spec, workload, capacity, eviction, listed, cancels, fail_at, seed, sync, record=True, shared=False):
+    """Drive one engine; the state after every step, and the requests and the metrics at the end. With
+    ``shared``, the prompts of a class share their first 12 tokens, and a request's next 8 those of the
+    request with the same class and index parity (content ids of 4 tokens each)."""
     profile = step_profile(kv_capacity_tokens=capacity, noise_sigma=0.3, per_token_s=0.05, per_kv_token_s=0.01,
                            per_prefill_s=0.2, per_prefill_pair_s=0.001, per_first_decode_s=0.5,
                            per_prefill_alone_s=0.3)
@@ -87,6 +89,9 @@ def _run(spec, workload, capacity, eviction, listed, cancels, fail_at, seed, syn
         while pending and pending[0][1][0] <= step:
             i, (_, prompt, out, slack, cls) = pending.pop(0)
             r = req(i, prompt, out, out + slack, arrival=core.clock.now(), class_id=cls)
+            if shared:
+                r.prefix = ((cls, cls + 10, cls + 20, 100 + 2 * cls + i % 2, 200 + 2 * cls + i % 2)
+                            + tuple(range(1000 * (i + 1), 1000 * (i + 1) + 10)), 4.0)
             requests.append(r)
             core.add_request(r)
         for k in cancels.get(step, ()):
@@ -221,6 +226,7 @@ crowded = st.lists(st.tuples(st.integers(0, 8), st.integers(3, 24), st.integers(
 @given(workload=crowded, budgets=st.lists(st.sampled_from([3, 5, 7, 64]), min_size=2, max_size=4),
        capacity=st.sampled_from([32, 48]), seed=st.integers(0, 3))
 def test_steady_decodes_schedule_exactly_under_evictions_and_chunked_recompute(workload, budgets, capacity, seed):
+    # (the test below runs these workloads again with shared prefixes)
     """Crowded memory and small, moving token budgets: evictions, recomputes whose prefill is
     chunked, and decodes that rotate, all the time."""
     spec = "budgets:" + "/".join(map(str, budgets))
@@ -255,3 +261,21 @@ def test_a_requests_first_decode_is_counted_once_listed_or_steady():
             core.step()
     assert seen["Spy"] == seen["ListedSpy"]
     assert sum(seen["Spy"]) == 3 and seen["Spy"][:2] == [0, 2]
+
+
+@given(spec=st.sampled_from(SPECS), workload=workloads, capacity=st.sampled_from([32, 48, 128]),
+       eviction=st.sampled_from(["recompute", "reset"]),
+       cancels=st.dictionaries(st.integers(0, 80), st.lists(st.integers(0, 29), max_size=2), max_size=3),
+       seed=st.integers(0, 3))
+def test_steady_decodes_schedule_exactly_with_shared_prefixes(spec, workload, capacity, eviction, cancels, seed):
+    """Prompts that share prefixes, so that requests start with cached blocks that others hold or that
+    wait to be reused: the steady decodes still schedule exactly as listed ones, and every block comes
+    back."""
+    steady, steady_final, core = _run(spec, workload, capacity, eviction, False, cancels, frozenset(), seed, True,
+                                      shared=True)
+    listed, listed_final, _ = _run(spec, workload, capacity, eviction, True, cancels, frozenset(), seed, True,
+                                   shared=True)
+    event(f"cached tokens: {core.metrics.cached_prompt_tokens > 0}")
+    assert steady == listed and steady_final == listed_final
+    assert all(state.is_terminal for state, *_ in steady_final[:-2])
+    assert core.pool.num_free_blocks == core.pool.num_blocks and core.pool.used_tokens == 0

@@ -352,3 +352,15 @@ def test_profiling_slices_of_a_synthetic_workload_are_its_later_requests():
     part = serving_arrivals("shared_prefix_chat", skip=10, first_n=5, length_scale=1.0, max_tokens=64, seed=3)
     assert len(part) == 5 and part[0].arrival_time_s == 0.0
     assert [a.prefix_ids for a in part] == [a.prefix_ids for a in whole[10:15]]
+
+
+def test_a_finished_answer_is_cached_for_the_turn_that_resends_it(tiny):
+    llm = LLM(kv_capacity_tokens=2048, model_and_tokenizer=tiny, device="cpu")
+    prompt = [1] + list(range(3, 40))  # 38 tokens: two full blocks
+    first = _run(llm, [prompt], 30)[0]
+    computed = len(prompt) + 30 - 1  # the last token sampled has no KV
+    follow_up = prompt + first.output_token_ids + [7, 8, 9]
+    second = _run(llm, [follow_up], 4)[0]
+    assert second.num_cached_tokens == 16 * (computed // 16) > 16 * (len(prompt) // 16)
+    plain = LLM(kv_capacity_tokens=2048, model_and_tokenizer=tiny, device="cpu", prefix_caching=False)
+    assert _run(plain, [follow_up], 4)[0].output_token_ids == second.output_token_ids

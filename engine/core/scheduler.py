@@ -445,6 +445,8 @@ class Scheduler(Planner):
         r.finish_reason = reason
         r.finish_time_s = now
         if r.ever_activated:  # running, or evicted with state the executor still keeps
+            if state is _FINISHED and r.prompt_token_ids is not None and r.block_hashes is not None:
+                self._cache_output(r)
             self.pool.free(r)
             self.executor.release(r)
         ended.append(r)
@@ -452,6 +454,17 @@ class Scheduler(Planner):
             self.stats.completed(now, r.prompt_len, r.num_output_tokens, time_to_first_token_s(r),
                                  time_per_output_token_s(r, end_s=now))
         self.metrics.on_terminal(r)
+
+    def _cache_output(self, r: Request) -> None:
+        """Register the full blocks a finished real request computed past its prompt, as vLLM caches
+        generated tokens: a conversation that resends this answer in its next turn finds it cached."""
+        bs = self.pool.block_size
+        done = r.num_computed_tokens // bs
+        if done <= len(r.block_hashes or ()) or r.prompt_token_ids is None:
+            return
+        sequence = r.prompt_token_ids + r.output_token_ids
+        r.block_hashes = token_block_hashes(sequence[:done * bs], bs, r.cache_salt)
+        self.pool.register(r)
 
     def apply_cancellations(self, ended: list[Request]) -> None:
         """End the requests cancelled since the last step."""

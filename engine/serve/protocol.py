@@ -128,7 +128,7 @@ class SamplingBody(BaseModel):
     session_id: str | None = None
     #: requests with different salts share no cached prefix (a tenant's own salt keeps others from
     #: timing its prompts through the cache)
-    cache_salt: str | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None

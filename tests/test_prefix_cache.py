@@ -40,6 +40,9 @@ def test_token_hashes_are_chained_over_full_blocks_and_salted():
     assert token_block_hashes(c, 16)[1] != ha[1]  # same second block after a different first one
     assert token_block_hashes(a, 16, cache_salt="tenant-a")[0] != ha[0]
     assert token_block_hashes(a, 16, cache_salt="tenant-a") == token_block_hashes(a, 16, cache_salt="tenant-a")
+    salted = token_block_hashes(a, 16, cache_salt="tenant-a")
+    assert token_block_hashes(a, 16, known=ha[:1]) == ha  # the chain goes on from hashes already made
+    assert token_block_hashes(a, 16, cache_salt="tenant-a", known=salted[:1]) == salted
 
 
 def test_content_hashes_map_runs_of_any_size_onto_blocks():

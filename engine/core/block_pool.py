@@ -146,7 +146,7 @@ class BlockPool:
             return []
         return list(takewhile(_is_block, map(cached.get, block_hashes[:max_blocks])))  # type: ignore[arg-type]
 
-    def blocks_to_start(self, request: Request, num_tokens: int, hits: list[int]) -> int:
+    def blocks_to_start(self, num_tokens: int, hits: list[int]) -> int:
         """The free blocks a request with nothing allocated takes to hold ``num_tokens`` tokens when
         it starts with the cached ``hits``: the blocks it lacks, and the hits no request holds."""
         refs = self._refs
@@ -160,7 +160,7 @@ class BlockPool:
         to ``num_tokens`` tokens; False (and nothing taken) if the pool is short."""
         if not hits:
             return self.grow(request, num_tokens)
-        if self.blocks_to_start(request, num_tokens, hits) > len(self._free) + len(self._evictable):
+        if self.blocks_to_start(num_tokens, hits) > len(self._free) + len(self._evictable):
             return False
         refs, evictable = self._refs, self._evictable
         revived = 0

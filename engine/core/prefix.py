@@ -26,11 +26,19 @@ from itertools import accumulate
 _ROOT = 0
 
 
-def token_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
-    """The chained SHA-256 hashes (as 128-bit integers) of the full blocks of ``token_ids``."""
-    hashes: list[int] = []
-    prev = hashlib.sha256(b"" if cache_salt is None else cache_salt.encode()).digest()[:16]
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+def token_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                       known: Sequence[int] = ()) -> list[int]:
+    """The chained SHA-256 hashes (as 128-bit integers) of the full blocks of ``token_ids``.
+
+    :param known: the hashes of its first blocks, already made (with the same salt): the chain goes on
+        from them instead of hashing those blocks again.
+    """
+    hashes = list(known)
+    if known:
+        prev = known[-1].to_bytes(16, "little")
+    else:
+        prev = hashlib.sha256(b"" if cache_salt is None else cache_salt.encode()).digest()[:16]
+    for start in range(len(known) * block_size, len(token_ids) - block_size + 1, block_size):
         block = array("q", token_ids[start:start + block_size])
         prev = hashlib.sha256(prev + block.tobytes()).digest()[:16]
         hashes.append(int.from_bytes(prev, "little"))

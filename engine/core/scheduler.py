@@ -111,9 +111,6 @@ class Scheduler(Planner):
         pool = self.pool
         if not pool.prefix_caching:
             return total
-        if r.prefix is None and r.prompt_token_ids is None:  # nothing says what the prompt holds
-            r.block_hashes = _NO_HASHES
-            return total
         return total - len(self._cache_hits(r)) * pool.block_size
 
     def _cache_hits(self, r: Request) -> list[int]:
@@ -126,8 +123,8 @@ class Scheduler(Planner):
                 hashes = token_block_hashes(r.prompt_token_ids, bs, r.cache_salt)
             elif r.prefix is not None:
                 hashes = content_block_hashes(r.prefix[0], r.prefix[1], r.prompt_len, bs)
-            else:
-                hashes = []
+            else:  # nothing says what the prompt holds
+                hashes = _NO_HASHES
             r.block_hashes = hashes
         if not hashes or r.skip_reading_prefix_cache:
             return []
@@ -139,7 +136,7 @@ class Scheduler(Planner):
         total = r.prompt_len + r.num_output_tokens
         if not pool.prefix_caching:
             return pool.extra_blocks_needed(r, total)
-        return pool.blocks_to_start(r, total, self._cache_hits(r))
+        return pool.blocks_to_start(total, self._cache_hits(r))
 
     def _allocate(self, r: Request) -> bool:
         """Blocks for ``r``'s whole sequence as it starts, its cached prefix counted as computed;
@@ -445,7 +442,7 @@ class Scheduler(Planner):
         r.finish_reason = reason
         r.finish_time_s = now
         if r.ever_activated:  # running, or evicted with state the executor still keeps
-            if state is _FINISHED and r.prompt_token_ids is not None and r.block_hashes is not None:
+            if state is _FINISHED:
                 self._cache_output(r)
             self.pool.free(r)
             self.executor.release(r)
@@ -460,10 +457,11 @@ class Scheduler(Planner):
         generated tokens: a conversation that resends this answer in its next turn finds it cached."""
         bs = self.pool.block_size
         done = r.num_computed_tokens // bs
-        if done <= len(r.block_hashes or ()) or r.prompt_token_ids is None:
+        hashes, prompt = r.block_hashes, r.prompt_token_ids
+        if hashes is None or prompt is None or done <= len(hashes):  # no cache, a simulated request, or no full block
             return
-        sequence = r.prompt_token_ids + r.output_token_ids
-        r.block_hashes = token_block_hashes(sequence[:done * bs], bs, r.cache_salt)
+        sequence = prompt + r.output_token_ids[:done * bs - len(prompt)]
+        r.block_hashes = token_block_hashes(sequence, bs, r.cache_salt, known=hashes)
         self.pool.register(r)
 
     def apply_cancellations(self, ended: list[Request]) -> None:

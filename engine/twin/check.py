@@ -36,7 +36,7 @@ from tidegate.engine.twin.seeds import (
     NOISE_SEEDS, SPREAD, ks_distances, real_sampling, request_latencies, scaled_to_speed, seed_spread, simulate_seeds,
     write_sim_requests_csv,
 )
-from tidegate.engine.workloads import load_synthetic, read_trace, resolve_trace
+from tidegate.engine.workloads import load_workload
 
 TARGETS = {"step_time_mape": 0.05, "throughput_rps": 0.10, "ttft_p50_s": 0.10}
 COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
@@ -219,21 +219,6 @@ def report_table(headline: str, errors: dict, rows: dict, by_size: list[dict], d
     return "\n".join(lines)
 
 
-_SYNTHETIC = (".yaml", ".yml")
-
-
-def _arrivals(trace: str, first_n: int | None, rate_scale: float, length_scale: float, max_tokens: int,
-              seed: int) -> list:
-    """The check's requests: the first ``first_n`` of a trace, or of a synthetic workload sampled with ``seed``."""
-    path = resolve_trace(trace)
-    if path.suffix in _SYNTHETIC:
-        arrivals = load_synthetic(path, seed=seed, rate_scale=rate_scale, length_scale=length_scale,
-                                  max_tokens_cap=max_tokens)
-        return arrivals[:first_n] if first_n is not None else arrivals
-    return read_trace(path, first_n=first_n, rate_scale=rate_scale, length_scale=length_scale,
-                      max_tokens_cap=max_tokens)
-
-
 def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: int | None = 300,
                    length_scale: float = 0.1, rate_scale: float = 1.0, max_tokens: int = 256,
                    profile_name: str = "tiny-cpu", controller_spec: str = "greedy", seed: int = 0,
@@ -254,7 +239,9 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     :return: the report: per-metric real, simulated and relative error, step-time errors, targets met.
     """
 
-    arrivals = _arrivals(trace, first_n, rate_scale, length_scale, max_tokens, seed)
+    # the first requests of a trace, or of a synthetic workload sampled with the check's seed
+    arrivals = load_workload(trace, seed=seed, rate_scale=rate_scale, length_scale=length_scale,
+                             max_tokens_cap=max_tokens)[:first_n]
 
     def controller(p: Profile):
         c = build_controller(controller_spec, p, arrivals)

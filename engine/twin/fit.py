@@ -28,7 +28,7 @@ from tidegate.engine.real.model import load_model, resolve_device, resolve_dtype
 from tidegate.engine.real.profiler import describe_device, serving_defaults
 from tidegate.engine.sim.fit import binned_samples, fit_step_time, profile_fields
 from tidegate.engine.twin.replay import replay_real
-from tidegate.engine.workloads import load_synthetic, read_trace, resolve_trace
+from tidegate.engine.workloads import load_workload
 
 T = TypeVar("T")
 
@@ -37,13 +37,8 @@ def serving_arrivals(trace: str = "splitwise_conv", skip: int = 300, first_n: in
                      rate_scale: float = 1.0, max_tokens: int = 256, seed: int = 0):
     """Requests ``skip .. skip+first_n-1`` of a trace, or of a synthetic workload sampled with ``seed``,
     re-based to arrive from 0 (as ``read_trace`` does)."""
-    path = resolve_trace(trace)
-    if path.suffix in (".yaml", ".yml"):
-        arrivals = load_synthetic(path, seed=seed, rate_scale=rate_scale, length_scale=length_scale,
-                                  max_tokens_cap=max_tokens)[skip:skip + first_n]
-    else:
-        arrivals = read_trace(path, first_n=skip + first_n, rate_scale=rate_scale, length_scale=length_scale,
-                              max_tokens_cap=max_tokens)[skip:]
+    arrivals = load_workload(trace, seed=seed, rate_scale=rate_scale, length_scale=length_scale,
+                             max_tokens_cap=max_tokens)[skip:skip + first_n]
     if not arrivals:
         raise ValueError(f"{trace} has no requests after the first {skip}")
     t0 = arrivals[0].arrival_time_s

@@ -187,7 +187,18 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
               help="Fit the profile on the trace's next --first requests served through the real engine, half "
                    "before the check and half after (a machine whose speed drifts is profiled at its speed during "
                    "the check, on average); writes it to the output folder's profile.json.")
-@click.option("--controller", "controller_spec", default="greedy", show_default=True)
+@click.option("--controller", "controller_spec", default=None,
+              help="The controller of both runs [default: greedy; with --engine vllm: vllm, vLLM's own scheduling, "
+                   "which the twin simulates as greedy].")
+@click.option("--engine", type=click.Choice(["tidegate", "vllm"]), default="tidegate", show_default=True,
+              help="The real engine: tidegate's own, or a vLLM server (.venv-vllm) with tidegate's plugin and step "
+                   "log, the profile fitted on vLLM's steps around the check unless --profile is given.")
+@click.option("--vllm-python", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="--engine vllm: vLLM's python [default: .venv-vllm/bin/python].")
+@click.option("--vllm-arg", "vllm_args", multiple=True,
+              help="--engine vllm: more vLLM server arguments, e.g. --vllm-arg '--max-num-seqs 64' (repeatable).")
+@click.option("--kv-cache-gib", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="--engine vllm: vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB).")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Both engines reuse the KV blocks of shared prompt prefixes (a Mooncake trace's hash_ids say "
                    "which; the real engine's prompts share tokens where they do).")
@@ -204,13 +215,20 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 @pin_option
 @friendly(ValueError)
 def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_tokens, profile_name, fit_around,
-                       controller_spec, prefix_caching, seed, noise_seeds, out_dir, as_json, device, dtype, threads,
-                       pin_cpu):
-    """Run one workload through the real engine and the simulator twin and compare them."""
+                       controller_spec, engine, vllm_python, vllm_args, kv_cache_gib, prefix_caching, seed,
+                       noise_seeds, out_dir, as_json, device, dtype, threads, pin_cpu):
+    """Run one workload through the real engine (tidegate's or vLLM) and the simulator twin and compare them."""
     from tidegate.engine.twin.check import run_twin_check
 
     if fit_around and profile_name is not None:
         raise click.UsageError("--profile and --fit-around exclude each other: --fit-around fits the profile itself")
+    if engine == "vllm":
+        _twin_check_vllm(locals())
+        return
+    for given, flag in ((vllm_python, "--vllm-python"), (vllm_args, "--vllm-arg")):
+        if given:
+            raise click.UsageError(f"{flag} applies to --engine vllm")
+    controller_spec = controller_spec or "greedy"
     _threads(threads, pin_cpu)
     report = run_twin_check(model=model, trace=trace, first_n=first_n, length_scale=length_scale,
                             rate_scale=rate_scale, max_tokens=max_tokens, profile_name=profile_name or "tiny-cpu",
@@ -223,6 +241,34 @@ def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_toke
     click.echo(report["table"])
     fitted = f", {out_dir}/profile.json" if fit_around else ""
     click.echo(f"\nwrote {out_dir}/twin_report.json{fitted} and {out_dir}/twin_step_time.png")
+
+
+def _twin_check_vllm(opts: dict) -> None:
+    """``twin-check --engine vllm``: the check against a vLLM server (``engine.bench.vllm.twin_check``)."""
+    from tidegate.engine.bench.vllm.model import ModelFolderError
+    from tidegate.engine.bench.vllm.twin_check import PASS_THROUGH, VllmCheckError, run_vllm_twin_check
+
+    for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("threads", "--threads"),
+                      ("pin_cpu", "--pin-cpu")):
+        if opts[key] is not None:
+            raise click.UsageError(f"{flag} applies to tidegate's own engine; give vLLM its flags with --vllm-arg")
+    out_dir = opts["out_dir"]
+    try:
+        report = run_vllm_twin_check(
+            model=opts["model"], trace=opts["trace"], first_n=opts["first_n"], length_scale=opts["length_scale"],
+            rate_scale=opts["rate_scale"], max_tokens=opts["max_tokens"], profile_name=opts["profile_name"],
+            controller_spec=opts["controller_spec"] or PASS_THROUGH, seed=opts["seed"],
+            noise_seeds=opts["noise_seeds"], out_dir=out_dir, vllm_python=opts["vllm_python"],
+            vllm_args=opts["vllm_args"], kv_cache_gib=opts["kv_cache_gib"], prefix_caching=opts["prefix_caching"],
+            log=lambda s: click.echo(s, err=True))
+    except (VllmCheckError, ModelFolderError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if opts["as_json"]:
+        click.echo(json.dumps(report, default=float))
+        return
+    click.echo(report["table"])
+    fitted = f", {out_dir}/profile.json" if report["fit_around"] else ""
+    click.echo(f"\nwrote {out_dir}/twin_report.json{fitted}, {out_dir}/vllm_steps.csv and {out_dir}/twin_step_time.png")
 
 
 

@@ -45,16 +45,20 @@ COMPARED = ("throughput_rps", "output_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p5
 
 def step_time_errors(recorder: RecordingExecutor, durations, profile: Profile) -> dict:
     """Real step durations against the profile's prediction for the same batches (non-empty steps)."""
-    t = np.asarray(recorder.tokens, dtype=float)
-    k = np.asarray(recorder.kv_tokens_read, dtype=float)
-    dec = np.asarray(recorder.decodes, dtype=float)
-    chunks = np.asarray(recorder.prefills, dtype=float)
-    pairs = np.asarray(recorder.prefill_pairs, dtype=float)
-    firsts = np.asarray(recorder.first_decodes, dtype=float)
-    d = np.asarray(durations, dtype=float)[:len(t)]
+    n = len(recorder.tokens)
+    return step_errors(recorder.tokens, recorder.kv_tokens_read, recorder.decodes, recorder.prefills,
+                       recorder.prefill_pairs, recorder.first_decodes, np.asarray(durations, dtype=float)[:n], profile)
+
+
+def step_errors(tokens, kv_tokens_read, decodes, prefills, prefill_pairs, first_decodes, durations,
+                profile: Profile) -> dict:
+    """Steps' durations against the profile's prediction for their batches (the steps with new
+    tokens): each argument one value per step, in the order they ran."""
+    t, k, dec, chunks, pairs, firsts, d = (np.asarray(x, dtype=float) for x in
+                                           (tokens, kv_tokens_read, decodes, prefills, prefill_pairs, first_decodes,
+                                            durations))
     busy = t > 0
-    t, k, dec, chunks, pairs, d = t[busy], k[busy], dec[busy], chunks[busy], pairs[busy], d[busy]
-    firsts = firsts[busy]
+    t, k, dec, chunks, pairs, firsts, d = t[busy], k[busy], dec[busy], chunks[busy], pairs[busy], firsts[busy], d[busy]
     pred = np.array(profile.predict_steps(zip(t, k, dec, chunks, pairs, firsts)), dtype=float)
     ape = np.abs(pred - d) / d
     return {"tokens": t, "kv_tokens_read": k, "decodes": dec, "prefills": chunks, "prefill_pairs": pairs,
@@ -110,7 +114,7 @@ def step_errors_by_size(errors: dict) -> list[dict]:
     return out
 
 
-def _write_steps_csv(path: Path, errors: dict) -> None:
+def write_check_steps_csv(path: Path, errors: dict) -> None:
     """Every non-empty real step, in the order they ran: T, K, real and predicted seconds, decodes D
     among the T tokens, prefill chunks C, their attention's query-key pairs Q and the first
     decodes F (``tidegate profile --from-steps`` reads it)."""
@@ -122,7 +126,7 @@ def _write_steps_csv(path: Path, errors: dict) -> None:
             f.write(f"{int(t)},{int(k)},{r:.7g},{p:.7g},{int(n)},{int(c)},{int(q)},{int(fd)}\n")
 
 
-def _write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
+def write_requests_csv(path: Path, real_reqs, sim_reqs) -> None:
     """Per request: TTFT and TPOT in the real engine and in the simulator."""
     sims = {r.request_id: r for r in sim_reqs}
     with open(path, "w") as f:
@@ -280,8 +284,8 @@ def run_twin_check(model: str = "tiny", trace: str = "splitwise_conv", first_n: 
     errors = step_time_errors(recorder, core.metrics.step_duration_s, profile)
     errors.update(refit_floor(errors))
     by_size = step_errors_by_size(errors)
-    _write_steps_csv(out_dir / "twin_steps.csv", errors)
-    _write_requests_csv(out_dir / "twin_requests.csv", core.metrics.terminal, sim_requests[0])
+    write_check_steps_csv(out_dir / "twin_steps.csv", errors)
+    write_requests_csv(out_dir / "twin_requests.csv", core.metrics.terminal, sim_requests[0])
     write_sim_requests_csv(out_dir / "twin_sim_requests.csv", sim_requests)
 
     rows = compare_metrics(real, sim_summary)

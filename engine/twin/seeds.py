@@ -89,11 +89,11 @@ def simulate_seeds(arrivals, profile: Profile, controller: Callable[[], Controll
             pooled[key] = first
         else:
             pooled[key] = max(values) if key in PEAKS else sum(values) if key in SUMS else float(np.mean(values))
-    pooled.update(_percentiles(latencies([r for reqs in requests for r in reqs])))
+    pooled.update(pooled_percentiles(latencies([r for reqs in requests for r in reqs])))
     return pooled, requests
 
 
-def _percentiles(lat: dict[str, np.ndarray]) -> dict[str, float]:
+def pooled_percentiles(lat: dict[str, np.ndarray]) -> dict[str, float]:
     """The ``POOLED`` figures of ``latencies``' arrays (NaN where there is no request)."""
     return {key: float(np.percentile(lat[which], q)) if len(lat[which]) else math.nan
             for key, (which, q) in POOLED.items()}
@@ -104,7 +104,7 @@ def seed_spread(real: dict, real_requests, sim_requests: list[list]) -> dict:
     TPOT, over the single seeds' simulations: how far one draw of the model could land."""
     out: dict[str, list[float]] = {}
     for requests in sim_requests:
-        figures = _percentiles(latencies(requests))
+        figures = pooled_percentiles(latencies(requests))
         for key in SPREAD:
             if real[key] and not math.isnan(figures[key]):
                 out.setdefault(key, []).append(figures[key] / real[key] - 1.0)

@@ -157,6 +157,9 @@ class TidegateSchedulerMixin:
             row.fallback = self._decider.last_fallback or ""
             row.decide_s = self._decider.last_wait_s
             self._publish(obs, row.decide_s)
+        else:  # vLLM's own scheduling: its configured limits apply
+            row.token_budget = s.max_num_scheduled_tokens
+            row.running_cap = min(s.max_num_active_reqs, s.max_num_running_reqs)
         own = time.perf_counter()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         after = time.perf_counter()

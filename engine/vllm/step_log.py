@@ -34,8 +34,8 @@ class StepRow:
     :param kv_used_tokens: KV tokens in use when the step was scheduled (whole blocks).
     :param kv_capacity_tokens: the KV cache's capacity in tokens.
     :param activation_budget: activations the decision allowed (empty: vLLM's own scheduling).
-    :param token_budget: the step's token budget applied.
-    :param running_cap: the running cap applied.
+    :param token_budget: the step's token budget applied (with ``--controller vllm``: vLLM's configured one).
+    :param running_cap: the running cap applied (with ``--controller vllm``: vLLM's ``max_num_seqs``).
     :param fallback: why the step took the conservative decision (empty: it did not).
     :param plugin_s: seconds the plugin's own work took in this step (observing, deciding, logging).
     :param decide_s: of them, seconds the step waited for the controller's decision.

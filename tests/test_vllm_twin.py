@@ -15,7 +15,8 @@ from tidegate.engine.bench.vllm.twin_check import (
 )
 from tidegate.engine.cli import main as cli
 from tidegate.engine.core.request import RequestState
-from tidegate.engine.vllm.step_log import COLUMNS
+from tidegate.engine.twin.fit import read_steps_csv, run_profile_from_steps, step_log_limits
+from tidegate.engine.vllm.step_log import COLUMNS, StepLog, StepRow
 from tidegate.engine.workloads import Arrival
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +94,29 @@ def test_fit_rows_time_each_step_by_its_period_in_the_engine_loop():
     got = fit_rows(rows)
     assert [row[:2] + row[3:] for row in got] == [(3, 40, 3, 1, 6, 0), (1, 0, 1, 0, 0, 0), (1, 0, 1, 0, 0, 0)]
     assert [round(row[2], 9) for row in got] == [0.0115, 0.006, 0.005]
+
+
+def test_profile_from_a_vllm_step_log_takes_its_replica_and_loop_periods(tmp_path):
+    """``tidegate profile --from-steps`` on the plugin's step log: vLLM's KV, block size and batch
+    limits, and each step timed by its period in the loop (a perfectly linear engine, a 1 ms loop gap)."""
+    path = tmp_path / "steps.csv"
+    log = StepLog(path)
+    time_s = 0.0
+    for i in range(60):
+        tokens = 1 + (i * 7) % 40
+        real_s = 0.002 + 1e-4 * tokens
+        log.write(StepRow(i, time_s, real_s, tokens, 0, tokens, tokens, tokens, 0, 0, 0, 10 * tokens, 0, 0, 0,
+                          tokens, 0, 8064, token_budget=2048, running_cap=128, block_size=128))
+        time_s += real_s + 0.001
+    log.close()
+    rows = read_steps_csv(path)
+    assert all(math.isclose(sec, 0.003 + 1e-4 * t, rel_tol=1e-6) for t, _, sec, *_ in rows)
+    assert step_log_limits(path) == {"kv_capacity_tokens": 8064, "block_size": 128, "max_num_seqs": 128,
+                                     "max_num_batched_tokens": 2048}
+    profile = run_profile_from_steps(path, name="vllm")
+    assert (profile.kv_capacity_tokens, profile.block_size, profile.max_num_seqs,
+            profile.max_num_batched_tokens) == (8064, 128, 128, 2048)
+    assert math.isclose(profile.step_time_s(20, 200, 20), 0.005, rel_tol=0.05)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -184,35 +184,83 @@ def read_steps_csv(path) -> list[tuple]:
     """``(T, K, seconds)`` rows of a ``twin_steps.csv`` written by ``twin-check``, ``(T, K, seconds,
     D)`` when it has the ``decodes`` column, ``(T, K, seconds, D, C)`` when it has ``prefills`` too
     ``(T, K, seconds, D, C, Q)`` with ``prefill_pairs`` and ``(..., F)`` with ``first_decodes``
-    (files from before any of them still read)."""
-    rows: list[tuple] = []
+    (files from before any of them still read). The vLLM plugin's step log (it has the columns
+    ``step`` and ``time_s``) reads too, each step's seconds its period in vLLM's loop (``loop_seconds``)."""
     with open(path) as f:
         header = f.readline().strip().split(",")
-        try:
-            it, ik, ir = header.index("tokens"), header.index("kv_tokens_read"), header.index("real_s")
-        except ValueError:
-            raise ValueError(f"{path}: expected the columns tokens, kv_tokens_read, real_s "
-                             f"(a twin_steps.csv)") from None
-        idec = header.index("decodes") if "decodes" in header else None
-        ipre = header.index("prefills") if idec is not None and "prefills" in header else None
-        ipairs = header.index("prefill_pairs") if ipre is not None and "prefill_pairs" in header else None
-        ifirst = header.index("first_decodes") if ipairs is not None and "first_decodes" in header else None
-        for line in f:
-            parts = line.strip().split(",")
-            if len(parts) == len(header) and int(parts[it]) > 0:
-                row: tuple = (int(parts[it]), int(parts[ik]), float(parts[ir]))
-                if idec is not None:
-                    row = (*row, int(parts[idec]))
-                if ipre is not None:
-                    row = (*row, int(parts[ipre]))
-                if ipairs is not None:
-                    row = (*row, int(parts[ipairs]))
-                if ifirst is not None:
-                    row = (*row, int(parts[ifirst]))
-                rows.append(row)
+        lines = [parts for parts in (line.strip().split(",") for line in f) if len(parts) == len(header)]
+    try:
+        it, ik, ir = header.index("tokens"), header.index("kv_tokens_read"), header.index("real_s")
+    except ValueError:
+        raise ValueError(f"{path}: expected the columns tokens, kv_tokens_read, real_s "
+                         f"(a twin_steps.csv or a vLLM step log)") from None
+    idec = header.index("decodes") if "decodes" in header else None
+    ipre = header.index("prefills") if idec is not None and "prefills" in header else None
+    ipairs = header.index("prefill_pairs") if ipre is not None and "prefill_pairs" in header else None
+    ifirst = header.index("first_decodes") if ipairs is not None and "first_decodes" in header else None
+    if "step" in header and "time_s" in header:
+        istep, itime = header.index("step"), header.index("time_s")
+        seconds = loop_seconds([(int(p[istep]), float(p[itime]), float(p[ir])) for p in lines])
+    else:
+        seconds = [float(p[ir]) for p in lines]
+    rows: list[tuple] = []
+    for parts, sec in zip(lines, seconds):
+        if int(parts[it]) > 0:
+            row: tuple = (int(parts[it]), int(parts[ik]), sec)
+            for index in (idec, ipre, ipairs, ifirst):
+                if index is not None:
+                    row = (*row, int(parts[index]))
+            rows.append(row)
     if len(rows) < 3:
         raise ValueError(f"{path}: fewer than 3 steps to fit")
     return rows
+
+
+#: the longest time between two steps that counts as the engine loop's own work (not an idle spell)
+MAX_GAP_S = 0.05
+
+
+def loop_gaps(steps: list[tuple[int, float, float]]) -> list[float | None]:
+    """Per step ``(number, start, logged seconds)`` of an engine's step log: the loop's time from its
+    end to the next step's start when that one was scheduled right after it (the next number,
+    within ``MAX_GAP_S``); None after an idle spell, and for the last."""
+    gaps: list[float | None] = []
+    for (n, start, sec), (m, nxt, _) in zip(steps, steps[1:]):
+        gap = nxt - start - sec
+        gaps.append(gap if m == n + 1 and 0 <= gap < MAX_GAP_S else None)
+    return gaps + [None] if steps else []
+
+
+def loop_seconds(steps: list[tuple[int, float, float]]) -> list[float]:
+    """Each step's period in the engine's loop: its logged seconds (vLLM's: ``schedule()`` to
+    ``update_from_output()``) plus the loop's work until the next step starts (handing outputs to
+    the API process, taking new requests), which is the step's as much as its compute: the twin's
+    step is the whole period. A step followed by an idle spell, or the last, gets the median gap."""
+    gaps = loop_gaps(steps)
+    known = [g for g in gaps if g is not None]
+    typical = float(np.median(known)) if known else 0.0
+    return [sec + (typical if g is None else g) for (_, _, sec), g in zip(steps, gaps)]
+
+
+def step_log_limits(path) -> dict[str, int]:
+    """The replica's limits a vLLM step log's last row gives (``kv_capacity_tokens``, ``block_size``,
+    ``max_num_seqs`` from ``running_cap``, ``max_num_batched_tokens`` from ``token_budget``); those
+    it lacks are left out (a ``twin_steps.csv`` gives none)."""
+    with open(path) as f:
+        header = f.readline().strip().split(",")
+        last = None
+        for line in f:
+            parts = line.strip().split(",")
+            if len(parts) == len(header):
+                last = dict(zip(header, parts))
+    names = {"kv_capacity_tokens": "kv_capacity_tokens", "block_size": "block_size", "max_num_seqs": "running_cap",
+             "max_num_batched_tokens": "token_budget"}
+    out = {}
+    for field, column in names.items():
+        value = (last or {}).get(column, "")
+        if value and float(value) > 0:
+            out[field] = int(float(value))
+    return out
 
 
 def read_step_runs(path) -> list[str] | None:
@@ -245,9 +293,13 @@ def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv
     """
     rows = read_steps_csv(path)
     fit = fit_step_time(rows, loss=loss, runs=read_step_runs(path))
-    base = serving_defaults(_config_of(model), name, block_size, kv_capacity_tokens)
+    limits = step_log_limits(path)  # a vLLM step log's replica: its KV, blocks and batch limits
+    if kv_capacity_tokens is not None:
+        limits["kv_capacity_tokens"] = kv_capacity_tokens
+    base = serving_defaults(_config_of(model), name, limits.pop("block_size", block_size),
+                            limits.pop("kv_capacity_tokens", None))
     return dataclasses.replace(
-        base, **profile_fields(fit),
+        base, **limits, **profile_fields(fit),
         description=f"{model} model, fitted on the serving steps in {path}.",
         source=f"fitted on recorded serving steps (tidegate profile --from-steps {path})",
         extra={"fit": fit, "method": "steps", "steps_file": str(path), "samples": binned_samples(rows)})

@@ -151,7 +151,7 @@ class TidegateSchedulerMixin:
                 observer.refused(prompt)
         obs = observer.observe(step, s.waiting, s.kv_holding_waiting, s.running, s.kv_cache_manager.usage)
         row = StepRow(step, obs.now_s, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, obs.num_waiting, obs.num_running,
-                      obs.kv_used_tokens, observer.kv_capacity_tokens)
+                      obs.kv_used_tokens, observer.kv_capacity_tokens, block_size=s.block_size)
         if self._decider is not None:
             self._apply(self._decider.decide(obs), row)
             row.fallback = self._decider.last_fallback or ""

@@ -39,6 +39,7 @@ class StepRow:
     :param fallback: why the step took the conservative decision (empty: it did not).
     :param plugin_s: seconds the plugin's own work took in this step (observing, deciding, logging).
     :param decide_s: of them, seconds the step waited for the controller's decision.
+    :param block_size: tokens in a KV block.
     """
 
     step: int
@@ -65,6 +66,7 @@ class StepRow:
     fallback: str = ""
     plugin_s: float = 0.0
     decide_s: float = 0.0
+    block_size: int = 0
 
 
 COLUMNS = tuple(f.name for f in fields(StepRow))
@@ -74,7 +76,7 @@ def _cell(value: object) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.6g}"
+        return f"{value:.10g}"  # time_s: microseconds over a day
     return str(value).replace(",", ";").replace("\n", " ")
 
 

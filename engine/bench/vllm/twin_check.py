@@ -61,7 +61,7 @@ from tidegate.engine.twin.check import (
     compare_metrics, refit_floor, report_table, speed_drift, step_errors, step_errors_by_size, targets_met,
     write_check_steps_csv, write_requests_csv,
 )
-from tidegate.engine.twin.fit import serving_arrivals
+from tidegate.engine.twin.fit import loop_gaps, loop_seconds, serving_arrivals
 from tidegate.engine.twin.plot import plot_step_times
 from tidegate.engine.twin.replay import random_prompts
 from tidegate.engine.core.slo import time_to_first_token_s
@@ -81,8 +81,6 @@ DRAIN_S = 600.0
 #: the step log's columns of a fitting row, in ``fit_step_time``'s order (T, K, seconds, D, C, Q, F)
 FIT_COLUMNS = ("tokens", "kv_tokens_read", "real_s", "decodes", "prefills", "prefill_pairs", "first_decodes")
 LOG_EVERY_S = 10.0
-#: the longest time between two steps that counts as the engine loop's own work (not an idle spell)
-MAX_GAP_S = 0.05
 
 
 class VllmCheckError(ValueError):
@@ -155,38 +153,22 @@ def read_step_log(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def _numbered(rows: list[dict[str, str]]) -> list[tuple[int, float, float]]:
+    return [(int(r["step"]), float(r["time_s"]), float(r["real_s"])) for r in rows]
+
+
 def fit_rows(rows: list[dict[str, str]]) -> list[tuple]:
     """``(T, K, seconds, D, C, Q, F)`` of each step log row with new tokens (``fit_step_time``'s rows),
-    the seconds being the step's period in vLLM's loop (``loop_seconds``)."""
-    periods = loop_seconds(rows)
+    the seconds being the step's period in vLLM's loop (``engine.twin.fit.loop_seconds``)."""
+    periods = loop_seconds(_numbered(rows))
     return [(int(r["tokens"]), int(r["kv_tokens_read"]), p, int(r["decodes"]), int(r["prefills"]),
              int(r["prefill_pairs"]), int(r["first_decodes"])) for r, p in zip(rows, periods) if int(r["tokens"]) > 0]
-
-
-def _back_to_back_gap(a: dict[str, str], b: dict[str, str]) -> float | None:
-    """The engine loop's time from step ``a``'s end to step ``b``'s start, when ``b`` was scheduled
-    right after ``a`` (the next step number, within ``MAX_GAP_S``); None after an idle spell."""
-    if int(b["step"]) != int(a["step"]) + 1:
-        return None
-    gap = float(b["time_s"]) - float(a["time_s"]) - float(a["real_s"])
-    return gap if 0 <= gap < MAX_GAP_S else None
-
-
-def loop_seconds(rows: list[dict[str, str]]) -> list[float]:
-    """Each step's period in vLLM's engine loop: its logged duration (``schedule()`` to
-    ``update_from_output()``) plus the loop's work until the next step starts (handing outputs to
-    the API process, taking new requests). That work is one step's as much as its compute, and the
-    twin's step is the whole period. A step followed by an idle spell, or the last, gets the median gap."""
-    gaps = [_back_to_back_gap(a, b) for a, b in zip(rows, rows[1:])] + [None]
-    known = [g for g in gaps if g is not None]
-    typical = float(np.median(known)) if known else 0.0
-    return [float(r["real_s"]) + (typical if g is None else g) for r, g in zip(rows, gaps)]
 
 
 def step_gaps(rows: list[dict[str, str]]) -> dict:
     """The engine loop's time between steps scheduled back to back (``loop_seconds`` adds it to the
     steps), against the median logged step."""
-    gaps = [g for g in (_back_to_back_gap(a, b) for a, b in zip(rows, rows[1:])) if g is not None]
+    gaps = [g for g in loop_gaps(_numbered(rows)) if g is not None]
     if not gaps:
         return {"steps": 0}
     g = np.array(gaps)
@@ -199,7 +181,8 @@ def replica_limits(rows: list[dict[str, str]], kv_info: dict) -> dict:
     """vLLM's KV capacity, block size, running cap and token budget, as its step log and ``/metrics`` say."""
     last = rows[-1]
     try:
-        limits = {"kv_capacity_tokens": int(last["kv_capacity_tokens"]), "block_size": int(kv_info["block_size"]),
+        block_size = int(float(last.get("block_size") or 0)) or int(kv_info["block_size"])
+        limits = {"kv_capacity_tokens": int(last["kv_capacity_tokens"]), "block_size": block_size,
                   "max_num_seqs": int(float(last["running_cap"])),
                   "max_num_batched_tokens": int(float(last["token_budget"]))}
     except (KeyError, ValueError):

@@ -68,7 +68,7 @@ def judge(rows: np.ndarray, train: float) -> dict:
 
 
 def markdown(results: dict, presets: dict, command: str) -> str:
-    names = list(next(iter(results.values()))) if results else []
+    names = list(next(iter(results.values()))["variants"]) if results else []
     lines = [f"Command: `{command}`", "",
              "Held-out MAPE (the later steps, predicted by a fit on the earlier ones):", "",
              "| engine | steps | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]

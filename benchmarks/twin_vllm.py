@@ -1,6 +1,7 @@
 """The twin against vLLM's CPU build: one fresh ``tidegate twin-check --engine vllm`` per workload.
 
     .venv/bin/python benchmarks/twin_vllm.py [--workload NAME ...] [--first 300] [--out docs/bench/twin_vllm]
+        [--raw DIR]
 
 Workloads (each a fresh vLLM server, the profile fitted on vLLM's step log around the check):
 
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--raw", type=Path, default=None, help="also keep each check's raw files (steps, requests) here")
     args = ap.parse_args()
     names = args.workload or list(WORKLOADS)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -97,6 +99,8 @@ def main() -> None:
             keep.mkdir(exist_ok=True)
             for file in ("twin_report.json", "twin_step_time.png", "profile.json"):
                 shutil.copy(Path(tmp) / file, keep / file)
+            if args.raw:  # every file of the check but the model's
+                shutil.copytree(tmp, args.raw / name, ignore=shutil.ignore_patterns("models"), dirs_exist_ok=True)
         print(report["table"])
         print(f"{name}: {time.monotonic() - t0:.0f} s")
         rows.append(row(name, report))

@@ -10,9 +10,16 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import numpy as np
+
+from tidegate.ctrl import build_controller
 from tidegate.engine.bench.vllm.twin_check import (
-    VllmCheckError, content_prompts, fit_rows, real_requests, replica_limits, step_gaps,
+    VllmCheckError, VllmRuns, client_overhead, content_prompts, fit_rows, real_requests, replica_limits,
+    simulate_twin, step_gaps,
 )
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads import load_workload
 from tidegate.engine.cli import main as cli
 from tidegate.engine.core.request import RequestState
 from tidegate.engine.twin.fit import read_steps_csv, run_profile_from_steps, step_log_limits
@@ -117,6 +124,25 @@ def test_profile_from_a_vllm_step_log_takes_its_replica_and_loop_periods(tmp_pat
     assert (profile.kv_capacity_tokens, profile.block_size, profile.max_num_seqs,
             profile.max_num_batched_tokens) == (8064, 128, 128, 2048)
     assert math.isclose(profile.step_time_s(20, 200, 20), 0.005, rel_tol=0.05)
+
+
+def test_client_overhead_is_the_median_gap_between_measured_and_simulated_ttft():
+    """Requests whose measured times are the twin's own, 5 ms later at the client: the overhead is 5 ms,
+    and the twin with it added reproduces the measured TTFTs."""
+    profile = load_profile("tiny-cpu")
+    arrivals = load_workload("splitwise_conv", length_scale=0.1, max_tokens_cap=64)[:40]
+    sim = simulate(arrivals, profile, build_controller("greedy", profile, arrivals), prefix_caching=True)
+    ended = {int(r.request_id): r for r in sim.core.metrics.terminal}
+    t0 = 1000.0
+    records = [{"start_s": t0 + ended[i].arrival_time_s, "first_token_s": t0 + ended[i].first_token_time_s + 0.005,
+                "last_token_s": t0 + ended[i].finish_time_s + 0.005, "tokens": ended[i].num_output_tokens,
+                "outcome": "completed", "status": 200, "end_s": None} for i in range(len(arrivals))]
+    runs = VllmRuns({"before": (t0, records)}, {}, {}, None)
+    overhead = client_overhead([("before", arrivals)], runs, profile, "vllm", seed=0, prefix_caching=True)
+    assert overhead == pytest.approx(0.005, abs=1e-9)
+    summary, requests = simulate_twin(arrivals, profile, "greedy", 0, 1, True, overhead)
+    assert summary["ttft_p50_s"] == pytest.approx(
+        float(np.median([r["first_token_s"] - r["start_s"] for r in records])), rel=1e-9)
 
 
 @pytest.mark.parametrize("args, message", [

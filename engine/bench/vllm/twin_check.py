@@ -58,7 +58,7 @@ from tidegate.engine.core.request import Request, RequestState
 from tidegate.engine.real.profiler import serving_defaults
 from tidegate.engine.sim.fit import binned_samples, fit_step_time, profile_fields
 from tidegate.engine.twin.check import (
-    compare_metrics, refit_floor, report_table, speed_drift, step_errors, step_errors_by_size, targets_met,
+    COMPARED, compare_metrics, refit_floor, report_table, speed_drift, step_errors, step_errors_by_size, targets_met,
     write_check_steps_csv, write_requests_csv,
 )
 from tidegate.engine.twin.fit import loop_gaps, loop_seconds, serving_arrivals
@@ -67,7 +67,8 @@ from tidegate.engine.twin.replay import random_prompts
 from tidegate.engine.core.slo import time_to_first_token_s
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.twin.seeds import (
-    ks_distances, latencies, pooled_percentiles, real_sampling, seed_spread, simulate_seeds, write_sim_requests_csv,
+    ks_distances, latencies, pooled_percentiles, real_sampling, scaled_to_speed, seed_spread, simulate_seeds,
+    write_sim_requests_csv,
 )
 from tidegate.engine.workloads import load_workload
 
@@ -378,6 +379,19 @@ def client_overhead(parts: list[tuple[str, list]], runs: VllmRuns, profile: Prof
     return float(np.median(diffs)) if diffs else 0.0
 
 
+def simulate_twin(arrivals, profile: Profile, spec: str, seed: int, noise_seeds: int, prefix_caching: bool,
+                  overhead_s: float) -> tuple[dict, list[list]]:
+    """``simulate_seeds`` of the check's requests, each simulated request's tokens ``overhead_s``
+    later (``outside``) and the pooled latency figures taken again."""
+    summary, requests = simulate_seeds(arrivals, profile, lambda: make_controller(spec, profile, arrivals, seed),
+                                       noise_seeds, prefix_caching)
+    for run in requests:
+        for r in run:
+            outside(r, overhead_s)
+    summary.update(pooled_percentiles(latencies([r for run in requests for r in run])))
+    return summary, requests
+
+
 def judge(arrivals, runs: VllmRuns, profile: Profile, controller_spec: str, seed: int, noise_seeds: int,
           prefix_caching: bool, overhead_s: float, out: Path, log: Callable[[str], None] | None) -> dict:
     """The check's requests simulated with ``profile`` and compared with vLLM's, each simulated
@@ -385,14 +399,9 @@ def judge(arrivals, runs: VllmRuns, profile: Profile, controller_spec: str, seed
     twin_spec = twin_controller(controller_spec)
     if log:
         log(f"simulating {len(arrivals)} requests with profile {profile.name} and controller {twin_spec}")
-    sim_summary, sim_requests = simulate_seeds(arrivals, profile, lambda: make_controller(twin_spec, profile, arrivals,
-                                                                                         seed), noise_seeds,
-                                               prefix_caching)
+    sim_summary, sim_requests = simulate_twin(arrivals, profile, twin_spec, seed, noise_seeds, prefix_caching,
+                                              overhead_s)
     seeds = len(sim_requests)
-    for requests in sim_requests:
-        for r in requests:
-            outside(r, overhead_s)
-    sim_summary.update(pooled_percentiles(latencies([r for requests in sim_requests for r in requests])))
     t0, records = runs.replays["check"]
     reqs = real_requests(arrivals, t0, records)
     check_rows = runs.steps["check"]
@@ -414,7 +423,14 @@ def judge(arrivals, runs: VllmRuns, profile: Profile, controller_spec: str, seed
     gaps = step_gaps(check_rows)
     headline = (f"controller {controller_spec} (twin: {twin_spec}), profile {profile.name}"
                 + (f", simulated with {seeds} noise seeds pooled" if seeds > 1 else ""))
-    table = report_table(headline, errors, rows, by_size, None, met, ks, spread, real_sampling(reqs, sim_requests))
+    drift = speed_drift(profile, errors)
+    if drift is not None:  # diagnostic: the twin with the profile at the check's own speed
+        scaled, scaled_requests = simulate_twin(arrivals, scaled_to_speed(profile, drift["ratio"]), twin_spec, seed,
+                                                noise_seeds, prefix_caching, overhead_s)
+        drift["rel_error_speed_adjusted"] = {k: (float(scaled[k]) - rows[k]["real"]) / rows[k]["real"]
+                                             for k in COMPARED if rows[k]["real"]}
+        drift["ks_speed_adjusted"] = ks_distances(reqs, [r for requests in scaled_requests for r in requests])
+    table = report_table(headline, errors, rows, by_size, drift, met, ks, spread, real_sampling(reqs, sim_requests))
     if gaps.get("steps"):
         table += (f"\nthe engine loop between steps (in the twin's step, not in the logged durations): median "
                   f"{1e3 * gaps['median_s']:.2f} ms, {100 * gaps['of_median_step']:.1f}% of the median logged step")
@@ -427,7 +443,7 @@ def judge(arrivals, runs: VllmRuns, profile: Profile, controller_spec: str, seed
         "profile": profile.name, "prefix_caching": prefix_caching, "vllm_limits": runs.limits,
         "vllm_ready_s": runs.ready_s, "client_overhead_s": overhead_s,
         "step_time": {k: v for k, v in errors.items() if not isinstance(v, np.ndarray)},
-        "step_time_by_size": by_size, "step_gaps": gaps, "speed_drift": speed_drift(profile, errors),
+        "step_time_by_size": by_size, "step_gaps": gaps, "speed_drift": drift,
         "metrics": rows, "ks_distance": ks, "targets_met": met, "noise_seeds": seeds, "seed_spread": spread,
         "real_sampling": real_sampling(reqs, sim_requests), "real_summary": real, "sim_summary": sim_summary,
         "table": table,

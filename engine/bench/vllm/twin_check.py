@@ -55,8 +55,10 @@ from tidegate.engine.bench.vllm.server import VLLM_PYTHON, VllmServer
 from tidegate.engine.core.metrics import EngineMetrics
 from tidegate.engine.core.profile import Profile, load_profile
 from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.core.slo import time_to_first_token_s
 from tidegate.engine.real.profiler import serving_defaults
 from tidegate.engine.sim.fit import binned_samples, fit_step_time, profile_fields
+from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.twin.check import (
     COMPARED, compare_metrics, refit_floor, report_table, speed_drift, step_errors, step_errors_by_size, targets_met,
     write_check_steps_csv, write_requests_csv,
@@ -64,8 +66,6 @@ from tidegate.engine.twin.check import (
 from tidegate.engine.twin.fit import loop_gaps, loop_seconds, serving_arrivals
 from tidegate.engine.twin.plot import plot_step_times
 from tidegate.engine.twin.replay import random_prompts
-from tidegate.engine.core.slo import time_to_first_token_s
-from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.twin.seeds import (
     ks_distances, latencies, pooled_percentiles, real_sampling, scaled_to_speed, seed_spread, simulate_seeds,
     write_sim_requests_csv,
@@ -79,8 +79,6 @@ VLLM_POLICY = "greedy"
 START_TIMEOUT_S = 600.0
 #: seconds a replay waits, after its last arrival, for its last request to end
 DRAIN_S = 600.0
-#: the step log's columns of a fitting row, in ``fit_step_time``'s order (T, K, seconds, D, C, Q, F)
-FIT_COLUMNS = ("tokens", "kv_tokens_read", "real_s", "decodes", "prefills", "prefill_pairs", "first_decodes")
 LOG_EVERY_S = 10.0
 
 

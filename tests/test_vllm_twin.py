@@ -14,7 +14,7 @@ import numpy as np
 
 from tidegate.ctrl import build_controller
 from tidegate.engine.bench.vllm.twin_check import (
-    VllmCheckError, VllmRuns, client_overhead, content_prompts, fit_rows, real_requests, replica_limits,
+    VllmCheckError, VllmRuns, client_overhead, content_prompts, real_requests, replica_limits,
     simulate_twin, step_gaps,
 )
 from tidegate.engine.core.profile import load_profile
@@ -22,7 +22,7 @@ from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.workloads import load_workload
 from tidegate.engine.cli import main as cli
 from tidegate.engine.core.request import RequestState
-from tidegate.engine.twin.fit import read_steps_csv, run_profile_from_steps, step_log_limits
+from tidegate.engine.twin.fit import read_steps_csv, run_profile_from_steps, step_log_limits, step_rows
 from tidegate.engine.vllm.step_log import COLUMNS, StepLog, StepRow
 from tidegate.engine.workloads import Arrival
 
@@ -93,12 +93,12 @@ def test_replica_limits_come_from_the_step_log_and_metrics():
         replica_limits(rows, {"block_size": "128"})
 
 
-def test_fit_rows_time_each_step_by_its_period_in_the_engine_loop():
+def test_step_rows_time_each_step_by_its_period_in_the_engine_loop():
     rows = [_row(0, 0.0, 0.010, tokens=3, kv_tokens_read=40, prefills=1, prefill_pairs=6),
             _row(1, 0.0115, 0.002, tokens=0),  # a step without tokens: not fitted, its gap still counts
             _row(2, 0.0140, 0.005),
             _row(7, 5.0, 0.004)]  # after an idle spell, and the last: the median gap
-    got = fit_rows(rows)
+    got = step_rows(rows)
     assert [row[:2] + row[3:] for row in got] == [(3, 40, 3, 1, 6, 0), (1, 0, 1, 0, 0, 0), (1, 0, 1, 0, 0, 0)]
     assert [round(row[2], 9) for row in got] == [0.0115, 0.006, 0.005]
 

@@ -15,6 +15,7 @@ of what is left; ``engine.sim.fit`` has the details):
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import time
 from typing import Callable, TypeVar
@@ -171,8 +172,7 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
                zip(recorder.tokens, recorder.kv_tokens_read, durations, recorder.decodes, recorder.prefills,
                    recorder.prefill_pairs, recorder.first_decodes) if t > 0]
         rows += got
-        single = [row[2] for row in got if row[0] == 1]
-        median_s = float(np.median(single)) if single else None
+        median_s = batch1_median_s(got)
         per_run.append({"steps": len(got), "batch1_decode_median_s": median_s})
         if log and runs > 1:
             said = "no single-token step" if median_s is None else f"median single-token step {1e3 * median_s:.2f} ms"
@@ -180,40 +180,66 @@ def _serve_and_record(arrivals, base: Profile, controller_spec: str, runs: int, 
     return rows, per_run
 
 
-def read_steps_csv(path) -> list[tuple]:
-    """``(T, K, seconds)`` rows of a ``twin_steps.csv`` written by ``twin-check``, ``(T, K, seconds,
-    D)`` when it has the ``decodes`` column, ``(T, K, seconds, D, C)`` when it has ``prefills`` too
-    ``(T, K, seconds, D, C, Q)`` with ``prefill_pairs`` and ``(..., F)`` with ``first_decodes``
-    (files from before any of them still read). The vLLM plugin's step log (it has the columns
-    ``step`` and ``time_s``) reads too, each step's seconds its period in vLLM's loop (``loop_seconds``)."""
-    with open(path) as f:
-        header = f.readline().strip().split(",")
-        lines = [parts for parts in (line.strip().split(",") for line in f) if len(parts) == len(header)]
-    try:
-        it, ik, ir = header.index("tokens"), header.index("kv_tokens_read"), header.index("real_s")
-    except ValueError:
-        raise ValueError(f"{path}: expected the columns tokens, kv_tokens_read, real_s "
-                         f"(a twin_steps.csv or a vLLM step log)") from None
-    idec = header.index("decodes") if "decodes" in header else None
-    ipre = header.index("prefills") if idec is not None and "prefills" in header else None
-    ipairs = header.index("prefill_pairs") if ipre is not None and "prefill_pairs" in header else None
-    ifirst = header.index("first_decodes") if ipairs is not None and "first_decodes" in header else None
-    if "step" in header and "time_s" in header:
-        istep, itime = header.index("step"), header.index("time_s")
-        seconds = loop_seconds([(int(p[istep]), float(p[itime]), float(p[ir])) for p in lines])
+def read_records(path) -> tuple[list[str], list[dict[str, str]]]:
+    """A steps file's header and its rows as ``{column: text}`` (lines with too few or too many
+    fields left out)."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        return header, [r for r in reader if None not in r and None not in r.values()]
+
+
+def step_rows(records: list[dict[str, str]]) -> list[tuple]:
+    """``(T, K, seconds)`` of each row with new tokens, then those of ``D``, ``C``, ``Q`` and ``F``
+    (columns ``decodes``, ``prefills``, ``prefill_pairs``, ``first_decodes``) as far as the rows
+    have them in that order. Rows of an engine's step log (columns ``step`` and ``time_s``, the vLLM
+    plugin's) are timed by their period in the engine's loop (``loop_seconds``)."""
+    if not records:
+        return []
+    keys = records[0].keys()
+    counts = []
+    for column in ("decodes", "prefills", "prefill_pairs", "first_decodes"):
+        if column not in keys:
+            break
+        counts.append(column)
+    if "step" in keys and "time_s" in keys:
+        seconds = loop_seconds([(int(r["step"]), float(r["time_s"]), float(r["real_s"])) for r in records])
     else:
-        seconds = [float(p[ir]) for p in lines]
-    rows: list[tuple] = []
-    for parts, sec in zip(lines, seconds):
-        if int(parts[it]) > 0:
-            row: tuple = (int(parts[it]), int(parts[ik]), sec)
-            for index in (idec, ipre, ipairs, ifirst):
-                if index is not None:
-                    row = (*row, int(parts[index]))
-            rows.append(row)
+        seconds = [float(r["real_s"]) for r in records]
+    return [(int(r["tokens"]), int(r["kv_tokens_read"]), sec, *(int(r[c]) for c in counts))
+            for r, sec in zip(records, seconds) if int(r["tokens"]) > 0]
+
+
+def read_steps_file(path) -> tuple[list[tuple], list[str] | None, dict[str, int]]:
+    """A steps file in one read: its ``step_rows``, their ``run`` labels (None without the column:
+    the serving steps of a profile fitted around a check have one) and the replica's limits it
+    gives (``limits_of_row`` of its last row).
+
+    A ``twin_steps.csv`` written by ``twin-check`` gives ``(T, K, seconds)``, ``(T, K, seconds, D)``
+    with the ``decodes`` column, and so on up to ``(..., F)`` (files from before any of them still
+    read); the vLLM plugin's step log gives all seven, each step timed by its period in vLLM's loop.
+
+    :raises ValueError: the file lacks ``tokens``, ``kv_tokens_read`` or ``real_s``, or has fewer than 3 steps.
+    """
+    header, records = read_records(path)
+    if not {"tokens", "kv_tokens_read", "real_s"} <= set(header):
+        raise ValueError(f"{path}: expected the columns tokens, kv_tokens_read, real_s "
+                         f"(a twin_steps.csv or a vLLM step log)")
+    rows = step_rows(records)
     if len(rows) < 3:
         raise ValueError(f"{path}: fewer than 3 steps to fit")
-    return rows
+    runs = [r["run"] for r in records if int(r["tokens"]) > 0] if "run" in header else None
+    return rows, runs, limits_of_row(records[-1])
+
+
+def read_steps_csv(path) -> list[tuple]:
+    """The rows of a steps file (``read_steps_file``)."""
+    return read_steps_file(path)[0]
+
+
+def read_step_runs(path) -> list[str] | None:
+    """The ``run`` labels of a steps file's rows (``read_steps_file``)."""
+    return read_steps_file(path)[1]
 
 
 #: the longest time between two steps that counts as the engine loop's own work (not an idle spell)
@@ -242,37 +268,31 @@ def loop_seconds(steps: list[tuple[int, float, float]]) -> list[float]:
     return [sec + (typical if g is None else g) for (_, _, sec), g in zip(steps, gaps)]
 
 
-def step_log_limits(path) -> dict[str, int]:
-    """The replica's limits a vLLM step log's last row gives (``kv_capacity_tokens``, ``block_size``,
-    ``max_num_seqs`` from ``running_cap``, ``max_num_batched_tokens`` from ``token_budget``); those
-    it lacks are left out (a ``twin_steps.csv`` gives none)."""
-    with open(path) as f:
-        header = f.readline().strip().split(",")
-        last = None
-        for line in f:
-            parts = line.strip().split(",")
-            if len(parts) == len(header):
-                last = dict(zip(header, parts))
-    names = {"kv_capacity_tokens": "kv_capacity_tokens", "block_size": "block_size", "max_num_seqs": "running_cap",
-             "max_num_batched_tokens": "token_budget"}
+#: the replica's limits a vLLM step log's row gives: profile field -> column
+LIMIT_COLUMNS = {"kv_capacity_tokens": "kv_capacity_tokens", "block_size": "block_size",
+                 "max_num_seqs": "running_cap", "max_num_batched_tokens": "token_budget"}
+
+
+def limits_of_row(row: dict[str, str]) -> dict[str, int]:
+    """The replica's limits a vLLM step log's row gives (``LIMIT_COLUMNS``); those it lacks, or
+    leaves empty or 0, are left out (a ``twin_steps.csv`` gives none)."""
     out = {}
-    for field, column in names.items():
-        value = (last or {}).get(column, "")
+    for field, column in LIMIT_COLUMNS.items():
+        value = row.get(column) or ""
         if value and float(value) > 0:
             out[field] = int(float(value))
     return out
 
 
-def read_step_runs(path) -> list[str] | None:
-    """The ``run`` column of a steps file, one label per row ``read_steps_csv`` returns (the
-    serving steps of a profile fitted around a check have one); None without it."""
-    with open(path) as f:
-        header = f.readline().strip().split(",")
-        if "run" not in header:
-            return None
-        it, irun = header.index("tokens"), header.index("run")
-        return [parts[irun] for parts in (line.strip().split(",") for line in f)
-                if len(parts) == len(header) and int(parts[it]) > 0]
+def step_log_limits(path) -> dict[str, int]:
+    """The replica's limits a steps file's last row gives (``read_steps_file``)."""
+    return read_steps_file(path)[2]
+
+
+def batch1_median_s(rows: list[tuple]) -> float | None:
+    """The median seconds of the single-token steps among ``(T, K, seconds, ...)`` rows (None without one)."""
+    single = [row[2] for row in rows if row[0] == 1]
+    return float(np.median(single)) if single else None
 
 
 def write_steps_csv(path, rows: list[tuple], runs: list[str]) -> None:
@@ -291,12 +311,11 @@ def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv
     Checking the twin against the very run its profile was fitted on is in-sample: use it to see
     how far a linear profile can get, and fit on a different run for an honest check.
     """
-    rows = read_steps_csv(path)
-    fit = fit_step_time(rows, loss=loss, runs=read_step_runs(path))
-    limits = step_log_limits(path)  # a vLLM step log's replica: its KV, blocks and batch limits
+    rows, runs, limits = read_steps_file(path)  # limits: a vLLM step log's replica (KV, blocks, batches)
+    fit = fit_step_time(rows, loss=loss, runs=runs)
     if kv_capacity_tokens is not None:
         limits["kv_capacity_tokens"] = kv_capacity_tokens
-    base = serving_defaults(_config_of(model), name, limits.pop("block_size", block_size),
+    base = serving_defaults(model_config(model), name, limits.pop("block_size", block_size),
                             limits.pop("kv_capacity_tokens", None))
     return dataclasses.replace(
         base, **limits, **profile_fields(fit),
@@ -305,7 +324,7 @@ def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv
         extra={"fit": fit, "method": "steps", "steps_file": str(path), "samples": binned_samples(rows)})
 
 
-def _config_of(model: str):
+def model_config(model: str):
     """The model's transformers config (the tiny model is built; a folder's config is read, not its weights)."""
     if model == "tiny":
         return load_model(model, "cpu", None)[0].config

@@ -35,7 +35,6 @@ latter is.
 from __future__ import annotations
 
 import asyncio
-import csv
 import dataclasses
 import json
 import math
@@ -63,7 +62,9 @@ from tidegate.engine.twin.check import (
     COMPARED, compare_metrics, refit_floor, report_table, speed_drift, step_errors, step_errors_by_size, targets_met,
     write_check_steps_csv, write_requests_csv,
 )
-from tidegate.engine.twin.fit import loop_gaps, loop_seconds, serving_arrivals
+from tidegate.engine.twin.fit import (
+    LIMIT_COLUMNS, batch1_median_s, limits_of_row, loop_gaps, model_config, read_records, serving_arrivals, step_rows,
+)
 from tidegate.engine.twin.plot import plot_step_times
 from tidegate.engine.twin.replay import random_prompts
 from tidegate.engine.twin.seeds import (
@@ -147,21 +148,8 @@ def real_requests(arrivals, t0: float, records: list[dict]) -> list[Request]:
     return out
 
 
-def read_step_log(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _numbered(rows: list[dict[str, str]]) -> list[tuple[int, float, float]]:
     return [(int(r["step"]), float(r["time_s"]), float(r["real_s"])) for r in rows]
-
-
-def fit_rows(rows: list[dict[str, str]]) -> list[tuple]:
-    """``(T, K, seconds, D, C, Q, F)`` of each step log row with new tokens (``fit_step_time``'s rows),
-    the seconds being the step's period in vLLM's loop (``engine.twin.fit.loop_seconds``)."""
-    periods = loop_seconds(_numbered(rows))
-    return [(int(r["tokens"]), int(r["kv_tokens_read"]), p, int(r["decodes"]), int(r["prefills"]),
-             int(r["prefill_pairs"]), int(r["first_decodes"])) for r, p in zip(rows, periods) if int(r["tokens"]) > 0]
 
 
 def step_gaps(rows: list[dict[str, str]]) -> dict:
@@ -177,16 +165,14 @@ def step_gaps(rows: list[dict[str, str]]) -> dict:
 
 
 def replica_limits(rows: list[dict[str, str]], kv_info: dict) -> dict:
-    """vLLM's KV capacity, block size, running cap and token budget, as its step log and ``/metrics`` say."""
-    last = rows[-1]
-    try:
-        block_size = int(float(last.get("block_size") or 0)) or int(kv_info["block_size"])
-        limits = {"kv_capacity_tokens": int(last["kv_capacity_tokens"]), "block_size": block_size,
-                  "max_num_seqs": int(float(last["running_cap"])),
-                  "max_num_batched_tokens": int(float(last["token_budget"]))}
-    except (KeyError, ValueError):
+    """vLLM's KV capacity, block size, running cap and token budget, as its step log's last row says
+    (``engine.twin.fit.limits_of_row``; the block size from ``/metrics`` where the log lacks it)."""
+    limits: dict = limits_of_row(rows[-1])
+    if "block_size" not in limits and str(kv_info.get("block_size", "")).isdigit():
+        limits["block_size"] = int(kv_info["block_size"])
+    if len(limits) < len(LIMIT_COLUMNS):
         raise VllmCheckError("vLLM's step log or /metrics lacks the replica's limits (KV capacity, block size, "
-                             "running cap, token budget): is the plugin current?") from None
+                             "running cap, token budget): is the plugin current?")
     limits["prefix_caching"] = str(kv_info.get("enable_prefix_caching", "")).lower() == "true"
     return limits
 
@@ -202,11 +188,6 @@ def fitted_profile(base: Profile, halves: list[list[tuple]], source: str, servin
     return dataclasses.replace(base, **profile_fields(fit), source=source,
                                extra={"fit": fit, "method": "vllm-steps", "serving": serving,
                                       "samples": binned_samples(rows)})
-
-
-def _median_single(rows: list[tuple]) -> float | None:
-    single = [row[2] for row in rows if row[0] == 1]
-    return float(np.median(single)) if single else None
 
 
 @dataclasses.dataclass
@@ -257,7 +238,7 @@ def serve_replays(python: Path, folder: Path, phases: list[tuple[str, list, int]
         kv_info = server.kv_info()
     finally:
         server.stop()
-    rows = read_step_log(step_log)
+    rows = read_records(step_log)[1]
     return VllmRuns(replays, {label: rows[a:b] for label, (a, b) in marks.items()}, replica_limits(rows, kv_info),
                     server.ready_after_s)
 
@@ -292,20 +273,19 @@ def run_vllm_twin_check(model: str = "tiny", trace: str = "splitwise_conv", firs
         halves = profiling_halves(trace, len(arrivals), length_scale, rate_scale, max_tokens, seed)
         phases = [("before", halves[0], seed + 1), *phases, ("after", halves[1], seed + 1)]
     runs = serve_replays(python, folder, phases, out, controller_spec, prefix_caching, vllm_args, kv_cache_gib, log)
-    config = json.loads((folder / "config.json").read_text())
     limits = runs.limits
     base = dataclasses.replace(
-        given if given is not None else serving_defaults(_Config(config), "vllm-around-check"),
+        given if given is not None else serving_defaults(model_config(str(folder)), "vllm-around-check"),
         kv_capacity_tokens=limits["kv_capacity_tokens"], block_size=limits["block_size"],
         max_num_seqs=limits["max_num_seqs"], max_num_batched_tokens=limits["max_num_batched_tokens"],
         description=f"vLLM serving {folder.name} on this machine, fitted on its step log.")
     profile = base
     if given is None:
-        fit_halves = [fit_rows(runs.steps["before"]), fit_rows(runs.steps["after"])]
+        fit_halves = [step_rows(runs.steps["before"]), step_rows(runs.steps["after"])]
         serving = {"trace": trace, "skip": len(arrivals), "first": len(arrivals), "length_scale": length_scale,
                    "rate_scale": rate_scale, "max_tokens": max_tokens, "controller": controller_spec,
                    "steps": sum(map(len, fit_halves)), "around_check": True, "engine": "vllm", "limits": limits,
-                   "runs": [{"when": w, "steps": len(h), "batch1_decode_median_s": _median_single(h)}
+                   "runs": [{"when": w, "steps": len(h), "batch1_decode_median_s": batch1_median_s(h)}
                             for w, h in zip(("before", "after"), fit_halves)]}
         profile = fitted_profile(base, fit_halves, f"fitted on vLLM's step log around a check (--model {model} "
                                  f"--trace {trace} --first {first_n} --length-scale {length_scale} --rate-scale "
@@ -404,7 +384,7 @@ def judge(arrivals, runs: VllmRuns, profile: Profile, controller_spec: str, seed
     reqs = real_requests(arrivals, t0, records)
     check_rows = runs.steps["check"]
     real = _real_summary(reqs, check_rows, profile)
-    cols = np.array(fit_rows(check_rows), dtype=float).reshape(-1, 7)
+    cols = np.array(step_rows(check_rows), dtype=float).reshape(-1, 7)
     errors = step_errors(cols[:, 0], cols[:, 1], cols[:, 3], cols[:, 4], cols[:, 5], cols[:, 6], cols[:, 2], profile)
     errors.update(refit_floor(errors))
     by_size = step_errors_by_size(errors)
@@ -428,7 +408,8 @@ def judge(arrivals, runs: VllmRuns, profile: Profile, controller_spec: str, seed
         drift["rel_error_speed_adjusted"] = {k: (float(scaled[k]) - rows[k]["real"]) / rows[k]["real"]
                                              for k in COMPARED if rows[k]["real"]}
         drift["ks_speed_adjusted"] = ks_distances(reqs, [r for requests in scaled_requests for r in requests])
-    table = report_table(headline, errors, rows, by_size, drift, met, ks, spread, real_sampling(reqs, sim_requests))
+    sampling = real_sampling(reqs, sim_requests)
+    table = report_table(headline, errors, rows, by_size, drift, met, ks, spread, sampling)
     if gaps.get("steps"):
         table += (f"\nthe engine loop between steps (in the twin's step, not in the logged durations): median "
                   f"{1e3 * gaps['median_s']:.2f} ms, {100 * gaps['of_median_step']:.1f}% of the median logged step")
@@ -443,16 +424,9 @@ def judge(arrivals, runs: VllmRuns, profile: Profile, controller_spec: str, seed
         "step_time": {k: v for k, v in errors.items() if not isinstance(v, np.ndarray)},
         "step_time_by_size": by_size, "step_gaps": gaps, "speed_drift": drift,
         "metrics": rows, "ks_distance": ks, "targets_met": met, "noise_seeds": seeds, "seed_spread": spread,
-        "real_sampling": real_sampling(reqs, sim_requests), "real_summary": real, "sim_summary": sim_summary,
+        "real_sampling": sampling, "real_summary": real, "sim_summary": sim_summary,
         "table": table,
     }
-
-
-class _Config:
-    """A model config's fields as attributes (``serving_defaults`` reads ``max_position_embeddings``)."""
-
-    def __init__(self, fields: dict) -> None:
-        self.__dict__.update(fields)
 
 
 def _real_summary(reqs: list[Request], rows: list[dict[str, str]], profile: Profile) -> dict:

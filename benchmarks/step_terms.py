@@ -18,8 +18,8 @@ serving profiles use. Variants:
 
 A term helps an engine where leaving it out raises the held-out error; the table is what
 docs/PROFILES.md quotes. ``--preset NAME``: a shipped profile's coefficients, listed for which terms
-it uses (presets come from published figures, not from steps). Writes ``step_terms.md`` and
-``step_terms.json``.
+it uses (presets come from published figures, not from steps). Writes ``step_terms.md``; ``--json
+FILE`` also writes every variant's fit (its terms and error by step kind).
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--preset", action="append", default=[])
     ap.add_argument("--train", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--json", type=Path, default=None, help="also write every variant's fit here")
     args = ap.parse_args()
     results = {}
     for spec in args.steps:
@@ -113,7 +114,8 @@ def main() -> None:
         f" --preset {p}" for p in args.preset)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_terms.md").write_text(markdown(results, presets, command))
-    (args.out / "step_terms.json").write_text(json.dumps({"results": results, "presets": presets}, indent=2) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "presets": presets}, indent=2) + "\n")
     print(markdown(results, presets, command))
 
 

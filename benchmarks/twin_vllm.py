@@ -8,10 +8,11 @@ Workloads (each a fresh vLLM server, the profile fitted on vLLM's step log aroun
 - ``splitwise_conv``: the Splitwise conversation trace, lengths x0.1 for the tiny model;
 - ``shared_prefix_chat``: the shipped multi-turn chat behind one system prompt, lengths as they are.
 
-Writes per workload the check's ``twin_report.json``, ``twin_step_time.png`` and ``profile.json``
-into ``OUT/NAME/``, and ``twin_vllm.md`` / ``twin_vllm.json`` / ``twin_vllm.png`` over all of them:
-each figure's relative error and the KS distances against the targets (TTFT and TPOT p50 and p99
-within 10%, KS TPOT <= 0.1).
+Writes per workload the check's ``twin_report.json`` and ``profile.json`` into ``OUT/NAME/`` (a
+check's step logs, per-request files and plots go to ``--raw DIR`` when given, never into the tree),
+and ``twin_vllm.md`` / ``twin_vllm.json`` / ``twin_vllm.png`` over all of them: each figure's
+relative error and the KS distances against the targets (TTFT and TPOT p50 and p99 within 10%, KS
+TPOT <= 0.1).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def main() -> None:
                                          **WORKLOADS[name])  # type: ignore[arg-type]
             keep = args.out / name
             keep.mkdir(exist_ok=True)
-            for file in ("twin_report.json", "twin_step_time.png", "profile.json"):
+            for file in ("twin_report.json", "profile.json"):
                 shutil.copy(Path(tmp) / file, keep / file)
             if args.raw:  # every file of the check but the model's
                 shutil.copytree(tmp, args.raw / name, ignore=shutil.ignore_patterns("models"), dirs_exist_ok=True)

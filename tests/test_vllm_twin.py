@@ -152,7 +152,19 @@ def test_client_overhead_is_the_median_gap_between_measured_and_simulated_ttft()
 ])
 def test_twin_check_refuses_options_of_the_other_engine(args, message, tmp_path):
     result = CliRunner().invoke(cli, ["twin-check", "--trace", "splitwise_conv", "--out", str(tmp_path), *args])
-    assert result.exit_code == 2 if "applies" in message else result.exit_code == 1
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
+@needs_vllm
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nowhere"], "--model '/nowhere' is neither one of"),
+    (["--vllm-arg", "--no-such-flag"], "vLLM exited with code"),  # vLLM refuses it while starting
+])
+def test_twin_check_against_vllm_refuses_bad_input_in_one_line(args, message, tmp_path):
+    result = CliRunner().invoke(cli, ["twin-check", "--engine", "vllm", "--trace", "splitwise_conv", "--first", "4",
+                                      "--out", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
 
 

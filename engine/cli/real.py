@@ -245,24 +245,21 @@ def twin_check_command(model, trace, first_n, length_scale, rate_scale, max_toke
 
 def _twin_check_vllm(opts: dict) -> None:
     """``twin-check --engine vllm``: the check against a vLLM server (``engine.bench.vllm.twin_check``)."""
-    from tidegate.engine.bench.vllm.model import ModelFolderError
-    from tidegate.engine.bench.vllm.twin_check import PASS_THROUGH, VllmCheckError, run_vllm_twin_check
+    from tidegate.engine.bench.vllm.twin_check import PASS_THROUGH, run_vllm_twin_check
 
     for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("threads", "--threads"),
                       ("pin_cpu", "--pin-cpu")):
         if opts[key] is not None:
             raise click.UsageError(f"{flag} applies to tidegate's own engine; give vLLM its flags with --vllm-arg")
     out_dir = opts["out_dir"]
-    try:
-        report = run_vllm_twin_check(
-            model=opts["model"], trace=opts["trace"], first_n=opts["first_n"], length_scale=opts["length_scale"],
-            rate_scale=opts["rate_scale"], max_tokens=opts["max_tokens"], profile_name=opts["profile_name"],
-            controller_spec=opts["controller_spec"] or PASS_THROUGH, seed=opts["seed"],
-            noise_seeds=opts["noise_seeds"], out_dir=out_dir, vllm_python=opts["vllm_python"],
-            vllm_args=opts["vllm_args"], kv_cache_gib=opts["kv_cache_gib"], prefix_caching=opts["prefix_caching"],
-            log=lambda s: click.echo(s, err=True))
-    except (VllmCheckError, ModelFolderError) as exc:
-        raise click.ClickException(str(exc)) from None
+    # its errors (VllmCheckError, ModelFolderError) are ValueErrors: one line and exit code 2 (``friendly``)
+    report = run_vllm_twin_check(
+        model=opts["model"], trace=opts["trace"], first_n=opts["first_n"], length_scale=opts["length_scale"],
+        rate_scale=opts["rate_scale"], max_tokens=opts["max_tokens"], profile_name=opts["profile_name"],
+        controller_spec=opts["controller_spec"] or PASS_THROUGH, seed=opts["seed"],
+        noise_seeds=opts["noise_seeds"], out_dir=out_dir, vllm_python=opts["vllm_python"],
+        vllm_args=opts["vllm_args"], kv_cache_gib=opts["kv_cache_gib"], prefix_caching=opts["prefix_caching"],
+        log=lambda s: click.echo(s, err=True))
     if opts["as_json"]:
         click.echo(json.dumps(report, default=float))
         return

@@ -50,7 +50,7 @@ from tidegate.engine.bench.vllm.arms import plugin_args
 from tidegate.engine.bench.vllm.clients import send
 from tidegate.engine.bench.vllm.model import model_folder, prompt_token_ids
 from tidegate.engine.bench.vllm.phases import step_log_lines
-from tidegate.engine.bench.vllm.server import VLLM_PYTHON, VllmServer
+from tidegate.engine.bench.vllm.server import VLLM_PYTHON, ServerError, VllmServer
 from tidegate.engine.core.metrics import EngineMetrics
 from tidegate.engine.core.profile import Profile, load_profile
 from tidegate.engine.core.request import Request, RequestState
@@ -219,7 +219,10 @@ def serve_replays(python: Path, folder: Path, phases: list[tuple[str, list, int]
     if log:
         log(f"starting vLLM ({folder}) with the plugin, controller {controller_spec!r}")
     try:
-        server.start(START_TIMEOUT_S)
+        try:
+            server.start(START_TIMEOUT_S)
+        except ServerError as exc:  # most often an argument vLLM refused: its log says which
+            raise VllmCheckError(str(exc)) from None
         if log:
             log(f"vLLM answered after {server.ready_after_s:.0f} s")
         first = phases[0][1]

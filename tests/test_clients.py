@@ -45,17 +45,23 @@ def server(model_dir):
 
 @pytest.mark.skipif(shutil.which(str(GUIDELLM)) is None, reason="guidellm is not installed (the dev extra has it)")
 def test_guidellm_at_a_constant_4_requests_a_second_gets_every_request_answered(server, model_dir, tmp_path):
-    out = tmp_path / "guidellm.json"
-    done = subprocess.run(
-        [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={server.url},model=tiny",
-         "--profile", "kind=constant,rate=4", "--constraint", "kind=max_requests,count=32",
-         "--tokenizer", f"kind=hf_auto,model={model_dir}",
-         "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
-         "--output", f"kind=json,path={out}", "--disable-console-interactive"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    totals = json.loads(out.read_text())["benchmarks"][0]["metrics"]["request_totals"]
-    print(f"guidellm, 32 requests at a constant 4 req/s: {totals}")
+    for attempt in range(2):
+        out = tmp_path / f"guidellm-{attempt}.json"
+        done = subprocess.run(
+            [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={server.url},model=tiny",
+             "--profile", "kind=constant,rate=4", "--constraint", "kind=max_requests,count=32",
+             "--tokenizer", f"kind=hf_auto,model={model_dir}",
+             "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+             "--output", f"kind=json,path={out}", "--disable-console-interactive"],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        totals = json.loads(out.read_text())["benchmarks"][0]["metrics"]["request_totals"]
+        print(f"guidellm, 32 requests at a constant 4 req/s: {totals}")
+        # on a loaded machine guidellm now and then reports one request fewer than its constraint, none of them
+        # failed (31 of 31 successful): its own count, not an answer of the server; that run is done again once
+        if totals["total"] == totals["successful"] < 32 and not totals["errored"] and not totals["incomplete"]:
+            continue
+        break
     assert totals == {"successful": 32, "errored": 0, "incomplete": 0, "total": 32}
 
 

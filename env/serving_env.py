@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -31,6 +32,7 @@ from tidegate.ctrl.learned import (
     action_to_residual,
     make_prior,
 )
+from tidegate.ctrl.base import Observation
 from tidegate.ctrl.shield import ShieldedController
 from tidegate.engine.sim import compiled
 from tidegate.engine.core.builder import build_engine
@@ -49,8 +51,8 @@ log = logging.getLogger(__name__)
 def _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline, profile_spread,
                    episode_requests, max_waiting) -> tuple[float, float]:
     """One sentence for the first bad option; the load range as floats."""
-    if backend not in ("sim", "engine"):
-        raise ValueError(f"backend must be 'sim' or 'engine', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "engine" and compiled.active():
         raise ValueError("backend 'engine' runs the real engine, which runs the interpreted source: drop --compiled")
     low, high = (float(x) for x in load_range)
@@ -76,6 +78,10 @@ def _check_options(backend, load_range, control_interval, episode_steps, reward_
     return low, high
 
 
+#: ``sim``: the simulator twin; ``engine``: tidegate's engine; ``vllm``: a vLLM server with the plugin
+BACKENDS = ("sim", "engine", "vllm")
+
+
 class _Cursor:
     """Where an engine is in the episode's arrival stream."""
 
@@ -87,6 +93,11 @@ class _Cursor:
         self.next_time_s = 0.0
         self.req_id = 0
 
+
+#: the vllm backend's options (``VllmReplica``'s, and the learned controller's time budget in vLLM)
+VLLM_OPTIONS = frozenset({"time_budget_s", "kv_cache_gib", "vllm_python", "vllm_args", "work_dir", "log"})
+#: how long, by default, the learned controller inside vLLM waits for the env's action
+VLLM_TIME_BUDGET_S = 0.02
 
 #: engine steps a drain may take at most (the shield's queue timeout ends every wait long before)
 DRAIN_MAX_STEPS = 1_000_000
@@ -101,10 +112,13 @@ DEFAULT_REWARD_WEIGHTS = {"goodput": 1.0, "slo_miss": 0.0, "rejection": 0.01, "e
 class ServingEnv(gym.Env):
     """Learn the activation rate, batch size and admission threshold of one serving replica.
 
-    :param backend: ``sim`` (the simulator twin, virtual clock) or ``engine`` (the real engine:
+    :param backend: ``sim`` (the simulator twin, virtual clock), ``engine`` (the real engine:
         ``TorchExecutor`` running ``model`` on CPU with a wall clock; random prompt tokens of the
         trace's lengths, outputs forced to the trace's lengths; default profile tiny-cpu; request
-        lengths are clipped to the model's context).
+        lengths are clipped to the model's context) or ``vllm`` (a vLLM server from ``.venv-vllm``
+        running ``model`` with tidegate's plugin, its learned controller asking the env for every
+        action; the same requests, streamed over HTTP; ``env.vllm_replica``). The profile's KV
+        size, block size and batch limits become the vLLM replica's.
     :param model: the real engine's model (``tiny`` or a local Hugging Face folder); engine backend only.
     :param length_scale: multiply every prompt and output length (fit a trace to a small model).
     :param trace: a shipped trace name or path, a list of them, or a list of ``Arrival``s
@@ -145,6 +159,9 @@ class ServingEnv(gym.Env):
         episode is a window of the stream that ends ``truncated``, and requests the policy let in
         late are never counted.
     :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
+    :param vllm_options: the vLLM backend's ``VllmReplica`` options: ``time_budget_s`` (how long the
+        controller in vLLM waits for each action, default 0.02), ``kv_cache_gib``, ``vllm_python``,
+        ``vllm_args``, ``work_dir``, ``log``. Call :meth:`close` to stop the server.
     """
 
     metadata = {"render_modes": []}
@@ -157,16 +174,21 @@ class ServingEnv(gym.Env):
                  queue_timeout_s: float | None = None,
                  max_tokens_cap: int | None = None, augment=None, seed: int | None = None, model: str = "tiny",
                  length_scale: float = 1.0, families=None, episode_requests: int = 3000,
-                 profile_spread: float = 0.0, baseline: str = "none", drain: bool = True) -> None:
+                 profile_spread: float = 0.0, baseline: str = "none", drain: bool = True,
+                 vllm_options: dict | None = None) -> None:
         super().__init__()
         low, high = _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline,
                                    profile_spread, episode_requests, max_waiting)
         if profile is None:
-            profile = "tiny-cpu" if backend == "engine" else "a100-llama2-7b"
+            profile = "a100-llama2-7b" if backend == "sim" else "tiny-cpu"
         profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile]
         if not profiles or (len(profiles) > 1 and not families):
             raise ValueError("give one profile, or several together with families")
         self.profiles = [p if hasattr(p, "base_s") else load_profile(p) for p in profiles]
+        self._replica = None
+        if backend == "vllm":
+            self._check_vllm(max_waiting, queue_timeout_s, profile_spread, ttft_slo_s, tpot_slo_s, vllm_options)
+            self._start_vllm(model, control_interval, shield_mode, vllm_options or {})
         self.profile = self.profiles[0]
         self.backend = backend
         self.baseline = baseline
@@ -202,6 +224,7 @@ class ServingEnv(gym.Env):
         self._use_profile(self.profiles[0])
         self.core = None
         self._episode = 0
+        self._traffic = False
 
     def _use_profile(self, profile) -> None:
         """The replica's nominal profile: what the controller (the heuristic, the shield and the
@@ -247,7 +270,7 @@ class ServingEnv(gym.Env):
 
         self.shield.reset()
         self._noise_seed = int(rng.integers(1 << 31))  # the step noise of a noisy profile: the same for the shadow
-        self.core = self._make_engine()
+        self.core = None if self._replica is not None else self._make_engine()
         self._shadow = None
         if self.baseline == "prior":
             self._shadow_shield.reset()
@@ -261,7 +284,11 @@ class ServingEnv(gym.Env):
         self._elapsed_s = 0.0
         self._episode += 1
         self.totals = {"good": 0, "finished": 0, "missed": 0, "rejected": 0, "evictions": 0}
-        obs = self.features.update(self.core.observe(), self._last_action, self.prior._decision.token_budget).copy()
+        if self._replica is not None:
+            obs = self._reset_vllm()
+        else:
+            obs = self.features.update(self.core.observe(), self._last_action,
+                                       self.prior._decision.token_budget).copy()
         return obs, {"load": load, "segment": seg.name, "lambda_max_rps": seg.lambda_max_rps,
                      "replica": self.replica.name}
 
@@ -322,6 +349,113 @@ class ServingEnv(gym.Env):
             c.next_time_s = (float(times[i]) + c.offset_s) / scale
         return rejected
 
+    # ------------------------------------------------------------------ the vLLM backend
+    def _check_vllm(self, max_waiting, queue_timeout_s, profile_spread, ttft_slo_s, tpot_slo_s,
+                    vllm_options) -> None:
+        """One sentence for an option the vLLM backend cannot honour."""
+        if len(self.profiles) > 1:
+            raise ValueError("the vllm backend serves one replica: give one profile")
+        if max_waiting != LEARNED_MAX_WAITING or queue_timeout_s is not None:
+            raise ValueError("the vllm backend runs the learned controller's own overload policy: leave "
+                             "max_waiting and queue_timeout_s at their defaults")
+        if profile_spread:
+            raise ValueError("the vllm backend's replica is vLLM itself: profile_spread needs the sim backend")
+        if ttft_slo_s or tpot_slo_s:
+            raise ValueError("the vllm backend's controller aims at its profile's SLOs: set them in the profile")
+        unknown = set(vllm_options or {}) - VLLM_OPTIONS
+        if unknown:
+            raise ValueError(f"vllm_options has no {sorted(unknown)[0]!r}; it takes {', '.join(sorted(VLLM_OPTIONS))}")
+
+    def _start_vllm(self, model: str, control_interval: int, shield_mode: str, options: dict) -> None:
+        """Start the vLLM replica; the profile takes its KV size, block size and batch limits."""
+        from tidegate.env.vllm_replica import VllmReplica
+
+        options = dict(options)
+        budget = float(options.pop("time_budget_s", VLLM_TIME_BUDGET_S))
+        if not 0 < budget < 10:
+            raise ValueError(f"vllm_options time_budget_s must be in (0, 10) seconds, got {budget}")
+        self._replica = replica = VllmReplica(model, self.profiles[0], int(control_interval), shield_mode, budget,
+                                              **options)
+        lim = replica.limits
+        self.profiles = [dataclasses.replace(self.profiles[0], kv_capacity_tokens=lim.kv_capacity_tokens,
+                                             block_size=lim.block_size, max_num_seqs=lim.max_num_seqs,
+                                             max_num_batched_tokens=lim.max_num_batched_tokens)]
+
+    def _reset_vllm(self) -> np.ndarray:
+        """End the last episode's traffic; the observation of an idle replica (the first interval's
+        features come when vLLM first calls the policy)."""
+        replica = self._replica
+        if self._traffic:
+            replica.stop_traffic()
+            self._traffic = False
+        self._call = replica.latest_call()[0] + 1  # the first interval's call, answered by the first action
+        self._arrival_rng_seed = int(self.np_random.integers(1 << 31))
+        idle = Observation(kv_capacity_tokens=self.profile.kv_capacity_tokens)
+        return self.features.update(idle, DEFAULT_ACTION, self.profile.max_num_batched_tokens).copy()
+
+    def _next_arrival(self) -> tuple[float, int, int]:
+        """The episode's next arrival for the vLLM replica: (seconds from the episode's start, prompt
+        tokens, output tokens)."""
+        c, seg = self._cursor, self.segment
+        i = c.next
+        arrival = (c.next_time_s, int(seg.prompts[i]), int(min(seg.outputs[i], seg.max_tokens[i])))
+        c.req_id += 1
+        i += 1
+        if i == len(seg.times_s):
+            i = 0
+            c.offset_s += seg.span_s
+        c.next = i
+        c.next_time_s = (float(seg.times_s[i]) + c.offset_s) / self._rate_scale
+        return arrival
+
+    def _step_vllm(self, action) -> tuple:
+        replica = self._replica
+        if not self._traffic:
+            replica.actions.answer(self._call, action)  # before the first arrival: the first interval's
+            replica.start_traffic(self._next_arrival, self._arrival_rng_seed)
+            self._traffic = True
+            self._interval_start = time.monotonic()
+            self._record0 = replica.record()
+        self._call, x = replica.answer_and_wait(self._call, action)
+        now = time.monotonic()
+        dt = max(now - self._interval_start, 1e-9)
+        self._interval_start = now
+        good = finished = missed = rejected = 0
+        for rec in replica.ended():
+            outcome = record_outcome(rec, self.ttft_slo_s, self.tpot_slo_s)
+            finished += outcome in ("good", "late")
+            good += outcome == "good"
+            rejected += outcome == "rejected"
+            missed += outcome in ("late", "failed")
+        record, before = replica.record(), self._record0
+        self._record0 = record
+        evictions = interventions = 0
+        usage = 0.0
+        if record is not None:
+            usage = record.observation.kv_used_tokens / max(record.limits.kv_capacity_tokens, 1)
+            if before is not None:
+                evictions = record.observation.evictions_total - before.observation.evictions_total
+                interventions = record.counters.interventions - before.counters.interventions
+        norm = self.lambda_max_rps * dt
+        reward = self._weighted(good, missed, rejected, evictions) / norm
+        self._steps += 1
+        self._add_totals(good, finished, missed, rejected, evictions)
+        info = {
+            "goodput_rps": good / dt, "goodput_frac": good / norm, "finished": finished, "slo_missed": missed,
+            "rejections": rejected, "evictions": evictions, "kv_usage": usage, "interval_s": dt,
+            "shield_interventions": interventions, "shield_intervention_rate": interventions / self.control_interval,
+            "load": self.load, "policy_call": self._call, "requests_sent": replica.sent,
+        }
+        obs = np.clip(np.nan_to_num(x, nan=0.0), -OBS_CLIP, OBS_CLIP).astype(np.float32)
+        return self._end_of_step(obs, reward, info)
+
+    def close(self) -> None:
+        """Stop the vLLM replica (the vllm backend); nothing to do for the others."""
+        if self._replica is not None:
+            self._replica.close()
+            self._replica = None
+        super().close()
+
     def _run_shadow(self, until_s: float) -> tuple[int, int, int, int]:
         """Advance the shadow engine (the prior alone, same arrivals) to ``until_s``; its interval's
         (good, missed, rejected, evictions)."""
@@ -352,8 +486,10 @@ class ServingEnv(gym.Env):
         if len(a) < ACTION_DIM or not all(math.isfinite(x) for x in a):
             a = list(DEFAULT_ACTION)
         a = tuple(-1.0 if x < -1.0 else (1.0 if x > 1.0 else x) for x in a)
-        self._set_residual(a)
         self._last_action = a
+        if self._replica is not None:
+            return self._step_vllm(a)
+        self._set_residual(a)
 
         core = self.core
         clock = core.clock
@@ -465,3 +601,17 @@ class ServingEnv(gym.Env):
             log.warning("env drain: %d requests still held after %d steps, counted as missed", left, DRAIN_MAX_STEPS)
             missed += left
         return good, finished, missed, core.metrics.evictions - evictions0
+
+
+def record_outcome(rec: dict, ttft_slo_s: float, tpot_slo_s: float) -> str:
+    """What one streamed request's record (``engine.bench.vllm.clients``) counts as: ``good`` (every
+    token, TTFT and TPOT within the SLOs), ``late`` (every token, an SLO missed), ``rejected`` (429)
+    or ``failed`` (anything else)."""
+    if rec.get("status") == 429:
+        return "rejected"
+    if rec.get("outcome") != "completed" or rec.get("first_token_s") is None:
+        return "failed"
+    ttft = rec["first_token_s"] - rec["start_s"]
+    tokens = int(rec.get("tokens") or 0)
+    tpot = (rec["last_token_s"] - rec["first_token_s"]) / (tokens - 1) if tokens > 1 else 0.0
+    return "good" if ttft <= ttft_slo_s and tpot <= tpot_slo_s else "late"

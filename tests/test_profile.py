@@ -13,7 +13,7 @@ import yaml
 from tidegate.engine.sim import roofline
 from tidegate.engine.core.profile import PROFILES_DIR, Profile, ProfileError, load_profile, shipped_profiles
 
-SHIPPED = ["a100-llama2-7b", "h200-llama3-8b", "slot"]
+SHIPPED = ["a100-llama2-7b", "h200-llama3-8b", "slot", "tiny-vllm-cpu"]
 
 
 def minimal_profile_dict(**overrides) -> dict:

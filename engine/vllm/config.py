@@ -6,7 +6,7 @@ The settings come from vLLM's ``--additional-config`` JSON, under the key ``tide
 
 and, when that holds no ``tidegate`` key, from the environment of the vLLM server
 (``TIDEGATE_CONTROLLER``, ``TIDEGATE_PROFILE``, ``TIDEGATE_STEP_LOG``, ``TIDEGATE_DECIDE_TIMEOUT_S``,
-``TIDEGATE_CHANNEL``). vLLM hands the additional config to the scheduler as
+``TIDEGATE_CHANNEL``, ``TIDEGATE_ACTION_CHANNEL``). vLLM hands the additional config to the scheduler as
 ``vllm_config.additional_config``, and the API process (``middleware``) reads the same settings
 from its own copy of the config, so both build the same controller.
 """
@@ -19,6 +19,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tidegate.ctrl import DEFAULT_CONTROLLER, Controller, ControllerSpecError, build_controller, parse_spec
 from tidegate.engine.core.profile import Profile, ProfileError, load_profile
@@ -28,7 +29,8 @@ PASS_THROUGH = "vllm"
 #: the additional config's key for the plugin's settings
 CONFIG_KEY = "tidegate"
 _ENV = {"controller": "TIDEGATE_CONTROLLER", "profile": "TIDEGATE_PROFILE", "step_log": "TIDEGATE_STEP_LOG",
-        "decide_timeout_s": "TIDEGATE_DECIDE_TIMEOUT_S", "channel": "TIDEGATE_CHANNEL"}
+        "decide_timeout_s": "TIDEGATE_DECIDE_TIMEOUT_S", "channel": "TIDEGATE_CHANNEL",
+        "action_channel": "TIDEGATE_ACTION_CHANNEL"}
 
 
 class PluginConfigError(ValueError):
@@ -48,6 +50,9 @@ class PluginConfig:
         replaced by the conservative decision.
     :param channel: the path prefix of the records the engine and API processes share (``channel``);
         None: one named after the API process's pid in ``/dev/shm``.
+    :param action_channel: the path prefix of the actions file a Gymnasium env answers the learned
+        controller's policy calls through (``actions``; ``ServingEnv(backend="vllm")`` sets it); only
+        with ``learned``, whose policy it replaces.
     """
 
     controller: str = DEFAULT_CONTROLLER
@@ -55,6 +60,7 @@ class PluginConfig:
     step_log: str | None = None
     decide_timeout_s: float = 0.05
     channel: str | None = None
+    action_channel: str | None = None
 
     @property
     def passes_through(self) -> bool:
@@ -78,7 +84,7 @@ def read_plugin_config(additional_config: object, environ: Mapping[str, str] = o
     if unknown:
         raise PluginConfigError(f"{where} has no setting {unknown[0]!r}; it accepts {', '.join(_ENV)}.")
     values: dict[str, object] = {}
-    for key in ("controller", "profile", "step_log", "channel"):
+    for key in ("controller", "profile", "step_log", "channel", "action_channel"):
         if key in section:
             value = section[key]
             if not isinstance(value, str) or not value.strip():
@@ -133,6 +139,9 @@ def build_plugin_controller(config: PluginConfig, profile: Profile) -> Controlle
                 raise PluginConfigError(f"controller {PASS_THROUGH!r} (vLLM's own scheduling) takes no options, "
                                         f"got {', '.join(options)}.")
             return None
+        if config.action_channel and name != "learned":
+            raise PluginConfigError(f"action_channel answers the learned controller's policy calls; it needs "
+                                    f"controller 'learned', got {name!r}.")
         controller = build_controller(config.controller, profile)
     except ControllerSpecError as exc:
         message = str(exc).rstrip(".")
@@ -140,7 +149,23 @@ def build_plugin_controller(config: PluginConfig, profile: Profile) -> Controlle
             message += f", or {PASS_THROUGH} (vLLM's own scheduling, untouched)"
         raise PluginConfigError(f"{message}.") from None
     controller.use_wall_clock()
+    if config.action_channel:
+        _answer_from_channel(controller, config.action_channel)
     return controller
+
+
+def _answer_from_channel(controller: Controller, channel: str) -> None:
+    """The learned controller (inside its shield) asks the env at ``channel`` instead of its policy
+    file, with the residuals as the env's actions (scale 1) and the env's answers waited for up to
+    1.5 x the controller's time budget (a later one is the controller's to miss)."""
+    from tidegate.engine.vllm.actions import ChannelPolicy
+
+    learned: Any = getattr(controller, "inner", controller)
+    budget = learned.time_budget_s
+    learned.policy = ChannelPolicy(channel, 1.5 * budget)
+    learned.policy_source = f"the env's answers through {channel}.actions"
+    learned.load_error = None
+    learned.residual_scale = 1.0
 
 
 def share_vllm_log_handlers() -> None:

@@ -110,7 +110,9 @@ class TidegateSchedulerMixin:
         if controller is not None:
             self._decider = CheckedDecider(controller, config.decide_timeout_s, limits.max_num_batched_tokens,
                                            limits.max_num_seqs)
-            self._guard = _guard_for(profile, controller)
+            # an env answering the policy's calls is the policy being trained or judged: no guard hands its
+            # intervals to the prior behind its back
+            self._guard = None if config.action_channel else _guard_for(profile, controller)
             # vLLM's engine process is a child of its API process, which names the channel the same way
             channel = config.channel or default_channel(os.getppid())
             remove_stale_channels(channel)

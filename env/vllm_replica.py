@@ -14,6 +14,7 @@ answer later than the controller's time budget is missed as the deployed control
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import random
 import tempfile
@@ -99,6 +100,8 @@ class VllmReplica:
         self._tasks: set[asyncio.Future] = set()
         self._sender: asyncio.Future | None = None
         self.sent = 0
+        self._closed = False
+        atexit.register(self.close)  # the server runs in a session of its own: never left behind
         if log:
             log(f"starting vLLM ({folder}) with the plugin and the env's action channel")
         try:
@@ -108,7 +111,11 @@ class VllmReplica:
             raise VllmReplicaError(str(exc).splitlines()[0]) from None
         if log:
             log(f"vLLM answered after {self.server.ready_after_s:.0f} s")
-        self.limits = self._warm_up()
+        try:
+            self.limits = self._warm_up()
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ start-up
     def _warm_up(self) -> ReplicaLimits:
@@ -233,6 +240,11 @@ class VllmReplica:
         return self.records.read()
 
     def close(self) -> None:
+        """Stop sending and stop vLLM (again: nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         if self._sender is not None:
             self._sender.cancel()
             self._sender = None

@@ -95,7 +95,7 @@ class _Cursor:
 
 
 #: the vllm backend's options (``VllmReplica``'s, and the learned controller's time budget in vLLM)
-VLLM_OPTIONS = frozenset({"time_budget_s", "kv_cache_gib", "vllm_python", "vllm_args", "work_dir", "log"})
+VLLM_OPTIONS = frozenset({"time_budget_s", "kv_cache_gib", "vllm_python", "vllm_args", "work_dir", "log", "replica"})
 #: how long, by default, the learned controller inside vLLM waits for the env's action
 VLLM_TIME_BUDGET_S = 0.02
 
@@ -161,7 +161,9 @@ class ServingEnv(gym.Env):
     :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
     :param vllm_options: the vLLM backend's ``VllmReplica`` options: ``time_budget_s`` (how long the
         controller in vLLM waits for each action, default 0.02), ``kv_cache_gib``, ``vllm_python``,
-        ``vllm_args``, ``work_dir``, ``log``. Call :meth:`close` to stop the server.
+        ``vllm_args``, ``work_dir``, ``log``; or ``replica``: a ``VllmReplica`` started (or launched)
+        beforehand, for several envs in turn without restarting vLLM. Call :meth:`close` to stop the
+        server the env started.
     """
 
     metadata = {"render_modes": []}
@@ -367,16 +369,30 @@ class ServingEnv(gym.Env):
             raise ValueError(f"vllm_options has no {sorted(unknown)[0]!r}; it takes {', '.join(sorted(VLLM_OPTIONS))}")
 
     def _start_vllm(self, model: str, control_interval: int, shield_mode: str, options: dict) -> None:
-        """Start the vLLM replica; the profile takes its KV size, block size and batch limits."""
+        """Start the vLLM replica (or take the one given); the profile takes its KV size, block size and
+        batch limits."""
         from tidegate.env.vllm_replica import VllmReplica
 
         options = dict(options)
-        budget = float(options.pop("time_budget_s", VLLM_TIME_BUDGET_S))
-        if not 0 < budget < 10:
-            raise ValueError(f"vllm_options time_budget_s must be in (0, 10) seconds, got {budget}")
-        self._replica = replica = VllmReplica(model, self.profiles[0], int(control_interval), shield_mode, budget,
-                                              **options)
-        lim = replica.limits
+        replica = options.pop("replica", None)
+        if replica is not None:
+            if options:
+                raise ValueError(f"vllm_options: a given replica was started with its own options; drop "
+                                 f"{', '.join(sorted(options))}")
+            mine = (self.profiles[0].name, int(control_interval), shield_mode)
+            theirs = (replica.profile.name, replica.control_interval, replica.shield_mode)
+            if mine != theirs:
+                raise ValueError(f"the given vLLM replica runs (profile, control_interval, shield_mode) = {theirs}, "
+                                 f"this env {mine}")
+            self._owns_replica = False
+        else:
+            budget = float(options.pop("time_budget_s", VLLM_TIME_BUDGET_S))
+            if not 0 < budget < 10:
+                raise ValueError(f"vllm_options time_budget_s must be in (0, 10) seconds, got {budget}")
+            replica = VllmReplica(model, self.profiles[0], int(control_interval), shield_mode, budget, **options)
+            self._owns_replica = True
+        self._replica = replica
+        lim = replica.ready()
         self.profiles = [dataclasses.replace(self.profiles[0], kv_capacity_tokens=lim.kv_capacity_tokens,
                                              block_size=lim.block_size, max_num_seqs=lim.max_num_seqs,
                                              max_num_batched_tokens=lim.max_num_batched_tokens)]
@@ -450,9 +466,14 @@ class ServingEnv(gym.Env):
         return self._end_of_step(obs, reward, info)
 
     def close(self) -> None:
-        """Stop the vLLM replica (the vllm backend); nothing to do for the others."""
+        """Stop the vLLM replica the env started (the vllm backend; one it was given, its owner stops);
+        nothing to do for the others."""
         if self._replica is not None:
-            self._replica.close()
+            if self._traffic:
+                self._replica.stop_traffic()
+                self._traffic = False
+            if self._owns_replica:
+                self._replica.close()
             self._replica = None
         super().close()
 

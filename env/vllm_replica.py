@@ -66,11 +66,15 @@ class VllmReplica:
     :param vllm_args: more server arguments.
     :param work_dir: the model, channel and log folder (None: a temporary one).
     :param log: progress lines (None: quiet).
+    :param wait: wait for vLLM and warm it up here; False: only launch it, and :meth:`ready` (which
+        ``ServingEnv`` calls) waits. Several replicas launched side by side start in about half the time
+        they take one after another.
     """
 
     def __init__(self, model: str, profile: Profile, control_interval: int, shield_mode: str, time_budget_s: float,
                  kv_cache_gib: float = 1.0, vllm_python: str | Path | None = None, vllm_args: tuple[str, ...] = (),
-                 work_dir: str | Path | None = None, log: Callable[[str], None] | None = None) -> None:
+                 work_dir: str | Path | None = None, log: Callable[[str], None] | None = None,
+                 wait: bool = True) -> None:
         python = Path(vllm_python) if vllm_python else VLLM_PYTHON
         if not python.exists():
             raise VllmReplicaError(f"no vLLM python at {python}: run `make vllm-setup` or give vllm_python.")
@@ -85,6 +89,7 @@ class VllmReplica:
         channel = str(self.dir / "channel")
         self.actions = ActionWriter(channel)
         self.records = EngineRecordReader(channel)
+        self.profile, self.control_interval, self.shield_mode = profile, control_interval, shield_mode
         spec = (f"learned:control_interval={control_interval},time_budget_s={time_budget_s:g},"
                 f"shield_mode={shield_mode},residual_scale=1")
         plugin = {"controller": spec, "profile": str(profile_path), "channel": channel, "action_channel": channel,
@@ -102,20 +107,36 @@ class VllmReplica:
         self.sent = 0
         self._closed = False
         atexit.register(self.close)  # the server runs in a session of its own: never left behind
+        self._log = log
+        self.limits: ReplicaLimits | None = None
         if log:
             log(f"starting vLLM ({folder}) with the plugin and the env's action channel")
+        self.server.launch()
+        if wait:
+            self.ready()
+
+    def ready(self) -> ReplicaLimits:
+        """Wait for vLLM (once) and warm it up; the replica's limits. On failure the replica is closed.
+
+        :raises VllmReplicaError: vLLM exited or did not answer, in one sentence.
+        """
+        if self.limits is not None:
+            return self.limits
+        if self._closed:
+            raise VllmReplicaError("this vLLM replica is closed")
         try:
-            self.server.start(START_TIMEOUT_S)
+            self.server.wait_ready(START_TIMEOUT_S)
         except ServerError as exc:
             self.close()
             raise VllmReplicaError(str(exc).splitlines()[0]) from None
-        if log:
-            log(f"vLLM answered after {self.server.ready_after_s:.0f} s")
+        if self._log:
+            self._log(f"vLLM answered after {self.server.ready_after_s:.0f} s")
         try:
             self.limits = self._warm_up()
         except BaseException:
             self.close()
             raise
+        return self.limits
 
     # ------------------------------------------------------------------ start-up
     def _warm_up(self) -> ReplicaLimits:

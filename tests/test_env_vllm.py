@@ -1,6 +1,6 @@
 """The Gymnasium env over vLLM (``ServingEnv(backend="vllm")``): the action channel between the env
-and the learned controller inside vLLM's scheduler on its own, the env's refusals, then episodes on a
-real vLLM server (``.venv-vllm``) that the env starts and stops itself."""
+and the learned controller inside vLLM's scheduler on its own, and the env's refusals. Episodes on a
+real vLLM server are in tests/test_vllm.py (``TestEnv``), whose servers start side by side."""
 
 from __future__ import annotations
 
@@ -98,52 +98,3 @@ def test_a_streamed_request_counts_as_good_late_rejected_or_failed():
 def test_the_vllm_backend_refuses_what_it_cannot_honour_before_starting_anything(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServingEnv(backend="vllm", **kwargs)
-
-
-@pytest.fixture(scope="module")
-def vllm_env(tmp_path_factory):
-    env = ServingEnv(backend="vllm", trace="splitwise_conv", length_scale=0.1, profile="tiny-vllm-cpu",
-                     episode_steps=16, load_range=(2.0, 2.0), seed=0,
-                     vllm_options={"vllm_python": str(VLLM_PYTHON), "vllm_args": ("--enforce-eager",),
-                                   "work_dir": str(tmp_path_factory.mktemp("env-vllm"))})
-    yield env
-    env.close()
-
-
-def _episode(env: ServingEnv, threshold: float, seed: int) -> dict:
-    obs, _ = env.reset(seed=seed)
-    assert env.observation_space.contains(obs)
-    calls, sums, last = [], {"finished": 0, "rejections": 0}, None
-    sent0 = env._replica.sent
-    for _ in range(env.episode_steps):
-        obs, reward, terminated, truncated, info = env.step(np.array([0.0, 0.0, threshold], dtype=np.float32))
-        assert env.observation_space.contains(obs) and np.isfinite(reward) and not terminated
-        calls.append(info["policy_call"])
-        sums["finished"] += info["finished"]
-        sums["rejections"] += info["rejections"]
-        last = obs
-    sums["sent"] = env._replica.sent - sent0
-    assert truncated
-    assert all(b > a for a, b in zip(calls, calls[1:]))  # every step returns a later call's features
-    return {**sums, "last_obs": last}
-
-
-@needs_vllm
-@pytest.mark.timeout(600)
-def test_episodes_on_vllm_take_the_agents_actions_into_vllms_scheduler(vllm_env):
-    env = vllm_env
-    # the profile took vLLM's limits: 1 GiB of KV for this model, its block size, batch limits
-    assert env.profile.name == "tiny-vllm-cpu" and env.profile.block_size == 128
-    assert env.profile.kv_capacity_tokens > 100_000
-    # the tight episode first: what vLLM served before an episode (its rates) favours the later one
-    tight = _episode(env, -1.0, seed=1)
-    loose = _episode(env, 1.0, seed=1)
-    assert loose["finished"] > 0 and tight["finished"] > 0
-    # the features came from the controller inside vLLM, which saw the agent's action as its last one
-    assert loose["last_obs"][12:15].tolist() == [0.0, 0.0, 1.0]
-    assert tight["last_obs"][12:15].tolist() == [0.0, 0.0, -1.0]
-    # and acted on it: the tight admission threshold refuses arrivals the loose one takes
-    assert tight["rejections"] / tight["sent"] > loose["rejections"] / loose["sent"]
-    record = env._replica.record()
-    assert record is not None and record.counters.decisions > 0
-    assert env.totals["finished"] == loose["finished"]

@@ -25,7 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+import numpy as np
+
 from tidegate.ctrl.base import Decision, Observation
+from tidegate.engine.core.profile import load_profile
 from tidegate.engine.vllm.channel import (
     EngineCounters, EngineRecordReader, EngineRecordWriter, RefusalReader, RefusalWriter,
 )
@@ -35,6 +38,8 @@ from tidegate.engine.vllm.config import (
 from tidegate.engine.vllm.decider import CheckedDecider
 from tidegate.engine.vllm.step_log import StepLog, StepRow
 from tidegate.engine.vllm.version import UnsupportedVllmError, check_vllm_version
+from tidegate.env.serving_env import ServingEnv
+from tidegate.env.vllm_replica import VllmReplica
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -42,7 +47,7 @@ needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(),
                                 reason=".venv-vllm is missing: `make vllm-setup` makes it (`make test` does)")
 SCHEDULER = "tidegate.engine.vllm.scheduler.TidegateScheduler"
 NUM_BLOCKS = 64  # vLLM's CPU build has blocks of 128 tokens: 63 usable blocks, 8064 tokens
-START_TIMEOUT_S = 480  # five servers start side by side on two cores
+START_TIMEOUT_S = 540  # six servers start side by side on two cores
 #: greedy answers to PROBE by the server with the plugin, for the one without (TestPassThrough)
 GREEDY: dict[str, str] = {}
 PROBE = "The plugin must not change what vLLM answers:"
@@ -397,13 +402,17 @@ def launched(tmp_path_factory, model_dir):
     """Every server of SERVERS, launched at once when the first is needed. A start is a minute of imports in
     three processes one after another (API server, engine core, worker), one core at a time: launched side
     by side, the five are all up in about half the time they take one after another."""
-    servers = {name: VllmServer(tmp_path_factory.mktemp(name), model_dir, scheduler, tidegate, **options)
-               for name, (scheduler, tidegate, options) in SERVERS.items()}
+    servers: dict = {name: VllmServer(tmp_path_factory.mktemp(name), model_dir, scheduler, tidegate, **options)
+                     for name, (scheduler, tidegate, options) in SERVERS.items()}
     try:
+        # the Gymnasium env's replica (TestEnv), launched beside the others
+        servers["env"] = VllmReplica("tiny", load_profile("tiny-vllm-cpu"), 10, "soft", 0.02,
+                                     vllm_python=VLLM_PYTHON, vllm_args=("--enforce-eager",),
+                                     work_dir=tmp_path_factory.mktemp("env-replica"), wait=False)
         yield servers
     finally:
         for server in servers.values():
-            server.stop()
+            server.close() if isinstance(server, VllmReplica) else server.stop()
 
 
 def _serve(launched: dict, name: str):
@@ -704,3 +713,55 @@ def test_a_bad_controller_option_ends_start_up_with_one_sentence(launched):
     # did not start (its own traceback, which runs through none of tidegate's code)
     assert log.count("Traceback (most recent call last)") <= 1
     assert "engine/vllm/" not in log
+
+
+def _episode(env: ServingEnv, threshold: float, seed: int) -> dict:
+    """One episode at a fixed admission residual: what it served and refused, and its last observation."""
+    obs, _ = env.reset(seed=seed)
+    assert env.observation_space.contains(obs)
+    calls, sums, last = [], {"finished": 0, "rejections": 0}, None
+    sent0 = env._replica.sent
+    for _ in range(env.episode_steps):
+        obs, reward, terminated, truncated, info = env.step(np.array([0.0, 0.0, threshold], dtype=np.float32))
+        assert env.observation_space.contains(obs) and np.isfinite(reward) and not terminated
+        calls.append(info["policy_call"])
+        sums["finished"] += info["finished"]
+        sums["rejections"] += info["rejections"]
+        last = obs
+    sums["sent"] = env._replica.sent - sent0
+    assert truncated
+    assert all(b > a for a, b in zip(calls, calls[1:]))  # every step returns a later call's features
+    return {**sums, "last_obs": last}
+
+
+@needs_vllm
+@pytest.mark.slow
+class TestEnv:
+    """``ServingEnv(backend="vllm")``: the agent answers the learned controller's policy calls inside vLLM."""
+
+    @pytest.mark.timeout(600)
+    def test_episodes_take_the_agents_actions_into_vllms_scheduler(self, launched):
+        replica = launched["env"]
+        env = ServingEnv(backend="vllm", trace="splitwise_conv", length_scale=0.1, profile="tiny-vllm-cpu",
+                         episode_steps=16, load_range=(2.0, 2.0), seed=0, vllm_options={"replica": replica})
+        # the profile took vLLM's limits: 1 GiB of KV for this model, its block size
+        assert env.profile.name == "tiny-vllm-cpu" and env.profile.block_size == 128
+        assert env.profile.kv_capacity_tokens > 100_000
+        # the tight episode first: what vLLM served before an episode (its rates) favours the later one
+        tight = _episode(env, -1.0, seed=1)
+        loose = _episode(env, 1.0, seed=1)
+        assert loose["finished"] > 0 and tight["finished"] > 0
+        # the features came from the controller inside vLLM, which saw the agent's action as its last one
+        assert loose["last_obs"][12:15].tolist() == [0.0, 0.0, 1.0]
+        assert tight["last_obs"][12:15].tolist() == [0.0, 0.0, -1.0]
+        # and acted on it: the tight admission threshold refuses a larger share of the arrivals
+        assert tight["rejections"] / tight["sent"] > loose["rejections"] / loose["sent"]
+        record = replica.record()
+        assert record is not None and record.counters.decisions > 0
+        assert env.totals["finished"] == loose["finished"]
+        env.close()  # a replica the env was given is its owner's to stop
+        assert replica.server.proc.poll() is None
+        with pytest.raises(ValueError, match=r"the given vLLM replica runs \(profile, control_interval, "
+                                             r"shield_mode\) = \('tiny-vllm-cpu', 10, 'soft'\), this env "
+                                             r"\('tiny-vllm-cpu', 5, 'soft'\)"):
+            ServingEnv(backend="vllm", profile="tiny-vllm-cpu", control_interval=5, vllm_options={"replica": replica})

@@ -38,10 +38,23 @@ class VllmServer(Server):
 
     def start(self, timeout_s: float) -> None:
         """Start vLLM and wait until ``/health`` answers 200 (the engine is up: vLLM listens only then)."""
-        t0 = time.monotonic()
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start vLLM's processes; :meth:`wait_ready` waits for them."""
+        self._launched_at = time.monotonic()
         with open(self.log_path, "w") as log_file:
             self.proc = subprocess.Popen(self.cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until ``/health`` answers 200, at most ``timeout_s`` from the launch.
+
+        :raises ServerError: vLLM exited or did not answer in time.
+        """
+        assert self.proc is not None, "launch() first"
+        t0 = self._launched_at
         while self.ready_status() != 200:
             if self.proc.poll() is not None:
                 raise ServerError(f"vLLM exited with code {self.proc.returncode} while starting; log: "

@@ -332,24 +332,25 @@ class ServingEnv(gym.Env):
         ``cursor``); returns how many were rejected."""
         core = self.core if core is None else core
         c = self._cursor if cursor is None else cursor
-        seg = self.segment
-        times = seg.times_s
-        n = len(times)
-        scale = self._rate_scale
         rejected = 0
         add = core.add_request
+        advance = self._advance
         while c.next_time_s <= now_s:
-            i = c.next
-            if add(self._make_request(i, c)) is not None:
+            if add(self._make_request(c.next, c)) is not None:
                 rejected += 1
-            c.req_id += 1
-            i += 1
-            if i == n:  # wrap around: the stream continues from the segment's start
-                i = 0
-                c.offset_s += seg.span_s
-            c.next = i
-            c.next_time_s = (float(times[i]) + c.offset_s) / scale
+            advance(c)
         return rejected
+
+    def _advance(self, c: _Cursor) -> None:
+        """Move ``c`` past its arrival to the episode's next one."""
+        seg = self.segment
+        c.req_id += 1
+        i = c.next + 1
+        if i == len(seg.times_s):  # wrap around: the stream continues from the segment's start
+            i = 0
+            c.offset_s += seg.span_s
+        c.next = i
+        c.next_time_s = (float(seg.times_s[i]) + c.offset_s) / self._rate_scale
 
     # ------------------------------------------------------------------ the vLLM backend
     def _check_vllm(self, max_waiting, queue_timeout_s, profile_spread, ttft_slo_s, tpot_slo_s,
@@ -371,6 +372,7 @@ class ServingEnv(gym.Env):
     def _start_vllm(self, model: str, control_interval: int, shield_mode: str, options: dict) -> None:
         """Start the vLLM replica (or take the one given); the profile takes its KV size, block size and
         batch limits."""
+        from tidegate.engine.vllm.config import with_limits
         from tidegate.env.vllm_replica import VllmReplica
 
         options = dict(options)
@@ -392,10 +394,7 @@ class ServingEnv(gym.Env):
             replica = VllmReplica(model, self.profiles[0], int(control_interval), shield_mode, budget, **options)
             self._owns_replica = True
         self._replica = replica
-        lim = replica.ready()
-        self.profiles = [dataclasses.replace(self.profiles[0], kv_capacity_tokens=lim.kv_capacity_tokens,
-                                             block_size=lim.block_size, max_num_seqs=lim.max_num_seqs,
-                                             max_num_batched_tokens=lim.max_num_batched_tokens)]
+        self.profiles = [with_limits(self.profiles[0], replica.ready())]
 
     def _reset_vllm(self) -> np.ndarray:
         """End the last episode's traffic; the observation of an idle replica (the first interval's
@@ -415,13 +414,7 @@ class ServingEnv(gym.Env):
         c, seg = self._cursor, self.segment
         i = c.next
         arrival = (c.next_time_s, int(seg.prompts[i]), int(min(seg.outputs[i], seg.max_tokens[i])))
-        c.req_id += 1
-        i += 1
-        if i == len(seg.times_s):
-            i = 0
-            c.offset_s += seg.span_s
-        c.next = i
-        c.next_time_s = (float(seg.times_s[i]) + c.offset_s) / self._rate_scale
+        self._advance(c)
         return arrival
 
     def _step_vllm(self, action) -> tuple:
@@ -628,11 +621,11 @@ def record_outcome(rec: dict, ttft_slo_s: float, tpot_slo_s: float) -> str:
     """What one streamed request's record (``engine.bench.vllm.clients``) counts as: ``good`` (every
     token, TTFT and TPOT within the SLOs), ``late`` (every token, an SLO missed), ``rejected`` (429)
     or ``failed`` (anything else)."""
+    from tidegate.engine.bench.vllm.stats import record_tpot_s  # the vllm backend's: httpx stays out of the others
+
     if rec.get("status") == 429:
         return "rejected"
     if rec.get("outcome") != "completed" or rec.get("first_token_s") is None:
         return "failed"
     ttft = rec["first_token_s"] - rec["start_s"]
-    tokens = int(rec.get("tokens") or 0)
-    tpot = (rec["last_token_s"] - rec["first_token_s"]) / (tokens - 1) if tokens > 1 else 0.0
-    return "good" if ttft <= ttft_slo_s and tpot <= tpot_slo_s else "late"
+    return "good" if ttft <= ttft_slo_s and record_tpot_s(rec) <= tpot_slo_s else "late"

@@ -28,7 +28,7 @@ import numpy as np
 
 from tidegate.engine.bench.overload.clients import _client
 from tidegate.engine.bench.vllm.arms import MIDDLEWARE, SCHEDULER_CLS
-from tidegate.engine.bench.vllm.clients import send
+from tidegate.engine.bench.vllm.clients import body, send
 from tidegate.engine.bench.vllm.model import model_folder, prompt_token_ids
 from tidegate.engine.bench.vllm.server import VLLM_PYTHON, ServerError, VllmServer
 from tidegate.engine.core.profile import Profile
@@ -159,10 +159,8 @@ class VllmReplica:
             return await send(client, self.server.url, self._body(rng, prompt, output), time.monotonic() + 60.0)
 
     def _body(self, rng: random.Random, prompt: int, output: int) -> dict:
-        ids = self.token_ids
-        return {"model": "env", "prompt": [ids[rng.randrange(len(ids))] for _ in range(prompt)], "max_tokens": output,
-                "min_tokens": output, "ignore_eos": True, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        """A streamed completion of ``prompt`` random ordinary ids and exactly ``output`` tokens."""
+        return body({"model": "env", "token_ids": self.token_ids, "prompt_tokens": prompt, "max_tokens": output}, rng)
 
     # ------------------------------------------------------------------ traffic
     def start_traffic(self, next_arrival: Callable[[], tuple[float, int, int]], seed: int) -> None:

@@ -118,12 +118,15 @@ class ReplicaLimits:
 def replica_profile(config: PluginConfig, limits: ReplicaLimits) -> Profile:
     """The configured profile with the replica's KV size, block size and batch limits."""
     try:
-        profile = load_profile(config.profile)
-        return dataclasses.replace(profile, kv_capacity_tokens=limits.kv_capacity_tokens,
-                                   block_size=limits.block_size, max_num_seqs=limits.max_num_seqs,
-                                   max_num_batched_tokens=limits.max_num_batched_tokens)
+        return with_limits(load_profile(config.profile), limits)
     except ProfileError as exc:
         raise PluginConfigError(str(exc)) from None
+
+
+def with_limits(profile: Profile, limits: ReplicaLimits) -> Profile:
+    """``profile`` with the vLLM replica's KV size, block size and batch limits."""
+    return dataclasses.replace(profile, kv_capacity_tokens=limits.kv_capacity_tokens, block_size=limits.block_size,
+                               max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens)
 
 
 def build_plugin_controller(config: PluginConfig, profile: Profile) -> Controller | None:

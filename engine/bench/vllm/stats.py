@@ -29,7 +29,7 @@ def bucket(r: dict, max_tokens: int) -> str:
             "transport_errors", "cut": "cut_at_drain"}[r["outcome"]]
 
 
-def _tpot(r: dict) -> float:
+def record_tpot_s(r: dict) -> float:
     """Seconds per output token after the first (0 for a one-token answer)."""
     return (r["last_token_s"] - r["first_token_s"]) / (r["tokens"] - 1) if r["tokens"] > 1 else 0.0
 
@@ -46,7 +46,7 @@ def request_stats(records: list[dict], planned: int, *, duration_s: float, max_t
     out["accounted"] = sum(out[b] for b in BUCKETS) == planned and out["unrecorded"] == 0
     served = [r for r in records if bucket(r, max_tokens) == "served"]
     ttft = [r["first_token_s"] - r["start_s"] for r in served]
-    tpot = [_tpot(r) for r in served]
+    tpot = [record_tpot_s(r) for r in served]
     good = sum(t <= ttft_slo_s and p <= tpot_slo_s for t, p in zip(ttft, tpot))
     refused = [r for r in records if r["outcome"] == "http"]
     r429 = [r["answer_s"] - r["start_s"] for r in refused if r["status"] == 429]

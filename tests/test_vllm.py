@@ -9,6 +9,7 @@ first tests need no vLLM: the plugin's settings, decisions and step log on their
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,8 @@ from tidegate.engine.core.profile import load_profile
 from tidegate.engine.vllm.channel import (
     EngineCounters, EngineRecordReader, EngineRecordWriter, RefusalReader, RefusalWriter,
 )
+from tidegate.engine.sim.online import OnlineProfile
+from tidegate.engine.vllm.admission import AdmissionGate
 from tidegate.engine.vllm.config import (
     PluginConfig, PluginConfigError, ReplicaLimits, build_plugin_controller, read_plugin_config, replica_profile,
 )
@@ -94,6 +97,7 @@ def test_the_controller_is_built_as_tidegate_serve_builds_it():
     ({"controller": "vllm:budget=1"}, "controller 'vllm' (vLLM's own scheduling) takes no options"),
     ({"profile": "nope"}, "unknown profile 'nope'"),
     ({"decide_timeout_s": 0}, "decide_timeout_s must be a positive number of seconds"),
+    ({"profile_fit": "always"}, "profile_fit must be online or off, got 'always'"),
     ("greedy", "must be a JSON object"),
 ])
 def test_a_bad_setting_is_one_sentence(section, message):
@@ -194,6 +198,31 @@ def _observation_stats():
     return stats
 
 
+def test_the_profile_is_refitted_from_the_replicas_steps_unless_turned_off():
+    live = replica_profile(PluginConfig(), LIMITS)
+    assert isinstance(live, OnlineProfile) and live.current == replica_profile(PluginConfig(profile_fit="off"), LIMITS)
+    assert read_plugin_config({}, environ={"TIDEGATE_PROFILE_FIT": "off"}).profile_fit == "off"
+    controller = build_plugin_controller(PluginConfig(), live)
+    assert controller.profile is live  # a refit reaches the controller without being handed over
+
+
+def test_the_api_process_takes_the_engines_refitted_profile(tmp_path):
+    channel = str(tmp_path / "ch")
+    writer = EngineRecordWriter(channel, LIMITS)
+    gate = AdmissionGate(PluginConfig(), channel)
+    stats, counters = _observation_stats(), EngineCounters()
+    writer.publish(stats.snapshot(), None, 4, counters)
+    assert gate.admit(100, 16) is None
+    prior_token_s = gate.controller.profile.per_token_s
+    fitted = dataclasses.replace(gate.controller.profile.current, per_token_s=50 * prior_token_s)
+    counters.profile_fits, counters.fitted = 1, fitted
+    writer.publish(stats.snapshot(), None, 5, counters)
+    assert gate.admit(100, 16) is None
+    assert gate.controller.profile.per_token_s == 50 * prior_token_s
+    gate.close()
+    writer.close()
+
+
 def test_the_engine_record_carries_every_field_the_admission_state_and_the_counters(tmp_path):
     channel = str(tmp_path / "ch")
     reader = EngineRecordReader(channel)
@@ -210,6 +239,9 @@ def test_the_engine_record_carries_every_field_the_admission_state_and_the_count
     assert record.observation.as_dict() == obs.as_dict()  # rates settled, ints stay ints
     assert type(record.observation.step_index) is int and record.age_s < 60
     assert record.counters == counters and sum(record.counters.decide_buckets) == 1
+    counters.profile_fits, counters.fitted = 3, load_profile("tiny-vllm-cpu")
+    writer.publish(obs, (0.5, 1024), 8, counters)
+    assert reader.read().counters == counters  # the refits and the last refitted profile
     # publishing costs a few microseconds a step (a figure: the step log's plugin_s column measures it in vLLM)
     n = 2000
     start = time.perf_counter()
@@ -502,6 +534,16 @@ class TestPlugin:
         for before, after in zip(steps, steps[1:]):
             assert after["running"] <= before["running"] + before["activation_budget"]
         assert max(s["running"] for s in steps) > 8  # the batch did grow
+
+    def test_the_step_model_is_refitted_from_vllms_steps(self, server):
+        assert "tidegate: step model refitted on the last" in server.log_path.read_text(errors="replace")
+        lines = httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+        refits = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("tidegate:profile_refits_total")]
+        assert refits and refits[0] >= 1
+        terms = {line.split('term="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                 for line in lines if line.startswith("tidegate:step_model_seconds{")}
+        assert set(terms) == {"step", "prefill_token", "decode_token", "kv_token_read", "prefill_chunk"}
+        assert all(value >= 0 for value in terms.values()) and terms["step"] + terms["decode_token"] > 0
 
     def test_prefix_cache_hits_are_logged(self, server):
         prompt = "The same long prompt, twice. " * 24  # 696 tokens: 5 whole blocks

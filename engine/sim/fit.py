@@ -179,6 +179,31 @@ def fit_step_time(rows, heldout_fraction: float = 0.25, seed: int = 0, loss: str
             "by_kind": residuals_by_kind(data, pred), "optional_terms": terms}
 
 
+def fit_core(rows) -> dict | None:
+    """The step model's core alone, fitted by least squares on relative error (non-negative): the
+    terms the controllers' fluid bound reads, quickly enough to refit while serving
+    (``engine.sim.online``). No optional term and no noise: the fitted line is near the mean step,
+    the step the bound wants.
+
+    :param rows: ``(new tokens, KV tokens read, seconds, decodes, prefill chunks)`` of timed steps
+        (rows with no time are dropped).
+    :return: ``base_s``, ``per_token_s``, ``per_kv_token_s``, ``per_decode_token_s`` (None where the
+        rows cannot tell prefill from decode tokens: ``MIN_SPLIT_ROWS`` of each are needed),
+        ``per_prefill_s`` (0 without a split), ``mape`` and ``points``; None for fewer than 8 timed rows.
+    """
+    data = _with_split(np.asarray(rows, dtype=float))
+    if len(data) < 8:
+        return None
+    coef = _nonneg_relative_lstsq(data)
+    pred = _predict(coef, data)
+    t = data[:, 2]
+    split = data.shape[1] >= 4
+    return {"base_s": float(coef[0]), "per_token_s": float(coef[1]), "per_kv_token_s": float(coef[2]),
+            "per_decode_token_s": float(coef[3]) if split else None,
+            "per_prefill_s": float(coef[4]) if data.shape[1] >= 5 else 0.0,
+            "mape": float(np.mean(np.abs(pred - t) / t)), "points": len(data)}
+
+
 def residuals_by_kind(data: np.ndarray, pred: np.ndarray) -> dict:
     """The fit's error on each kind of step, so that a term the model lacks shows as a number: per kind
     (decode only, prefill only, prefill beside decodes where the rows say their decodes; else single-token

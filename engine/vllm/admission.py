@@ -2,7 +2,8 @@
 
 The engine publishes its latest Observation and the controller's admission state after every step
 (``channel``). The API process builds the same controller from the same settings on the replica's
-limits (read from the record), copies the admission state into it, and asks ``admit``. Requests
+limits (read from the record), copies the admission state into it (and the step model the engine
+last refitted from its steps), and asks ``admit``. Requests
 that it admitted and that the engine has not seen yet count as waiting (tidegate's own server does
 the same), so a flood that arrives between two steps is not judged on an empty queue.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.ctrl.base import Controller, Rejection
+from tidegate.engine.sim.online import OnlineProfile
 from tidegate.engine.vllm.channel import EngineRecord, EngineRecordReader, RefusalWriter, default_channel
 from tidegate.engine.vllm.config import PluginConfig, build_plugin_controller, replica_profile
 
@@ -49,6 +51,8 @@ class AdmissionGate:
         self._reader = EngineRecordReader(self.channel)
         self._refusals: RefusalWriter | None = None
         self.controller: Controller | None = None
+        # the twin's profile, when it takes the engine's refits of the step model
+        self._profile: OnlineProfile | None = None
         #: refusals by reason label
         self.refusals: dict[str, int] = {}
         #: arrivals admitted without a usable record or answer, by cause
@@ -78,6 +82,9 @@ class AdmissionGate:
         try:
             controller = self.controller or self._twin(record)
             controller.set_admission_state(record.admission_state)
+            fitted = record.counters.fitted
+            if fitted is not None and self._profile is not None and self._profile.current is not fitted:
+                self._profile.adopt(fitted)  # the engine refitted the step model
             # what was admitted here and has not reached the engine yet waits too
             self._offset = max(self._offset, record.arrivals - self._net_admitted)
             in_transit = min(max(self._net_admitted + self._offset - record.arrivals, 0), len(self._sizes))
@@ -113,10 +120,12 @@ class AdmissionGate:
             Path(self.channel + suffix).unlink(missing_ok=True)
 
     def _twin(self, record: EngineRecord) -> Controller:
-        controller = build_plugin_controller(self.config, replica_profile(self.config, record.limits))
+        profile = replica_profile(self.config, record.limits)
+        controller = build_plugin_controller(self.config, profile)
         if controller is None:
             raise RuntimeError("the pass-through controller decides no arrivals")
         self.controller = controller
+        self._profile = profile if isinstance(profile, OnlineProfile) else None
         return controller
 
     def _admitted(self, requests: int, prompt_tokens: int) -> None:

@@ -6,16 +6,17 @@ child) in ``/dev/shm`` (or the temporary folder), or at the ``channel`` setting'
 - ``<channel>.obs``, written by the engine after every step (:class:`EngineRecordWriter`), read by
   the API process at each arrival (:class:`EngineRecordReader`): the replica's limits, the latest
   Observation (every field of ``Observation.FIELDS``, rates settled), the controller's
-  ``admission_state()``, the arrivals the engine has seen, and the engine's counters (decisions,
-  decision times, shield interventions, fallbacks by cause, guard switches). A seqlock guards it:
+  ``admission_state()``, the arrivals the engine has seen, the engine's counters (decisions,
+  decision times, shield interventions, fallbacks by cause, guard switches, step-model refits) and
+  the step model last refitted from the replica's steps (``engine.sim.online``). A seqlock guards it:
   the writer makes the sequence number odd, writes, makes it even again; a reader that sees it odd
   or changed across its read reads again, so it never takes a torn record.
 - ``<channel>.refusals``, written by the API process at each 429 (:class:`RefusalWriter`), read by
   the engine at each step (:class:`RefusalReader`): the prompt lengths of the refused arrivals, a
   ring behind a count, so that the engine's arrival rate counts them as tidegate's own engine does.
 
-Each file has one writer. The numbers are plain structs; only the admission state and the fallback
-causes, which change rarely, are pickled, and only when they change.
+Each file has one writer. The numbers are plain structs; only the admission state, the fallback
+causes and the refitted profile, which change rarely, are pickled, and only when they change.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from tidegate.engine.vllm.config import ReplicaLimits
 
 #: the upper bounds of the decision-time histogram's buckets, seconds (tidegate serve's)
 DECISION_BUCKETS = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2)
-_MAGIC = b"TGVLLM01"
+_MAGIC = b"TGVLLM02"
 _SEQ = struct.Struct("<Q")
 _FIELDS = Observation.FIELDS
 # the fields an Observation holds as ints (the record holds every field as a double: exact below 2**53)
 _INT_FIELDS = frozenset(name for name in _FIELDS if isinstance(getattr(Observation(), name), int))
-_FIXED = struct.Struct("<4qdqqd" + "q" * (len(DECISION_BUCKETS) + 1) + "4q" + "d" * len(_FIELDS) + "I")
+_FIXED = struct.Struct("<4qdqqd" + "q" * (len(DECISION_BUCKETS) + 1) + "5q" + "d" * len(_FIELDS) + "I")
 _FIXED_AT = 16
 _BLOB_AT = _FIXED_AT + _FIXED.size
 _BLOB_MAX = 16384
@@ -112,7 +113,8 @@ def _open(path: str, size: int, writable: bool = False) -> mmap.mmap | None:
 @dataclass
 class EngineCounters:
     """What the engine counts for ``/metrics``: steps decided, their decision times, the shield's
-    interventions, fallbacks by cause, the guard's switches."""
+    interventions, fallbacks by cause, the guard's switches, the step model's refits (and the last
+    refitted profile, None before the first)."""
 
     decisions: int = 0
     decide_s_sum: float = 0.0
@@ -122,6 +124,8 @@ class EngineCounters:
     guarded: bool = False
     degraded: bool = False
     fallbacks: dict[str, int] = field(default_factory=dict)
+    profile_fits: int = 0
+    fitted: Any = None
 
     def decided(self, seconds: float) -> None:
         self.decisions += 1
@@ -163,12 +167,12 @@ class EngineRecordWriter:
         mm, seq = self._mm, self._seq
         values = [getattr(obs, name) for name in _FIELDS]
         fallbacks = counters.fallbacks
-        key = (admission_state, sum(fallbacks.values()), len(fallbacks))
+        key = (admission_state, sum(fallbacks.values()), len(fallbacks), counters.profile_fits)
         blob = None
         if key != self._blob_key:
-            blob = pickle.dumps((admission_state, dict(fallbacks)), protocol=pickle.HIGHEST_PROTOCOL)
+            blob = pickle.dumps((admission_state, dict(fallbacks), counters.fitted), protocol=pickle.HIGHEST_PROTOCOL)
             if len(blob) > _BLOB_MAX:  # causes are few and short; never more than the record holds
-                blob = pickle.dumps((admission_state, {}), protocol=pickle.HIGHEST_PROTOCOL)
+                blob = pickle.dumps((admission_state, {}, counters.fitted), protocol=pickle.HIGHEST_PROTOCOL)
             self._blob_key = key
         _SEQ.pack_into(mm, 8, seq + 1)
         if blob is not None:
@@ -176,7 +180,8 @@ class EngineRecordWriter:
             self._blob_len = len(blob)
         _FIXED.pack_into(mm, _FIXED_AT, *self._limits, time.time(), arrivals, counters.decisions,
                          counters.decide_s_sum, *counters.decide_buckets, counters.interventions,
-                         counters.guard_switches, counters.guarded, counters.degraded, *values, self._blob_len)
+                         counters.guard_switches, counters.guarded, counters.degraded, counters.profile_fits,
+                         *values, self._blob_len)
         self._seq = seq + 2
         _SEQ.pack_into(mm, 8, seq + 2)
 
@@ -193,7 +198,7 @@ class EngineRecordReader:
         self.path = channel + ".obs"
         self._mm: mmap.mmap | None = None
         self._blob = b""
-        self._blob_value: tuple[Any, dict[str, int]] = (None, {})
+        self._blob_value: tuple[Any, dict[str, int], Any] = (None, {}, None)
 
     def read(self) -> EngineRecord | None:
         """The latest whole record; None before the engine published one (or if it is being
@@ -220,15 +225,15 @@ class EngineRecordReader:
         limits = ReplicaLimits(*fixed[:4])
         wall, arrivals, decisions, decide_sum = fixed[4:8]
         buckets = list(fixed[8:8 + nb])
-        interventions, switches, guarded, degraded = fixed[8 + nb:12 + nb]
+        interventions, switches, guarded, degraded, fits = fixed[8 + nb:13 + nb]
         obs = Observation()
-        for name, value in zip(_FIELDS, fixed[12 + nb:-1]):
+        for name, value in zip(_FIELDS, fixed[13 + nb:-1]):
             setattr(obs, name, int(value) if name in _INT_FIELDS else value)
         if blob != self._blob:
             self._blob, self._blob_value = blob, pickle.loads(blob)
-        state, fallbacks = self._blob_value
+        state, fallbacks, fitted = self._blob_value
         counters = EngineCounters(decisions, decide_sum, buckets, interventions, switches, bool(guarded),
-                                  bool(degraded), dict(fallbacks))
+                                  bool(degraded), dict(fallbacks), fits, fitted)
         return EngineRecord(limits, wall, arrivals, obs, state, counters)
 
     def close(self) -> None:

@@ -5,10 +5,11 @@ The settings come from vLLM's ``--additional-config`` JSON, under the key ``tide
     --additional-config '{"tidegate": {"controller": "flow:budget=2", "step_log": "steps.csv"}}'
 
 and, when that holds no ``tidegate`` key, from the environment of the vLLM server
-(``TIDEGATE_CONTROLLER``, ``TIDEGATE_PROFILE``, ``TIDEGATE_STEP_LOG``, ``TIDEGATE_DECIDE_TIMEOUT_S``,
-``TIDEGATE_CHANNEL``, ``TIDEGATE_ACTION_CHANNEL``). vLLM hands the additional config to the scheduler as
-``vllm_config.additional_config``, and the API process (``middleware``) reads the same settings
-from its own copy of the config, so both build the same controller.
+(``TIDEGATE_CONTROLLER``, ``TIDEGATE_PROFILE``, ``TIDEGATE_PROFILE_FIT``, ``TIDEGATE_STEP_LOG``,
+``TIDEGATE_DECIDE_TIMEOUT_S``, ``TIDEGATE_CHANNEL``, ``TIDEGATE_ACTION_CHANNEL``). vLLM hands the
+additional config to the scheduler as ``vllm_config.additional_config``, and the API process
+(``middleware``) reads the same settings from its own copy of the config, so both build the same
+controller.
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from tidegate.ctrl import DEFAULT_CONTROLLER, Controller, ControllerSpecError, build_controller, parse_spec
 from tidegate.engine.core.profile import Profile, ProfileError, load_profile
+from tidegate.engine.sim.online import OnlineProfile
 
 #: the controller name that leaves vLLM's own scheduling untouched (the baseline)
 PASS_THROUGH = "vllm"
+#: the values of the ``profile_fit`` setting
+PROFILE_FITS = ("online", "off")
 #: the additional config's key for the plugin's settings
 CONFIG_KEY = "tidegate"
-_ENV = {"controller": "TIDEGATE_CONTROLLER", "profile": "TIDEGATE_PROFILE", "step_log": "TIDEGATE_STEP_LOG",
-        "decide_timeout_s": "TIDEGATE_DECIDE_TIMEOUT_S", "channel": "TIDEGATE_CHANNEL",
+_ENV = {"controller": "TIDEGATE_CONTROLLER", "profile": "TIDEGATE_PROFILE", "profile_fit": "TIDEGATE_PROFILE_FIT",
+        "step_log": "TIDEGATE_STEP_LOG", "decide_timeout_s": "TIDEGATE_DECIDE_TIMEOUT_S", "channel": "TIDEGATE_CHANNEL",
         "action_channel": "TIDEGATE_ACTION_CHANNEL"}
 
 
@@ -45,6 +49,9 @@ class PluginConfig:
         ``vllm``: vLLM's own scheduling, untouched (the step log is still written).
     :param profile: the step-time profile the controllers estimate with (a shipped name or a file);
         its KV size, block size and batch limits are replaced by the vLLM replica's.
+    :param profile_fit: ``online``: the profile is the prior of a step-time model refitted from the
+        replica's own steps while it serves (``engine.sim.online``), so the controllers' estimates
+        describe this replica whatever the profile was fitted on; ``off``: the profile as given.
     :param step_log: the CSV file of one row per step (None: no log).
     :param decide_timeout_s: the longest a step waits for the controller's decision; a later one is
         replaced by the conservative decision.
@@ -57,6 +64,7 @@ class PluginConfig:
 
     controller: str = DEFAULT_CONTROLLER
     profile: str = "tiny-cpu"
+    profile_fit: str = "online"
     step_log: str | None = None
     decide_timeout_s: float = 0.05
     channel: str | None = None
@@ -92,6 +100,11 @@ def read_plugin_config(additional_config: object, environ: Mapping[str, str] = o
             values[key] = value
     if "decide_timeout_s" in section:
         values["decide_timeout_s"] = _positive_seconds(section["decide_timeout_s"], where)
+    if "profile_fit" in section:
+        fit = section["profile_fit"]
+        if fit not in PROFILE_FITS:
+            raise PluginConfigError(f"{where}: profile_fit must be {' or '.join(PROFILE_FITS)}, got {fit!r}.")
+        values["profile_fit"] = fit
     return PluginConfig(**values)  # type: ignore[arg-type]
 
 
@@ -116,11 +129,15 @@ class ReplicaLimits:
 
 
 def replica_profile(config: PluginConfig, limits: ReplicaLimits) -> Profile:
-    """The configured profile with the replica's KV size, block size and batch limits."""
+    """The configured profile with the replica's KV size, block size and batch limits; with
+    ``profile_fit`` online, an ``OnlineProfile`` that starts from it (it reads as a ``Profile``)."""
     try:
-        return with_limits(load_profile(config.profile), limits)
+        profile = with_limits(load_profile(config.profile), limits)
     except ProfileError as exc:
         raise PluginConfigError(str(exc)) from None
+    if config.profile_fit == "online":
+        return cast(Profile, OnlineProfile(profile))
+    return profile
 
 
 def with_limits(profile: Profile, limits: ReplicaLimits) -> Profile:

@@ -4,7 +4,7 @@ A collector in prometheus_client's default registry, the one vLLM's API server s
 ``PROMETHEUS_MULTIPROC_DIR``, that is with one API server process). The API process's own counts
 (refusals by reason, arrivals admitted without a usable observation) come from the admission gate;
 the engine's (steps decided, decision time, shield interventions, fallbacks by cause, guard
-switches) from the record the engine publishes after every step (``channel``).
+switches, the step model's refits and its terms) from the record the engine publishes after every step (``channel``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,17 @@ class TidegateCollector:
             gauge = GaugeMetricFamily(f"tidegate:{name}", doc, labels=labels)
             gauge.add_metric(model, float(value))
             yield gauge
+        yield counter("profile_refits", "Times the step-time model the controller estimates with was refitted from "
+                      "the replica's own steps.", engine.profile_fits if engine is not None else 0)
+        fitted = engine.fitted if engine is not None else None
+        if fitted is not None:
+            model_terms = GaugeMetricFamily("tidegate:step_model_seconds", "The refitted step-time model: seconds "
+                                            "a step takes per unit of each term.", labels=labels + ["term"])
+            for term, value in (("step", fitted.base_s), ("prefill_token", fitted.per_token_s),
+                                ("decode_token", fitted.per_decode_token_s or fitted.per_token_s),
+                                ("kv_token_read", fitted.per_kv_token_s), ("prefill_chunk", fitted.per_prefill_s)):
+                model_terms.add_metric(model + [term], value)
+            yield model_terms
         histogram = HistogramMetricFamily("tidegate:controller_decision_seconds",
                                           "Seconds one engine step waited for the controller's decision.",
                                           labels=labels)

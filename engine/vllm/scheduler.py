@@ -38,6 +38,7 @@ from vllm.v1.request import RequestStatus
 
 from tidegate.ctrl.base import Controller, Decision
 from tidegate.engine.core.builder import rate_window_s
+from tidegate.engine.sim.online import OnlineProfile
 from tidegate.engine.vllm.channel import (
     EngineCounters, EngineRecordWriter, RefusalReader, default_channel, remove_stale_channels,
 )
@@ -74,6 +75,8 @@ class TidegateSchedulerMixin:
     _step_log: StepLog | None = None
     _publisher: EngineRecordWriter | None = None
     _refusals: RefusalReader | None = None
+    _online: OnlineProfile | None = None
+    _counters: EngineCounters | None = None
     #: the controller (None: ``vllm``, vLLM's own scheduling)
     tidegate_controller: Controller | None = None
 
@@ -98,6 +101,8 @@ class TidegateSchedulerMixin:
                                max_num_batched_tokens=s.max_num_scheduled_tokens)
         profile = replica_profile(config, limits)
         controller = build_plugin_controller(config, profile)
+        # the step model refitted from this replica's steps, which the controller reads through its profile
+        self._online = profile if isinstance(profile, OnlineProfile) and controller is not None else None
         self.tidegate_limits = limits
         self.tidegate_controller = controller
         self._configured_tokens = s.max_num_scheduled_tokens
@@ -185,6 +190,10 @@ class TidegateSchedulerMixin:
         row.real_s = end - start
         s: Any = self
         observer.committed(scheduler_output, s.requests, row.real_s)
+        online = self._online
+        if online is not None and online.step(row.tokens, row.kv_tokens_read, row.real_s, row.decode_tokens,
+                                              row.prefills):
+            self._refitted(online)
         if self._guard is not None:
             self._tick_guard(observer.now())
         if self._step_log is not None and row.tokens:
@@ -255,7 +264,7 @@ class TidegateSchedulerMixin:
     def _publish(self, obs: Any, decide_s: float) -> None:
         """The step's Observation, the admission state and the counters, for the API process."""
         publisher, counters, decider = self._publisher, self._counters, self._decider
-        if publisher is None or decider is None:
+        if publisher is None or decider is None or counters is None:
             return
         counters.decided(decide_s)
         shield, learned, guard = self._shield, self._learned, self._guard
@@ -275,6 +284,20 @@ class TidegateSchedulerMixin:
             log.exception("tidegate: publishing the step's observation failed; the API process no longer sees "
                           "the engine's state")
             self._publisher = None
+
+    def _refitted(self, online: OnlineProfile) -> None:
+        """The step model was refitted: the guard's twin takes it, the API process gets it with the next record."""
+        if self._guard is not None:
+            self._guard.profile = online.current
+        if self._counters is not None:
+            self._counters.profile_fits = online.fits
+            self._counters.fitted = online.current
+        fit = online.last_fit or {}
+        (log.info if online.fits == 1 else log.debug)(
+            "tidegate: step model refitted on the last %d steps (MAPE %.1f%%): %.3g s a step, %.3g s a prefill "
+            "token, %.3g s a decode token, %.3g s a KV token read", fit.get("points", 0), 100 * fit.get("mape", 0.0),
+            online.current.base_s, online.current.per_token_s,
+            online.current.per_decode_token_s or online.current.per_token_s, online.current.per_kv_token_s)
 
     def _tick_guard(self, now_s: float) -> None:
         try:

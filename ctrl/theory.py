@@ -142,7 +142,8 @@ def workload_moments(prompt_tokens, output_tokens) -> tuple[float, float]:
 
 
 def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float, profile: ReplicaProfile,
-                     kv_capacity_tokens: float | None = None, mean_output_tokens: float = 0.0) -> float:
+                     kv_capacity_tokens: float | None = None, mean_output_tokens: float = 0.0,
+                     max_num_seqs: float | None = None) -> float:
     """``1 / (a*W/M + c*W + b*S)`` requests per second: the fluid bound for requests of S tokens
     and lifetime KV workload W on a replica with step time a + b*T + c*K and KV capacity M. On a
     profile with its own decode cost b_d, ``b*S`` is ``b*(S - D) + b_d*D`` with D the mean output;
@@ -151,11 +152,22 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     one prefill step over the steps after it (``(per_after_prefill_s + per_after_prefill_token_s *
     (S - D)) / (1 - after_prefill_decay)``).
 
+    With ``max_num_seqs`` N, the running slots bound it too: a request holds a slot for its D steps
+    at least (its prefill gives the first token, each decode one more), N slots are held per step,
+    so at least ``λ·D/N`` steps a second, each costing a: ``W/M`` becomes ``max(W/M, D/N)``. An
+    engine with a large KV cache and few slots (vLLM's ``max_num_seqs``) is bound by its slots
+    long before its memory.
+
     :param kv_capacity_tokens: M (default: the profile's).
-    :param mean_output_tokens: D, the decode tokens among S (only used with a separate decode cost).
+    :param mean_output_tokens: D, the decode tokens among S (used with a separate decode cost, and
+        by the slot bound).
+    :param max_num_seqs: N, the most requests that run at once (None: no slot bound).
     """
     m = kv_capacity_tokens or profile.kv_capacity_tokens
     w, s = lifetime_kv_workload, mean_tokens_per_request
+    occupancy = w / m
+    if max_num_seqs and mean_output_tokens > 0:
+        occupancy = max(occupancy, mean_output_tokens / max_num_seqs)
     tokens_s = profile.per_token_s * s + (decode_token_s(profile) - profile.per_token_s) * min(mean_output_tokens, s)
     tokens_s += getattr(profile, "per_prefill_s", 0.0) or 0.0  # a request prefills in one chunk at least
     tokens_s += getattr(profile, "per_first_decode_s", 0.0) or 0.0  # and has one first decode at most
@@ -165,7 +177,7 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     after_s = (getattr(profile, "per_after_prefill_s", 0.0) or 0.0) + (
         getattr(profile, "per_after_prefill_token_s", 0.0) or 0.0) * max(s - mean_output_tokens, 0.0)
     tokens_s += after_s / (1.0 - (getattr(profile, "after_prefill_decay", 0.0) or 0.0))
-    return 1.0 / ((profile.base_s * w / m + profile.per_kv_token_s * w + tokens_s) * mean_step_factor(profile))
+    return 1.0 / ((profile.base_s * occupancy + profile.per_kv_token_s * w + tokens_s) * mean_step_factor(profile))
 
 
 def mean_step_factor(profile: ReplicaProfile) -> float:
@@ -217,7 +229,8 @@ def shrunk_lambda_max_interval(obs: Observation, profile: ReplicaProfile, prior_
     (``Observation.offered_kv_workload_se``, shrunk with the mean): the bound is 1 / (k W + b S),
     so a standard error sigma of W moves it by the share of k W in the denominator times
     sigma / W. S, a mean of lighter-tailed sizes, is taken as exact. 0 before two completions
-    (the prior's own error is unknown; the caller's other margins cover the start)."""
+    (the prior's own error is unknown; the caller's other margins cover the start). The bound
+    counts the replica's running slots (``profile.max_num_seqs``, :func:`fluid_lambda_max`)."""
     p = obs.offered_prompt_tokens
     if not p > 0:
         return lambda_max_estimate(obs, profile, prior_output_tokens), 0.0
@@ -230,12 +243,13 @@ def shrunk_lambda_max_interval(obs: Observation, profile: ReplicaProfile, prior_
     w_seen = max(obs.offered_kv_workload, obs.decode_kv_workload)
     w = share * w_seen + (1 - share) * (p * d0 + d0 * (d0 + 1) / 2)
     m = obs.kv_capacity_tokens or profile.kv_capacity_tokens
-    bound = fluid_lambda_max(p + d, w, profile, m, d)
+    slots = profile.max_num_seqs
+    bound = fluid_lambda_max(p + d, w, profile, m, d, slots)
     se = share * max(obs.offered_kv_workload_se, 0.0)
     if not (se > 0 and w > 0):
         return bound, 0.0
     # the denominator is linear in W: the bound at W + se is lower by the relative error
-    return bound, bound / fluid_lambda_max(p + d, w + se, profile, m, d) - 1.0
+    return bound, bound / fluid_lambda_max(p + d, w + se, profile, m, d, slots) - 1.0
 
 
 def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128) -> float:

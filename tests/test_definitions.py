@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -98,6 +99,36 @@ def test_fluid_bound_is_one_formula():
     assert cap.lambda_max_rps == fluid_lambda_max(cap.mean_tokens_per_request, cap.lifetime_kv_workload, profile)
     s, w = cap.mean_tokens_per_request, cap.lifetime_kv_workload
     assert cap.lambda_max_rps == pytest.approx(1 / (0.01 * w / 4096 + 1e-6 * w + 1e-4 * s))
+
+
+def test_the_fluid_bound_counts_the_running_slots():
+    """Memory for thousands of requests, 8 slots: the replica serves what its slots allow, and the
+    bound with the slots says so where the memory's alone runs far above it."""
+    from tidegate.engine.workloads import Arrival
+
+    profile = step_profile(base_s=0.01, per_token_s=1e-5, per_kv_token_s=1e-8, kv_capacity_tokens=1 << 20,
+                           max_num_seqs=8, max_num_batched_tokens=512, block_size=16)
+    prompt, output = 64, 32
+    s, w = float(prompt + output), prompt * output + output * (output + 1) / 2
+    slots = fluid_lambda_max(s, w, profile, None, output, 8)
+    memory = fluid_lambda_max(s, w, profile, None, output)
+    assert slots == pytest.approx(1 / (0.01 * output / 8 + 1e-8 * w + 1e-5 * s))
+    assert memory > 5 * slots
+    assert fluid_lambda_max(s, w, profile, None, output, 1 << 20) == memory  # slots that never bind change nothing
+    arrivals = [Arrival(i / (3 * slots), prompt, output, output, 0) for i in range(600)]  # 3x the slots' bound
+    result = simulate(arrivals, profile, build_controller("greedy", profile)).summary
+    served = result["completed"] / result["sim_time_s"]
+    assert 0.8 * slots < served <= 1.02 * slots
+    # slo-flow's capacity witness judges against the slots' bound: twice it is no light load
+    from tidegate.ctrl.base import Observation
+
+    obs = Observation()
+    for key, value in (("completed_total", 300), ("offered_prompt_tokens", float(prompt)),
+                       ("offered_output_tokens", float(output)), ("offered_kv_workload", w),
+                       ("offered_rate_rps", 2 * slots), ("served_rate_rps", 2 * slots), ("num_running", 8)):
+        setattr(obs, key, value)
+    assert not build_controller("slo-flow", profile).under_capacity(obs)
+    assert build_controller("slo-flow", dataclasses.replace(profile, max_num_seqs=1 << 20)).under_capacity(obs)
 
 
 def test_replay_waits_for_arrivals_and_drains():

@@ -33,8 +33,8 @@ Four rules, each with a worst case that can be argued on its own:
 - **Prefill order**: requests that already missed their TTFT SLO prefill after those that can
   still meet theirs (``Decision.late_after_s``), which serves at moderate load what refusals
   used to buy.
-- **Running cap** from the TPOT SLO (with a profile, in overload: from when the admission rule's
-  witnesses say so until the queue is empty): at most as many requests run as keep the mean step within ``tpot_share`` x
+- **Running cap** from the TPOT SLO (with a profile, in overload: when the admission rule's
+  witnesses say so): at most as many requests run as keep the mean step within ``tpot_share`` x
   the SLO for the traffic seen (``ctrl.theory.tpot_running_cap``, Little's law: at a given
   throughput a request's TPOT grows with the requests running beside it). A saturated replica
   gains little or no throughput from more running requests, while each of them slows every step;
@@ -221,7 +221,6 @@ class SloFlowController(Controller):
         self.set_residual()
         self.aimd.reset()
         self._credit = 0.0
-        self._capped = False
         self._decision.token_budget = self.max_budget
 
     def set_residual(self, activation_scale: float = 1.0, token_scale: float = 1.0,
@@ -329,20 +328,10 @@ class SloFlowController(Controller):
         # unused credit does not pile up into a burst while the queue is short
         self._credit = min(max(credit - n, 0.0), max(rate, 1.0))
         d.activation_budget = n
-        d.running_cap = self.running_cap(obs) if self._capping(obs) else self.max_num_seqs
+        # in overload only: a burst at light load drains by itself, and capping it would queue it
+        d.running_cap = self.running_cap(obs) if self.tpot_share > 0 and self.reject_delay_s(obs) < math.inf \
+            else self.max_num_seqs
         return d
-
-    def _capping(self, obs: Observation) -> bool:
-        """Whether the running cap applies: from the step where the admission rule's witnesses say
-        overload until the queue is empty with no overload (a burst at light load drains by itself,
-        and capping it would queue it; held through the queue, the cap does not flap with the
-        witnesses' noise while admitted requests wait behind it)."""
-        if not self.tpot_share > 0:
-            return False
-        if obs.num_waiting > 0 and self._capped:
-            return True
-        self._capped = self.reject_delay_s(obs) < math.inf
-        return self._capped
 
     def running_cap(self, obs: Observation) -> int:
         """``max_num_seqs``, or fewer where more would put the mean step above ``tpot_share`` x the

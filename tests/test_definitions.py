@@ -131,28 +131,6 @@ def test_the_fluid_bound_counts_the_running_slots():
     assert build_controller("slo-flow", dataclasses.replace(profile, max_num_seqs=1 << 20)).under_capacity(obs)
 
 
-def test_the_tpot_running_cap_is_littles_law_on_the_step_model():
-    """At the cap, the mean step of n decodes plus the prefill that replaces them is the TPOT asked
-    for; a saturated replica run at the cap keeps its TPOT there, and serves as much as without it."""
-    from tidegate.ctrl.theory import tpot_running_cap
-    from tidegate.engine.workloads import Arrival
-
-    profile = step_profile(base_s=0.01, per_token_s=1e-3, per_kv_token_s=0.0, kv_capacity_tokens=1 << 20,
-                           max_num_seqs=256, max_num_batched_tokens=256, block_size=16, tpot_slo_s=0.2)
-    prompt, output = 64, 32
-    cap = tpot_running_cap(profile, 0.15, prompt, output)
-    assert cap == pytest.approx((0.15 - 0.01) / (1e-3 + 1e-3 * prompt / output))
-    assert profile.base_s + cap * (1e-3 + 1e-3 * prompt / output) == pytest.approx(0.15)
-    assert tpot_running_cap(profile, 0.001, prompt, output) == 1.0  # never below one request
-    # three times what the replica can serve: slo-flow caps the batch in overload, and the TPOT stays near the cap's
-    arrivals = [Arrival(i / 30.0, prompt, output, output, 0) for i in range(900)]
-    capped = simulate(arrivals, profile, build_controller("slo-flow", profile)).summary
-    uncapped = simulate(arrivals, profile, build_controller("slo-flow:tpot_share=0", profile)).summary
-    assert capped["tpot_p50_s"] <= 0.2 < uncapped["tpot_p50_s"]
-    assert capped["completed"] / capped["sim_time_s"] >= 0.9 * uncapped["completed"] / uncapped["sim_time_s"]
-    assert capped["goodput_rps"] > uncapped["goodput_rps"]
-
-
 def test_replay_waits_for_arrivals_and_drains():
     profile = step_profile()
     core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())

@@ -33,15 +33,6 @@ Four rules, each with a worst case that can be argued on its own:
 - **Prefill order**: requests that already missed their TTFT SLO prefill after those that can
   still meet theirs (``Decision.late_after_s``), which serves at moderate load what refusals
   used to buy.
-- **Running cap** from the TPOT SLO (with a profile, in overload: when the admission rule's
-  witnesses say so): at most as many requests run as keep the mean step within ``tpot_share`` x
-  the SLO for the traffic seen (``ctrl.theory.tpot_running_cap``, Little's law: at a given
-  throughput a request's TPOT grows with the requests running beside it). A saturated replica
-  gains little or no throughput from more running requests, while each of them slows every step;
-  at light load a burst drains by itself and is not capped.
-  The share below 1 leaves room for a request's own mean step to run above the mean of all
-  (the share of its steps that carry a prefill chunk varies from request to request, and the
-  machine's speed wanders). A cap never stops a running request; it holds back activations.
 
 Three multipliers (:meth:`SloFlowController.set_residual`, all 1 by default) scale the activation
 rate, the token budget and the admission threshold: the learned policy sets them, and at
@@ -57,14 +48,8 @@ from tidegate.ctrl.base import (
     STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, ReplicaProfile,
     retry_after_s,
 )
-from tidegate.ctrl.theory import (
-    BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval, tpot_running_cap,
-)
+from tidegate.ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval
 
-#: the share of the TPOT SLO the mean step may reach before the running requests are capped: the
-#: rest is the spread of one request's mean step around the mean of all (the share of its steps
-#: that carry a prefill chunk is binomial over its decodes, and the machine's speed wanders)
-TPOT_SHARE = 0.75
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
 #: over the first ones completions lag arrivals by a request's lifetime
 EVIDENCE_ARRIVALS = 64
@@ -165,8 +150,6 @@ class SloFlowController(Controller):
         traffic at 2 x lambda_max).
     :param late_last: prefill the requests that can still meet the TTFT SLO before those that
         already missed it (``Decision.late_after_s``); off, in activation order.
-    :param tpot_share: with a ``profile``, cap the running requests where the mean step reaches this
-        share of the TPOT SLO (``ctrl.theory.tpot_running_cap``); 0 turns the cap off.
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -186,7 +169,7 @@ class SloFlowController(Controller):
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
                  steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, occupied_pacing: bool = True,
-                 tpot_share: float = TPOT_SHARE, max_waiting: int | None = None,
+                 max_waiting: int | None = None,
                  queue_timeout_s: float | None = None) -> None:
         super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
@@ -212,7 +195,6 @@ class SloFlowController(Controller):
         self.size_error = size_error
         self.occupied_pacing = occupied_pacing
         self.min_load = min_load if profile is not None else 0.0
-        self.tpot_share = tpot_share if profile is not None else 0.0
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
         self.reset()
@@ -328,22 +310,4 @@ class SloFlowController(Controller):
         # unused credit does not pile up into a burst while the queue is short
         self._credit = min(max(credit - n, 0.0), max(rate, 1.0))
         d.activation_budget = n
-        # in overload only: a burst at light load drains by itself, and capping it would queue it
-        d.running_cap = self.running_cap(obs) if self.tpot_share > 0 and self.reject_delay_s(obs) < math.inf \
-            else self.max_num_seqs
         return d
-
-    def running_cap(self, obs: Observation) -> int:
-        """``max_num_seqs``, or fewer where more would put the mean step above ``tpot_share`` x the
-        TPOT SLO for the traffic served so far (``ctrl.theory.tpot_running_cap``; before the first
-        completion, the queue head's prompt with ``prior_output_tokens``)."""
-        if not self.tpot_share > 0:
-            return self.max_num_seqs
-        assert self.profile is not None
-        done = obs.completed_total > 0 and obs.mean_output_tokens > 0
-        prompt = obs.mean_prompt_tokens if done else obs.head_prompt_tokens
-        if not prompt > 0:
-            return self.max_num_seqs
-        output = obs.mean_output_tokens if done else self.prior_output_tokens
-        cap = tpot_running_cap(self.profile, self.tpot_share * self.tpot_slo_s, prompt, output)
-        return self.max_num_seqs if cap >= self.max_num_seqs else int(cap)

@@ -180,33 +180,6 @@ def fluid_lambda_max(mean_tokens_per_request: float, lifetime_kv_workload: float
     return 1.0 / ((profile.base_s * occupancy + profile.per_kv_token_s * w + tokens_s) * mean_step_factor(profile))
 
 
-def tpot_running_cap(profile: ReplicaProfile, tpot_s: float, prompt_tokens: float, output_tokens: float) -> float:
-    """The most requests that can run at once with the mean step within ``tpot_s``: Little's law on
-    a request's time per output token.
-
-    At concurrency n, each step advances every running request by one token, so a request's TPOT is
-    the mean step t. Serving the n requests' traffic, a step carries their n decodes (each reading
-    about P + D/2 KV tokens) and the prefill of the requests that replace them: n P / D prompt
-    tokens a step, since n requests complete every D steps. With step time a + b T + b_d n + c K,
-    t(n) = a + n (b_d + c (P + D/2) + (b P + per_prefill_s) / D), linear in n, and
-    t(n) <= tpot_s at n = (tpot_s - a) / (b_d + c (P + D/2) + (b P + per_prefill_s) / D) (the mean
-    step's, with the profile's noise). Above it the throughput grows little or not at all (on a CPU,
-    whose cost per token does not fall with the batch, not at all) while every request's TPOT grows
-    with n: requests the engine runs past this cap cost everyone their TPOT. At least 1.
-
-    :param prompt_tokens: P, the traffic's mean prompt.
-    :param output_tokens: D, its mean output (at least 1).
-    """
-    d = max(float(output_tokens), 1.0)
-    p = max(float(prompt_tokens), 0.0)
-    per_running = decode_token_s(profile) + profile.per_kv_token_s * (p + d / 2) \
-        + (profile.per_token_s * p + (getattr(profile, "per_prefill_s", 0.0) or 0.0)) / d
-    per_running *= mean_step_factor(profile)
-    if not per_running > 0:
-        return math.inf
-    return max((tpot_s - profile.base_s * mean_step_factor(profile)) / per_running, 1.0)
-
-
 def mean_step_factor(profile: ReplicaProfile) -> float:
     """The mean over the median step time: ``exp(noise_sigma^2 / 2)`` on a profile with log-normal
     step noise (the formula is its median step), 1 without; with a sigma ``b`` below the median and

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from tidegate.ctrl import build_controller
 from tidegate.ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Observation, Rejection, retry_after_s
-from tidegate.ctrl.learned import (ACTION_DIM, BACKOFF_AFTER_OVERRUNS, BACKOFF_MAX_INTERVALS, DEFAULT_POLICY, OBS_DIM,
-                          action_to_residual, load_policy, make_learned_controller, make_prior)
+from tidegate.ctrl.learned import (ACTION_DIM, BACKOFF_AFTER_OVERRUNS, BACKOFF_MAX_INTERVALS, DEFAULT_POLICY,
+                          LEARNED_MAX_WAITING, OBS_DIM, QUEUE_TIMEOUT_SLOS, action_to_residual, load_policy,
+                          make_learned_controller, make_prior)
 from tidegate.ctrl.shield import ShieldedController
 from tidegate.ctrl.slo_flow import SloFlowController, predicted_ttft_s
 from tidegate.ctrl.theory import fluid_lambda_max, shrunk_lambda_max, shrunk_lambda_max_interval
@@ -51,8 +52,10 @@ def learned_with(policy, **kw) -> ShieldedController:
 
 
 def shielded_prior() -> ShieldedController:
+    """slo-flow in the shield the learned controller comes in (the same queue limit and timeout)."""
     return ShieldedController(make_prior(PROFILE), mode="soft", max_num_seqs=PROFILE.max_num_seqs,
-                              max_num_batched_tokens=PROFILE.max_num_batched_tokens)
+                              max_num_batched_tokens=PROFILE.max_num_batched_tokens, max_waiting=LEARNED_MAX_WAITING,
+                              queue_timeout_s=QUEUE_TIMEOUT_SLOS * PROFILE.ttft_slo_s)
 
 
 def arrivals(family: str, load: float, n: int = 600, seed: int = 0):

@@ -37,10 +37,6 @@ import numpy as np
 from tidegate.engine.core.profile import Profile, ProfileError
 from tidegate.engine.sim.fit import fit_core
 
-#: the attributes of the object itself (everything else is the current profile's)
-_OWN = frozenset({"prior", "current", "fits", "last_fit", "window_steps", "refit_steps", "min_steps"})
-
-
 class OnlineProfile:
     """A profile whose step-time model is refitted from the replica's timed steps.
 
@@ -68,8 +64,9 @@ class OnlineProfile:
         self._since = 0
 
     def __getattr__(self, name: str) -> Any:
-        # only names the object itself lacks come here: they are the current profile's
-        if name in _OWN or name.startswith("_"):
+        # only names the object itself lacks come here: they are the current profile's (``current``
+        # itself is missing only before ``__init__`` set it, as while a copy is made)
+        if name == "current" or name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.current, name)
 

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from tidegate.ctrl.theory import decode_token_s
 from tidegate.engine.vllm.admission import AdmissionGate
 from tidegate.engine.vllm.channel import DECISION_BUCKETS
 
@@ -76,7 +77,7 @@ class TidegateCollector:
             model_terms = GaugeMetricFamily("tidegate:step_model_seconds", "The refitted step-time model: seconds "
                                             "a step takes per unit of each term.", labels=labels + ["term"])
             for term, value in (("step", fitted.base_s), ("prefill_token", fitted.per_token_s),
-                                ("decode_token", fitted.per_decode_token_s or fitted.per_token_s),
+                                ("decode_token", decode_token_s(fitted)),
                                 ("kv_token_read", fitted.per_kv_token_s), ("prefill_chunk", fitted.per_prefill_s)):
                 model_terms.add_metric(model + [term], value)
             yield model_terms

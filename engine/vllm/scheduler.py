@@ -37,6 +37,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from tidegate.ctrl.base import Controller, Decision
+from tidegate.ctrl.theory import decode_token_s
 from tidegate.engine.core.builder import rate_window_s
 from tidegate.engine.sim.online import OnlineProfile
 from tidegate.engine.vllm.channel import (
@@ -292,12 +293,11 @@ class TidegateSchedulerMixin:
         if self._counters is not None:
             self._counters.profile_fits = online.fits
             self._counters.fitted = online.current
-        fit = online.last_fit or {}
+        fit, fitted = online.last_fit or {}, online.current
         (log.info if online.fits == 1 else log.debug)(
             "tidegate: step model refitted on the last %d steps (MAPE %.1f%%): %.3g s a step, %.3g s a prefill "
             "token, %.3g s a decode token, %.3g s a KV token read", fit.get("points", 0), 100 * fit.get("mape", 0.0),
-            online.current.base_s, online.current.per_token_s,
-            online.current.per_decode_token_s or online.current.per_token_s, online.current.per_kv_token_s)
+            fitted.base_s, fitted.per_token_s, decode_token_s(fitted), fitted.per_kv_token_s)
 
     def _tick_guard(self, now_s: float) -> None:
         try:

@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
         sweep = only is None or "vllm-queued" in only
         explicit = queued_values(args.queued_reqs, None)
-        defaults = default_arms(args.controller)
+        defaults = default_arms(args.controller, args.ttft_slo_s, args.tpot_slo_s)
         if explicit and sweep:
             defaults += queued_arms(explicit, args.queued_loads)
         if only is not None and "vllm-queued" in only:

@@ -48,7 +48,9 @@ from tidegate.ctrl.base import (
     STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, ReplicaProfile,
     retry_after_s,
 )
-from tidegate.ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval
+from tidegate.ctrl.theory import (
+    BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval, tpot_running_cap,
+)
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
 #: over the first ones completions lag arrivals by a request's lifetime
@@ -58,6 +60,9 @@ EVIDENCE_ARRIVALS = 64
 STRONG_OVERLOAD = 3.0
 #: standard errors of margin on the capacity witness's steady arrival rate
 CAPACITY_Z = 2.0
+#: the early witness (:meth:`SloFlowController.over_capacity`) judges from this many arrivals on:
+#: at 3 x the bound, a Poisson count of 8 is above it by more than 2 standard errors
+EARLY_ARRIVALS = 8
 #: steady arrivals above 1 + this times the steady completions overrule the capacity witness: three
 #: standard errors of the ratio of two independent 256-event Poisson rates (sqrt(2 / 256), about 9%).
 #: The test runs at every arrival, so a margin of 1.7 standard errors (1.15, earlier) fired by
@@ -150,6 +155,10 @@ class SloFlowController(Controller):
         traffic at 2 x lambda_max).
     :param late_last: prefill the requests that can still meet the TTFT SLO before those that
         already missed it (``Decision.late_after_s``); off, in activation order.
+    :param tpot_cap: with a ``profile``, in overload (the admission rule's witnesses), cap the running
+        requests where more would take a request's TPOT past ``tpot_slo_s``
+        (``ctrl.theory.tpot_running_cap``); off, and without overload, only ``max_num_seqs`` caps
+        them: a burst at light load drains by itself, and a cap would only make it wait.
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -169,7 +178,7 @@ class SloFlowController(Controller):
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
                  steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, occupied_pacing: bool = True,
-                 max_waiting: int | None = None,
+                 tpot_cap: bool = True, max_waiting: int | None = None,
                  queue_timeout_s: float | None = None) -> None:
         super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
@@ -195,6 +204,7 @@ class SloFlowController(Controller):
         self.size_error = size_error
         self.occupied_pacing = occupied_pacing
         self.min_load = min_load if profile is not None else 0.0
+        self.tpot_cap = tpot_cap and profile is not None
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
         self.reset()
@@ -231,12 +241,14 @@ class SloFlowController(Controller):
         except arrivals at ``STRONG_OVERLOAD`` times the completions or more. Before
         ``EVIDENCE_ARRIVALS`` arrivals, nothing is judged."""
         done = obs.completion_rate_rps
+        limit = self.reject_above * self.reject_scale * self.ttft_slo_s
         if obs.completed_total < self.min_completions or arrivals_seen(obs) < EVIDENCE_ARRIVALS:
-            return math.inf
+            # the rates cannot witness yet (the first completion comes a request's life after the
+            # first arrival); arrivals beyond the fluid bound can
+            return limit if self.over_capacity(obs) else math.inf
         # the residual may widen the margin, never narrow it: without overload nothing is refused,
         # whatever a policy asks
         margin = self.overload_margin * max(self.reject_scale, 1.0)
-        limit = self.reject_above * self.reject_scale * self.ttft_slo_s
         if done > 0 and obs.arrival_rate_rps > done * (1.0 + margin):
             u = obs.arrival_rate_rps / done
             if u >= STRONG_OVERLOAD or not self.under_capacity(obs):
@@ -274,6 +286,21 @@ class SloFlowController(Controller):
         se = math.sqrt(1.0 / max(min(seen, STEADY_RATE_EVENTS), 1) + rse * rse)
         return obs.offered_rate_rps / bound < self.min_load * (1.0 + CAPACITY_Z * se)
 
+    def over_capacity(self, obs: Observation) -> bool:
+        """The early witness of overload, for the start, before completions can witness it: at least
+        ``EARLY_ARRIVALS`` arrived, and the steady arrival rate is above the fluid bound of the
+        traffic offered so far by ``CAPACITY_Z`` standard errors of a Poisson count of the arrivals
+        (1 / sqrt(n)) and of the bound (:meth:`under_capacity`). Off without a profile. Before any
+        completion the bound takes the prior output length; an output longer than the prior makes
+        the bound too high, and then this witness silent, never wrong."""
+        seen = arrivals_seen(obs)
+        if not (self.min_load > 0 and seen >= EARLY_ARRIVALS):
+            return False
+        assert self.profile is not None
+        bound, rse = shrunk_lambda_max_interval(obs, self.profile, self.prior_output_tokens)
+        se = math.sqrt(1.0 / min(seen, STEADY_RATE_EVENTS) + (rse * rse if self.size_error else 0.0))
+        return obs.offered_rate_rps > bound * (1.0 + CAPACITY_Z * se)
+
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""
         return predicted_ttft_s(obs, prompt_tokens, self._decision.token_budget, self.target_usage,
@@ -299,6 +326,12 @@ class SloFlowController(Controller):
     def decide(self, obs: Observation) -> Decision:
         d = self._decision
         d.token_budget = max(1, min(self.max_budget, int(self.aimd.update(obs) * self.token_scale)))
+        if self.tpot_cap:
+            d.running_cap = self.max_num_seqs
+            if self.reject_delay_s(obs) < math.inf:  # overload: what runs past the cap would miss its TPOT
+                assert self.profile is not None
+                cap = tpot_running_cap(obs, self.profile, self.tpot_slo_s, self.prior_output_tokens)
+                d.running_cap = int(min(self.max_num_seqs, cap))
         rate = self.activation_scale * safe_activation_rate(obs, self.target_usage, self.prior_output_tokens,
                                                             occupied=self.occupied_pacing)
         credit = self._credit + rate

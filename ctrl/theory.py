@@ -234,14 +234,7 @@ def shrunk_lambda_max_interval(obs: Observation, profile: ReplicaProfile, prior_
     p = obs.offered_prompt_tokens
     if not p > 0:
         return lambda_max_estimate(obs, profile, prior_output_tokens), 0.0
-    d0 = float(prior_output_tokens)
-    n = obs.completed_total if obs.offered_kv_workload > 0 else 0
-    share = n / (n + prior_weight)
-    d = share * obs.offered_output_tokens + (1 - share) * d0
-    # the completed requests' W leaves out the long outputs still running; the decodes' KV reads
-    # per completion count them (and not what admission refused): the larger is the sounder
-    w_seen = max(obs.offered_kv_workload, obs.decode_kv_workload)
-    w = share * w_seen + (1 - share) * (p * d0 + d0 * (d0 + 1) / 2)
+    share, d, w = shrunk_moments(obs, prior_output_tokens, prior_weight)
     m = obs.kv_capacity_tokens or profile.kv_capacity_tokens
     slots = profile.max_num_seqs
     bound = fluid_lambda_max(p + d, w, profile, m, d, slots)
@@ -250,6 +243,66 @@ def shrunk_lambda_max_interval(obs: Observation, profile: ReplicaProfile, prior_
         return bound, 0.0
     # the denominator is linear in W: the bound at W + se is lower by the relative error
     return bound, bound / fluid_lambda_max(p + d, w + se, profile, m, d, slots) - 1.0
+
+
+def shrunk_moments(obs: Observation, prior_output_tokens: int = 128, prior_weight: float = 32.0
+                   ) -> tuple[float, float, float]:
+    """(share, D, W) of the offered traffic, shrunk towards the prior with the weight of
+    ``prior_weight`` completions (:func:`shrunk_lambda_max`): ``share`` is the completions' weight,
+    D the mean output, W the lifetime KV workload (the prompt is ``offered_prompt_tokens``)."""
+    p = obs.offered_prompt_tokens
+    d0 = float(prior_output_tokens)
+    n = obs.completed_total if obs.offered_kv_workload > 0 else 0
+    share = n / (n + prior_weight)
+    d = share * obs.offered_output_tokens + (1 - share) * d0
+    # the completed requests' W leaves out the long outputs still running; the decodes' KV reads
+    # per completion count them (and not what admission refused): the larger is the sounder
+    w_seen = max(obs.offered_kv_workload, obs.decode_kv_workload)
+    w = share * w_seen + (1 - share) * (p * d0 + d0 * (d0 + 1) / 2)
+    return share, d, w
+
+
+#: standard errors of margin on the prefills that land in a request's steps (:func:`tpot_running_cap`)
+TPOT_Z = 2.0
+
+
+def tpot_running_cap(obs: Observation, profile: ReplicaProfile, tpot_slo_s: float,
+                     prior_output_tokens: int = 128, z: float = TPOT_Z) -> float:
+    """The most requests that can run at once with a request's TPOT within ``tpot_slo_s``, from the
+    profile's step model and the offered traffic's moments (:func:`shrunk_moments`); ``inf`` where
+    no number of running requests is too many (no per-token cost) or none is few enough (one
+    step alone costs more than the SLO: fewer requests would only serve fewer).
+
+    A request's TPOT is the mean of the steps it decodes in. With n requests running, each living
+    D steps, the fluid bound's time per request R (:func:`fluid_lambda_max` without its base
+    cost: prefill, decodes and KV reads) falls in those D steps n times over, so the mean step is
+    ``T(n) = f a + R n / D`` (f the step noise's mean factor), the bound at n slots read per
+    step. Throughput ``n / (D T(n))`` rises with n towards ``1 / R``, while T(n) rises without
+    bound: past the cap, more running requests buy little throughput and cost every request's TPOT
+    (on a CPU, where a decode costs about what a prompt token does, doubling the running requests
+    from 30 to 60 doubled TPOT for 6% more throughput). The prefills landing in a request's D
+    steps are about n, and their count varies: ``z`` standard errors of a Poisson count of n,
+    each a mean prompt's prefill cost, are added. The cap is the largest n with
+    ``f a + (R n + z sqrt(n) R_p) / D <= tpot_slo_s``."""
+    p = obs.offered_prompt_tokens or obs.head_prompt_tokens or obs.mean_prompt_tokens
+    if not p > 0:
+        return math.inf
+    _, d, w = shrunk_moments(obs, prior_output_tokens)
+    if not d > 0:
+        return math.inf
+    factor = mean_step_factor(profile)
+    base = factor * profile.base_s
+    try:
+        per_request = 1.0 / fluid_lambda_max(p + d, w, profile, math.inf, d)  # R: no base cost with M = inf
+    except ZeroDivisionError:  # a profile without per-token costs (the slot model)
+        return math.inf
+    prefill = factor * profile.per_token_s * p  # R_p
+    room = tpot_slo_s - base
+    if not (per_request > 0 and room > 0):
+        return math.inf
+    k, j = per_request / d, z * prefill / d
+    root = (-j + math.sqrt(j * j + 4.0 * k * room)) / (2.0 * k)
+    return max(math.floor(root * root), 1.0)
 
 
 def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128) -> float:

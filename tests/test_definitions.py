@@ -131,6 +131,84 @@ def test_the_fluid_bound_counts_the_running_slots():
     assert build_controller("slo-flow", dataclasses.replace(profile, max_num_seqs=1 << 20)).under_capacity(obs)
 
 
+#: a replica where a decode costs about what a prompt token does (vLLM's CPU build, fitted on its steps)
+CPU_LIKE = dict(base_s=0.0117, per_token_s=7.3e-4, per_decode_token_s=8.6e-4, per_kv_token_s=1.85e-6,
+                per_prefill_s=8.4e-4, kv_capacity_tokens=65408, block_size=16, max_num_seqs=128,
+                max_num_batched_tokens=2048, ttft_slo_s=2.0, tpot_slo_s=0.2)
+
+
+def _offered(prompt: int, output: int, completed: int = 300):
+    from tidegate.ctrl.base import Observation
+
+    obs = Observation(65408, 16)
+    w = prompt * output + output * (output + 1) / 2
+    for key, value in (("completed_total", completed), ("offered_prompt_tokens", float(prompt)),
+                       ("offered_output_tokens", float(output)), ("offered_kv_workload", w)):
+        setattr(obs, key, value)
+    return obs
+
+
+@pytest.mark.parametrize("prompt, output, slo", [(256, 128, 0.2), (256, 128, 0.1), (2000, 100, 0.2),
+                                                  (50, 1000, 0.05)])
+def test_the_tpot_cap_is_the_most_running_requests_whose_mean_step_meets_the_slo(prompt, output, slo):
+    """T(n) = f a + (R n + z sqrt(n) R_p) / D, with R the fluid bound's time per request without its
+    base cost and R_p a prompt's prefill: the cap is the largest n with T(n) <= the TPOT SLO."""
+    from tidegate.ctrl.theory import TPOT_Z, tpot_running_cap
+
+    profile = step_profile(**CPU_LIKE)
+    obs = _offered(prompt, output)
+    w = prompt * output + output * (output + 1) / 2
+    per_request = 1 / fluid_lambda_max(prompt + output, w, profile, math.inf, output)
+    assert per_request == pytest.approx(7.3e-4 * prompt + 8.6e-4 * output + 1.85e-6 * w + 8.4e-4)
+
+    def mean_step(n):
+        return 0.0117 + (per_request * n + TPOT_Z * math.sqrt(n) * 7.3e-4 * prompt) / output
+
+    cap = tpot_running_cap(obs, profile, slo)
+    assert cap >= 1 and cap == int(cap)
+    assert mean_step(cap) <= slo < mean_step(cap + 1)
+
+
+def test_the_tpot_cap_is_off_where_no_count_of_running_requests_is_too_many_or_few_enough():
+    from tidegate.ctrl.theory import tpot_running_cap
+
+    obs = _offered(256, 128)
+    assert tpot_running_cap(obs, step_profile(), 2.0) == math.inf  # the slot model: no per-token cost
+    assert tpot_running_cap(obs, step_profile(**CPU_LIKE), 0.01) == math.inf  # one step alone is over the SLO
+    assert tpot_running_cap(_offered(256, 128, completed=0), step_profile(**CPU_LIKE), 0.2) == \
+        tpot_running_cap(obs, step_profile(**CPU_LIKE), 0.2)  # before a completion: the prior's output (128)
+
+
+def test_in_overload_slo_flow_caps_the_running_requests_at_the_tpot_cap_and_serves_more_within_the_slos():
+    """3x overload on a CPU-like replica: without the cap, vLLM's 128 slots fill and steps run near the
+    TPOT SLO; with it, the running requests stay at the cap, TPOT within the SLO, and more meet both
+    SLOs. At half the load nothing is capped, and nothing is refused."""
+    import numpy as np
+
+    from tidegate.ctrl.theory import tpot_running_cap
+    from tidegate.engine.workloads import Arrival
+
+    profile = step_profile(**CPU_LIKE)
+    cap = tpot_running_cap(_offered(256, 128), profile, 0.2)
+    assert 8 < cap < 128
+    capped_rps = cap / (128 * 0.2)
+    rng = np.random.default_rng(0)
+
+    def poisson(rate, n):
+        return [Arrival(float(t), 256, 128, 128, 0) for t in np.cumsum(rng.exponential(1 / rate, n))]
+
+    heavy = poisson(3 * capped_rps, 1200)
+    runs = {on: simulate(heavy, profile, build_controller(f"slo-flow:tpot_cap={on}", profile))
+            for on in (True, False)}
+    with_cap, without = runs[True].summary, runs[False].summary
+    assert with_cap["goodput_rps"] > 1.3 * without["goodput_rps"]
+    assert with_cap["tpot_p50_s"] <= 0.2 < without["tpot_p99_s"]
+    running = runs[True].core.metrics.step_running
+    assert max(running[len(running) // 2:]) <= cap  # once the overload is witnessed
+    assert max(runs[False].core.metrics.step_running) > cap
+    light = simulate(poisson(0.5 * capped_rps, 300), profile, build_controller("slo-flow", profile)).summary
+    assert light["rejected"] == 0 and light["tpot_p99_s"] <= 0.2
+
 def test_replay_waits_for_arrivals_and_drains():
     profile = step_profile()
     core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())

@@ -285,8 +285,14 @@ def test_the_capacity_witness_overrules_overload_witnesses_that_noise_can_fire()
     steady = overloaded_by_rates(0.7, completed_total=400)
     steady.offered_rate_rps = 1.5 * steady.served_rate_rps
     assert isinstance(c.admit(steady, 1000, 100), Rejection)
-    # before 64 arrivals nothing is judged, and without a profile the witness is off
-    assert c.admit(overloaded_by_rates(2.0, completed_total=10, num_waiting=10, num_running=10), 1000, 100) is None
+    # before 64 arrivals the rates judge nothing; the early witness judges alone, arrivals beyond the
+    # bound by 2 standard errors of their count (30 arrivals: 1.37 x), from 8 arrivals on
+    early = dict(completed_total=10, num_waiting=10, num_running=10)
+    assert isinstance(c.admit(overloaded_by_rates(2.0, **early), 1000, 100), Rejection)
+    assert c.admit(overloaded_by_rates(1.3, **early), 1000, 100) is None
+    assert c.admit(overloaded_by_rates(5.0, completed_total=0, num_waiting=4, num_running=3), 1000, 100) is None
+    assert isinstance(c.admit(overloaded_by_rates(5.0, completed_total=0, num_waiting=5, num_running=3), 1000, 100),
+                      Rejection)
     assert isinstance(SloFlowController().admit(overloaded_by_rates(0.7), 1000, 100), Rejection)
     loose = build_controller("slo-flow:min_load=0", PROFILE)
     assert isinstance(loose.admit(overloaded_by_rates(0.7), 1000, 100), Rejection)

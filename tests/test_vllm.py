@@ -80,6 +80,20 @@ def test_settings_come_from_the_additional_config_else_the_environment():
     assert read_plugin_config(None, environ={}).controller == "slo-flow"
 
 
+def test_the_deployments_slos_replace_the_profiles_and_reach_the_controller():
+    config = read_plugin_config({"tidegate": {"ttft_slo_s": 2, "tpot_slo_s": 0.2}})
+    assert (config.ttft_slo_s, config.tpot_slo_s) == (2.0, 0.2)
+    assert read_plugin_config({}, environ={"TIDEGATE_TPOT_SLO_S": "0.05"}).tpot_slo_s == 0.05
+    for fit in ("online", "off"):
+        profile = replica_profile(dataclasses.replace(config, profile_fit=fit), LIMITS)
+        assert (profile.ttft_slo_s, profile.tpot_slo_s) == (2.0, 0.2)
+        controller = build_plugin_controller(config, profile)
+        assert (controller.ttft_slo_s, controller.tpot_slo_s) == (2.0, 0.2)
+    default = replica_profile(PluginConfig(), LIMITS)
+    assert (default.ttft_slo_s, default.tpot_slo_s) == (load_profile("tiny-cpu").ttft_slo_s,
+                                                        load_profile("tiny-cpu").tpot_slo_s)
+
+
 def test_the_controller_is_built_as_tidegate_serve_builds_it():
     profile = replica_profile(PluginConfig(), LIMITS)
     assert (profile.kv_capacity_tokens, profile.block_size, profile.max_num_seqs) == (8064, 128, 128)
@@ -97,6 +111,8 @@ def test_the_controller_is_built_as_tidegate_serve_builds_it():
     ({"controller": "vllm:budget=1"}, "controller 'vllm' (vLLM's own scheduling) takes no options"),
     ({"profile": "nope"}, "unknown profile 'nope'"),
     ({"decide_timeout_s": 0}, "decide_timeout_s must be a positive number of seconds"),
+    ({"tpot_slo_s": "fast"}, "tpot_slo_s must be a positive number of seconds, got 'fast'"),
+    ({"ttft_slo_s": -1}, "ttft_slo_s must be a positive number of seconds, got -1"),
     ({"profile_fit": "always"}, "profile_fit must be online or off, got 'always'"),
     ("greedy", "must be a JSON object"),
 ])

@@ -34,7 +34,8 @@ PROFILE_FITS = ("online", "off")
 CONFIG_KEY = "tidegate"
 _ENV = {"controller": "TIDEGATE_CONTROLLER", "profile": "TIDEGATE_PROFILE", "profile_fit": "TIDEGATE_PROFILE_FIT",
         "step_log": "TIDEGATE_STEP_LOG", "decide_timeout_s": "TIDEGATE_DECIDE_TIMEOUT_S", "channel": "TIDEGATE_CHANNEL",
-        "action_channel": "TIDEGATE_ACTION_CHANNEL"}
+        "action_channel": "TIDEGATE_ACTION_CHANNEL", "ttft_slo_s": "TIDEGATE_TTFT_SLO_S",
+        "tpot_slo_s": "TIDEGATE_TPOT_SLO_S"}
 
 
 class PluginConfigError(ValueError):
@@ -60,6 +61,10 @@ class PluginConfig:
     :param action_channel: the path prefix of the actions file a Gymnasium env answers the learned
         controller's policy calls through (``actions``; ``ServingEnv(backend="vllm")`` sets it); only
         with ``learned``, whose policy it replaces.
+    :param ttft_slo_s: the deployment's TTFT SLO in seconds (None: the profile's), which the
+        controllers admit against.
+    :param tpot_slo_s: the deployment's TPOT SLO in seconds (None: the profile's), which the
+        controllers size the token budget and the running requests by.
     """
 
     controller: str = DEFAULT_CONTROLLER
@@ -69,6 +74,8 @@ class PluginConfig:
     decide_timeout_s: float = 0.05
     channel: str | None = None
     action_channel: str | None = None
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
     @property
     def passes_through(self) -> bool:
@@ -98,8 +105,9 @@ def read_plugin_config(additional_config: object, environ: Mapping[str, str] = o
             if not isinstance(value, str) or not value.strip():
                 raise PluginConfigError(f"{where}: {key} must be a non-empty string, got {value!r}.")
             values[key] = value
-    if "decide_timeout_s" in section:
-        values["decide_timeout_s"] = _positive_seconds(section["decide_timeout_s"], where)
+    for key in ("decide_timeout_s", "ttft_slo_s", "tpot_slo_s"):
+        if key in section:
+            values[key] = _positive_seconds(section[key], where, key)
     if "profile_fit" in section:
         fit = section["profile_fit"]
         if fit not in PROFILE_FITS:
@@ -108,13 +116,13 @@ def read_plugin_config(additional_config: object, environ: Mapping[str, str] = o
     return PluginConfig(**values)  # type: ignore[arg-type]
 
 
-def _positive_seconds(value: object, where: str) -> float:
+def _positive_seconds(value: object, where: str, key: str) -> float:
     try:
         seconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         seconds = math.nan
     if not 0 < seconds < math.inf or isinstance(value, bool):
-        raise PluginConfigError(f"{where}: decide_timeout_s must be a positive number of seconds, got {value!r}.")
+        raise PluginConfigError(f"{where}: {key} must be a positive number of seconds, got {value!r}.")
     return seconds
 
 
@@ -129,12 +137,17 @@ class ReplicaLimits:
 
 
 def replica_profile(config: PluginConfig, limits: ReplicaLimits) -> Profile:
-    """The configured profile with the replica's KV size, block size and batch limits; with
+    """The configured profile with the replica's KV size, block size, batch limits and the configured
+    SLOs; with
     ``profile_fit`` online, an ``OnlineProfile`` that starts from it (it reads as a ``Profile``)."""
     try:
         profile = with_limits(load_profile(config.profile), limits)
     except ProfileError as exc:
         raise PluginConfigError(str(exc)) from None
+    slos = {key: value for key, value in (("ttft_slo_s", config.ttft_slo_s), ("tpot_slo_s", config.tpot_slo_s))
+            if value is not None}
+    if slos:
+        profile = dataclasses.replace(profile, **slos)
     if config.profile_fit == "online":
         return cast(Profile, OnlineProfile(profile))
     return profile

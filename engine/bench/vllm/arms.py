@@ -55,12 +55,18 @@ class Arm:
         return self.loads is None or any(abs(load - x) < 1e-9 for x in self.loads)
 
 
-def plugin_args(controller: str, step_log: str | None = None) -> tuple[str, ...]:
-    """The server arguments that load the plugin with ``controller`` (and its step log): the scheduler
-    and the admission middleware that answers its refusals with 429."""
-    config: dict[str, str] = {"controller": controller}
+def plugin_args(controller: str, step_log: str | None = None, ttft_slo_s: float | None = None,
+                tpot_slo_s: float | None = None) -> tuple[str, ...]:
+    """The server arguments that load the plugin with ``controller`` (and its step log and the SLOs it
+    serves to; None: the profile's): the scheduler and the admission middleware that answers its
+    refusals with 429."""
+    config: dict[str, str | float] = {"controller": controller}
     if step_log:
         config["step_log"] = step_log
+    if ttft_slo_s is not None:
+        config["ttft_slo_s"] = ttft_slo_s
+    if tpot_slo_s is not None:
+        config["tpot_slo_s"] = tpot_slo_s
     return ("--scheduler-cls", SCHEDULER_CLS, "--middleware", MIDDLEWARE,
             "--additional-config", json.dumps({"tidegate": config}))
 
@@ -70,10 +76,12 @@ def queued_arms(values: list[int], loads: tuple[float, ...] | None) -> list[Arm]
     return [Arm(f"vllm-queued-{n}", ("--max-num-queued-reqs", str(n)), loads) for n in values]
 
 
-def default_arms(controller: str = DEFAULT_CONTROLLER) -> list[Arm]:
-    """``vllm`` (vanilla) and ``tidegate`` (the plugin with ``controller``, tidegate's default;
-    ``{step_log}`` in an arm's arguments is replaced by the path of that arm's step log)."""
-    return [Arm("vllm", ()), Arm("tidegate", plugin_args(controller, "{step_log}"))]
+def default_arms(controller: str = DEFAULT_CONTROLLER, ttft_slo_s: float | None = None,
+                 tpot_slo_s: float | None = None) -> list[Arm]:
+    """``vllm`` (vanilla) and ``tidegate`` (the plugin with ``controller``, tidegate's default, told the
+    SLOs the benchmark measures; ``{step_log}`` in an arm's arguments is replaced by the path of that
+    arm's step log)."""
+    return [Arm("vllm", ()), Arm("tidegate", plugin_args(controller, "{step_log}", ttft_slo_s, tpot_slo_s))]
 
 
 def parse_arm(text: str) -> Arm:

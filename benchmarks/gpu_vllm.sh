@@ -4,7 +4,8 @@
 #
 #   benchmarks/gpu_vllm.sh MODEL_DIR [OUT_DIR]
 #
-# MODEL_DIR: a local Hugging Face folder of a ~1B Llama-style model (nothing is downloaded). Needs a python
+# MODEL_DIR: a local Hugging Face folder of a ~1B Llama-style model, or `llama-1b` (built from a config with random
+# weights, engine/bench/vllm/model.py; nothing is downloaded). Needs a python
 # with vLLM's CUDA build and tidegate installed (pip install --no-deps -e . beside it): VLLM_PYTHON, default
 # python3. The plugin refuses a vLLM version other than those in engine/vllm/version.py, in one line.
 # Budget: capacity ramp ~1.5 min, 3 loads x 2 arms x (start-up ~40 s + 45 s of arrivals + drain), the

@@ -42,11 +42,14 @@ def bench_continuous(model, tokenizer, workload, batch: int, device) -> dict:
     llm = LLM(model_and_tokenizer=(model, tokenizer), kv_capacity_tokens=32768, device=device,
               max_num_seqs=batch, max_num_batched_tokens=1024, record_steps=False)
     llm.generate([workload[0][0]], SamplingParams(ignore_eos=True), max_tokens=4)  # warm-up
+    steps0, busy0 = llm.core.metrics.steps, llm.core.metrics.busy_time_s
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in workload], SamplingParams(ignore_eos=True), max_tokens=[m for _, m in workload])
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"output_tokens": tokens, "wall_s": wall, "output_tps": tokens / wall}
+    steps = llm.core.metrics.steps - steps0
+    return {"output_tokens": tokens, "wall_s": wall, "output_tps": tokens / wall, "steps": steps,
+            "step_ms": 1e3 * (llm.core.metrics.busy_time_s - busy0) / max(steps, 1)}
 
 
 def bench_static(model, workload, batch: int, device) -> dict:
@@ -108,15 +111,17 @@ def bench_overhead(model, tokenizer, batch: int, device, steps: int = 60) -> dic
 
 
 def big_model(device, dtype):
-    """A ~1.1B-parameter Llama with random weights (no download)."""
+    """The ``llama-1b`` shape of ``engine/bench/vllm/model.py`` (TinyLlama-1.1B's layers) with random weights and
+    the byte tokenizer's vocabulary, so every token it samples decodes (no download)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
-                         intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096,
-                         attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    from tidegate.engine.bench.vllm.model import SHAPES
+    from tidegate.engine.real.model import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, TINY_CONFIG, ByteTokenizer
+    config = LlamaConfig(**{**TINY_CONFIG, **SHAPES["llama-1b"]}, attn_implementation="sdpa",
+                         pad_token_id=PAD_TOKEN_ID, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval()
-    from tidegate.engine.real.model import ByteTokenizer
     return model, ByteTokenizer()
 
 
@@ -186,8 +191,10 @@ def main() -> None:
         work = mixed_workload(args.requests)
         cont = bench_continuous(model, tok, work, args.batch, dev)
         static = bench_static(model, work, args.batch, dev)
-        print(f"    continuous {cont['output_tps']:.0f} tok/s, static {static['output_tps']:.0f} tok/s, "
-              f"ratio {cont['output_tps'] / static['output_tps']:.2f}x")
+        print(f"    continuous {cont['output_tps']:.0f} tok/s ({cont['output_tokens']} tokens, {cont['steps']} "
+              f"steps of {cont['step_ms']:.1f} ms on average in {cont['wall_s']:.1f} s), "
+              f"static {static['output_tps']:.0f} tok/s ({static['wall_s']:.1f} s), "
+              f"ratio {cont['output_tps'] / static['output_tps']:.2f}x; work ratio {work_ratio(work, args.batch):.2f}x")
         o = bench_overhead(model, tok, args.batch, dev)
         print(f"    batch {o['batch']}: step {o['step_ms']:.2f} ms, forward {o['forward_ms']:.2f} ms, "
               f"outside the forward {100 * o['overhead_share']:.1f}%")

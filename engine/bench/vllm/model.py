@@ -12,10 +12,14 @@ import random
 from pathlib import Path
 
 #: shapes the benchmark can build, by name: ``llama-24m`` is the model issue 32's numbers were taken with
-#: (8 layers, hidden 512, 4 KV heads); ``tiny`` is ``tidegate serve --model tiny``'s 3M Llama
-SHAPES: dict[str, dict[str, int]] = {
+#: (8 layers, hidden 512, 4 KV heads); ``tiny`` is ``tidegate serve --model tiny``'s 3M Llama; ``llama-1b`` has
+#: TinyLlama-1.1B's layers (22 of hidden 2048, 32 heads, 4 KV heads), its initial weight spread and 8,192
+#: positions, for a GPU
+SHAPES: dict[str, dict[str, float]] = {
     "llama-24m": {"num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
                   "intermediate_size": 1408},
+    "llama-1b": {"num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "intermediate_size": 5632, "max_position_embeddings": 8192, "initializer_range": 0.02},
     "tiny": {},
 }
 

@@ -1,6 +1,6 @@
 """SLO-aware flow control: the robust heuristic under the learned controller, and its fallback.
 
-Four rules, each with a worst case that can be argued on its own:
+Five rules, each with a worst case that can be argued on its own:
 
 - **Activation** at the memory-safe rate of Dong & Cao's flow control: a waiting request starts
   while the activation credit, refilled by ``b_safe = rho * M / w_hat`` per step (the rate whose
@@ -29,7 +29,14 @@ Four rules, each with a worst case that can be argued on its own:
   serves a user better than a 429. With nothing ahead of an arrival it is never refused, whatever
   the machine's speed. Both witnesses fire on noise at light load, so a third, the **capacity
   witness**, overrules them while the steady arrival rate stays under ``min_load`` x the replica's
-  fluid bound (:meth:`SloFlowController.under_capacity`).
+  fluid bound (:meth:`SloFlowController.under_capacity`). Before the engine's rates span enough events, a
+  fourth, :meth:`SloFlowController.over_capacity`, witnesses overload from the start: the arrival rate above
+  the fluid bound by more than its own sampling error (a burst at start-up is then refused before any
+  request has completed, instead of queued for a request's lifetime).
+- **Running cap** (with a profile, ``tpot_cap``): in overload, the running requests are capped at the most
+  whose mean step still meets the TPOT SLO with ``TPOT_Z`` standard errors of the batch's per-token cost to
+  spare (:func:`ctrl.theory.tpot_running_cap`). Without overload the engine's own limit stands, so a cap
+  cannot slow a load the replica serves.
 - **Prefill order**: requests that already missed their TTFT SLO prefill after those that can
   still meet theirs (``Decision.late_after_s``), which serves at moderate load what refusals
   used to buy.

@@ -456,9 +456,11 @@ class LearnedController(Controller):
 
 
 def make_prior(profile: ReplicaProfile, target_usage: float = 0.9, prior_output_tokens: int = 128) -> SloFlowController:
-    """The heuristic under the learned policy, with the replica's SLOs and batch limits."""
+    """The heuristic under the learned policy, with the replica's SLOs and batch limits. It activates at the
+    shield's memory-safe rate (``stable_rate=False``), the prior the shipped policy was trained with: Algorithm 1's
+    faster rate (``ctrl.theory.stable_activation_rate``) is outside the shield's bound."""
     return SloFlowController(ttft_slo_s=profile.ttft_slo_s, tpot_slo_s=profile.tpot_slo_s, target_usage=target_usage,
-                             prior_output_tokens=prior_output_tokens, profile=profile,
+                             prior_output_tokens=prior_output_tokens, profile=profile, stable_rate=False,
                              max_num_batched_tokens=profile.max_num_batched_tokens, max_num_seqs=profile.max_num_seqs)
 
 

@@ -8,7 +8,10 @@ Five rules, each with a worst case that can be argued on its own:
   still fit at their peak into the free KV below rho * M, once the running requests have grown to
   the mean output (``ctrl.theory.headroom_activations``: a burst into free memory starts at
   once). Under any overload the KV demand stays near rho * M, so evictions stay rare; at light
-  load every request starts at the next step.
+  load every request starts at the next step. Where the steady arrivals ask between rho M and M of
+  the memory, ``b_safe`` is slower than they are and the queue would grow without end; there the
+  credit is refilled at Algorithm 1's budget ``M / w_hat``, stable for any arrivals within the
+  memory (``ctrl.theory.stable_activation_rate``).
 - **Token budget** by AIMD on the TPOT SLO (as ``watermark``): it grows while steps run within
   the SLO and halves when one did not, so long prefills cannot stall running decodes.
 - **Admission** on a calibrated prediction (:func:`predicted_ttft_s`): an arrival is refused with
@@ -56,7 +59,8 @@ from tidegate.ctrl.base import (
     retry_after_s,
 )
 from tidegate.ctrl.theory import (
-    BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval, tpot_running_cap,
+    BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval, stable_activation_rate,
+    tpot_running_cap,
 )
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
@@ -79,7 +83,8 @@ STEADY_OVERLOAD = 3.0 * math.sqrt(2.0 / STEADY_RATE_EVENTS)
 
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
-                     prior_output_tokens: int = 128, occupied: bool = True, running_cap: float = math.inf) -> float:
+                     prior_output_tokens: int = 128, occupied: bool = True, running_cap: float = math.inf,
+                     stable_rate: bool = True) -> float:
     """Seconds until the first token of an arrival with ``prompt_tokens``, from ``Observation`` only.
 
     The larger of two bounds, plus the step that produces the token:
@@ -99,6 +104,8 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     :param occupied: the memory-safe rate is paced by the KV held per completion where that W is
         larger (``ctrl.theory.safe_activation_rate``), as slo-flow activates by default.
     :param running_cap: the most requests that run at once (the applied Decision's ``running_cap``).
+    :param stable_rate: the rate is raised to Algorithm 1's where the arrivals are stable on the memory
+        (``ctrl.theory.stable_activation_rate``), as slo-flow activates by default.
     """
     step_s = obs.mean_step_time_s or obs.last_step_time_s
     if not step_s > 0:
@@ -109,7 +116,8 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     if obs.num_waiting > 0 and obs.num_running > 0:
         ahead = float(obs.num_waiting)
         if obs.kv_usage < target_usage:
-            rate = safe_activation_rate(obs, target_usage, prior_output_tokens, occupied)
+            pace = stable_activation_rate if stable_rate else safe_activation_rate
+            rate = pace(obs, target_usage, prior_output_tokens, occupied)
             # those that fit into the free memory start at once (the controller's burst)
             ahead = max(ahead - headroom_activations(obs, BURST_USAGE * target_usage, prior_output_tokens), 0.0)
         else:
@@ -166,6 +174,9 @@ class SloFlowController(Controller):
         requests where more would take a request's TPOT past ``tpot_slo_s``
         (``ctrl.theory.tpot_running_cap``); off, and without overload, only ``max_num_seqs`` caps
         them: a burst at light load drains by itself, and a cap would only make it wait.
+    :param stable_rate: where the steady arrivals ask between rho M and M of the memory, activate at Dong &
+        Cao's Algorithm 1 budget ``M / w_hat`` instead of ``rho M / w_hat``, which is slower than them
+        (``ctrl.theory.stable_activation_rate``); off, always ``rho M / w_hat`` (the shield's bound).
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -185,7 +196,7 @@ class SloFlowController(Controller):
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
                  steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, occupied_pacing: bool = True,
-                 tpot_cap: bool = True, max_waiting: int | None = None,
+                 tpot_cap: bool = True, stable_rate: bool = True, max_waiting: int | None = None,
                  queue_timeout_s: float | None = None) -> None:
         super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
@@ -212,6 +223,7 @@ class SloFlowController(Controller):
         self.occupied_pacing = occupied_pacing
         self.min_load = min_load if profile is not None else 0.0
         self.tpot_cap = tpot_cap and profile is not None
+        self.stable_rate = stable_rate
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
         self.reset()
@@ -311,7 +323,8 @@ class SloFlowController(Controller):
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""
         return predicted_ttft_s(obs, prompt_tokens, self._decision.token_budget, self.target_usage,
-                                self.prior_output_tokens, self.occupied_pacing, self._decision.running_cap)
+                                self.prior_output_tokens, self.occupied_pacing, self._decision.running_cap,
+                                self.stable_rate)
 
     def nothing_ahead(self, obs: Observation) -> bool:
         """No request waits and the running requests' prefill fits into the next step: an arrival
@@ -339,8 +352,9 @@ class SloFlowController(Controller):
                 assert self.profile is not None
                 cap = tpot_running_cap(obs, self.profile, self.tpot_slo_s, self.prior_output_tokens)
                 d.running_cap = int(min(self.max_num_seqs, cap))
-        rate = self.activation_scale * safe_activation_rate(obs, self.target_usage, self.prior_output_tokens,
-                                                            occupied=self.occupied_pacing)
+        pace = stable_activation_rate if self.stable_rate else safe_activation_rate
+        rate = self.activation_scale * pace(obs, self.target_usage, self.prior_output_tokens,
+                                            occupied=self.occupied_pacing)
         credit = self._credit + rate
         burst = int(self.activation_scale * headroom_activations(obs, BURST_USAGE * self.target_usage,
                                                                  self.prior_output_tokens))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tidegate.ctrl.base import Observation, ReplicaProfile
+from tidegate.ctrl.base import STEADY_RATE_EVENTS, Observation, ReplicaProfile
 
 
 def lifetime_kv_workload(prompt_tokens, output_tokens):
@@ -80,6 +80,36 @@ def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tok
     if occupied and obs.completed_total > 0 and obs.occupied_kv_workload > w:
         w = obs.occupied_kv_workload
     return target_usage * obs.kv_capacity_tokens / w
+
+
+def stable_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int,
+                           occupied: bool = False) -> float:
+    """The memory-safe rate, raised to Dong & Cao's Algorithm 1 where the offered traffic is stable on the memory.
+
+    ``b_safe = rho M / w_hat`` (:func:`safe_activation_rate`) holds the steady KV demand at rho M, so it is slower
+    than the arrivals once they ask more than rho M of the memory: a load between rho and 1 of the memory's bound
+    then queues without end, though Algorithm 1 serves it (a budget b with ``b w <= M`` is stable for arrivals
+    below b). Where the steady arrivals per step (``Observation.offered_rate_rps`` x the mean step, refused
+    arrivals counted, so refusing cannot hide them) ask between rho M and M (``rho M < lambda w_hat <= M``:
+    Algorithm 1's memory condition, the traffic taken as one class of the mean W), the rate is Algorithm 1's
+    largest budget, ``M / w_hat``: the queue drains, and the steady KV demand is the arrivals' own, at most M.
+    Elsewhere it is ``b_safe``: below rho M it already outpaces the arrivals, and beyond M (overload) no rate
+    serves them all, so the memory stays at rho M and admission refuses the excess. Before the steady rate spans
+    ``STEADY_RATE_EVENTS`` arrivals and W a completion, ``b_safe``: a rate from a few arrivals can read an
+    overload as a stable load (at 3 x the memory's bound, the first rates read 0.2 x), and a queue cannot have
+    grown much yet.
+    """
+    b_safe = safe_activation_rate(obs, target_usage, prior_output_tokens, occupied)
+    step_s = obs.mean_step_time_s
+    seen = obs.completed_total + obs.rejections_total + obs.num_waiting + obs.num_running
+    if not (step_s > 0 and b_safe > 0 and obs.completed_total > 0 and seen >= STEADY_RATE_EVENTS):
+        return b_safe
+    memory = float(obs.kv_capacity_tokens)
+    w = target_usage * memory / b_safe  # the w_hat b_safe is paced by
+    demand = obs.offered_rate_rps * step_s * w
+    if target_usage * memory < demand <= memory:
+        return memory / w
+    return b_safe
 
 
 def necessary_rate_bound(lifetime_kv: float, kv_capacity_tokens: int) -> float:

@@ -249,3 +249,53 @@ def test_one_memory_safe_rate_one_aimd_budget_one_ttft_prediction():
     assert isinstance(WatermarkController().aimd, AimdTokenBudget)
     assert isinstance(SloFlowController().aimd, AimdTokenBudget)
     assert SloFlowController().predict_ttft_s(obs, 100) == predicted_ttft_s(obs, 100, 8192)
+
+
+def test_the_stable_rate_is_algorithm_1s_budget_exactly_where_the_safe_rate_is_slower_than_a_stable_load():
+    """b_safe = rho M / w below rho M of demand and beyond M (overload); M / w where the arrivals ask
+    between rho M and M, so activations keep up with any load Algorithm 1 serves."""
+    from tidegate.ctrl.base import Observation
+    from tidegate.ctrl.theory import safe_activation_rate, stable_activation_rate
+
+    obs = Observation(kv_capacity_tokens=2000, block_size=1)
+    obs.completed_total, obs.lifetime_kv_workload, obs.mean_step_time_s = 300, 1000.0, 1.0
+    b_safe = safe_activation_rate(obs, 0.9, 128)
+    assert b_safe == pytest.approx(1.8)
+    for per_step, expected in ((0.5, b_safe), (1.79, b_safe), (1.81, 2.0), (2.0, 2.0), (2.01, b_safe), (9.0, b_safe)):
+        obs.offered_rate_rps = per_step  # a step of 1 s: arrivals per step
+        assert stable_activation_rate(obs, 0.9, 128) == pytest.approx(expected), per_step
+    obs.offered_rate_rps, obs.mean_step_time_s = 1.9, 0.0  # no step timed yet
+    assert stable_activation_rate(obs, 0.9, 128) == b_safe
+    obs.mean_step_time_s = 0.5  # the same arrivals per second are half as many per step
+    obs.offered_rate_rps = 3.8
+    assert stable_activation_rate(obs, 0.9, 128) == pytest.approx(2.0)
+    obs.completed_total = 200  # the steady rate spans fewer arrivals than it needs
+    assert stable_activation_rate(obs, 0.9, 128) == b_safe
+
+
+def test_slo_flow_keeps_up_with_a_load_the_memory_serves_where_the_safe_rate_alone_queues_without_end():
+    """Dong & Cao's slot model (a step is one time unit, prefill costs memory, not time), one class at 0.95 and
+    0.99 of the memory's stability bound M / w: rho M / w (rho 0.9) is slower than the arrivals, and the queue
+    grows for as long as they last; Algorithm 1's M / w keeps up, as greedy does. In overload both rates are the
+    same."""
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.workloads import Arrival
+
+    slot = load_profile("slot")
+    w = 20 * 20 + (20 + 20 * 20) / 2  # W of a 20-token prompt with 20 output tokens
+    for load in (0.95, 0.99):
+        per_slot = load * slot.kv_capacity_tokens / w
+        arrivals = [Arrival(i / per_slot, 20, 20, 20, 0) for i in range(int(2000 * per_slot))]
+        runs = {spec: simulate(arrivals, slot, build_controller(spec, slot))
+                for spec in ("greedy", "slo-flow", "slo-flow:stable_rate=False")}
+        greedy, stable, safe = (runs[s].summary["goodput_rps"] for s in runs)
+        assert stable >= 0.97 * greedy, load
+        assert safe < 0.5 * greedy, load  # the failure the stable rate removes
+        waiting = runs["slo-flow:stable_rate=False"].core.metrics.step_waiting
+        half = len(waiting) // 2
+        assert sum(waiting[half:]) / (len(waiting) - half) > 1.5 * sum(waiting[:half]) / half  # it kept growing
+    overload = [Arrival(i / 5.0, 20, 20, 20, 0) for i in range(5000)]  # 1.5 x M / w
+    a, b = (simulate(overload, slot, build_controller(spec, slot)).summary
+            for spec in ("slo-flow", "slo-flow:stable_rate=False"))
+    assert a["goodput_rps"] == pytest.approx(b["goodput_rps"], rel=0.02)
+    assert a["rejected"] == pytest.approx(b["rejected"], rel=0.02)

@@ -241,13 +241,15 @@ class SloFlowController(Controller):
         self.token_scale = token_scale
         self.reject_scale = reject_scale
 
-    def admission_state(self) -> tuple[float, int]:
-        """What ``admit`` reads besides the Observation: the admission residual and the token budget."""
-        return self.reject_scale, self._decision.token_budget
+    def admission_state(self) -> tuple[float, int, int]:
+        """What ``admit`` reads besides the Observation: the admission residual, the token budget and the
+        running cap (a twin deciding arrivals in another process never runs ``decide``, and without the cap
+        it predicts the queue to start at the memory's rate while it waits for the cap's slots)."""
+        return self.reject_scale, self._decision.token_budget, self._decision.running_cap
 
     def set_admission_state(self, state) -> None:
         if state is not None:
-            self.reject_scale, self._decision.token_budget = state
+            self.reject_scale, self._decision.token_budget, self._decision.running_cap = state
 
     def reject_delay_s(self, obs: Observation) -> float:
         """The predicted TTFT above which arrivals are refused: ``inf`` without overload; in

@@ -209,6 +209,34 @@ def test_in_overload_slo_flow_caps_the_running_requests_at_the_tpot_cap_and_serv
     light = simulate(poisson(0.5 * capped_rps, 300), profile, build_controller("slo-flow", profile)).summary
     assert light["rejected"] == 0 and light["tpot_p99_s"] <= 0.2
 
+def test_a_twin_deciding_arrivals_elsewhere_sees_the_running_cap_and_refuses_what_would_wait_behind_it():
+    """The vLLM plugin and tidegate serve decide arrivals in another process, on a twin of the engine's
+    controller that never runs ``decide``: the admission state carries the running cap, so the twin predicts
+    the wait for the cap's slots as the engine's controller does, and refuses the same arrivals."""
+    from tidegate.ctrl.slo_flow import SloFlowController
+
+    profile = step_profile(**CPU_LIKE)
+    obs = _offered(256, 128)
+    obs.mean_step_time_s, obs.lifetime_kv_workload, obs.mean_output_tokens = 0.1, 41_000.0, 128.0
+    obs.num_running, obs.num_waiting, obs.kv_used_tokens = 45, 40, 17_000
+    obs.arrival_rate_rps = obs.offered_rate_rps = 6.0  # 3 x the completions: overload, whatever the bound
+    obs.completion_rate_rps = obs.served_rate_rps = 2.0
+
+    def controller():
+        return SloFlowController(ttft_slo_s=2.0, tpot_slo_s=0.2, profile=profile, max_num_seqs=128,
+                                 max_num_batched_tokens=2048)
+
+    engine_side, twin, blind = controller(), controller(), controller()
+    cap = engine_side.decide(obs).running_cap
+    assert cap < 128  # in overload the TPOT cap binds
+    twin.set_admission_state(engine_side.admission_state())
+    assert twin.predict_ttft_s(obs, 256) == engine_side.predict_ttft_s(obs, 256)
+    assert engine_side.admit(obs, 256, 128) is not None and twin.admit(obs, 256, 128) is not None
+    # without the cap the twin takes the memory's rate for the queue's, and admits what waits 20 s
+    assert blind.predict_ttft_s(obs, 256) < 2.0 < twin.predict_ttft_s(obs, 256)
+    assert blind.admit(obs, 256, 128) is None
+
+
 def test_replay_waits_for_arrivals_and_drains():
     profile = step_profile()
     core = build_engine(profile, build_controller("greedy", profile), SimExecutor(profile), VirtualClock())

@@ -1,0 +1,49 @@
+"""slo-flow against greedy on Dong & Cao's slot model, at loads near the memory's stability bound.
+
+    .venv/bin/python benchmarks/slot_prior.py [--loads 0.9,0.95,0.99,1.3] [--slots 2000]
+
+One class (20 prompt and 20 output tokens) arrives at evenly spaced times at each load, a multiple of the memory's
+bound M / W on the ``slot`` profile (a step is one time unit, prefill costs memory but no time). Each controller's
+goodput, refusals, evictions, TTFT and the mean queue in the run's first and second half (a queue that grows for as
+long as the arrivals last shows the activation rate is slower than they are). ``slo-flow:stable_rate=False``
+activates at ``rho M / w_hat`` alone, as the learned policy's prior does.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.profile import load_profile
+from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads import Arrival
+
+CONTROLLERS = ("greedy", "slo-flow", "slo-flow:stable_rate=False", "learned")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loads", default="0.9,0.95,0.99,1.3", help="multiples of the memory's bound M / W")
+    ap.add_argument("--slots", type=float, default=2000.0, help="time units of arrivals")
+    ap.add_argument("--controllers", default=",".join(CONTROLLERS))
+    args = ap.parse_args()
+    slot = load_profile("slot")
+    prompt = output = 20
+    w = prompt * output + (output + output * output) / 2
+    print("| load | controller | goodput per slot | refused | evictions | TTFT p50 / p99 "
+          "| mean queue, 1st / 2nd half |")
+    print("|---|---|---:|---:|---:|---|---|")
+    for load in (float(x) for x in args.loads.split(",")):
+        per_slot = load * slot.kv_capacity_tokens / w
+        arrivals = [Arrival(i / per_slot, prompt, output, output, 0) for i in range(int(args.slots * per_slot))]
+        for spec in args.controllers.split(","):
+            run = simulate(arrivals, slot, build_controller(spec, slot))
+            s, waiting = run.summary, run.core.metrics.step_waiting
+            half = len(waiting) // 2
+            first, second = sum(waiting[:half]) / max(half, 1), sum(waiting[half:]) / max(len(waiting) - half, 1)
+            print(f"| {load:g} | {spec} | {s['goodput_rps']:.3f} | {s['rejected']} | {s['evictions']} | "
+                  f"{s['ttft_p50_s']:.1f} / {s['ttft_p99_s']:.1f} | {first:.1f} / {second:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

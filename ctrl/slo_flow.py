@@ -59,8 +59,8 @@ from tidegate.ctrl.base import (
     retry_after_s,
 )
 from tidegate.ctrl.theory import (
-    BURST_USAGE, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval, stable_activation_rate,
-    tpot_running_cap,
+    BURST_USAGE, arrivals_seen, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval,
+    stable_activation_rate, tpot_running_cap,
 )
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
@@ -133,11 +133,6 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
                 done = obs.num_running / (obs.mean_output_tokens or prior_output_tokens)
             queue_steps = max(queue_steps, short / max(done, 1e-9))
     return (max(queue_steps, prefill_steps) + 1.0) * step_s
-
-
-def arrivals_seen(obs: Observation) -> int:
-    """Arrivals so far, as far as the Observation tells: completed, refused, waiting or running."""
-    return obs.completed_total + obs.rejections_total + obs.num_waiting + obs.num_running
 
 
 class SloFlowController(Controller):

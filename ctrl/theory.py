@@ -82,6 +82,11 @@ def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tok
     return target_usage * obs.kv_capacity_tokens / w
 
 
+def arrivals_seen(obs: Observation) -> int:
+    """Arrivals so far, as far as the Observation tells: completed, refused, waiting or running."""
+    return obs.completed_total + obs.rejections_total + obs.num_waiting + obs.num_running
+
+
 def stable_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int,
                            occupied: bool = False) -> float:
     """The memory-safe rate, raised to Dong & Cao's Algorithm 1 where the offered traffic is stable on the memory.
@@ -101,8 +106,7 @@ def stable_activation_rate(obs: Observation, target_usage: float, prior_output_t
     """
     b_safe = safe_activation_rate(obs, target_usage, prior_output_tokens, occupied)
     step_s = obs.mean_step_time_s
-    seen = obs.completed_total + obs.rejections_total + obs.num_waiting + obs.num_running
-    if not (step_s > 0 and b_safe > 0 and obs.completed_total > 0 and seen >= STEADY_RATE_EVENTS):
+    if not (step_s > 0 and b_safe > 0 and obs.completed_total > 0 and arrivals_seen(obs) >= STEADY_RATE_EVENTS):
         return b_safe
     memory = float(obs.kv_capacity_tokens)
     w = target_usage * memory / b_safe  # the w_hat b_safe is paced by

@@ -40,8 +40,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# --durations: the slowest tests in every run's output, to keep the suite under its 15 minutes
 test: lint vllm-setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Quality gates: ruff (with the complexity limits), mypy on the torch-free core, and the
 # import-linter contracts that keep dependencies pointing one way (pyproject.toml holds all three).

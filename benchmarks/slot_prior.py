@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from tidegate.ctrl import build_controller
+from tidegate.ctrl.theory import lifetime_kv_workload
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.workloads import Arrival
@@ -29,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     slot = load_profile("slot")
     prompt = output = 20
-    w = prompt * output + (output + output * output) / 2
+    w = lifetime_kv_workload(prompt, output)
     print("| load | controller | goodput per slot | refused | evictions | TTFT p50 / p99 "
           "| mean queue, 1st / 2nd half |")
     print("|---|---|---:|---:|---:|---|---|")

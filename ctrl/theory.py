@@ -68,18 +68,22 @@ def headroom_activations(obs: Observation, target_usage: float, prior_output_tok
     return int(free / max(p + d, 1.0))
 
 
-def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int,
-                         occupied: bool = False) -> float:
-    """``b_safe = rho * M / w_hat``: activations per step whose steady KV demand is rho * M.
-
-    :param occupied: w_hat is the larger of the completed requests' W and the KV token-steps held
-        per completion (``Observation.occupied_kv_workload``), which counts the requests still
-        running: sound from the start on long-output traffic; in steady state it also counts the
-        memory long prompts hold while they prefill."""
+def pacing_kv_workload(obs: Observation, prior_output_tokens: int, occupied: bool = False) -> float:
+    """The w_hat the activation rates are paced by: :func:`estimated_kv_workload`, or with ``occupied`` the larger
+    of it and the KV token-steps held per completion (``Observation.occupied_kv_workload``), which counts the
+    requests still running: sound from the start on long-output traffic; in steady state it also counts the
+    memory long prompts hold while they prefill."""
     w = estimated_kv_workload(obs, prior_output_tokens)
     if occupied and obs.completed_total > 0 and obs.occupied_kv_workload > w:
         w = obs.occupied_kv_workload
-    return target_usage * obs.kv_capacity_tokens / w
+    return w
+
+
+def safe_activation_rate(obs: Observation, target_usage: float, prior_output_tokens: int,
+                         occupied: bool = False) -> float:
+    """``b_safe = rho * M / w_hat``: activations per step whose steady KV demand is rho * M (w_hat:
+    :func:`pacing_kv_workload`)."""
+    return target_usage * obs.kv_capacity_tokens / pacing_kv_workload(obs, prior_output_tokens, occupied)
 
 
 def arrivals_seen(obs: Observation) -> int:
@@ -104,12 +108,12 @@ def stable_activation_rate(obs: Observation, target_usage: float, prior_output_t
     overload as a stable load (at 3 x the memory's bound, the first rates read 0.2 x), and a queue cannot have
     grown much yet.
     """
-    b_safe = safe_activation_rate(obs, target_usage, prior_output_tokens, occupied)
-    step_s = obs.mean_step_time_s
-    if not (step_s > 0 and b_safe > 0 and obs.completed_total > 0 and arrivals_seen(obs) >= STEADY_RATE_EVENTS):
-        return b_safe
     memory = float(obs.kv_capacity_tokens)
-    w = target_usage * memory / b_safe  # the w_hat b_safe is paced by
+    w = pacing_kv_workload(obs, prior_output_tokens, occupied)
+    b_safe = target_usage * memory / w
+    step_s = obs.mean_step_time_s
+    if not (step_s > 0 and obs.completed_total > 0 and arrivals_seen(obs) >= STEADY_RATE_EVENTS):
+        return b_safe
     demand = obs.offered_rate_rps * step_s * w
     if target_usage * memory < demand <= memory:
         return memory / w

@@ -209,6 +209,7 @@ def test_in_overload_slo_flow_caps_the_running_requests_at_the_tpot_cap_and_serv
     light = simulate(poisson(0.5 * capped_rps, 300), profile, build_controller("slo-flow", profile)).summary
     assert light["rejected"] == 0 and light["tpot_p99_s"] <= 0.2
 
+
 def test_a_twin_deciding_arrivals_elsewhere_sees_the_running_cap_and_refuses_what_would_wait_behind_it():
     """The vLLM plugin and tidegate serve decide arrivals in another process, on a twin of the engine's
     controller that never runs ``decide``: the admission state carries the running cap, so the twin predicts
@@ -306,11 +307,12 @@ def test_slo_flow_keeps_up_with_a_load_the_memory_serves_where_the_safe_rate_alo
     0.99 of the memory's stability bound M / w: rho M / w (rho 0.9) is slower than the arrivals, and the queue
     grows for as long as they last; Algorithm 1's M / w keeps up, as greedy does. In overload both rates are the
     same."""
+    from tidegate.ctrl.theory import lifetime_kv_workload
     from tidegate.engine.core.profile import load_profile
     from tidegate.engine.workloads import Arrival
 
     slot = load_profile("slot")
-    w = 20 * 20 + (20 + 20 * 20) / 2  # W of a 20-token prompt with 20 output tokens
+    w = lifetime_kv_workload(20, 20)
     for load in (0.95, 0.99):
         per_slot = load * slot.kv_capacity_tokens / w
         arrivals = [Arrival(i / per_slot, 20, 20, 20, 0) for i in range(int(2000 * per_slot))]

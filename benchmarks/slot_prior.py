@@ -22,23 +22,40 @@ from tidegate.engine.workloads import Arrival
 CONTROLLERS = ("greedy", "slo-flow", "slo-flow:stable_rate=False", "learned")
 
 
+def _loads(text: str) -> list[float]:
+    """``--loads``: positive numbers, comma-separated."""
+    try:
+        loads = [float(x) for x in text.split(",")]
+    except ValueError:
+        loads = []
+    if not loads or not all(x > 0 for x in loads):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive loads")
+    return loads
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loads", default="0.9,0.95,0.99,1.3", help="multiples of the memory's bound M / W")
+    ap.add_argument("--loads", type=_loads, default="0.9,0.95,0.99,1.3", help="multiples of the memory's bound M / W")
     ap.add_argument("--slots", type=float, default=2000.0, help="time units of arrivals")
     ap.add_argument("--controllers", default=",".join(CONTROLLERS))
     args = ap.parse_args()
     slot = load_profile("slot")
+    try:  # a controller name or option it does not know: one sentence, exit 2
+        for spec in args.controllers.split(","):
+            build_controller(spec, slot)
+    except ValueError as exc:
+        ap.error(str(exc))
+    controllers = [(spec, lambda spec=spec: build_controller(spec, slot)) for spec in args.controllers.split(",")]
     prompt = output = 20
     w = lifetime_kv_workload(prompt, output)
     print("| load | controller | goodput per slot | refused | evictions | TTFT p50 / p99 "
           "| mean queue, 1st / 2nd half |")
     print("|---|---|---:|---:|---:|---|---|")
-    for load in (float(x) for x in args.loads.split(",")):
+    for load in args.loads:
         per_slot = load * slot.kv_capacity_tokens / w
         arrivals = [Arrival(i / per_slot, prompt, output, output, 0) for i in range(int(args.slots * per_slot))]
-        for spec in args.controllers.split(","):
-            run = simulate(arrivals, slot, build_controller(spec, slot))
+        for spec, controller in controllers:
+            run = simulate(arrivals, slot, controller())
             s, waiting = run.summary, run.core.metrics.step_waiting
             half = len(waiting) // 2
             first, second = sum(waiting[:half]) / max(half, 1), sum(waiting[half:]) / max(len(waiting) - half, 1)

@@ -64,7 +64,7 @@ class Observation:
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
-        "running_prompt_tokens", "ttft_error_p90_s",
+        "running_prompt_tokens", "ttft_error_p90_s", "last_completion_s",
     )
     __slots__ = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
@@ -76,7 +76,7 @@ class Observation:
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
-        "running_prompt_tokens", "ttft_error_p90_s",
+        "running_prompt_tokens", "ttft_error_p90_s", "last_completion_s",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -153,6 +153,11 @@ class Observation:
         #: that bound and its activation: past it, a running request waits by the controller's
         #: choice of order, which no prediction at arrival is meant to foresee
         self.ttft_error_p90_s = 0.0
+        #: when the latest request completed, or when the current busy period started (an arrival
+        #: with nothing running or waiting) if that is later: the silence since then tells how soon
+        #: the next completion can be expected. -1 before the first arrival (and in an Observation
+        #: an engine did not make): unknown
+        self.last_completion_s = -1.0
 
     # The four rates are computed when first read, not at every step: most controllers read none
     # of them, and the estimates are a tenth of a simulated step. ``defer_rates`` hands the
@@ -290,6 +295,7 @@ class Observation:
         o.running_prefill_tokens = self.running_prefill_tokens
         o.running_prompt_tokens = self.running_prompt_tokens
         o.ttft_error_p90_s = self.ttft_error_p90_s
+        o.last_completion_s = self.last_completion_s
         return o
 
 

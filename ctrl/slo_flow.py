@@ -95,7 +95,11 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
       ``num_running`` per mean lifetime, Little's law); and whatever the memory, once the queue
       ahead and the arrival itself outnumber the slots ``running_cap`` leaves free, the rest start
       only as running requests complete (an engine's limit on running requests, vLLM's
-      ``max_num_seqs``, binds before its memory does);
+      ``max_num_seqs``, binds before its memory does). Completions come in waves where the running
+      requests started together (a burst, the start of a run, and its echo a lifetime later): after a
+      silence longer than the mean gap the completion rate implies, the next completion is expected no
+      sooner than the silence lasted (``Observation.last_completion_s``), so an arrival that needs a slot
+      is not promised one in the middle of a wave's gap;
     - **prefill**: the prompt tokens still to prefill of the running requests, of the queue ahead and
       its own, at the step's token budget less one token for each running request's decode.
 
@@ -113,24 +117,31 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     per_step = max(float(token_budget) - obs.num_running, 1.0)
     prefill_steps = (obs.running_prefill_tokens + obs.waiting_prompt_tokens + prompt_tokens) / per_step
     queue_steps = 0.0
-    if obs.num_waiting > 0 and obs.num_running > 0:
-        ahead = float(obs.num_waiting)
-        if obs.kv_usage < target_usage:
-            pace = stable_activation_rate if stable_rate else safe_activation_rate
-            rate = pace(obs, target_usage, prior_output_tokens, occupied)
-            # those that fit into the free memory start at once (the controller's burst)
-            ahead = max(ahead - headroom_activations(obs, BURST_USAGE * target_usage, prior_output_tokens), 0.0)
-        else:
-            rate = obs.completion_rate_rps * step_s
-            if not rate > 0:
-                out = obs.mean_output_tokens or prior_output_tokens
-                rate = obs.num_running / out
-        queue_steps = ahead / max(rate, 1e-9)
+    if obs.num_running > 0:
+        if obs.num_waiting > 0:
+            ahead = float(obs.num_waiting)
+            if obs.kv_usage < target_usage:
+                pace = stable_activation_rate if stable_rate else safe_activation_rate
+                rate = pace(obs, target_usage, prior_output_tokens, occupied)
+                # those that fit into the free memory start at once (the controller's burst)
+                ahead = max(ahead - headroom_activations(obs, BURST_USAGE * target_usage, prior_output_tokens), 0.0)
+            else:
+                rate = obs.completion_rate_rps * step_s
+                if not rate > 0:
+                    out = obs.mean_output_tokens or prior_output_tokens
+                    rate = obs.num_running / out
+            queue_steps = ahead / max(rate, 1e-9)
         short = obs.num_waiting + 1 - max(running_cap - obs.num_running, 0.0)  # slots it waits for
         if short > 0:
             done = obs.completion_rate_rps * step_s
             if not done > 0:
                 done = obs.num_running / (obs.mean_output_tokens or prior_output_tokens)
+            if obs.last_completion_s >= 0.0:
+                # completions come in waves where requests started together (a burst, the start): after a
+                # silence longer than the rate's mean gap, the next is expected no sooner than the silence says
+                silence = (obs.now_s - obs.last_completion_s) / step_s
+                if silence * done > 1.0:
+                    done = 1.0 / silence
             queue_steps = max(queue_steps, short / max(done, 1e-9))
     return (max(queue_steps, prefill_steps) + 1.0) * step_s
 
@@ -324,9 +335,11 @@ class SloFlowController(Controller):
                                 self.stable_rate)
 
     def nothing_ahead(self, obs: Observation) -> bool:
-        """No request waits and the running requests' prefill fits into the next step: an arrival
-        starts at once, so refusing it would shorten nobody's wait."""
-        return obs.num_waiting <= 0 and obs.running_prefill_tokens <= self._decision.token_budget
+        """No request waits, a slot is free under the running cap, and the running requests' prefill fits
+        into the next step: an arrival starts at once, so refusing it would shorten nobody's wait. (With
+        the running cap reached, it waits for a running request to complete: that is ahead of it.)"""
+        return (obs.num_waiting <= 0 and obs.num_running < self._decision.running_cap
+                and obs.running_prefill_tokens <= self._decision.token_budget)
 
     def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
         rejection = super().admit(obs, prompt_tokens, max_tokens)

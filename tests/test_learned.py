@@ -772,6 +772,31 @@ def test_a_queue_inside_the_running_set_is_a_queue():
     assert c.admit(ahead, 1000, 100) is None
 
 
+def test_a_full_running_cap_is_ahead_of_an_arrival():
+    """No one waits and no prefill is pending, but the running cap is reached: an arrival waits for a
+    running request to complete, and in overload it is judged on that wait (one completion in 20 s here)."""
+    c = SloFlowController(max_num_batched_tokens=2048)
+    full = overloaded_obs(completion_rate_rps=0.05)
+    c.set_admission_state((1.0, 2048, 20))  # the cap: the 20 running
+    assert not c.nothing_ahead(full) and isinstance(c.admit(full, 100, 100), Rejection)
+    c.set_admission_state((1.0, 2048, 21))  # one slot free: it starts at the next step
+    assert c.nothing_ahead(full) and c.admit(full, 100, 100) is None
+
+
+def test_a_silence_in_completions_is_not_promised_a_slot():
+    """The cap is full and completions ran at 5/s, but the running requests started together and none has
+    completed for 10 s (a wave's gap): a slot is not expected within the SLO, and in overload the arrival is
+    refused. Right after a completion the rate stands, and it is admitted."""
+    c = SloFlowController(max_num_batched_tokens=2048)
+    c.set_admission_state((1.0, 2048, 20))
+    quiet = overloaded_obs(last_completion_s=90.0)  # now_s is 100
+    assert predicted_ttft_s(quiet, 100, 2048, running_cap=20) >= 10.0
+    assert isinstance(c.admit(quiet, 100, 100), Rejection)
+    recent = overloaded_obs(last_completion_s=99.95)
+    assert predicted_ttft_s(recent, 100, 2048, running_cap=20) < 1.0
+    assert c.admit(recent, 100, 100) is None
+
+
 def test_only_arrivals_predicted_to_miss_their_slo_are_refused_and_the_measured_error_counts():
     c = SloFlowController(max_num_batched_tokens=2048)
     obs = overloaded_obs(num_waiting=4, waiting_prompt_tokens=4000)

@@ -139,3 +139,19 @@ def test_a_controller_cannot_change_the_engine_through_its_observation(arrivals)
         ends = sorted((r.request_id, r.state.name, r.num_output_tokens, r.finish_time_s) for r in core.metrics.terminal)
         runs.append((ctrl.seen, ends, core.obs.as_dict()))
     assert runs[0] == runs[1]
+
+
+def test_the_last_completion_is_the_latest_completion_or_the_start_of_the_busy_period():
+    """Unknown (-1) before anything arrived; an arrival into an empty engine starts the clock; a
+    completion moves it; an arrival while requests run or wait leaves it."""
+    from tidegate.engine.core.stats import ObservationStats
+
+    stats = ObservationStats(kv_capacity_tokens=1000)
+    assert stats.current.last_completion_s == -1.0
+    stats.arrived(5.0, 10)
+    assert stats.current.last_completion_s == 5.0
+    stats.observe(6.0, 1, 20, 0, 1, 0, 10, 0, 0)  # it runs
+    stats.arrived(7.0, 10)
+    assert stats.current.last_completion_s == 5.0
+    stats.completed(9.0, 10, 4, 0.5, 0.1)
+    assert stats.current.last_completion_s == 9.0 and stats.snapshot().last_completion_s == 9.0

@@ -215,6 +215,8 @@ class ObservationStats:
         self.offered.add(now_s)
         self._offered_decay *= 1.0 - WORKLOAD_ALPHA
         obs = self.current
+        if obs.num_running == 0 and obs.num_waiting == 0:  # a busy period starts: completions are due from now
+            obs.last_completion_s = now_s
         obs.offered_prompt_tokens += (WORKLOAD_ALPHA / (1.0 - self._offered_decay)
                                       * (prompt_len - obs.offered_prompt_tokens))
 
@@ -267,6 +269,7 @@ class ObservationStats:
         self.served.add(now_s)
         obs, a, aw = self.current, LATENCY_ALPHA, WORKLOAD_ALPHA
         obs.completed_total += 1
+        obs.last_completion_s = now_s
         o, p = output_tokens, prompt_len
         # exponentially weighted means corrected for their start (weights normalised to sum to 1):
         # the mean of all completions while they are few, the first one never weighs more than the rest

@@ -1,19 +1,22 @@
 """A vLLM scheduler whose controller misbehaves on purpose, for tests/test_vllm.py.
 
 vLLM's engine process loads it by ``--scheduler-cls vllm_faults.FaultyScheduler`` with tests/ on
-its PYTHONPATH. The controller is the configured one, except that its calls raise, answer a
-Decision that is not a number, or sleep past the plugin's decision timeout, in a fixed rotation.
+its PYTHONPATH. The controller is the configured one, except that while the file named by
+``TIDEGATE_TEST_FAULTS`` exists, its calls raise, answer a Decision that is not a number, or sleep
+past the plugin's decision timeout, in a fixed rotation. (So one server serves the tests of the
+plugin as it is, then those of its faults: a vLLM start is a minute of a 2-core machine.)
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 from tidegate.ctrl.base import Decision
 from tidegate.engine.vllm.scheduler import TidegateScheduler
 
-#: how long a slow call sleeps (the tests set decide_timeout_s well below it)
+#: how long a slow call sleeps (well past the plugin's default decision timeout, 0.05 s)
 SLOW_S = 0.3
 
 
@@ -24,8 +27,11 @@ class FaultyController:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.calls = 0
+        self.switch = os.environ.get("TIDEGATE_TEST_FAULTS", "")
 
     def decide(self, obs):
+        if not (self.switch and os.path.exists(self.switch)):
+            return self.inner.decide(obs)
         self.calls += 1
         k = self.calls
         if k % 40 == 20:

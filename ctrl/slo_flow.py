@@ -15,8 +15,8 @@ Five rules, each with a worst case that can be argued on its own:
 - **Token budget** by AIMD on the TPOT SLO (as ``watermark``): it grows while steps run within
   the SLO and halves when one did not, so long prefills cannot stall running decodes.
 - **Admission** on a calibrated prediction (:func:`predicted_ttft_s`): an arrival is refused with
-  429 only in overload, when work is queued ahead of it (requests waiting, or prefill of running
-  requests beyond one step's budget) *and* its predicted TTFT, counting that work, the running
+  429 only in overload, when work is queued ahead of it (requests waiting, the running cap reached,
+  or prefill of running requests beyond one step's budget) *and* its predicted TTFT, counting that work, the running
   requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
   percentile of realised minus predicted TTFT over its rate window, ``Observation.ttft_error_p90_s``:
   a burst that has passed no longer counts, so its errors cannot keep refusing at light load), exceeds

@@ -16,8 +16,8 @@ Five rules, each with a worst case that can be argued on its own:
   the SLO and halves when one did not, so long prefills cannot stall running decodes.
 - **Admission** on a calibrated prediction (:func:`predicted_ttft_s`): an arrival is refused with
   429 only in overload, when work is queued ahead of it (requests waiting, the running cap reached,
-  or prefill of running requests beyond one step's budget) *and* its predicted TTFT, counting that work, the running
-  requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
+  or prefill of running requests beyond one step's budget) *and* its predicted TTFT, counting that
+  work, the running requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
   percentile of realised minus predicted TTFT over its rate window, ``Observation.ttft_error_p90_s``:
   a burst that has passed no longer counts, so its errors cannot keep refusing at light load), exceeds
   ``reject_above`` x SLO. Overload has two witnesses, and neither can be defeated by
@@ -118,6 +118,10 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     prefill_steps = (obs.running_prefill_tokens + obs.waiting_prompt_tokens + prompt_tokens) / per_step
     queue_steps = 0.0
     if obs.num_running > 0:
+        # completions per step: the observed rate, or before any completion Little's law
+        done = obs.completion_rate_rps * step_s
+        if not done > 0:
+            done = obs.num_running / (obs.mean_output_tokens or prior_output_tokens)
         if obs.num_waiting > 0:
             ahead = float(obs.num_waiting)
             if obs.kv_usage < target_usage:
@@ -126,16 +130,10 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
                 # those that fit into the free memory start at once (the controller's burst)
                 ahead = max(ahead - headroom_activations(obs, BURST_USAGE * target_usage, prior_output_tokens), 0.0)
             else:
-                rate = obs.completion_rate_rps * step_s
-                if not rate > 0:
-                    out = obs.mean_output_tokens or prior_output_tokens
-                    rate = obs.num_running / out
+                rate = done
             queue_steps = ahead / max(rate, 1e-9)
         short = obs.num_waiting + 1 - max(running_cap - obs.num_running, 0.0)  # slots it waits for
         if short > 0:
-            done = obs.completion_rate_rps * step_s
-            if not done > 0:
-                done = obs.num_running / (obs.mean_output_tokens or prior_output_tokens)
             if obs.last_completion_s >= 0.0:
                 # completions come in waves where requests started together (a burst, the start): after a
                 # silence longer than the rate's mean gap, the next is expected no sooner than the silence says

@@ -457,10 +457,11 @@ def launched(tmp_path_factory, model_dir):
     servers: dict = {}
     for name, (scheduler, tidegate, options) in SERVERS.items():
         tmp = tmp_path_factory.mktemp(name)
-        if scheduler.startswith("vllm_faults."):
-            options = {**options, "extra_env": {**options["extra_env"], "TIDEGATE_TEST_FAULTS": str(tmp / "faults-on")}}
+        switch = tmp / "faults-on" if scheduler.startswith("vllm_faults.") else None
+        if switch is not None:
+            options = {**options, "extra_env": {**options["extra_env"], "TIDEGATE_TEST_FAULTS": str(switch)}}
         servers[name] = VllmServer(tmp, model_dir, scheduler, tidegate, **options)
-        servers[name].faults_switch = tmp / "faults-on"
+        servers[name].faults_switch = switch
     try:
         # the Gymnasium env's replica (TestEnv), launched beside the others
         servers["env"] = VllmReplica("tiny", load_profile("tiny-vllm-cpu"), 10, "soft", 0.02,

@@ -19,6 +19,7 @@ COMMANDS = {
     "compile": "tidegate.engine.cli.sim:compile_command",
     "serve": "tidegate.engine.cli.serve:serve",
     "loadgen": "tidegate.engine.cli.serve:loadgen",
+    "gateway": "tidegate.engine.cli.gateway:gateway",
     "generate": "tidegate.engine.cli.real:generate_command",
     "profile": "tidegate.engine.cli.real:profile_command",
     "twin-check": "tidegate.engine.cli.real:twin_check_command",

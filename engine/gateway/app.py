@@ -1,0 +1,283 @@
+"""The gateway's HTTP front: OpenAI's routes, proxied to the fleet, and the gateway's own probes.
+
+A completion's body goes to the replica unchanged, so every field a replica serves works through
+the gateway; the gateway reads only what it routes and admits by (``stream``, ``priority``, the
+prompt and ``max_tokens``). The faults:
+
+- an arrival when no replica is up: 503 (down), told apart from 429 (busy, with Retry-After);
+- a replica that refuses (429/503) or cannot be reached before the stream starts: the request goes
+  back to the head of its turn in the queue and to another replica; the replica that could not be
+  reached is marked down and health-checked back in;
+- a replica that fails after the stream started: the stream ends with an error event and
+  ``[DONE]``; it is never sent again, because the client has seen tokens;
+- a client that goes away: its upstream request is closed, and the replica cancels it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tidegate.engine.gateway.fleet import Fleet, GatewayConfig
+from tidegate.engine.gateway.queue import Queued
+from tidegate.engine.gateway.replicas import ReplicaView
+from tidegate.engine.serve.protocol import error_response
+
+log = logging.getLogger("tidegate.gateway")
+
+#: request headers passed on to the replica
+_FORWARDED = ("authorization", "content-type", "accept", "x-request-id", "openai-organization", "openai-project")
+#: the output tokens a request is charged for when it names no max_tokens
+_DEFAULT_OUTPUT_TOKENS = 256
+
+
+def create_gateway_app(config: GatewayConfig) -> FastAPI:
+    """The gateway's FastAPI application; its lifespan starts and stops the fleet's tasks."""
+    fleet = Fleet(config)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await fleet.start()
+        try:
+            yield
+        finally:
+            await fleet.stop()
+
+    app = FastAPI(title="tidegate gateway", lifespan=lifespan)
+    app.state.fleet = fleet
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok" if fleet.any_up() else "no replica is up", **fleet.status()}
+
+    @app.get("/ready")
+    async def ready():
+        if not fleet.any_up():
+            return error_response(503, "no replica is up", "unavailable", retry_after_s=config.health_interval_s)
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        fleet.refresh_metrics()
+        return Response(generate_latest(fleet.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(http: HttpRequest):
+        return await _pass_through(fleet, "GET", "/v1/models", b"", http)
+
+    for path in ("/tokenize", "/detokenize"):
+        app.add_api_route(path, _make_pass_through(fleet, path), methods=["POST"])
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await _complete(fleet, "/v1/completions", http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest):
+        return await _complete(fleet, "/v1/chat/completions", http)
+
+    return app
+
+
+def _make_pass_through(fleet: Fleet, path: str):
+    async def route(http: HttpRequest):
+        return await _pass_through(fleet, "POST", path, await http.body(), http)
+    return route
+
+
+def _headers(http: HttpRequest) -> dict[str, str]:
+    return {k: v for k, v in http.headers.items() if k.lower() in _FORWARDED}
+
+
+async def _pass_through(fleet: Fleet, method: str, path: str, body: bytes, http: HttpRequest) -> Response:
+    """A request outside admission (models, tokenize), to the least loaded replica that is up."""
+    now = time.monotonic()
+    for view in sorted((v for v in fleet.views if v.up), key=lambda v: v.load(now)):
+        try:
+            assert fleet.client is not None
+            r = await fleet.client.request(method, view.url + path, content=body, headers=_headers(http))
+        except httpx.TransportError as exc:
+            fleet.replica_failed(view, f"{path} failed ({type(exc).__name__})")
+            continue
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+    return error_response(503, "no replica is up", "unavailable", retry_after_s=fleet.config.health_interval_s)
+
+
+# ------------------------------------------------------------------------------- completions
+def _read(body: dict, chat: bool) -> tuple[str, int, bool, int | None]:
+    """(prompt text, output tokens charged, stream, priority) of a completion body."""
+    if chat:
+        parts = []
+        for m in body.get("messages") or ():
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"),
+                                                                                                    str))
+        prompt = "\n".join(parts)
+    else:
+        p = body.get("prompt")
+        prompt = p if isinstance(p, str) else json.dumps(p)
+    out = body.get("max_completion_tokens") if chat else None
+    out = out if isinstance(out, int) else body.get("max_tokens")
+    n = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
+    charged = (out if isinstance(out, int) and out > 0 else _DEFAULT_OUTPUT_TOKENS) * n
+    priority = body.get("priority")
+    return prompt, charged, bool(body.get("stream")), priority if isinstance(priority, int) else None
+
+
+async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
+    c = fleet.config
+    m = fleet.metrics
+    arrived = time.monotonic()
+    raw = await http.body()
+    if len(raw) > c.max_request_bytes:
+        return error_response(413, f"the body is larger than {c.max_request_bytes} bytes")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return error_response(400, "the body is not valid JSON")
+    if not isinstance(body, dict):
+        return error_response(400, "the body must be a JSON object")
+    prompt, charged, stream, priority = _read(body, chat=path.endswith("chat/completions"))
+    header = http.headers.get(c.priority_header)
+    if priority is None and header is not None:
+        try:
+            priority = int(header)
+        except ValueError:
+            return error_response(400, f"the {c.priority_header} header must be an integer", param=c.priority_header)
+    priority = priority or 0
+    if not fleet.any_up():
+        m.requests.labels("unavailable").inc()
+        return error_response(503, "no replica is up", "unavailable", retry_after_s=c.health_interval_s)
+    retry_after = fleet.admit(priority, arrived)
+    if retry_after is not None:
+        m.requests.labels("rejected").inc()
+        return error_response(429, "the fleet is busy: the queue ahead would not start this request within the "
+                                   f"TTFT SLO of {c.ttft_slo_s:g} s", "rate_limit_exceeded",
+                              retry_after_s=retry_after)
+    item = Queued(priority, http.headers.get(c.tenant_header, ""), len(prompt) / 4 + charged, arrived,
+                  arrived + c.queue_ttl_s, prompt)
+    while True:
+        item.ticket = asyncio.get_running_loop().create_future()
+        fleet.enqueue(item, front=item.retries > 0)
+        try:
+            view = await item.ticket
+        except asyncio.CancelledError:
+            if item.ticket.done() and not item.ticket.cancelled() and item.ticket.result() is not None:
+                item.ticket.result().ended(time.monotonic(), completed=False)  # dispatched as it went
+            item.ticket.cancel()
+            m.requests.labels("client_gone").inc()
+            raise
+        if view is None:
+            m.requests.labels("expired").inc()
+            return error_response(503, f"waited {c.queue_ttl_s:g} s (the gateway queue's TTL) for a replica with room",
+                                  "unavailable", retry_after_s=c.health_interval_s)
+        answer = await _send(fleet, view, path, raw, http, item, stream)
+        if answer is not None:
+            return answer
+        item.retries += 1
+
+
+async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: HttpRequest, item: Queued,
+                stream: bool) -> Response | None:
+    """The replica's answer, streamed through; None when the request must go to another replica."""
+    assert fleet.client is not None
+    m = fleet.metrics
+    dispatched = time.monotonic()
+    request = fleet.client.build_request("POST", view.url + path, content=raw, headers=_headers(http))
+    try:
+        upstream = await fleet.client.send(request, stream=True)
+    except httpx.TransportError as exc:
+        view.ended(time.monotonic(), completed=False)
+        fleet.replica_failed(view, f"a request to it failed ({type(exc).__name__})")
+        m.retries.labels("unreachable").inc()
+        return None
+    except BaseException:
+        view.ended(time.monotonic(), completed=False)
+        raise
+    if upstream.status_code in (429, 503) and fleet.config.admission:
+        await upstream.aclose()
+        now = time.monotonic()
+        view.ended(now, completed=False)
+        view.refused(now)
+        fleet.wake()
+        m.retries.labels(str(upstream.status_code)).inc()
+        return None
+    if upstream.status_code != 200 or not stream:
+        return await _whole(fleet, view, upstream, item, dispatched)
+    return StreamingResponse(_relay(fleet, view, upstream, item, dispatched), status_code=200,
+                             media_type=upstream.headers.get("content-type", "text/event-stream"))
+
+
+async def _whole(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item: Queued,
+                 dispatched: float) -> Response:
+    """A non-streamed answer (or an error the replica gave), read whole and passed on."""
+    m = fleet.metrics
+    ok = upstream.status_code == 200
+    try:
+        content = await upstream.aread()
+    except httpx.TransportError as exc:
+        fleet.replica_failed(view, f"an answer from it broke off ({type(exc).__name__})")
+        m.requests.labels("failed").inc()
+        return error_response(502, f"the replica failed while it answered ({type(exc).__name__})", "replica_failed")
+    finally:
+        await upstream.aclose()
+        now = time.monotonic()
+        view.ended(now, completed=ok, lifetime_s=now - dispatched)
+        fleet.wake()
+    if ok:
+        fleet.admission.completed(now)
+        m.ttfb.observe(now - item.arrived_at)
+    m.requests.labels("completed" if ok else f"replica_{upstream.status_code}").inc()
+    return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
+
+
+async def _relay(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item: Queued,
+                 dispatched: float) -> AsyncIterator[bytes]:
+    """The replica's stream, chunk by chunk; an error event and ``[DONE]`` if the replica fails in it."""
+    m = fleet.metrics
+    outcome = "client_gone"
+    last: float | None = None
+    try:
+        async for chunk in upstream.aiter_raw():
+            if not chunk:
+                continue
+            now = time.monotonic()
+            if last is None:
+                view.first_byte(dispatched, now)
+                fleet.admission.first_byte(now - dispatched)
+                m.ttfb.observe(now - item.arrived_at)
+            else:
+                view.tokens_streamed(now, now - last, chunk.count(b"data: {"))
+            last = now
+            yield chunk
+        outcome = "completed"
+    except httpx.TransportError as exc:
+        outcome = "failed"
+        fleet.replica_failed(view, f"a stream from it broke off ({type(exc).__name__})")
+        error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__}); the tokens sent are "
+                                      "all there will be", "type": "replica_failed", "code": 502}}
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        with contextlib.suppress(Exception):
+            await upstream.aclose()
+        now = time.monotonic()
+        view.ended(now, completed=outcome == "completed", lifetime_s=now - dispatched)
+        if outcome == "completed":
+            fleet.admission.completed(now)
+        m.requests.labels(outcome).inc()
+        fleet.wake()

@@ -1,0 +1,237 @@
+"""The fleet behind a gateway: replica views kept fresh, the gateway queue and its dispatcher.
+
+One asyncio task per replica scrapes its ``/metrics`` (or, while it is down, its ``/health``); one
+dispatcher task hands the queue's next request to a replica with room whenever something changes
+(an arrival, an end, a scrape, a refusal) and ends requests whose TTL ran out. Everything runs on
+the gateway's event loop, so no state here needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tidegate.engine.gateway.queue import DrainAdmission, GatewayQueue, Queued
+from tidegate.engine.gateway.replicas import ReplicaView, parse_gauges
+from tidegate.engine.gateway.routers import make_router
+
+log = logging.getLogger("tidegate.gateway")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0)
+
+
+@dataclass
+class GatewayConfig:
+    """The gateway's settings (``tidegate gateway --help`` says what each does)."""
+
+    replicas: list[str]
+    router: str = "predicted-delay"
+    #: False: every request is dispatched at once, to a replica that is up, with no 429 (a plain router)
+    admission: bool = True
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.2
+    queue_ttl_s: float = 30.0
+    scrape_interval_s: float = 0.1
+    stale_after_s: float = 2.0
+    health_interval_s: float = 1.0
+    connect_timeout_s: float = 2.0
+    tenant_header: str = "x-gateway-inference-fairness-id"
+    priority_header: str = "x-gateway-inference-priority"
+    max_request_bytes: int = 32 << 20
+    host: str = "127.0.0.1"
+    port: int = 8080
+    #: extra settings of no effect on routing, kept for the operator's view (``/health``)
+    labels: dict = field(default_factory=dict)
+
+
+class GatewayMetrics:
+    """The gateway's Prometheus metrics."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("tidegate:gateway_requests_total", "Requests that ended at the gateway, by outcome.",
+                                ["outcome"], registry=r)
+        self.retries = Counter("tidegate:gateway_retries_total", "Requests sent again to another replica before "
+                               "their stream started, by cause.", ["cause"], registry=r)
+        self.queue = Gauge("tidegate:gateway_queue_length", "Requests waiting in the gateway for a replica with room.",
+                           registry=r)
+        self.fail_open = Gauge("tidegate:gateway_fail_open", "1 while every replica's gauges are stale: requests "
+                               "are dispatched on the gateway's own counts.", registry=r)
+        self.ttfb = Histogram("tidegate:gateway_time_to_first_byte_seconds", "Arrival at the gateway to the "
+                              "replica's first byte.", buckets=_LATENCY_BUCKETS, registry=r)
+        labels = ["replica"]
+        self.up = Gauge("tidegate:gateway_replica_up", "1 while the replica is up.", labels, registry=r)
+        self.stale = Gauge("tidegate:gateway_replica_stale", "1 while the replica's gauges are stale.", labels,
+                           registry=r)
+        self.in_flight = Gauge("tidegate:gateway_replica_in_flight", "The gateway's requests at the replica.", labels,
+                               registry=r)
+        self.waiting = Gauge("tidegate:gateway_replica_waiting", "The replica's queue, as last scraped.", labels,
+                             registry=r)
+        self.running = Gauge("tidegate:gateway_replica_running", "The replica's running requests, as last scraped.",
+                             labels, registry=r)
+
+
+class Fleet:
+    """The replicas, the queue and the dispatcher of one gateway; started and stopped with the app."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        if not config.replicas:
+            raise ValueError("a gateway needs at least one replica (--replica URL)")
+        self.config = config
+        tpot = config.tpot_slo_s if config.admission else None
+        self.views = [ReplicaView(u.rstrip("/"), stale_after_s=config.stale_after_s, tpot_slo_s=tpot)
+                      for u in config.replicas]
+        self.router = make_router(config.router)
+        self.queue = GatewayQueue()
+        self.admission = DrainAdmission(config.ttft_slo_s)
+        self.metrics = GatewayMetrics()
+        self.client: httpx.AsyncClient | None = None
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------------------- life
+    async def start(self) -> None:
+        c = self.config
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # no read timeout: a stream's tokens may be seconds apart; a dead replica resets its connections
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=c.connect_timeout_s), limits=limits)
+        self._wake = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._watch(v)) for v in self.views]
+        self._tasks.append(asyncio.create_task(self._dispatch_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        while (item := self.queue.pop()) is not None:
+            _resolve(item, None)
+        if self.client is not None:
+            await self.client.aclose()
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # ------------------------------------------------------------------------------- state
+    def any_up(self) -> bool:
+        return any(v.up for v in self.views)
+
+    def fail_open(self, now: float) -> bool:
+        """Every replica that is up has stale gauges: room cannot be judged."""
+        up = [v for v in self.views if v.up]
+        return bool(up) and all(v.stale(now) for v in up)
+
+    def in_flight(self) -> int:
+        return sum(v.in_flight for v in self.views)
+
+    def candidates(self, now: float) -> list[ReplicaView]:
+        """The replicas the next request may go to now."""
+        up = [v for v in self.views if v.up]
+        if not self.config.admission:
+            return up
+        period = self.config.scrape_interval_s
+        return [v for v in up if v.room(now, period)]
+
+    def admit(self, priority: int, now: float) -> float | None:
+        """None admits an arrival of ``priority``; else its Retry-After in seconds."""
+        if not self.config.admission:
+            return None
+        return self.admission.retry_after(now, self.queue.ahead(priority), sum(v.up for v in self.views),
+                                          bool(self.candidates(now)))
+
+    def enqueue(self, item: Queued, front: bool = False) -> None:
+        self.queue.push(item, front)
+        self.wake()
+
+    # ------------------------------------------------------------------------------- tasks
+    async def _dispatch_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            now = time.monotonic()
+            for item in self.queue.expire(now):
+                _resolve(item, None)
+            while len(self.queue):
+                candidates = self.candidates(now)
+                if not candidates:
+                    break
+                item = self.queue.pop()
+                if item is None:
+                    break
+                if item.ticket is None or item.ticket.done():  # its client went away while it waited
+                    continue
+                view = self.router.pick(candidates, item.prompt, now)
+                view.dispatched(now)
+                _resolve(item, view)
+            self.metrics.queue.set(len(self.queue))
+            deadline = self.queue.next_deadline()
+            timeout = self.config.scrape_interval_s if deadline is None else \
+                min(self.config.scrape_interval_s, max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _watch(self, view: ReplicaView) -> None:
+        """Scrape the replica's gauges while it is up; check its health while it is down."""
+        assert self.client is not None
+        c = self.config
+        while True:
+            sent = time.monotonic()
+            try:
+                if view.up:
+                    r = await self.client.get(view.url + "/metrics", timeout=c.stale_after_s)
+                    if r.status_code == 200:
+                        view.scraped(sent, parse_gauges(r.text))
+                else:
+                    r = await self.client.get(view.url + "/health", timeout=c.health_interval_s)
+                    if r.status_code == 200:
+                        log.warning("replica %s is up again", view.url)
+                        view.mark_up()
+            except (httpx.TransportError, ValueError) as exc:
+                if view.up and isinstance(exc, httpx.TransportError):
+                    self.replica_failed(view, f"its /metrics failed ({type(exc).__name__})")
+            self.wake()
+            elapsed = time.monotonic() - sent
+            await asyncio.sleep(max(0.0, (c.scrape_interval_s if view.up else c.health_interval_s) - elapsed))
+
+    def replica_failed(self, view: ReplicaView, why: str) -> None:
+        if view.up:
+            log.warning("replica %s is down: %s", view.url, why)
+            view.mark_down(why)
+
+    # ------------------------------------------------------------------------------- metrics
+    def refresh_metrics(self) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        m.queue.set(len(self.queue))
+        m.fail_open.set(1 if self.fail_open(now) else 0)
+        for v in self.views:
+            m.up.labels(v.name).set(1 if v.up else 0)
+            m.stale.labels(v.name).set(1 if v.stale(now) else 0)
+            m.in_flight.labels(v.name).set(v.in_flight)
+            m.waiting.labels(v.name).set(v.waiting if v.waiting is not None else float("nan"))
+            m.running.labels(v.name).set(v.running if v.running is not None else float("nan"))
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        return {
+            "queue": len(self.queue), "fail_open": self.fail_open(now), "router": self.config.router,
+            "admission": self.config.admission,
+            "replicas": [{"url": v.url, "up": v.up, "down_reason": v.down_reason or None, "stale": v.stale(now),
+                          "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
+                          "kv_usage": v.kv_usage, "completed": v.completed_total,
+                          "limit": round(v.limit, 2) if self.config.admission else None,
+                          "tpot_s": v.tpot_s} for v in self.views],
+        }
+
+
+def _resolve(item: Queued, view: ReplicaView | None) -> None:
+    if item.ticket is not None and not item.ticket.done():
+        item.ticket.set_result(view)

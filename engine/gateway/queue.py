@@ -1,0 +1,166 @@
+"""The gateway queue and its admission.
+
+Requests wait here, not in the replicas, until a replica has room (late dispatch: a request queued
+in a replica cannot move to the one that frees first). The queue serves priority levels in order
+(lower first, as vLLM's ``priority``); within a level, tenants share by tokens (start-time fair
+queuing on each request's estimated prompt and output tokens: the tenant that has been served the
+fewest tokens goes next, and a tenant that comes back after a pause starts level with the others
+instead of spending credit saved while idle); within a tenant, first come first served. A request
+that waits longer than the TTL ends with 503 and says why.
+
+**Admission.** An arrival with ``k`` requests of its level or more urgent ahead of it leaves the
+queue after about ``(k + 1) / D`` seconds, ``D`` the fleet's measured rate of completions (each one
+frees room for one request). It is admitted when that wait and the replicas' measured time from
+dispatch to first byte fit the TTFT SLO; otherwise it gets 429 with a Retry-After of the time the
+queue needs to drain that far. An arrival with nothing ahead while a replica has room is always
+admitted. Before 16 completions ``D`` is not trusted, and the queue holds at most one request per
+replica that is up. The worst
+case: an admitted request waits in the queue at most the TTL, and the queue never holds more than
+``D`` times the TTFT SLO while the rate holds, whatever the arrivals do.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidegate.engine.core.stats import RateEstimator
+
+
+@dataclass(eq=False)
+class Queued:
+    """A request in the gateway queue.
+
+    :param cost: its estimated tokens (prompt and output), what tenants are charged
+    :param deadline: when it leaves the queue with 503 (``time.monotonic()``)
+    :param ticket: the handler's wait for a replica: ``set_result`` hands it one (or None: the TTL ran out)
+    """
+
+    priority: int
+    tenant: str
+    cost: float
+    arrived_at: float
+    deadline: float
+    prompt: str = ""
+    ticket: Any = None
+    retries: int = 0
+    seq: int = field(default_factory=itertools.count().__next__)
+
+
+class _Level:
+    """One priority level: a queue per tenant and the tokens each has been served."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, deque[Queued]] = {}
+        self.served: dict[str, float] = {}
+
+    def push(self, item: Queued, front: bool) -> None:
+        q = self.tenants.get(item.tenant)
+        if q is None:
+            # a tenant that comes back starts level with the busiest-served tenant still waiting
+            floor = min((self.served[t] for t in self.tenants), default=0.0)
+            self.served[item.tenant] = max(self.served.get(item.tenant, 0.0), floor)
+            q = self.tenants[item.tenant] = deque()
+        (q.appendleft if front else q.append)(item)
+
+    def pop(self) -> Queued:
+        tenant = min(self.tenants, key=lambda t: (self.served[t], self.tenants[t][0].seq))
+        q = self.tenants[tenant]
+        item = q.popleft()
+        self.served[tenant] += item.cost
+        if not q:
+            del self.tenants[tenant]
+        return item
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.tenants.values())
+
+
+class GatewayQueue:
+    """Priority levels, token-fair tenants within each, first come first served within a tenant."""
+
+    def __init__(self) -> None:
+        self._levels: dict[int, _Level] = {}
+        self._count = 0
+
+    def push(self, item: Queued, front: bool = False) -> None:
+        """Queue ``item``; ``front``: at its tenant's head (a request sent back by a replica keeps its turn)."""
+        self._levels.setdefault(item.priority, _Level()).push(item, front)
+        self._count += 1
+
+    def peek_priority(self) -> int | None:
+        return min((p for p, lv in self._levels.items() if lv.tenants), default=None)
+
+    def pop(self) -> Queued | None:
+        p = self.peek_priority()
+        if p is None:
+            return None
+        self._count -= 1
+        return self._levels[p].pop()
+
+    def ahead(self, priority: int) -> int:
+        """Requests that leave before a new arrival of ``priority``."""
+        return sum(len(lv) for p, lv in self._levels.items() if p <= priority)
+
+    def expire(self, now: float) -> list[Queued]:
+        """Takes out and returns the requests whose deadline has passed."""
+        out = []
+        for lv in self._levels.values():
+            for tenant in list(lv.tenants):
+                q = lv.tenants[tenant]
+                keep = deque(x for x in q if x.deadline > now)
+                if len(keep) != len(q):
+                    out.extend(x for x in q if x.deadline <= now)
+                    if keep:
+                        lv.tenants[tenant] = keep
+                    else:
+                        del lv.tenants[tenant]
+        self._count -= len(out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        return min((x.deadline for lv in self._levels.values() for q in lv.tenants.values() for x in q),
+                   default=None)
+
+    def __len__(self) -> int:
+        return self._count
+
+
+class DrainAdmission:
+    """Admits an arrival when the queue ahead of it drains within the TTFT SLO (the module's docstring).
+
+    :param ttft_slo_s: the time to first token a client is promised
+    """
+
+    #: completions before the measured rate is trusted
+    MIN_COMPLETIONS = 16
+
+    def __init__(self, ttft_slo_s: float) -> None:
+        self.ttft_slo_s = ttft_slo_s
+        self.drain = RateEstimator(10.0, min_events=self.MIN_COMPLETIONS)
+        self.completions = 0
+        #: seconds from dispatch to a replica's first byte, over the fleet, exponentially weighted
+        self.first_byte_s = 0.0
+
+    def completed(self, now: float) -> None:
+        self.drain.add(now)
+        self.completions += 1
+
+    def first_byte(self, seconds: float) -> None:
+        self.first_byte_s = seconds if self.first_byte_s == 0.0 else 0.9 * self.first_byte_s + 0.1 * seconds
+
+    def retry_after(self, now: float, ahead: int, replicas: int, room: bool) -> float | None:
+        """None admits an arrival with ``ahead`` requests before it; else the seconds to come back after.
+
+        :param room: a replica has room now (an arrival with nothing ahead then leaves the queue at once)
+        """
+        if ahead == 0 and room:
+            return None
+        rate = self.drain.rate(now)
+        if self.completions < self.MIN_COMPLETIONS or rate <= 0.0:
+            return None if ahead < replicas else self.ttft_slo_s
+        wait = (ahead + 1) / rate
+        budget = self.ttft_slo_s - self.first_byte_s
+        return None if wait <= budget else wait - max(budget, 0.0)

@@ -1,0 +1,204 @@
+"""What the gateway knows of each replica: its gauges, their age, its requests in flight, its health.
+
+A replica is any OpenAI-compatible server that exports the load gauges of vLLM, SGLang or tidegate
+on ``/metrics`` (both generations of vLLM's KV gauge). The gauges are scraped on a short period and
+are only as fresh as their scrape: a view older than ``stale_after_s`` is stale, and the gateway
+then judges that replica by what it counts itself (its requests in flight there). Dispatches made
+since a scrape began are counted on top of the scraped queue, so a burst that arrives between two
+scrapes spreads over the fleet instead of landing on the replica that looked idle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tidegate.engine.core.stats import RateEstimator
+
+#: gauge -> (the engine's metric names, newest first)
+GAUGE_NAMES = {
+    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "tidegate:num_requests_waiting"),
+    "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "tidegate:num_requests_running"),
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
+                 "tidegate:kv_cache_usage_perc"),
+}
+_NAME_TO_GAUGE = {name: gauge for gauge, names in GAUGE_NAMES.items() for name in names}
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """The load gauges of a Prometheus text exposition, each summed over its label sets (several
+    models or engines in one server); a gauge the text does not hold is absent."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        gauge = _NAME_TO_GAUGE.get(family.name)
+        if gauge is None:
+            continue
+        values = [s.value for s in family.samples if s.name == family.name and math.isfinite(s.value)]
+        if values and gauge not in out:  # the first name of a gauge found wins (vLLM's newer KV name)
+            out[gauge] = float(sum(values))
+    return out
+
+
+@dataclass
+class ReplicaView:
+    """One replica as the gateway sees it. Times are ``time.monotonic()`` seconds.
+
+    :param url: the replica's base URL (``http://host:port``)
+    :param stale_after_s: how old the scraped gauges may be before they are not trusted
+    """
+
+    url: str
+    stale_after_s: float = 2.0
+    #: the time per output token the replica's running requests should see (None: no concurrency limit)
+    tpot_slo_s: float | None = None
+    #: the most of the gateway's requests the replica may hold: additive increase while the streams'
+    #: time per token meets the SLO (+1 a completion until the first cut, as TCP's slow start; then
+    #: +1/limit), cut by a fifth of what was in flight when it does not, at most once a request lifetime
+    limit: float = 4.0
+    slow_start: bool = True
+    #: seconds per token between the streams' chunks, exponentially weighted, and the lowest it has been
+    tpot_s: float | None = None
+    tpot_floor_s: float = math.inf
+    #: seconds a completed request took, exponentially weighted
+    lifetime_s: float = 1.0
+    last_cut: float = -math.inf
+    #: the last scrape's gauges (None: never scraped, or the replica exports no queue gauge)
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    #: when the scrape whose gauges these are was sent
+    scraped_at: float | None = None
+    #: False after a connection failure or a failed health check, until a health check passes
+    up: bool = True
+    #: why the replica was last marked down
+    down_reason: str = ""
+    #: the gateway's requests dispatched there and not yet ended
+    in_flight: int = 0
+    #: the replica answered 429 or 503 after this time: it has no room until a later scrape says so
+    refused_at: float | None = None
+    dispatches: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    completions: RateEstimator = field(default_factory=lambda: RateEstimator(10.0, min_events=16))
+    #: seconds from dispatch to the replica's first streamed byte, exponentially weighted
+    ttft_s: float | None = None
+    #: totals for the gateway's metrics
+    dispatched_total: int = 0
+    completed_total: int = 0
+    failed_total: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.url.split("://", 1)[-1]
+
+    def stale(self, now: float) -> bool:
+        return self.scraped_at is None or self.waiting is None or now - self.scraped_at > self.stale_after_s
+
+    def pending(self) -> int:
+        """Dispatches sent since the last scrape began: the replica may not have counted them yet."""
+        since = self.scraped_at
+        if since is None:
+            return len(self.dispatches)
+        n = 0
+        for t in reversed(self.dispatches):
+            if t < since:
+                break
+            n += 1
+        return n
+
+    def queued(self, now: float) -> float:
+        """Requests queued in the replica by the latest word: the scraped queue and the dispatches since;
+        when the gauges are stale, the gateway's own requests there beyond what last ran."""
+        if self.stale(now):
+            return max(0.0, self.in_flight - (self.running or 0.0))
+        return (self.waiting or 0.0) + self.pending()
+
+    def load(self, now: float) -> float:
+        """Requests held by the replica: running and queued, and never fewer than the gateway has there."""
+        if self.stale(now):
+            return float(self.in_flight)
+        return max(float(self.in_flight), (self.running or 0.0) + self.queued(now))
+
+    def completion_rate(self, now: float) -> float:
+        return self.completions.rate(now)
+
+    def room(self, now: float, scrape_period_s: float) -> bool:
+        """Whether a request dispatched now would start about as soon as any the replica already queues.
+
+        The replica may queue what it starts before the next scrape can say more: its measured rate of
+        completions over two scrape periods, and at least one request."""
+        if not self.up or (self.refused_at is not None and (self.scraped_at is None or
+                                                            self.scraped_at <= self.refused_at)):
+            return False
+        if self.in_flight >= max(1, int(self.limit)):
+            return False
+        if self.stale(now):
+            return True
+        allowed = max(1.0, math.ceil(self.completion_rate(now) * 2 * scrape_period_s))
+        return self.queued(now) < allowed
+
+    def tpot_target(self) -> float | None:
+        """The time per token to hold: the SLO, or 1.25 times the lowest seen when even that is over it
+        (a limit cut for an SLO no concurrency meets would only cost throughput)."""
+        if self.tpot_slo_s is None:
+            return None
+        return max(self.tpot_slo_s, 1.25 * self.tpot_floor_s)
+
+    def tokens_streamed(self, now: float, gap_s: float, tokens: int) -> None:
+        """A stream's chunk of ``tokens`` came ``gap_s`` after that stream's previous one."""
+        if tokens <= 0:
+            return
+        sample = gap_s / tokens
+        self.tpot_s = sample if self.tpot_s is None else 0.9 * self.tpot_s + 0.1 * sample
+        self.tpot_floor_s = min(self.tpot_floor_s, self.tpot_s)
+        target = self.tpot_target()
+        if target is not None and self.tpot_s > target and self.in_flight > 1 \
+                and now - self.last_cut > self.lifetime_s:
+            self.limit = max(1.0, min(self.limit, self.in_flight) * 0.8)
+            self.slow_start = False
+            self.last_cut = now
+
+    # ------------------------------------------------------------------------------- events
+    def scraped(self, sent_at: float, gauges: dict[str, float]) -> None:
+        self.scraped_at = sent_at
+        self.waiting = gauges.get("waiting")
+        self.running = gauges.get("running")
+        self.kv_usage = gauges.get("kv_usage")
+        while self.dispatches and self.dispatches[0] < sent_at - 60.0:
+            self.dispatches.popleft()
+
+    def dispatched(self, now: float) -> None:
+        self.in_flight += 1
+        self.dispatched_total += 1
+        self.dispatches.append(now)
+
+    def first_byte(self, dispatched_at: float, now: float) -> None:
+        sample = now - dispatched_at
+        self.ttft_s = sample if self.ttft_s is None else 0.8 * self.ttft_s + 0.2 * sample
+
+    def ended(self, now: float, completed: bool, lifetime_s: float | None = None) -> None:
+        """A request dispatched here ended: ``completed`` when the replica answered it whole, after
+        ``lifetime_s`` from its dispatch."""
+        binding = self.in_flight >= int(self.limit)
+        self.in_flight = max(0, self.in_flight - 1)
+        if completed:
+            self.completed_total += 1
+            self.completions.add(now)
+            if lifetime_s is not None:
+                self.lifetime_s = 0.9 * self.lifetime_s + 0.1 * lifetime_s
+            target = self.tpot_target()
+            if binding and (target is None or self.tpot_s is None or self.tpot_s <= target):
+                self.limit += 1.0 if self.slow_start else 1.0 / self.limit
+
+    def refused(self, now: float) -> None:
+        self.refused_at = now
+
+    def mark_down(self, reason: str) -> None:
+        self.up = False
+        self.down_reason = reason
+        self.failed_total += 1
+
+    def mark_up(self) -> None:
+        self.up = True
+        self.down_reason = ""

@@ -148,30 +148,34 @@ class Fleet:
                                           bool(self.candidates(now)))
 
     def enqueue(self, item: Queued, front: bool = False) -> None:
+        """Queue ``item`` and dispatch at once what can go (arrivals of one instant see each other)."""
         self.queue.push(item, front)
-        self.wake()
+        self.dispatch(time.monotonic())
+
+    def dispatch(self, now: float) -> None:
+        """End what outlived its TTL; hand the queue's next requests to replicas with room."""
+        for item in self.queue.expire(now):
+            _resolve(item, None)
+        while len(self.queue):
+            candidates = self.candidates(now)
+            if not candidates:
+                break
+            item = self.queue.pop()
+            if item is None:
+                break
+            if item.ticket is None or item.ticket.done():  # its client went away while it waited
+                continue
+            view = self.router.pick(candidates, item.prompt, now)
+            view.dispatched(now)
+            _resolve(item, view)
+        self.metrics.queue.set(len(self.queue))
 
     # ------------------------------------------------------------------------------- tasks
     async def _dispatch_loop(self) -> None:
         assert self._wake is not None
         while True:
             self._wake.clear()
-            now = time.monotonic()
-            for item in self.queue.expire(now):
-                _resolve(item, None)
-            while len(self.queue):
-                candidates = self.candidates(now)
-                if not candidates:
-                    break
-                item = self.queue.pop()
-                if item is None:
-                    break
-                if item.ticket is None or item.ticket.done():  # its client went away while it waited
-                    continue
-                view = self.router.pick(candidates, item.prompt, now)
-                view.dispatched(now)
-                _resolve(item, view)
-            self.metrics.queue.set(len(self.queue))
+            self.dispatch(time.monotonic())
             deadline = self.queue.next_deadline()
             timeout = self.config.scrape_interval_s if deadline is None else \
                 min(self.config.scrape_interval_s, max(0.0, deadline - time.monotonic()))

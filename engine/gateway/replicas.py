@@ -124,17 +124,17 @@ class ReplicaView:
         return self.completions.rate(now)
 
     def room(self, now: float, scrape_period_s: float) -> bool:
-        """Whether a request dispatched now would start about as soon as any the replica already queues.
-
-        The replica may queue what it starts before the next scrape can say more: its measured rate of
-        completions over two scrape periods, and at least one request."""
+        """Whether the replica may take a request now: it is up, has not refused since its last scrape,
+        holds fewer of the gateway's requests than its limit, and, if it was queueing at the last
+        scrape, queues less than it starts before the next scrape can say more (its measured rate of
+        completions over two scrape periods, and at least one request)."""
         if not self.up or (self.refused_at is not None and (self.scraped_at is None or
                                                             self.scraped_at <= self.refused_at)):
             return False
         if self.in_flight >= max(1, int(self.limit)):
             return False
-        if self.stale(now):
-            return True
+        if self.stale(now) or not self.waiting:
+            return True  # it queued nothing at the last word: the limit alone bounds what it holds
         allowed = max(1.0, math.ceil(self.completion_rate(now) * 2 * scrape_period_s))
         return self.queued(now) < allowed
 

@@ -1,0 +1,381 @@
+"""The fleet gateway: its parts alone, then over loopback in front of scripted replicas (which export
+vLLM's gauges, refuse, stall or die on cue) and in front of a real ``tidegate serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from click.testing import CliRunner
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from tidegate.engine.cli import main
+from tidegate.engine.gateway.app import create_gateway_app
+from tidegate.engine.gateway.fleet import GatewayConfig
+from tidegate.engine.gateway.queue import DrainAdmission, GatewayQueue, Queued
+from tidegate.engine.gateway.replicas import ReplicaView, parse_gauges
+from tidegate.engine.gateway.routers import PredictedDelay, PrefixAffinity, RoundRobin
+from tests.test_server import Running, free_port, tiny  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------------------- the parts
+def test_gauges_of_every_engine_are_read_and_summed_over_label_sets():
+    vllm_new = ('# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 3\n'
+                'vllm:num_requests_waiting{engine="1"} 2\n# TYPE vllm:num_requests_running gauge\n'
+                'vllm:num_requests_running{engine="0"} 7\n# TYPE vllm:kv_cache_usage_perc gauge\n'
+                'vllm:kv_cache_usage_perc{engine="0"} 0.5\n')
+    assert parse_gauges(vllm_new) == {"waiting": 5.0, "running": 7.0, "kv_usage": 0.5}
+    vllm_old = "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.25\n"
+    assert parse_gauges(vllm_old) == {"kv_usage": 0.25}
+    sglang = ("# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs 4\n# TYPE sglang:num_running_reqs gauge\n"
+              "sglang:num_running_reqs 9\n# TYPE sglang:token_usage gauge\nsglang:token_usage 0.9\n")
+    assert parse_gauges(sglang) == {"waiting": 4.0, "running": 9.0, "kv_usage": 0.9}
+    tide = "# TYPE tidegate:num_requests_waiting gauge\ntidegate:num_requests_waiting{model_name=\"tiny\"} 1\n"
+    assert parse_gauges(tide) == {"waiting": 1.0}
+    assert parse_gauges("# TYPE other gauge\nother 1\n") == {}
+
+
+def _item(priority=0, tenant="", cost=1.0, deadline=math.inf):
+    return Queued(priority, tenant, cost, 0.0, deadline)
+
+
+def test_the_queue_serves_priorities_in_order_and_tenants_by_tokens():
+    q = GatewayQueue()
+    heavy = [_item(tenant="heavy", cost=1000) for _ in range(4)]
+    light = [_item(tenant="light", cost=10) for _ in range(4)]
+    urgent = _item(priority=-1, tenant="heavy", cost=1000)
+    for x in heavy + light:
+        q.push(x)
+    q.push(urgent)
+    assert q.ahead(-1) == 1 and q.ahead(0) == 9
+    order = [q.pop() for _ in range(9)]
+    assert order[0] is urgent
+    # within level 0 the tenant served fewer tokens goes next: light's four before heavy's second
+    rest = order[1:]
+    assert rest.index(light[-1]) < rest.index(heavy[1])
+    assert [x for x in rest if x.tenant == "heavy"] == heavy  # first come first served within a tenant
+    assert q.pop() is None and len(q) == 0
+
+
+def test_the_queue_ends_requests_past_their_ttl_and_keeps_a_returned_request_first():
+    q = GatewayQueue()
+    old, new = _item(deadline=1.0), _item(deadline=10.0)
+    q.push(old)
+    q.push(new)
+    assert q.expire(5.0) == [old] and len(q) == 1
+    back = _item(deadline=10.0)
+    q.push(back, front=True)
+    assert q.pop() is back and q.next_deadline() == 10.0
+
+
+def test_admission_admits_with_room_and_refuses_what_the_drain_rate_cannot_start_in_time():
+    a = DrainAdmission(ttft_slo_s=2.0)
+    assert a.retry_after(0.0, ahead=0, replicas=2, room=True) is None
+    # before the rate is trusted the queue holds one request per replica
+    assert a.retry_after(0.0, ahead=1, replicas=2, room=False) is None
+    assert a.retry_after(0.0, ahead=2, replicas=2, room=False) is not None
+    for i in range(100):  # 10 completions a second
+        a.completed(i * 0.1)
+    now = 10.0
+    assert a.retry_after(now, ahead=10, replicas=2, room=False) is None  # ~1.1 s of queue
+    late = a.retry_after(now, ahead=40, replicas=2, room=False)  # ~4.1 s of queue
+    assert late is not None and 1.5 < late < 3.0
+
+
+def test_the_concurrency_limit_grows_while_tpot_holds_and_is_cut_when_it_does_not():
+    v = ReplicaView("http://r", tpot_slo_s=0.1)
+    v.scraped(0.0, {"waiting": 0.0, "running": 0.0})
+    start = v.limit
+    for _ in range(int(start)):
+        v.dispatched(0.0)
+    assert not v.room(0.0, 0.1)  # at its limit
+    v.tokens_streamed(0.1, 0.05, 1)
+    v.ended(0.2, completed=True, lifetime_s=1.0)
+    assert v.limit == start + 1  # slow start: one more a completion
+    for _ in range(3):
+        v.dispatched(0.3)
+    for i in range(30):
+        v.tokens_streamed(0.5 + i * 0.01, 0.5, 1)  # 500 ms a token
+    assert v.limit == pytest.approx(0.8 * (start + 1)) and not v.slow_start  # a fifth off
+    cut = v.limit
+    v.tokens_streamed(1.0, 0.5, 1)
+    assert v.limit == cut  # at most one cut a request lifetime
+
+
+def test_predicted_delay_splits_by_speed_and_prefix_affinity_yields_to_load():
+    fast, slow = ReplicaView("http://fast"), ReplicaView("http://slow")
+    for v, rate in ((fast, 20), (slow, 5)):
+        v.scraped(9.9, {"waiting": 0.0, "running": 0.0})
+        for i in range(100):
+            v.completions.add(10.0 - (100 - i) / rate)
+    router = PredictedDelay()
+    picks = []
+    for _ in range(25):
+        r = router.pick([fast, slow], "", 10.0)
+        r.in_flight += 1
+        picks.append(r)
+    assert 17 <= picks.count(fast) <= 23  # about 4 to 1
+
+    a, b = ReplicaView("http://a"), ReplicaView("http://b")
+    p = PrefixAffinity(block_chars=8, imbalance=2)
+    prompt = "system prompt of many blocks " * 4
+    first = p.pick([a, b], prompt, 0.0)
+    assert p.pick([a, b], prompt + "and a new turn", 0.0) is first and p.hits == 1
+    first.in_flight = 10  # the warm replica is swamped
+    assert p.pick([a, b], prompt, 0.0) is not first and p.yielded == 1
+    assert RoundRobin().pick([a, b], "", 0.0) is a
+
+
+def test_the_cli_refuses_bad_fleets_with_one_sentence(tmp_path):
+    r = CliRunner().invoke(main, ["gateway"])
+    assert r.exit_code == 2 and "no replica" in r.output
+    r = CliRunner().invoke(main, ["gateway", "--replica", "localhost:8000"])
+    assert r.exit_code == 2 and "is not an http://" in r.output
+    bad = tmp_path / "fleet.json"
+    bad.write_text("{not json")
+    r = CliRunner().invoke(main, ["gateway", "--fleet", str(bad)])
+    assert r.exit_code == 2 and "not valid JSON" in r.output and "Traceback" not in r.output
+
+
+# ------------------------------------------------------------------------------- over loopback
+class Scripted:
+    """A replica whose behaviour a test sets: vLLM's gauges, a stream of ``tokens`` chunks ``gap_s``
+    apart, a 429, a death after ``die_after`` chunks, a failing ``/health``."""
+
+    def __init__(self) -> None:
+        self.tokens, self.gap_s = 5, 0.01
+        self.refuse = False
+        self.die_after: int | None = None
+        self.healthy = True
+        self.waiting = 0
+        self.served = self.cancelled = self.requests = 0
+        app = FastAPI()
+
+        @app.get("/metrics")
+        async def metrics():
+            return PlainTextResponse("# TYPE vllm:num_requests_waiting gauge\n"
+                                     f"vllm:num_requests_waiting{{model_name=\"m\"}} {self.waiting}\n"
+                                     "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n")
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}, status_code=200 if self.healthy else 503)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+        @app.post("/v1/completions")
+        async def complete(body: dict):
+            self.requests += 1
+            if self.refuse:
+                return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"Retry-After": "1"})
+            if not body.get("stream"):
+                self.served += 1
+                return {"choices": [{"text": "x" * self.tokens}]}
+            return StreamingResponse(self._stream(), media_type="text/event-stream")
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        threading.Thread(target=self.server.run, daemon=True).start()
+        _wait_started(self.server)
+
+    async def _stream(self):
+        done = False
+        try:
+            for i in range(self.tokens):
+                if self.die_after is not None and i == self.die_after:
+                    raise RuntimeError("the replica dies")
+                yield f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode()
+                await asyncio.sleep(self.gap_s)
+            yield b"data: [DONE]\n\n"
+            done = True
+            self.served += 1
+        finally:
+            if not done:
+                self.cancelled += 1
+
+    def close(self) -> None:
+        self.server.should_exit = True
+
+
+def _wait_started(server: uvicorn.Server) -> None:
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.01)
+
+
+class Gateway:
+    def __init__(self, urls: list[str], **settings) -> None:
+        self.port = free_port()
+        self.config = GatewayConfig(urls, port=self.port, scrape_interval_s=0.02, health_interval_s=0.2, **settings)
+        self.app = create_gateway_app(self.config)
+        self.fleet = self.app.state.fleet
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        threading.Thread(target=self.server.run, daemon=True).start()
+        _wait_started(self.server)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health").json()
+
+    def close(self) -> None:
+        self.server.should_exit = True
+
+
+def _stream_text(url: str, body: dict | None = None) -> tuple[int, list[str]]:
+    body = body or {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as r:
+        return r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.fixture
+def pair():
+    a, b = Scripted(), Scripted()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_streams_pass_through_and_a_burst_spreads_over_the_fleet(pair):
+    a, b = pair
+    g = Gateway([a.url, b.url], router="least-loaded")
+    try:
+        status, events = _stream_text(g.url)
+        assert status == 200 and events[-1] == "[DONE]" and len(events) == a.tokens + 1
+        assert httpx.get(g.url + "/v1/models").json()["data"][0]["id"] == "m"
+        r = httpx.post(g.url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        a.gap_s = b.gap_s = 0.05
+        a.served = b.served = 0
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=20) as c:
+                body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
+                return await asyncio.gather(*(c.post(g.url + "/v1/completions", json=body) for _ in range(8)))
+
+        answers = asyncio.run(burst())
+        assert all(r.status_code == 200 for r in answers)
+        assert a.served >= 2 and b.served >= 2  # in-flight counts spread the burst between two scrapes
+        text = httpx.get(g.url + "/metrics").text
+        assert 'tidegate:gateway_requests_total{outcome="completed"} 9.0' in text
+        assert "tidegate:gateway_replica_up" in text and "tidegate:gateway_fail_open 0.0" in text
+    finally:
+        g.close()
+
+
+def test_a_refusing_replica_is_routed_around_and_a_dead_one_health_checked_back(pair):
+    a, b = pair
+    g = Gateway([a.url, b.url], router="round-robin")
+    try:
+        a.refuse = True
+        for _ in range(4):
+            status, events = _stream_text(g.url)
+            assert status == 200 and events[-1] == "[DONE]"  # sent again to b before its stream started
+        assert a.requests >= 1 and b.served == 4
+        a.refuse = False
+        b.close()  # b is gone: its requests fail to connect and go to a
+        time.sleep(0.3)
+        for _ in range(3):
+            assert _stream_text(g.url)[0] == 200
+        down = {r["url"]: r["up"] for r in g.health()["replicas"]}
+        assert down == {a.url: True, b.url: False}
+        a.healthy = False
+        a.die_after = 2  # a dies mid-stream: the client gets what was sent, an error event and [DONE]
+        start = time.time()
+        status, events = _stream_text(g.url)
+        assert status == 200 and time.time() - start < 2.0
+        assert json.loads(events[-2])["error"]["type"] == "replica_failed" and events[-1] == "[DONE]"
+        assert len(events) == 2 + 2
+        r = httpx.post(g.url + "/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert r.status_code == 503 and "no replica is up" in r.json()["error"]["message"]  # down, not busy
+        assert httpx.get(g.url + "/ready").status_code == 503
+        a.healthy, a.die_after = True, None
+        deadline = time.time() + 3
+        while not g.health()["replicas"][0]["up"]:
+            assert time.time() < deadline, "the replica was not health-checked back in"
+            time.sleep(0.05)
+        assert _stream_text(g.url)[0] == 200
+    finally:
+        g.close()
+
+
+def test_a_client_that_leaves_cancels_its_upstream_request(pair):
+    a, b = pair
+    a.tokens = b.tokens = 200
+    a.gap_s = b.gap_s = 0.02
+    g = Gateway([a.url, b.url])
+    try:
+        with httpx.stream("POST", g.url + "/v1/completions", timeout=10,
+                          json={"model": "m", "prompt": "hi", "max_tokens": 200, "stream": True}) as r:
+            next(r.iter_lines())
+        deadline = time.time() + 3
+        while a.cancelled + b.cancelled == 0:
+            assert time.time() < deadline, "the replica kept generating for a client that left"
+            time.sleep(0.05)
+        while sum(v["in_flight"] for v in g.health()["replicas"]):
+            assert time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        g.close()
+
+
+def test_overload_gets_429_with_retry_after_and_the_ttl_ends_what_waits_too_long(pair):
+    a, b = pair
+    a.tokens = b.tokens = 20
+    a.gap_s = b.gap_s = 0.05  # a second a request
+    g = Gateway([a.url, b.url], tpot_slo_s=10.0, queue_ttl_s=1.5)
+    for v in g.fleet.views:
+        v.limit = 1.0  # one request each at a time
+        v.slow_start = False
+        v.tpot_slo_s = None  # and the limit stays there
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=20) as c:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 20, "stream": True}
+            return await asyncio.gather(*(c.post(g.url + "/v1/completions", json=body) for _ in range(12)))
+
+    try:
+        answers = asyncio.run(flood())
+        statuses = sorted(r.status_code for r in answers)
+        busy = [r for r in answers if r.status_code == 429]
+        assert statuses.count(200) >= 2 and busy, statuses
+        assert all(int(r.headers["retry-after"]) >= 1 for r in busy)
+        assert set(statuses) <= {200, 429, 503}
+        expired = [r for r in answers if r.status_code == 503]
+        assert all("TTL" in r.json()["error"]["message"] for r in expired)
+        assert len(answers) == 12  # every request answered, one way or the other
+    finally:
+        g.close()
+
+
+def test_a_real_tidegate_replica_behind_the_gateway_serves_the_openai_client(tiny):  # noqa: F811
+    replica = Running(tiny, controller="greedy")
+    g = Gateway([replica.url])
+    try:
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="hello", max_tokens=6, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 6
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=True, extra_body={"ignore_eos": True}))
+        assert sum(bool(c.choices and c.choices[0].delta.content is not None) for c in chunks) >= 4
+        deadline = time.time() + 2
+        while g.health()["replicas"][0]["waiting"] is None:  # the tidegate gauges were read
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert g.health()["replicas"][0]["completed"] == 2
+    finally:
+        g.close()
+        replica.close()

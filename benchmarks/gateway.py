@@ -1,0 +1,248 @@
+"""Two ``tidegate serve`` replicas behind ``tidegate gateway``, measured from outside.
+
+    python benchmarks/gateway.py [--load 3] [--duration 60] [--out docs/bench/gateway]
+
+The replicas serve the tiny model with one torch thread each; the second has half the first's KV
+cache (``--kv-tokens``). Every arm starts fresh replicas (and a fresh gateway), so no arm inherits
+another's rate windows or refitted profiles. Requests are streamed completions of ``--input-len`` /
+``--output-len`` tokens (``ignore_eos``), Poisson arrivals; goodput counts TTFT <= ``--ttft-slo-ms``
+and TPOT <= ``--tpot-slo-ms``.
+
+1. capacity: each replica alone under a flood (``--load`` x a guess, ``--capacity-s``); its served
+   rate is its capacity. The fleet's capacity is the sum.
+2. separate: each replica alone at ``--load`` x its own capacity; the goodputs summed.
+3. fleet: the pair behind the gateway at ``--load`` x the fleet's capacity, with the gateway's
+   admission and router (``--router``), and as a plain round robin (``--no-admission``).
+4. light load: replica A at 0.3 x its capacity, directly and through the gateway (the overhead).
+5. kill: the fleet at 1 x its capacity; replica B's processes are killed at half time. Its open
+   streams must end (an error event and ``[DONE]``) within 2 s, and the rest keep serving.
+
+Writes ``gateway.json``, ``gateway.md`` and ``gateway.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tidegate.engine.bench.loadgen import plan_random, run, run_load, summarize
+from tidegate.engine.bench.overload.server import Server
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Gateway(Server):
+    """``tidegate gateway`` as a subprocess."""
+
+    def __init__(self, urls: list[str], gateway_args: list[str], log_path: Path) -> None:
+        super().__init__([], log_path)
+        self.cmd = [sys.executable, "-m", "tidegate", "gateway", "--port", str(self.port), "--log-level", "warning",
+                    *[a for u in urls for a in ("--replica", u)], *gateway_args]
+
+
+def start_replicas(args, which: str, out: Path) -> list[Server]:
+    kv = {"a": args.kv_tokens, "b": args.kv_tokens // 2}
+    servers = []
+    for name in which:
+        s = Server(["--threads", "1", "--kv-capacity-tokens", str(kv[name]), "--controller", args.controller,
+                    "--log-level", "warning"], out / f"replica_{name}.log")
+        s.start(120)
+        servers.append(s)
+    return servers
+
+
+def drive(url: str, rate: float, duration_s: float, args, seed: int, kill=None) -> tuple[list, float]:
+    plan = plan_random(10**9, rate, 1.0, args.input_len, args.output_len, seed, duration_s)
+    log(f"  {len(plan)} requests at {rate:.2f} req/s for {duration_s:.0f} s -> {url}")
+    if kill is None:
+        return run(run_load(url, plan, progress=False, timeout_s=120))
+    import asyncio
+
+    async def with_kill():
+        async def killer():
+            await asyncio.sleep(duration_s / 2)
+            kill()
+            return time.perf_counter()
+        task = asyncio.create_task(killer())
+        start = time.perf_counter()
+        outcomes, wall = await run_load(url, plan, progress=False, timeout_s=120)
+        return outcomes, wall, start, await task
+    return run(with_kill())
+
+
+def figures(outcomes, wall, args) -> dict:
+    s = summarize(outcomes, wall, args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
+    keys = ("sent", "completed", "rejected_429", "unavailable_503", "server_errors_5xx", "stream_errors",
+            "connection_errors", "throughput_rps", "goodput_rps", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+            "tpot_p99_ms", "reject_latency_p99_ms")
+    return {k: s[k] for k in keys}
+
+
+def arm_capacity(args, name: str, out: Path) -> float:
+    (replica,) = start_replicas(args, name, out)
+    try:
+        outcomes, wall = drive(replica.url, args.flood_rps, args.capacity_s, args, seed=1)
+        return summarize(outcomes, wall)["throughput_rps"]
+    finally:
+        replica.stop()
+
+
+def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, kill: bool = False) -> dict:
+    replicas = start_replicas(args, "ab", out)
+    gw = Gateway([r.url for r in replicas], gateway_args, out / "gateway.log")
+    try:
+        gw.start(60)
+        if not kill:
+            outcomes, wall = drive(gw.url, rate, args.duration, args, seed)
+            res = figures(outcomes, wall, args)
+        else:
+            victim = replicas[1]
+
+            def do_kill():
+                for p in victim.tree():
+                    try:
+                        os.kill(p.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                log("  replica b killed")
+
+            outcomes, wall, start, killed_at = drive(gw.url, rate, args.duration, args, seed, kill=do_kill)
+            res = figures(outcomes, wall, args)
+            plan = plan_random(10**9, rate, 1.0, args.input_len, args.output_len, seed, args.duration)
+            kill_s = killed_at - start
+            broken = [p.at_s + o.latency_s - kill_s for p, o in zip(plan, outcomes)
+                      if o.status == 200 and o.error is not None]
+            after = [o for p, o in zip(plan, outcomes) if p.at_s > kill_s + 2 and o.status == 200 and o.error is None]
+            res.update(streams_broken=len(broken), slowest_end_after_kill_s=max(broken, default=0.0),
+                       completed_after_kill=len(after))
+        res["gateway_metrics"] = {line.split(" ")[0]: float(line.split(" ")[1])
+                                  for line in httpx.get(gw.url + "/metrics").text.splitlines()
+                                  if line.startswith("tidegate:gateway_requests_total")}
+        return res
+    finally:
+        gw.stop()
+        for r in replicas:
+            r.stop()
+
+
+def arm_light(args, out: Path, rate: float) -> dict:
+    (replica,) = start_replicas(args, "a", out)
+    gw = Gateway([replica.url], [], out / "gateway_light.log")
+    try:
+        gw.start(60)
+        direct = figures(*drive(replica.url, rate, args.light_s, args, seed=3), args)
+        through = figures(*drive(gw.url, rate, args.light_s, args, seed=3), args)
+        return {"direct": direct, "gateway": through}
+    finally:
+        gw.stop()
+        replica.stop()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", type=float, default=3.0, help="overload, x capacity")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per overload arm")
+    p.add_argument("--capacity-s", type=float, default=30.0)
+    p.add_argument("--light-s", type=float, default=30.0)
+    p.add_argument("--flood-rps", type=float, default=40.0, help="arrivals of the capacity runs")
+    p.add_argument("--kv-tokens", type=int, default=8192, help="replica A's KV cache; B gets half")
+    p.add_argument("--controller", default="slo-flow", help="the replicas' own controller")
+    p.add_argument("--router", default="predicted-delay")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--ttft-slo-ms", type=float, default=2000)
+    p.add_argument("--tpot-slo-ms", type=float, default=200)
+    p.add_argument("--arms", default="capacity,separate,fleet,light,kill")
+    p.add_argument("--out", type=Path, default=Path("docs/bench/gateway"))
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "tidegate-gateway-bench"
+    logs.mkdir(parents=True, exist_ok=True)
+    arms = args.arms.split(",")
+    res: dict = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
+                 "args": {k: str(v) for k, v in vars(args).items()}}
+    log("capacity of each replica alone")
+    cap = {n: arm_capacity(args, n, logs) for n in "ab"}
+    res["capacity_rps"] = cap
+    fleet_cap = sum(cap.values())
+    log(f"capacity a {cap['a']:.2f}, b {cap['b']:.2f}, fleet {fleet_cap:.2f} req/s")
+    slo = ["--ttft-slo-s", str(args.ttft_slo_ms / 1000), "--tpot-slo-s", str(args.tpot_slo_ms / 1000)]
+    if "separate" in arms:
+        res["separate"] = {}
+        for n in "ab":
+            log(f"separate: replica {n} alone at {args.load}x")
+            (replica,) = start_replicas(args, n, logs)
+            try:
+                res["separate"][n] = figures(*drive(replica.url, args.load * cap[n], args.duration, args, seed=2),
+                                             args)
+            finally:
+                replica.stop()
+    if "fleet" in arms:
+        log(f"fleet behind the gateway ({args.router}) at {args.load}x")
+        res["gateway"] = arm_fleet(args, logs, args.load * fleet_cap, ["--router", args.router, *slo], seed=2)
+        log(f"fleet behind a plain round robin at {args.load}x")
+        res["round_robin"] = arm_fleet(args, logs, args.load * fleet_cap, ["--router", "round-robin",
+                                                                           "--no-admission"], seed=2)
+    if "light" in arms:
+        log("light load: direct and through the gateway")
+        res["light"] = arm_light(args, logs, 0.3 * cap["a"])
+    if "kill" in arms:
+        log("kill: replica b killed at half time, fleet at 1x")
+        res["kill"] = arm_fleet(args, logs, fleet_cap, ["--router", args.router, *slo], seed=4, kill=True)
+    (args.out / "gateway.json").write_text(json.dumps(res, indent=2))
+    write_report(res, args.out)
+    log(f"wrote {args.out}/gateway.json, gateway.md, gateway.png")
+
+
+def write_report(res: dict, out: Path) -> None:
+    sep, light = res.get("separate", {}), res.get("light", {})
+    rows = [("replica a alone", sep.get("a")), ("replica b alone", sep.get("b")), ("gateway", res.get("gateway")),
+            ("round robin", res.get("round_robin")), ("light: direct", light.get("direct")),
+            ("light: gateway", light.get("gateway")), ("kill: gateway", res.get("kill"))]
+    lines = [f"# Two replicas behind the gateway ({res['date']}, {res['machine']})", "",
+             f"Capacity (req/s): {json.dumps(res['capacity_rps'])}", "",
+             "| arm | goodput req/s | served | 429 | 503 | 5xx | stream errors | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+             "| 429 p99 ms |", "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    for name, r in rows:
+        if r:
+            lines.append(f"| {name} | {r['goodput_rps']:.2f} | {r['completed']}/{r['sent']} | {r['rejected_429']} | "
+                         f"{r['unavailable_503']} | {r['server_errors_5xx']} | {r['stream_errors']} | "
+                         f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.0f} / "
+                         f"{r['tpot_p99_ms']:.0f} | {r['reject_latency_p99_ms']:.0f} |")
+    if res.get("kill"):
+        k = res["kill"]
+        lines += ["", f"Kill: {k['streams_broken']} streams broken, the last ended "
+                      f"{k['slowest_end_after_kill_s']:.2f} s after the kill; {k['completed_after_kill']} requests "
+                      "sent after it completed."]
+    (out / "gateway.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    named = [(n, r) for n, r in rows[:4] if r]
+    if named:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.bar([n for n, _ in named], [r["goodput_rps"] for _, r in named], color="#3a7")
+        ax.set_ylabel("goodput (req/s)")
+        ax.set_title("Two tiny-model replicas at the same overload")
+        fig.tight_layout()
+        fig.savefig(out / "gateway.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

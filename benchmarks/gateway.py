@@ -8,9 +8,11 @@ another's rate windows or refitted profiles. Requests are streamed completions o
 ``--output-len`` tokens (``ignore_eos``), Poisson arrivals; goodput counts TTFT <= ``--ttft-slo-ms``
 and TPOT <= ``--tpot-slo-ms``.
 
-1. capacity: each replica alone under a flood (``--load`` x a guess, ``--capacity-s``); its served
-   rate is its capacity. The fleet's capacity is the sum.
-2. separate: each replica alone at ``--load`` x its own capacity; the goodputs summed.
+1. capacity: both replicas flooded at once, each by a client of its own (``--flood-rps``,
+   ``--capacity-s``); a replica's served rate is its capacity, the fleet's is the sum. The replicas
+   share this machine's cores in every arm, so each is measured as it runs in the fleet.
+2. separate: each replica driven directly at ``--load`` x its own capacity, both at once (a split of
+   the load that knows each replica's capacity); the goodputs summed.
 3. fleet: the pair behind the gateway at ``--load`` x the fleet's capacity, with the gateway's
    admission and router (``--router``), and as a plain round robin (``--no-admission``).
 4. light load: replica A at 0.3 x its capacity, directly and through the gateway (the overhead).
@@ -88,13 +90,27 @@ def figures(outcomes, wall, args) -> dict:
     return {k: s[k] for k in keys}
 
 
-def arm_capacity(args, name: str, out: Path) -> float:
-    (replica,) = start_replicas(args, name, out)
+def drive_each(urls: list[str], rates: list[float], duration_s: float, args, seed: int) -> list[tuple[list, float]]:
+    """Each replica under load of its own, all at once (they share this machine as in the fleet)."""
+    import asyncio
+
+    async def all_at_once():
+        plans = [plan_random(10**9, r, 1.0, args.input_len, args.output_len, seed + i, duration_s)
+                 for i, r in enumerate(rates)]
+        for u, r, p in zip(urls, rates, plans):
+            log(f"  {len(p)} requests at {r:.2f} req/s for {duration_s:.0f} s -> {u}")
+        return await asyncio.gather(*(run_load(u, p, progress=False, timeout_s=120) for u, p in zip(urls, plans)))
+
+    return run(all_at_once())
+
+
+def arm_separate(args, out: Path, rates: list[float], duration_s: float, seed: int) -> list[tuple[list, float]]:
+    replicas = start_replicas(args, "ab", out)
     try:
-        outcomes, wall = drive(replica.url, args.flood_rps, args.capacity_s, args, seed=1)
-        return summarize(outcomes, wall)["throughput_rps"]
+        return drive_each([r.url for r in replicas], rates, duration_s, args, seed)
     finally:
-        replica.stop()
+        for r in replicas:
+            r.stop()
 
 
 def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, kill: bool = False) -> dict:
@@ -155,7 +171,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--capacity-s", type=float, default=30.0)
     p.add_argument("--light-s", type=float, default=30.0)
     p.add_argument("--flood-rps", type=float, default=40.0, help="arrivals of the capacity runs")
-    p.add_argument("--kv-tokens", type=int, default=8192, help="replica A's KV cache; B gets half")
+    p.add_argument("--kv-tokens", type=int, default=4096, help="replica A's KV cache; B gets half")
     p.add_argument("--controller", default="slo-flow", help="the replicas' own controller")
     p.add_argument("--router", default="predicted-delay")
     p.add_argument("--input-len", type=int, default=256)
@@ -175,22 +191,18 @@ def main() -> None:
     arms = args.arms.split(",")
     res: dict = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
                  "args": {k: str(v) for k, v in vars(args).items()}}
-    log("capacity of each replica alone")
-    cap = {n: arm_capacity(args, n, logs) for n in "ab"}
+    log("capacity of each replica, both flooded at once")
+    runs = arm_separate(args, logs, [args.flood_rps, args.flood_rps], args.capacity_s, seed=1)
+    cap = {n: summarize(o, w)["throughput_rps"] for n, (o, w) in zip("ab", runs)}
     res["capacity_rps"] = cap
     fleet_cap = sum(cap.values())
     log(f"capacity a {cap['a']:.2f}, b {cap['b']:.2f}, fleet {fleet_cap:.2f} req/s")
     slo = ["--ttft-slo-s", str(args.ttft_slo_ms / 1000), "--tpot-slo-s", str(args.tpot_slo_ms / 1000)]
     if "separate" in arms:
-        res["separate"] = {}
-        for n in "ab":
-            log(f"separate: replica {n} alone at {args.load}x")
-            (replica,) = start_replicas(args, n, logs)
-            try:
-                res["separate"][n] = figures(*drive(replica.url, args.load * cap[n], args.duration, args, seed=2),
-                                             args)
-            finally:
-                replica.stop()
+        log(f"separate: each replica at {args.load}x its own capacity, all at once")
+        runs = arm_separate(args, logs, [args.load * cap["a"], args.load * cap["b"]], args.duration, seed=2)
+        res["separate"] = {n: figures(o, w, args) for n, (o, w) in zip("ab", runs)}
+        res["separate_goodput_sum"] = sum(r["goodput_rps"] for r in res["separate"].values())
     if "fleet" in arms:
         log(f"fleet behind the gateway ({args.router}) at {args.load}x")
         res["gateway"] = arm_fleet(args, logs, args.load * fleet_cap, ["--router", args.router, *slo], seed=2)

@@ -608,6 +608,26 @@ class TestPassThrough:
         assert {(s["token_budget"], s["running_cap"]) for s in steps} == {(2048.0, 128.0)}
         assert "tidegate: controller 'vllm' on vLLM's scheduler" in server.log_path.read_text(errors="replace")
 
+    def test_the_fleet_gateway_streams_from_it_and_reads_its_gauges(self, server):
+        import openai
+
+        from tests.test_gateway import Gateway
+
+        g = Gateway([server.url])
+        try:
+            client = openai.OpenAI(base_url=g.url + "/v1", api_key="none", timeout=120, max_retries=0)
+            chunks = list(client.completions.create(model="tiny", prompt=PROBE, max_tokens=8, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True},
+                                                    extra_body={"ignore_eos": True}))
+            assert chunks[-1].usage.completion_tokens == 8
+            replica = g.health()["replicas"][0]
+            assert replica["up"] and replica["completed"] == 1
+            # vLLM's own gauges, as the gateway scraped them
+            assert replica["waiting"] is not None and replica["running"] is not None
+            assert replica["kv_usage"] is not None
+        finally:
+            g.close()
+
     def test_vanilla_answers_for_the_middleware(self, server):
         for path, body in GREEDY_BODIES.items():
             answer = httpx.post(server.url + path, json=body, timeout=120)

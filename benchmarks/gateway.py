@@ -52,6 +52,41 @@ class Gateway(Server):
                     *[a for u in urls for a in ("--replica", u)], *gateway_args]
 
 
+def _probe(url: str, duration_s: float, out_path: str) -> None:
+    """An idle client: one small completion every 100 ms; its answers' statuses and latencies, as JSON."""
+    rows = []
+    end = time.monotonic() + duration_s
+    with httpx.Client(timeout=30) as c:
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            try:
+                status = c.post(url + "/v1/completions", json={"model": "tiny", "prompt": "probe", "max_tokens": 1,
+                                                               "ignore_eos": True}).status_code
+            except httpx.HTTPError:
+                status = 0
+            rows.append((status, time.perf_counter() - start))
+            time.sleep(max(0.0, 0.1 - (time.perf_counter() - start)))
+    Path(out_path).write_text(json.dumps(rows))
+
+
+def probed(url: str, duration_s: float, out: Path):
+    """Start the idle probe in a process of its own; call the result to join it and read its figures."""
+    import multiprocessing as mp
+
+    path = out / f"probe_{int(time.time() * 1000)}.json"
+    proc = mp.get_context("spawn").Process(target=_probe, args=(url, duration_s, str(path)), daemon=True)
+    proc.start()
+
+    def finish() -> dict:
+        proc.join(duration_s + 60)
+        rows = json.loads(path.read_text()) if path.exists() else []
+        refused = sorted(lat for status, lat in rows if status == 429)
+        p99 = refused[min(len(refused) - 1, int(0.99 * len(refused)))] * 1000 if refused else float("nan")
+        return {"probes": len(rows), "probe_429": len(refused), "probe_429_p99_ms": p99,
+                "probe_5xx": sum(500 <= status < 600 and status != 503 for status, _ in rows)}
+    return finish
+
+
 def start_replicas(args, which: str, out: Path) -> list[Server]:
     kv = {"a": args.kv_tokens, "b": args.kv_tokens // 2}
     servers = []
@@ -119,8 +154,10 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
     try:
         gw.start(60)
         if not kill:
+            probe = probed(gw.url, args.duration, out)
             outcomes, wall = drive(gw.url, rate, args.duration, args, seed)
             res = figures(outcomes, wall, args)
+            res.update(probe())
         else:
             victim = replicas[1]
 
@@ -228,13 +265,23 @@ def write_report(res: dict, out: Path) -> None:
     lines = [f"# Two replicas behind the gateway ({res['date']}, {res['machine']})", "",
              f"Capacity (req/s): {json.dumps(res['capacity_rps'])}", "",
              "| arm | goodput req/s | served | 429 | 503 | 5xx | stream errors | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-             "| 429 p99 ms |", "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+             "| 429 p99 ms: client / idle probe |", "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for name, r in rows:
         if r:
             lines.append(f"| {name} | {r['goodput_rps']:.2f} | {r['completed']}/{r['sent']} | {r['rejected_429']} | "
                          f"{r['unavailable_503']} | {r['server_errors_5xx']} | {r['stream_errors']} | "
                          f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.0f} / "
-                         f"{r['tpot_p99_ms']:.0f} | {r['reject_latency_p99_ms']:.0f} |")
+                         f"{r['tpot_p99_ms']:.0f} | {r['reject_latency_p99_ms']:.0f} / "
+                         f"{r.get('probe_429_p99_ms', float('nan')):.0f} |")
+    if res.get("gateway") and res.get("round_robin") and res.get("separate_goodput_sum"):
+        g = res["gateway"]["goodput_rps"]
+        lines += ["", f"Gateway goodput: **{g / max(res['round_robin']['goodput_rps'], 1e-12):.2f}x** round robin's, "
+                      f"**{g / res['separate_goodput_sum']:.2f}x** the replicas' separate goodputs summed "
+                      f"({res['separate_goodput_sum']:.2f} req/s)."]
+    if res.get("light"):
+        d, t = res["light"]["direct"], res["light"]["gateway"]
+        lines += ["", f"Light load: TTFT p50 {d['ttft_p50_ms']:.1f} ms direct, {t['ttft_p50_ms']:.1f} ms through the "
+                      f"gateway (**{t['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms**)."]
     if res.get("kill"):
         k = res["kill"]
         lines += ["", f"Kill: {k['streams_broken']} streams broken, the last ended "

@@ -379,3 +379,69 @@ def test_a_real_tidegate_replica_behind_the_gateway_serves_the_openai_client(tin
     finally:
         g.close()
         replica.close()
+
+
+# ------------------------------------------------------------------------------- the fleet twin
+def _fleet(arrivals, replicas: int, controller: str = "greedy", **settings):
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.gateway.twin import FleetSettings, simulate_fleet
+
+    profile = load_profile("a100-llama2-7b")
+    controllers = [build_controller(controller, profile, arrivals) for _ in range(replicas)]
+    return simulate_fleet(arrivals, profile, controllers, FleetSettings(**settings))
+
+
+def _splitwise_at(load: float, replicas: int, first: int = 1500):
+    from dataclasses import replace
+
+    from tidegate.engine.bench.bench import rate_scale_for_load
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.workloads import read_trace, resolve_trace
+
+    base = read_trace(resolve_trace("splitwise_conv"), first_n=first)
+    scale, _ = rate_scale_for_load(base, load_profile("a100-llama2-7b"), load)
+    return [replace(a, arrival_time_s=a.arrival_time_s / (scale * replicas)) for a in base]
+
+
+@pytest.mark.parametrize("router", ["predicted-delay", "round-robin", "least-loaded", "power-of-two",
+                                    "prefix-affinity"])
+def test_the_fleet_twin_ends_every_request_once(router):
+    arrivals = _splitwise_at(2.0, 4, first=600)
+    s = _fleet(arrivals, 4, router=router)
+    ended = s["completed"] + s["rejected"] + s["expired"] + s["cancelled"] + s["failed"]
+    assert s["requests"] == len(arrivals) == ended
+    assert sum(r["served"] for r in s["replicas"]) == s["completed"]
+    assert all(r["served"] > 0 for r in s["replicas"])  # every replica took work
+    assert s["gateway"]["rejected"] == s["rejected"]  # greedy replicas refuse nothing: the gateway did
+
+
+def test_in_the_twin_admission_at_the_gateway_beats_a_plain_round_robin_in_overload():
+    arrivals = _splitwise_at(2.0, 4)
+    gateway = _fleet(arrivals, 4)
+    plain = _fleet(arrivals, 4, router="round-robin", admission=False)
+    assert plain["rejected"] == 0 and gateway["rejected"] > 0
+    assert gateway["goodput_rps"] > 1.3 * plain["goodput_rps"]
+    assert gateway["ttft_p99_s"] < plain["ttft_p99_s"]
+
+
+def test_in_the_twin_prefix_affinity_finds_more_of_the_cache_than_least_loaded():
+    from tidegate.engine.workloads import load_synthetic, resolve_trace
+
+    chat = load_synthetic(resolve_trace("shared_prefix_chat"), seed=0)
+    affinity = _fleet(chat, 4, router="prefix-affinity")
+    least = _fleet(chat, 4, router="least-loaded")
+    one = _fleet(chat, 1)  # every conversation in one cache: the most there is to find
+    # least-loaded spreads a conversation's turns; affinity keeps them where their history is cached
+    assert affinity["cached_prompt_tokens"] > 1.08 * least["cached_prompt_tokens"]
+    assert affinity["cached_prompt_tokens"] >= 0.98 * one["cached_prompt_tokens"]
+    assert affinity["gateway"]["affinity_hits"] > 0
+
+
+def test_simulate_replicas_prints_the_fleet_and_each_replica():
+    r = CliRunner().invoke(main, ["simulate", "--trace", "splitwise_conv", "--first", "300", "--replicas", "3",
+                                  "--load", "1.5", "--router", "least-loaded", "--json", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert s["replicas_n"] == 3 and len(s["replicas"]) == 3 and s["gateway"]["router"] == "least-loaded"
+    assert s["requests"] == 300

@@ -26,11 +26,20 @@ from tidegate.engine.cli.support import parse_floats, friendly, load_arrivals, w
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Reuse the KV blocks of prompt prefixes the workload says are shared (Mooncake hash_ids, "
                    "synthetic shared_prefix_tokens and turns), as vLLM does by default.")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="Simulate a fleet of this many replicas of the profile behind the gateway's code (the fleet twin, "
+                   "docs/GATEWAY.md); --controller is each replica's own, --load is per the fleet's capacity.")
+@click.option("--router", type=click.Choice(["predicted-delay", "least-loaded", "power-of-two", "round-robin",
+                                             "prefix-affinity"]), default="predicted-delay", show_default=True,
+              help="With --replicas: the gateway's router.")
+@click.option("--gateway-admission/--no-gateway-admission", default=True, show_default=True,
+              help="With --replicas: the gateway's admission and queue, or a plain router.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @friendly()
 def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
-             profile_name, controller_spec, eviction, prefix_caching, as_json, progress):
+             profile_name, controller_spec, eviction, prefix_caching, replicas, router, gateway_admission, as_json,
+             progress):
     """Replay a trace or synthetic workload through the simulator twin."""
     from tidegate.ctrl import build_controller
     from tidegate.engine.bench.bench import rate_scale_for_load
@@ -47,7 +56,12 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
     if load is not None:
         scale, _ = rate_scale_for_load(arrivals, profile, load)
-        arrivals = [replace(a, arrival_time_s=a.arrival_time_s / scale) for a in arrivals]
+        arrivals = [replace(a, arrival_time_s=a.arrival_time_s / (scale * (replicas or 1))) for a in arrivals]
+    if replicas is not None:
+        summary = _simulate_fleet(arrivals, profile, controller_spec, seed, replicas, router, gateway_admission,
+                                  prefix_caching, progress)
+        _print(summary, as_json)
+        return
     controller = build_controller(controller_spec, profile, arrivals)
     if hasattr(controller, "seed"):
         controller.seed = seed
@@ -56,12 +70,48 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
                   prefix_caching=prefix_caching).summary
     summary = {"controller": controller_spec, "profile": profile.name, "eviction": eviction,
                "prefix_caching": prefix_caching, **summary}
+    _print(summary, as_json)
+
+
+def _simulate_fleet(arrivals, profile, controller_spec, seed, replicas, router, admission, prefix_caching,
+                    progress) -> dict:
+    """``simulate --replicas N``: the fleet twin."""
+    from tidegate.ctrl import build_controller
+    from tidegate.engine.gateway.twin import FleetSettings, simulate_fleet
+
+    controllers = []
+    for _ in range(replicas):
+        c = build_controller(controller_spec, profile, arrivals)
+        if hasattr(c, "seed"):
+            c.seed = seed
+        controllers.append(c)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(arrivals), desc=f"{replicas} replicas", unit="req", leave=False, mininterval=0.5)
+    summary = simulate_fleet(arrivals, profile, controllers, FleetSettings(router=router, admission=admission),
+                             prefix_caching=prefix_caching, noise_seed=seed,
+                             on_progress=None if bar is None else lambda n: bar.update(n - bar.n))
+    if bar is not None:
+        bar.close()
+    return {"controller": controller_spec, "profile": profile.name, "replicas_n": replicas,
+            "prefix_caching": prefix_caching, **summary}
+
+
+def _print(summary: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(summary))
-    else:
-        width = max(len(k) for k in summary)
-        for k, v in summary.items():
-            click.echo(f"{k:<{width}}  {v:.6g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+        return
+    width = max(len(k) for k in summary)
+    for k, v in summary.items():
+        if k == "replicas" and isinstance(v, list):
+            for i, r in enumerate(v):
+                click.echo(f"{'replica ' + str(i):<{width}}  " + ", ".join(
+                    f"{rk} {rv:.4g}" if isinstance(rv, float) else f"{rk} {rv}" for rk, rv in r.items()))
+            continue
+        click.echo(f"{k:<{width}}  {v:.6g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
 
 
 @click.command()

@@ -170,7 +170,8 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
                                    f"TTFT SLO of {c.ttft_slo_s:g} s", "rate_limit_exceeded",
                               retry_after_s=retry_after)
     item = Queued(priority, http.headers.get(c.tenant_header, ""), len(prompt) / 4 + charged, arrived,
-                  arrived + c.queue_ttl_s, prompt)
+                  arrived + c.queue_ttl_s, prompt,
+                  predicted_wait_s=fleet.admission.predicted_wait_s(arrived, fleet.queue.ahead(priority)))
     while True:
         item.ticket = asyncio.get_running_loop().create_future()
         fleet.enqueue(item, front=item.retries > 0)

@@ -167,6 +167,8 @@ class Fleet:
                 continue
             view = self.router.pick(candidates, item.prompt, now)
             view.dispatched(now)
+            if not item.retries:
+                self.admission.waited(item.predicted_wait_s, now - item.arrived_at)
             _resolve(item, view)
         self.metrics.queue.set(len(self.queue))
 

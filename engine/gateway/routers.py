@@ -23,8 +23,9 @@ from tidegate.engine.gateway.replicas import ReplicaView
 
 
 class Router(Protocol):
-    def pick(self, candidates: Sequence[ReplicaView], prompt: str, now: float) -> ReplicaView:
-        """One of ``candidates`` (never empty) for a request of ``prompt``."""
+    def pick(self, candidates: Sequence[ReplicaView], prompt, now: float) -> ReplicaView:
+        """One of ``candidates`` (never empty) for a request of ``prompt`` (its text, or the twin's
+        content ids)."""
         ...
 
 
@@ -89,12 +90,19 @@ class PrefixAffinity:
         self.block_chars = block_chars
         self.capacity = capacity
         self.imbalance = imbalance
-        self._index: OrderedDict[bytes, str] = OrderedDict()
+        self._index: OrderedDict[object, str] = OrderedDict()
         #: requests routed to the replica of their longest match, and those that yielded to load
         self.hits = self.yielded = 0
 
-    def block_hashes(self, prompt: str) -> list[bytes]:
-        """Chained hashes of the prompt's full blocks: a block's hash stands for every block before it."""
+    def block_hashes(self, prompt: str | tuple) -> list:
+        """Chained hashes of the prompt's full blocks: a block's hash stands for every block before it.
+        A tuple is a prompt already in blocks (the twin's content ids), one id a block."""
+        if isinstance(prompt, tuple):
+            out_ids, h = [], 0
+            for block in prompt:
+                h = hash((h, block))
+                out_ids.append(h)
+            return out_ids
         out, prev = [], b""
         data = prompt.encode("utf-8", "surrogatepass")
         for start in range(0, len(data) - self.block_chars + 1, self.block_chars):

@@ -6,9 +6,9 @@
    multiple of the fleet's capacity, 16 x one replica's), through ``--replicas`` replicas that schedule as vLLM
    does (``greedy``): the gateway with admission and predicted-delay routing against round robin without
    admission.
-2. prefix affinity: the shipped multi-turn ``shared_prefix_chat`` (one system prompt, conversations that resend
-   their history) at ``--prefix-load``: the share of prompt tokens served from the replicas' prefix caches and the
-   TTFT p99, prefix-affinity against least-loaded (both with admission).
+2. prefix affinity: ``benchmarks/workloads/fleet_chat.yaml`` (one 512-token system prompt, conversations of 2-8
+   turns that resend their history, 11,850 requests) at ``--prefix-load``: the share of prompt tokens served from
+   the replicas' prefix caches and the TTFT p99, prefix-affinity against least-loaded (both with admission).
 3. speed: ``--speed-requests`` arrivals of ``splitwise_conv`` (the trace repeated) through the fleet at 1x, wall
    time on one core.
 
@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--traces", default="splitwise_conv,splitwise_code")
     ap.add_argument("--profile", default="a100-llama2-7b")
     ap.add_argument("--controller", default="greedy", help="each replica's own scheduling")
-    ap.add_argument("--prefix-load", type=float, default=1.0)
+    ap.add_argument("--prefix-load", type=float, default=0.8)
+    ap.add_argument("--prefix-workload", type=Path, default=Path(__file__).parent / "workloads" / "fleet_chat.yaml")
     ap.add_argument("--speed-requests", type=int, default=100_000)
     ap.add_argument("--parts", default="goodput,prefix,speed")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/fleet_twin"))
@@ -85,15 +86,15 @@ def main() -> None:
                       f"{row['round_robin']['goodput_rps']:.2f} req/s ({row['ratio']:.2f}x)", flush=True)
                 res["goodput"].append(row)
     if "prefix" in parts:
-        chat = load_synthetic(resolve_trace("shared_prefix_chat"), seed=0)
+        chat = load_synthetic(args.prefix_workload, seed=0)
         arrivals = at_load(chat, profile, args.prefix_load, n)
         prompt_tokens = sum(a.prompt_tokens for a in arrivals)
         res["prefix"] = {}
         for router in ("prefix-affinity", "least-loaded"):
             s = run(arrivals, profile, n, args.controller, router=router)
             res["prefix"][router] = {"cache_hit_rate": s["cached_prompt_tokens"] / prompt_tokens,
-                                     "ttft_p99_s": s["ttft_p99_s"], "goodput_rps": s["goodput_rps"],
-                                     "gateway": s["gateway"]}
+                                     "load": args.prefix_load, "ttft_p99_s": s["ttft_p99_s"],
+                                     "goodput_rps": s["goodput_rps"], "gateway": s["gateway"]}
             print(f"prefix {router}: hit rate {res['prefix'][router]['cache_hit_rate']:.3f}, TTFT p99 "
                   f"{s['ttft_p99_s']:.3f} s", flush=True)
     if "speed" in parts:

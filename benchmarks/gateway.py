@@ -87,6 +87,18 @@ def probed(url: str, duration_s: float, out: Path):
     return finish
 
 
+def cpu_seconds(server: Server) -> float:
+    """CPU seconds the server's processes have used."""
+    total = 0.0
+    for p in server.tree():
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except Exception:
+            pass
+    return total
+
+
 def start_replicas(args, which: str, out: Path) -> list[Server]:
     kv = {"a": args.kv_tokens, "b": args.kv_tokens // 2}
     servers = []
@@ -155,8 +167,10 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
         gw.start(60)
         if not kill:
             probe = probed(gw.url, args.duration, out)
+            cpu0 = cpu_seconds(gw)
             outcomes, wall = drive(gw.url, rate, args.duration, args, seed)
             res = figures(outcomes, wall, args)
+            res["gateway_cpu_share"] = (cpu_seconds(gw) - cpu0) / wall  # of one core
             res.update(probe())
         else:
             victim = replicas[1]
@@ -278,6 +292,9 @@ def write_report(res: dict, out: Path) -> None:
         lines += ["", f"Gateway goodput: **{g / max(res['round_robin']['goodput_rps'], 1e-12):.2f}x** round robin's, "
                       f"**{g / res['separate_goodput_sum']:.2f}x** the replicas' separate goodputs summed "
                       f"({res['separate_goodput_sum']:.2f} req/s)."]
+    if res.get("gateway", {}).get("gateway_cpu_share") is not None:
+        lines += ["", f"The gateway's process used {res['gateway']['gateway_cpu_share']:.0%} of a core at the overload "
+                      f"(the machine has {os.cpu_count()}, shared with the replicas and the clients)."]
     if res.get("light"):
         d, t = res["light"]["direct"], res["light"]["gateway"]
         lines += ["", f"Light load: TTFT p50 {d['ttft_p50_ms']:.1f} ms direct, {t['ttft_p50_ms']:.1f} ms through the "

@@ -30,9 +30,13 @@ _NAME_TO_GAUGE = {name: gauge for gauge, names in GAUGE_NAMES.items() for name i
 
 def parse_gauges(text: str) -> dict[str, float]:
     """The load gauges of a Prometheus text exposition, each summed over its label sets (several
-    models or engines in one server); a gauge the text does not hold is absent."""
+    models or engines in one server); a gauge the text does not hold is absent.
+
+    Only the lines of the gauges read here go to the parser: an engine's page is mostly histogram
+    buckets, and parsing them all at every scrape cost the gateway more than relaying the streams."""
+    wanted = "\n".join(line for line in text.splitlines() if _mentions_gauge(line))
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted):
         gauge = _NAME_TO_GAUGE.get(family.name)
         if gauge is None:
             continue
@@ -40,6 +44,19 @@ def parse_gauges(text: str) -> dict[str, float]:
         if values and gauge not in out:  # the first name of a gauge found wins (vLLM's newer KV name)
             out[gauge] = float(sum(values))
     return out
+
+
+def _mentions_gauge(line: str) -> bool:
+    """A sample or TYPE/HELP line of one of the gauges read here."""
+    if line.startswith("#"):
+        parts = line.split(None, 3)
+        return len(parts) > 2 and parts[2] in _NAME_TO_GAUGE
+    end = len(line)
+    for stop in ("{", " "):
+        i = line.find(stop)
+        if 0 <= i < end:
+            end = i
+    return line[:end] in _NAME_TO_GAUGE
 
 
 @dataclass

@@ -228,9 +228,10 @@ async def _whole(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item
                  dispatched: float) -> Response:
     """A non-streamed answer (or an error the replica gave), read whole and passed on."""
     m = fleet.metrics
-    ok = upstream.status_code == 200
+    ok = False
     try:
         content = await upstream.aread()
+        ok = upstream.status_code == 200
     except httpx.TransportError as exc:
         fleet.replica_failed(view, f"an answer from it broke off ({type(exc).__name__})")
         m.requests.labels("failed").inc()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tidegate.ctrl.base import Controller
 from tidegate.engine.core.metrics import EngineMetrics
 from tidegate.engine.core.profile import Profile
-from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.core.request import Request, RequestState, unservable_reason
 from tidegate.engine.gateway.queue import DrainAdmission, GatewayQueue, Queued
 from tidegate.engine.gateway.replicas import ReplicaView
 from tidegate.engine.gateway.routers import PrefixAffinity, make_router
@@ -205,7 +205,8 @@ class _FleetTwin:
             if request.first_token_time_s is not None:
                 self.admission.first_byte(max(0.0, request.first_token_time_s - dispatched))
             self._count(request)
-        elif request.state is RequestState.REJECTED and self.s.admission:
+        elif request.state is RequestState.REJECTED and self.s.admission and unservable_reason(
+                request.prompt_len, request.max_tokens, self.cores[j].pool.capacity_tokens) is None:
             # refused before it started: back to its turn at the head of the queue, for another replica
             view.refused(t)
             self.resent += 1

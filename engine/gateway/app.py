@@ -190,6 +190,9 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
         answer = await _send(fleet, view, path, raw, http, item, stream)
         if answer is not None:
             return answer
+        if not fleet.any_up():  # the last replica went down under it: nothing to wait for
+            m.requests.labels("unavailable").inc()
+            return error_response(503, "no replica is up", "unavailable", retry_after_s=c.health_interval_s)
         item.retries += 1
 
 

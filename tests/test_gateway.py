@@ -235,6 +235,15 @@ class Gateway:
         self.server.should_exit = True
 
 
+def _eventually(check, timeout_s: float = 5.0) -> None:
+    """Wait until ``check()`` holds: a relay (and a replica's generator) ends just after the client's
+    last byte."""
+    deadline = time.time() + timeout_s
+    while not check():
+        assert time.time() < deadline, "the condition did not come to hold"
+        time.sleep(0.02)
+
+
 def _stream_text(url: str, body: dict | None = None) -> tuple[int, list[str]]:
     body = body or {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as r:
@@ -268,9 +277,11 @@ def test_streams_pass_through_and_a_burst_spreads_over_the_fleet(pair):
 
         answers = asyncio.run(burst())
         assert all(r.status_code == 200 for r in answers)
+        _eventually(lambda: a.served + b.served == 8)
         assert a.served >= 2 and b.served >= 2  # in-flight counts spread the burst between two scrapes
+        _eventually(lambda: 'tidegate:gateway_requests_total{outcome="completed"} 9.0'
+                    in httpx.get(g.url + "/metrics").text)
         text = httpx.get(g.url + "/metrics").text
-        assert 'tidegate:gateway_requests_total{outcome="completed"} 9.0' in text
         assert "tidegate:gateway_replica_up" in text and "tidegate:gateway_fail_open 0.0" in text
     finally:
         g.close()
@@ -284,7 +295,8 @@ def test_a_refusing_replica_is_routed_around_and_a_dead_one_health_checked_back(
         for _ in range(4):
             status, events = _stream_text(g.url)
             assert status == 200 and events[-1] == "[DONE]"  # sent again to b before its stream started
-        assert a.requests >= 1 and b.served == 4
+        _eventually(lambda: b.served == 4)
+        assert a.requests >= 1
         a.refuse = False
         b.close()  # b is gone: its requests fail to connect and go to a
         time.sleep(0.3)
@@ -371,9 +383,10 @@ def test_a_real_tidegate_replica_behind_the_gateway_serves_the_openai_client(tin
         chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=4, stream=True, extra_body={"ignore_eos": True}))
         assert sum(bool(c.choices and c.choices[0].delta.content is not None) for c in chunks) >= 4
-        deadline = time.time() + 2
-        while g.health()["replicas"][0]["waiting"] is None:  # the tidegate gauges were read
-            assert time.time() < deadline
+        deadline = time.time() + 5
+        # the tidegate gauges were read; the relay ends just after the client's [DONE]
+        while g.health()["replicas"][0]["waiting"] is None or g.health()["replicas"][0]["completed"] < 2:
+            assert time.time() < deadline, g.health()
             time.sleep(0.05)
         assert g.health()["replicas"][0]["completed"] == 2
     finally:

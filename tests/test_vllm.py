@@ -620,6 +620,10 @@ class TestPassThrough:
                                                     stream=True, stream_options={"include_usage": True},
                                                     extra_body={"ignore_eos": True}))
             assert chunks[-1].usage.completion_tokens == 8
+            deadline = time.time() + 5
+            while g.health()["replicas"][0]["completed"] < 1:  # the relay ends just after the client's [DONE]
+                assert time.time() < deadline, g.health()
+                time.sleep(0.05)
             replica = g.health()["replicas"][0]
             assert replica["up"] and replica["completed"] == 1
             # vLLM's own gauges, as the gateway scraped them

@@ -269,9 +269,14 @@ async def _relay(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item
             else:
                 view.tokens_streamed(now, now - last, chunk.count(b"data: {"))
             last = now
+            if b"data: [DONE]" in chunk:
+                # the answer is whole: a client that closes now (the openai client does) leaves nothing undone
+                outcome = "completed"
             yield chunk
         outcome = "completed"
     except httpx.TransportError as exc:
+        if outcome == "completed":  # after [DONE]: the answer was whole
+            return
         outcome = "failed"
         fleet.replica_failed(view, f"a stream from it broke off ({type(exc).__name__})")
         error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__}); the tokens sent are "

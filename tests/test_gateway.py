@@ -458,3 +458,22 @@ def test_simulate_replicas_prints_the_fleet_and_each_replica():
     s = json.loads(r.output)
     assert s["replicas_n"] == 3 and len(s["replicas"]) == 3 and s["gateway"]["router"] == "least-loaded"
     assert s["requests"] == 300
+
+
+def test_a_fleet_of_unlike_replicas_gets_its_load_by_speed():
+    def run(*extra):
+        r = CliRunner().invoke(main, ["simulate", "--trace", "splitwise_conv", "--first", "1200", "--replicas", "2",
+                                      "--replica-profiles", "a100-llama2-7b,h200-llama3-8b", "--load", "1.5", "--json",
+                                      "--no-progress", *extra])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)
+
+    gateway = run()
+    plain = run("--router", "round-robin", "--no-gateway-admission")
+    assert gateway["profile"] == "a100-llama2-7b,h200-llama3-8b"
+    slow, fast = (r["served"] for r in gateway["replicas"])
+    assert fast > 2 * slow  # the H200 replica serves several times the A100's share
+    assert [r["served"] for r in plain["replicas"]] == [600, 600]
+    assert gateway["goodput_rps"] > 2 * plain["goodput_rps"]
+    r = CliRunner().invoke(main, ["simulate", "--trace", "splitwise_conv", "--replica-profiles", "slot"])
+    assert r.exit_code == 2 and "applies with --replicas" in r.output

@@ -34,12 +34,15 @@ from tidegate.engine.cli.support import parse_floats, friendly, load_arrivals, w
               help="With --replicas: the gateway's router.")
 @click.option("--gateway-admission/--no-gateway-admission", default=True, show_default=True,
               help="With --replicas: the gateway's admission and queue, or a plain router.")
+@click.option("--replica-profiles", default=None, metavar="NAME,NAME,...",
+              help="With --replicas: the replicas' profiles, in turn (a fleet of unlike replicas; --load is then per "
+                   "the sum of their capacities) [default: --profile for every replica].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @friendly()
 def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_scale, max_tokens, seed,
-             profile_name, controller_spec, eviction, prefix_caching, replicas, router, gateway_admission, as_json,
-             progress):
+             profile_name, controller_spec, eviction, prefix_caching, replicas, router, gateway_admission,
+             replica_profiles, as_json, progress):
     """Replay a trace or synthetic workload through the simulator twin."""
     from tidegate.ctrl import build_controller
     from tidegate.engine.bench.bench import rate_scale_for_load
@@ -53,12 +56,18 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     if load is not None and load <= 0:
         raise click.BadParameter("--load must be > 0")
     profile = load_profile(profile_name)
+    if replica_profiles is not None and replicas is None:
+        raise click.UsageError("--replica-profiles applies with --replicas")
+    names = [n.strip() for n in (replica_profiles or profile_name).split(",") if n.strip()]
+    if not names:
+        raise click.BadParameter("--replica-profiles needs at least one profile name")
+    fleet = [load_profile(names[i % len(names)]) for i in range(replicas or 1)] if replicas else [profile]
     arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
     if load is not None:
-        scale, _ = rate_scale_for_load(arrivals, profile, load)
-        arrivals = [replace(a, arrival_time_s=a.arrival_time_s / (scale * (replicas or 1))) for a in arrivals]
+        scale = sum(rate_scale_for_load(arrivals, p, load)[0] for p in fleet)
+        arrivals = [replace(a, arrival_time_s=a.arrival_time_s / scale) for a in arrivals]
     if replicas is not None:
-        summary = _simulate_fleet(arrivals, profile, controller_spec, seed, replicas, router, gateway_admission,
+        summary = _simulate_fleet(arrivals, fleet, controller_spec, seed, replicas, router, gateway_admission,
                                   prefix_caching, progress)
         _print(summary, as_json)
         return
@@ -73,14 +82,14 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     _print(summary, as_json)
 
 
-def _simulate_fleet(arrivals, profile, controller_spec, seed, replicas, router, admission, prefix_caching,
+def _simulate_fleet(arrivals, profiles, controller_spec, seed, replicas, router, admission, prefix_caching,
                     progress) -> dict:
-    """``simulate --replicas N``: the fleet twin."""
+    """``simulate --replicas N``: the fleet twin, one profile per replica."""
     from tidegate.ctrl import build_controller
     from tidegate.engine.gateway.twin import FleetSettings, simulate_fleet
 
     controllers = []
-    for _ in range(replicas):
+    for profile in profiles:
         c = build_controller(controller_spec, profile, arrivals)
         if hasattr(c, "seed"):
             c.seed = seed
@@ -91,12 +100,13 @@ def _simulate_fleet(arrivals, profile, controller_spec, seed, replicas, router, 
         from tqdm import tqdm
 
         bar = tqdm(total=len(arrivals), desc=f"{replicas} replicas", unit="req", leave=False, mininterval=0.5)
-    summary = simulate_fleet(arrivals, profile, controllers, FleetSettings(router=router, admission=admission),
+    summary = simulate_fleet(arrivals, profiles, controllers, FleetSettings(router=router, admission=admission),
                              prefix_caching=prefix_caching, noise_seed=seed,
                              on_progress=None if bar is None else lambda n: bar.update(n - bar.n))
     if bar is not None:
         bar.close()
-    return {"controller": controller_spec, "profile": profile.name, "replicas_n": replicas,
+    return {"controller": controller_spec, "profile": ",".join(dict.fromkeys(p.name for p in profiles)),
+            "replicas_n": replicas,
             "prefix_caching": prefix_caching, **summary}
 
 

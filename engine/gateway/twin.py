@@ -47,11 +47,13 @@ class FleetSettings:
     network_s: float = 0.001
 
 
-def simulate_fleet(arrivals: Sequence, profile: Profile, controllers: Sequence[Controller],
+def simulate_fleet(arrivals: Sequence, profile: Profile | Sequence[Profile], controllers: Sequence[Controller],
                    settings: FleetSettings | None = None, *, prefix_caching: bool = True, noise_seed: int = 0,
                    on_progress: Callable[[int], None] | None = None) -> dict:
     """Replay ``arrivals`` through a gateway in front of ``len(controllers)`` replicas of ``profile``.
 
+    :param profile: every replica's profile, or one per replica (a fleet of unlike replicas: the first
+        one's SLOs are the fleet's).
     :param controllers: each replica's own controller (reset first); one per replica.
     :returns: the fleet's summary (the keys ``simulate`` prints, over all replicas) with ``gateway``
         (its refusals, expiries and re-sends) and ``replicas`` (each one's figures).
@@ -65,13 +67,17 @@ def simulate_fleet(arrivals: Sequence, profile: Profile, controllers: Sequence[C
 
 
 class _FleetTwin:
-    def __init__(self, arrivals, profile: Profile, controllers, settings: FleetSettings, prefix_caching: bool,
-                 noise_seed: int) -> None:
-        self.arrivals, self.profile, self.s = arrivals, profile, settings
+    def __init__(self, arrivals, profile: Profile | Sequence[Profile], controllers, settings: FleetSettings,
+                 prefix_caching: bool, noise_seed: int) -> None:
+        profiles = [profile] * len(controllers) if isinstance(profile, Profile) else list(profile)
+        if len(profiles) != len(controllers):
+            raise ValueError(f"{len(profiles)} profiles for {len(controllers)} replicas")
+        self.arrivals, self.s = arrivals, settings
+        self.profile = profile = profiles[0]
         self.cores = []
-        for i, c in enumerate(controllers):
+        for i, (c, prof) in enumerate(zip(controllers, profiles)):
             c.reset()
-            core = make_sim_engine(profile, c, record_steps=False, keep_requests=False, noise_seed=noise_seed + i,
+            core = make_sim_engine(prof, c, record_steps=False, keep_requests=False, noise_seed=noise_seed + i,
                                    prefix_caching=prefix_caching)
             self.cores.append(core)
         tpot = profile.tpot_slo_s if settings.admission else None

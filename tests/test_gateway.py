@@ -99,7 +99,8 @@ def test_the_concurrency_limit_grows_while_tpot_holds_and_is_cut_when_it_does_no
     for _ in range(int(start)):
         v.dispatched(0.0)
     assert not v.room(0.0, 0.1)  # at its limit
-    v.tokens_streamed(0.1, 0.05, 1)
+    for _ in range(ReplicaView.FLOOR_AFTER):  # the replica shows what it can do: 50 ms a token
+        v.tokens_streamed(0.1, 0.05, 1)
     v.ended(0.2, completed=True, lifetime_s=1.0)
     assert v.limit == start + 1  # slow start: one more a completion
     for _ in range(3):
@@ -110,6 +111,40 @@ def test_the_concurrency_limit_grows_while_tpot_holds_and_is_cut_when_it_does_no
     cut = v.limit
     v.tokens_streamed(1.0, 0.5, 1)
     assert v.limit == cut  # at most one cut a request lifetime
+
+
+def test_a_refusal_or_a_slow_replica_never_shuts_a_replica_out_for_good():
+    v = ReplicaView("http://r", stale_after_s=2.0, tpot_slo_s=0.01)
+    v.refused(10.0)
+    assert not v.room(10.5, 0.1)  # refused since its last scrape
+    assert v.room(12.5, 0.1)  # its scrapes fail, but the refusal has aged past the gauges' freshness
+    v.refused(20.0)
+    v.mark_down("gone")
+    v.mark_up()
+    assert v.room(20.1, 0.1)
+    v.limit, v.slow_start = 1.0, False
+    for i in range(30):
+        v.tokens_streamed(30.0 + i, 0.5, 1)  # 50 times the SLO, even one at a time
+    v.dispatched(40.0)
+    v.ended(41.0, completed=True, lifetime_s=1.0)
+    assert v.limit > 1.0  # one at a time is no cure: the limit grows back
+
+
+def test_the_drain_rate_of_an_idle_hour_is_not_the_next_bursts():
+    a = DrainAdmission(ttft_slo_s=2.0)
+    for i in range(100):
+        a.completed(i * 0.1)
+    assert a.retry_after(10.0, ahead=10, replicas=2, room=False) is None
+    # an hour later the rate over the last completions would read 16 an hour: it is not trusted
+    assert a.predicted_wait_s(3610.0, ahead=10) == 0.0
+    assert a.retry_after(3610.0, ahead=1, replicas=2, room=False) is None
+    assert a.retry_after(3610.0, ahead=2, replicas=2, room=False) is not None
+    q = GatewayQueue()
+    for p in range(50):
+        q.push(_item(priority=p))
+    while q.pop() is not None:
+        pass
+    assert not q._levels  # a level per priority once seen would grow without bound
 
 
 def test_predicted_delay_splits_by_speed_and_prefix_affinity_yields_to_load():
@@ -267,6 +302,13 @@ def test_streams_pass_through_and_a_burst_spreads_over_the_fleet(pair):
         assert httpx.get(g.url + "/v1/models").json()["data"][0]["id"] == "m"
         r = httpx.post(g.url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        deep = b"[" * 100_000 + b"]" * 100_000
+        assert httpx.post(g.url + "/v1/completions", content=deep).status_code == 400
+        for odd in ({"model": "m", "messages": 5}, {"model": "m", "prompt": "x", "max_tokens": 10**400, "n": 10**400},
+                    {"model": "m", "prompt": "x", "priority": -10**30}):
+            r = httpx.post(g.url + "/v1/chat/completions" if "messages" in odd else g.url + "/v1/completions",
+                           content=json.dumps(odd))
+            assert r.status_code < 500, (odd, r.status_code)  # the replica judges the values
         a.gap_s = b.gap_s = 0.05
         a.served = b.served = 0
 

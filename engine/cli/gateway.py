@@ -65,6 +65,8 @@ def _check_url(url: str) -> str:
                    "counts (fail open, gauge tidegate:gateway_fail_open).")
 @click.option("--health-interval-s", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="How often a replica that is down is checked on /health.")
+@click.option("--read-timeout-s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="The longest a replica may stay silent on a request before it is taken for gone.")
 @click.option("--tenant-header", default="x-gateway-inference-fairness-id", show_default=True,
               help="The header naming a request's tenant; tenants share the queue by tokens.")
 @click.option("--priority-header", default="x-gateway-inference-priority", show_default=True,
@@ -75,7 +77,7 @@ def _check_url(url: str) -> str:
               show_default=True)
 @friendly(_GatewayError)
 def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, queue_ttl_s, scrape_interval_s,
-            stale_after_s, health_interval_s, tenant_header, priority_header, host, port, log_level):
+            stale_after_s, health_interval_s, read_timeout_s, tenant_header, priority_header, host, port, log_level):
     """Admission, queueing, priorities and routing in front of many replicas of any engine."""
     import logging
 
@@ -92,7 +94,8 @@ def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, que
     config = GatewayConfig(urls, router=router, admission=admission, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
                            queue_ttl_s=queue_ttl_s,
                            scrape_interval_s=scrape_interval_s, stale_after_s=stale_after_s,
-                           health_interval_s=health_interval_s, tenant_header=tenant_header.lower(),
+                           health_interval_s=health_interval_s, read_timeout_s=read_timeout_s,
+                           tenant_header=tenant_header.lower(),
                            priority_header=priority_header.lower(), host=host, port=port)
     try:
         sockets = bind_sockets(host, port)

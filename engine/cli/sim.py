@@ -67,7 +67,10 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
         scale = sum(rate_scale_for_load(arrivals, p, load)[0] for p in fleet)
         arrivals = [replace(a, arrival_time_s=a.arrival_time_s / scale) for a in arrivals]
     if replicas is not None:
-        summary = _simulate_fleet(arrivals, fleet, controller_spec, seed, replicas, router, gateway_admission,
+        from tidegate.engine.gateway.twin import FleetSettings
+
+        summary = _simulate_fleet(arrivals, fleet, controller_spec, seed, replicas,
+                                  FleetSettings(router=router, admission=gateway_admission, eviction=eviction),
                                   prefix_caching, progress)
         _print(summary, as_json)
         return
@@ -82,11 +85,10 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     _print(summary, as_json)
 
 
-def _simulate_fleet(arrivals, profiles, controller_spec, seed, replicas, router, admission, prefix_caching,
-                    progress) -> dict:
+def _simulate_fleet(arrivals, profiles, controller_spec, seed, replicas, settings, prefix_caching, progress) -> dict:
     """``simulate --replicas N``: the fleet twin, one profile per replica."""
     from tidegate.ctrl import build_controller
-    from tidegate.engine.gateway.twin import FleetSettings, simulate_fleet
+    from tidegate.engine.gateway.twin import simulate_fleet
 
     controllers = []
     for profile in profiles:
@@ -100,13 +102,13 @@ def _simulate_fleet(arrivals, profiles, controller_spec, seed, replicas, router,
         from tqdm import tqdm
 
         bar = tqdm(total=len(arrivals), desc=f"{replicas} replicas", unit="req", leave=False, mininterval=0.5)
-    summary = simulate_fleet(arrivals, profiles, controllers, FleetSettings(router=router, admission=admission),
+    summary = simulate_fleet(arrivals, profiles, controllers, settings,
                              prefix_caching=prefix_caching, noise_seed=seed,
                              on_progress=None if bar is None else lambda n: bar.update(n - bar.n))
     if bar is not None:
         bar.close()
     return {"controller": controller_spec, "profile": ",".join(dict.fromkeys(p.name for p in profiles)),
-            "replicas_n": replicas,
+            "replicas_n": replicas, "eviction": settings.eviction,
             "prefix_caching": prefix_caching, **summary}
 
 

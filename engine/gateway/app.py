@@ -41,6 +41,8 @@ log = logging.getLogger("tidegate.gateway")
 _FORWARDED = ("authorization", "content-type", "accept", "x-request-id", "openai-organization", "openai-project")
 #: the output tokens a request is charged for when it names no max_tokens
 _DEFAULT_OUTPUT_TOKENS = 256
+#: what a request's max_tokens and n count for at most in its tenant's charge (the replica judges the values)
+_MAX_CHARGED = 1 << 20
 
 
 def create_gateway_app(config: GatewayConfig) -> FastAPI:
@@ -98,7 +100,8 @@ def _make_pass_through(fleet: Fleet, path: str):
 
 
 def _headers(http: HttpRequest) -> dict[str, str]:
-    return {k: v for k, v in http.headers.items() if k.lower() in _FORWARDED}
+    """The client's headers the replica needs; bytes come back as sent (they are relayed as they are)."""
+    return {**{k: v for k, v in http.headers.items() if k.lower() in _FORWARDED}, "accept-encoding": "identity"}
 
 
 async def _pass_through(fleet: Fleet, method: str, path: str, body: bytes, http: HttpRequest) -> Response:
@@ -108,7 +111,7 @@ async def _pass_through(fleet: Fleet, method: str, path: str, body: bytes, http:
         try:
             assert fleet.client is not None
             r = await fleet.client.request(method, view.url + path, content=body, headers=_headers(http))
-        except httpx.TransportError as exc:
+        except httpx.HTTPError as exc:
             fleet.replica_failed(view, f"{path} failed ({type(exc).__name__})")
             continue
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
@@ -120,7 +123,8 @@ def _read(body: dict, chat: bool) -> tuple[str, int, bool, int | None]:
     """(prompt text, output tokens charged, stream, priority) of a completion body."""
     if chat:
         parts = []
-        for m in body.get("messages") or ():
+        messages = body.get("messages")
+        for m in messages if isinstance(messages, list) else ():
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, str):
                 parts.append(content)
@@ -133,10 +137,12 @@ def _read(body: dict, chat: bool) -> tuple[str, int, bool, int | None]:
         prompt = p if isinstance(p, str) else json.dumps(p)
     out = body.get("max_completion_tokens") if chat else None
     out = out if isinstance(out, int) else body.get("max_tokens")
-    n = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
-    charged = (out if isinstance(out, int) and out > 0 else _DEFAULT_OUTPUT_TOKENS) * n
+    n = min(body["n"], _MAX_CHARGED) if isinstance(body.get("n"), int) and body["n"] > 0 else 1
+    charged = min(out, _MAX_CHARGED) if isinstance(out, int) and out > 0 else _DEFAULT_OUTPUT_TOKENS
+    charged *= n
     priority = body.get("priority")
-    return prompt, charged, bool(body.get("stream")), priority if isinstance(priority, int) else None
+    priority = max(-_MAX_CHARGED, min(priority, _MAX_CHARGED)) if isinstance(priority, int) else None
+    return prompt, charged, bool(body.get("stream")), priority
 
 
 async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
@@ -148,8 +154,8 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
         return error_response(413, f"the body is larger than {c.max_request_bytes} bytes")
     try:
         body = json.loads(raw)
-    except ValueError:
-        return error_response(400, "the body is not valid JSON")
+    except (ValueError, RecursionError):
+        return error_response(400, "the body is not valid JSON (or nests too deeply)")
     if not isinstance(body, dict):
         return error_response(400, "the body must be a JSON object")
     prompt, charged, stream, priority = _read(body, chat=path.endswith("chat/completions"))
@@ -205,7 +211,7 @@ async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: Ht
     request = fleet.client.build_request("POST", view.url + path, content=raw, headers=_headers(http))
     try:
         upstream = await fleet.client.send(request, stream=True)
-    except httpx.TransportError as exc:
+    except httpx.HTTPError as exc:
         view.ended(time.monotonic(), completed=False)
         fleet.replica_failed(view, f"a request to it failed ({type(exc).__name__})")
         m.retries.labels("unreachable").inc()
@@ -214,17 +220,18 @@ async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: Ht
         view.ended(time.monotonic(), completed=False)
         raise
     if upstream.status_code in (429, 503) and fleet.config.admission:
-        await upstream.aclose()
         now = time.monotonic()
         view.ended(now, completed=False)
+        with contextlib.suppress(Exception):
+            await upstream.aclose()
         view.refused(now)
         fleet.wake()
         m.retries.labels(str(upstream.status_code)).inc()
         return None
     if upstream.status_code != 200 or not stream:
         return await _whole(fleet, view, upstream, item, dispatched)
-    return StreamingResponse(_relay(fleet, view, upstream, item, dispatched), status_code=200,
-                             media_type=upstream.headers.get("content-type", "text/event-stream"))
+    return _RelayedResponse(_Relay(fleet, view, upstream, item, dispatched),
+                            upstream.headers.get("content-type", "text/event-stream"))
 
 
 async def _whole(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item: Queued,
@@ -235,15 +242,17 @@ async def _whole(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item
     try:
         content = await upstream.aread()
         ok = upstream.status_code == 200
-    except httpx.TransportError as exc:
-        fleet.replica_failed(view, f"an answer from it broke off ({type(exc).__name__})")
+    except httpx.HTTPError as exc:
+        if isinstance(exc, httpx.TransportError):
+            fleet.replica_failed(view, f"an answer from it broke off ({type(exc).__name__})")
         m.requests.labels("failed").inc()
         return error_response(502, f"the replica failed while it answered ({type(exc).__name__})", "replica_failed")
     finally:
-        await upstream.aclose()
         now = time.monotonic()
         view.ended(now, completed=ok, lifetime_s=now - dispatched)
         fleet.wake()
+        with contextlib.suppress(Exception):
+            await upstream.aclose()
     if ok:
         fleet.admission.completed(now)
         m.ttfb.observe(now - item.arrived_at)
@@ -251,43 +260,73 @@ async def _whole(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item
     return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
 
 
-async def _relay(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item: Queued,
-                 dispatched: float) -> AsyncIterator[bytes]:
-    """The replica's stream, chunk by chunk; an error event and ``[DONE]`` if the replica fails in it."""
-    m = fleet.metrics
-    outcome = "client_gone"
-    last: float | None = None
-    try:
-        async for chunk in upstream.aiter_raw():
-            if not chunk:
-                continue
-            now = time.monotonic()
-            if last is None:
-                view.first_byte(dispatched, now)
-                fleet.admission.first_byte(now - dispatched)
-                m.ttfb.observe(now - item.arrived_at)
-            else:
-                view.tokens_streamed(now, now - last, chunk.count(b"data: {"))
-            last = now
-            if b"data: [DONE]" in chunk:
-                # the answer is whole: a client that closes now (the openai client does) leaves nothing undone
-                outcome = "completed"
-            yield chunk
-        outcome = "completed"
-    except httpx.TransportError as exc:
-        if outcome == "completed":  # after [DONE]: the answer was whole
+class _Relay:
+    """One replica's stream relayed to its client; ``finish`` ends its accounting exactly once, from the
+    stream's own end or from the response's, whichever comes first (a stream the server never starts,
+    for a client that left before its first byte, still ends)."""
+
+    def __init__(self, fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item: Queued,
+                 dispatched: float) -> None:
+        self.fleet, self.view, self.upstream, self.item, self.dispatched = fleet, view, upstream, item, dispatched
+        self.outcome = "client_gone"
+        self._finished = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The replica's stream, chunk by chunk; an error event and ``[DONE]`` if the replica fails in it."""
+        fleet, view, m = self.fleet, self.view, self.fleet.metrics
+        last: float | None = None
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if not chunk:
+                    continue
+                now = time.monotonic()
+                if last is None:
+                    view.first_byte(self.dispatched, now)
+                    fleet.admission.first_byte(now - self.dispatched)
+                    m.ttfb.observe(now - self.item.arrived_at)
+                else:
+                    view.tokens_streamed(now, now - last, chunk.count(b"data: {"))
+                last = now
+                if b"data: [DONE]" in chunk:
+                    # the answer is whole: a client that closes now (the openai client does) leaves nothing undone
+                    self.outcome = "completed"
+                yield chunk
+            self.outcome = "completed"
+        except httpx.TransportError as exc:
+            if self.outcome == "completed":  # after [DONE]: the answer was whole
+                return
+            self.outcome = "failed"
+            fleet.replica_failed(view, f"a stream from it broke off ({type(exc).__name__})")
+            error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__}); the tokens sent "
+                                          "are all there will be", "type": "replica_failed", "code": 502}}
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await self.finish()
+
+    async def finish(self) -> None:
+        if self._finished:
             return
-        outcome = "failed"
-        fleet.replica_failed(view, f"a stream from it broke off ({type(exc).__name__})")
-        error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__}); the tokens sent are "
-                                      "all there will be", "type": "replica_failed", "code": 502}}
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        with contextlib.suppress(Exception):
-            await upstream.aclose()
+        self._finished = True
         now = time.monotonic()
-        view.ended(now, completed=outcome == "completed", lifetime_s=now - dispatched)
-        if outcome == "completed":
-            fleet.admission.completed(now)
-        m.requests.labels(outcome).inc()
-        fleet.wake()
+        completed = self.outcome == "completed"
+        self.view.ended(now, completed=completed, lifetime_s=now - self.dispatched)
+        if completed:
+            self.fleet.admission.completed(now)
+        self.fleet.metrics.requests.labels(self.outcome).inc()
+        self.fleet.wake()
+        with contextlib.suppress(Exception):
+            await self.upstream.aclose()
+
+
+class _RelayedResponse(StreamingResponse):
+    """A StreamingResponse that ends its relay however the response ends."""
+
+    def __init__(self, relay: _Relay, media_type: str) -> None:
+        super().__init__(relay.chunks(), status_code=200, media_type=media_type)
+        self.relay = relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.finish()

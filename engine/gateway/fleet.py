@@ -41,6 +41,8 @@ class GatewayConfig:
     stale_after_s: float = 2.0
     health_interval_s: float = 1.0
     connect_timeout_s: float = 2.0
+    #: the longest a replica may stay silent on a request (a host that vanishes sends no reset)
+    read_timeout_s: float = 600.0
     tenant_header: str = "x-gateway-inference-fairness-id"
     priority_header: str = "x-gateway-inference-priority"
     max_request_bytes: int = 32 << 20
@@ -99,8 +101,9 @@ class Fleet:
     async def start(self) -> None:
         c = self.config
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        # no read timeout: a stream's tokens may be seconds apart; a dead replica resets its connections
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=c.connect_timeout_s), limits=limits)
+        # a dead process resets its connections; a host that vanishes is found by the read timeout
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=c.connect_timeout_s,
+                                                              read=c.read_timeout_s), limits=limits)
         self._wake = asyncio.Event()
         self._tasks = [asyncio.create_task(self._watch(v)) for v in self.views]
         self._tasks.append(asyncio.create_task(self._dispatch_loop()))
@@ -177,7 +180,10 @@ class Fleet:
         assert self._wake is not None
         while True:
             self._wake.clear()
-            self.dispatch(time.monotonic())
+            try:
+                self.dispatch(time.monotonic())
+            except Exception:  # the loop must outlive any one failure, or TTLs stop
+                log.exception("the gateway's dispatch failed; it goes on")
             deadline = self.queue.next_deadline()
             timeout = self.config.scrape_interval_s if deadline is None else \
                 min(self.config.scrape_interval_s, max(0.0, deadline - time.monotonic()))
@@ -203,6 +209,8 @@ class Fleet:
             except (httpx.TransportError, ValueError) as exc:
                 if view.up and isinstance(exc, httpx.TransportError):
                     self.replica_failed(view, f"its /metrics failed ({type(exc).__name__})")
+            except Exception:  # an odd answer must not end the replica's watch
+                log.exception("reading replica %s failed", view.url)
             self.wake()
             elapsed = time.monotonic() - sent
             await asyncio.sleep(max(0.0, (c.scrape_interval_s if view.up else c.health_interval_s) - elapsed))

@@ -13,8 +13,8 @@ queue after about ``(k + 1) / D`` seconds, ``D`` the fleet's measured rate of co
 frees room for one request). It is admitted when that wait and the replicas' measured time from
 dispatch to first byte fit the TTFT SLO; otherwise it gets 429 with a Retry-After of the time the
 queue needs to drain that far. An arrival with nothing ahead while a replica has room is always
-admitted. Before 16 completions ``D`` is not trusted, and the queue holds at most one request per
-replica that is up. The worst
+admitted. Before 16 completions, and after 10 s without one, ``D`` is not trusted, and the queue
+holds at most one request per replica that is up. The worst
 case: an admitted request waits in the queue at most the TTL, and the queue never holds more than
 ``D`` times the TTFT SLO while the rate holds, whatever the arrivals do.
 """
@@ -22,6 +22,7 @@ case: an admitted request waits in the queue at most the TTL, and the queue neve
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,7 +104,11 @@ class GatewayQueue:
         if p is None:
             return None
         self._count -= 1
-        return self._levels[p].pop()
+        level = self._levels[p]
+        item = level.pop()
+        if not level.tenants:  # a level per priority ever seen would grow without bound
+            del self._levels[p]
+        return item
 
     def ahead(self, priority: int) -> int:
         """Requests that leave before a new arrival of ``priority``."""
@@ -123,6 +128,8 @@ class GatewayQueue:
                     else:
                         del lv.tenants[tenant]
         self._count -= len(out)
+        for p in [p for p, lv in self._levels.items() if not lv.tenants]:
+            del self._levels[p]
         return out
 
     def next_deadline(self) -> float | None:
@@ -148,17 +155,28 @@ class DrainAdmission:
     MIN_COMPLETIONS = 16
     #: samples the percentiles span
     WINDOW = 64
+    #: the drain rate's time constant; a rate whose last completion is older says nothing of now
+    WINDOW_S = 10.0
 
     def __init__(self, ttft_slo_s: float) -> None:
         self.ttft_slo_s = ttft_slo_s
-        self.drain = RateEstimator(10.0, min_events=self.MIN_COMPLETIONS)
+        self.drain = RateEstimator(self.WINDOW_S, min_events=self.MIN_COMPLETIONS)
         self.completions = 0
+        self.last_completion_s = -math.inf
         self._first_byte: deque[float] = deque(maxlen=self.WINDOW)
         self._late: deque[float] = deque(maxlen=self.WINDOW)
 
     def completed(self, now: float) -> None:
         self.drain.add(now)
         self.completions += 1
+        self.last_completion_s = now
+
+    def _rate(self, now: float) -> float:
+        """The drain rate, or 0 while it is not trusted: before ``MIN_COMPLETIONS`` completions, or
+        after a silence longer than its window (an idle hour's rate is not the next burst's)."""
+        if self.completions < self.MIN_COMPLETIONS or now - self.last_completion_s > self.WINDOW_S:
+            return 0.0
+        return self.drain.rate(now)
 
     def first_byte(self, seconds: float) -> None:
         """A replica's time from dispatch to a request's first byte."""
@@ -175,10 +193,8 @@ class DrainAdmission:
     def predicted_wait_s(self, now: float, ahead: int) -> float:
         """The queue wait predicted for an arrival with ``ahead`` requests before it (0 while the rate is
         not trusted)."""
-        rate = self.drain.rate(now)
-        if self.completions < self.MIN_COMPLETIONS or rate <= 0.0:
-            return 0.0
-        return (ahead + 1) / rate
+        rate = self._rate(now)
+        return (ahead + 1) / rate if rate > 0.0 else 0.0
 
     def retry_after(self, now: float, ahead: int, replicas: int, room: bool) -> float | None:
         """None admits an arrival with ``ahead`` requests before it; else the seconds to come back after.
@@ -187,8 +203,8 @@ class DrainAdmission:
         """
         if ahead == 0 and room:
             return None
-        rate = self.drain.rate(now)
-        if self.completions < self.MIN_COMPLETIONS or rate <= 0.0:
+        rate = self._rate(now)
+        if rate <= 0.0:
             return None if ahead < replicas else self.ttft_slo_s
         wait = (ahead + 1) / rate + max(0.0, _p90(self._late))
         budget = self.ttft_slo_s - self.first_byte_s

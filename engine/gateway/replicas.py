@@ -77,8 +77,10 @@ class ReplicaView:
     limit: float = 4.0
     slow_start: bool = True
     #: seconds per token between the streams' chunks, exponentially weighted, and the lowest it has been
+    #: once ``FLOOR_AFTER`` chunks have been weighed (two chunks sent back to back are not a floor)
     tpot_s: float | None = None
     tpot_floor_s: float = math.inf
+    tpot_samples: int = 0
     #: seconds a completed request took, exponentially weighted
     lifetime_s: float = 1.0
     last_cut: float = -math.inf
@@ -104,6 +106,9 @@ class ReplicaView:
     dispatched_total: int = 0
     completed_total: int = 0
     failed_total: int = 0
+
+    #: chunks weighed before the lowest time per token counts as a floor
+    FLOOR_AFTER = 20
 
     @property
     def name(self) -> str:
@@ -145,8 +150,7 @@ class ReplicaView:
         holds fewer of the gateway's requests than its limit, and, if it was queueing at the last
         scrape, queues less than it starts before the next scrape can say more (its measured rate of
         completions over two scrape periods, and at least one request)."""
-        if not self.up or (self.refused_at is not None and (self.scraped_at is None or
-                                                            self.scraped_at <= self.refused_at)):
+        if not self.up or self.refusing(now):
             return False
         if self.in_flight >= max(1, int(self.limit)):
             return False
@@ -154,6 +158,12 @@ class ReplicaView:
             return True  # it queued nothing at the last word: the limit alone bounds what it holds
         allowed = max(1.0, math.ceil(self.completion_rate(now) * 2 * scrape_period_s))
         return self.queued(now) < allowed
+
+    def refusing(self, now: float) -> bool:
+        """The replica refused a request after its last scrape began, and not longer ago than its
+        gauges stay fresh (a replica whose scrapes fail is not shut out for good by one refusal)."""
+        r = self.refused_at
+        return r is not None and now - r <= self.stale_after_s and (self.scraped_at is None or self.scraped_at <= r)
 
     def tpot_target(self) -> float | None:
         """The time per token to hold: the SLO, or 1.25 times the lowest seen when even that is over it
@@ -168,7 +178,9 @@ class ReplicaView:
             return
         sample = gap_s / tokens
         self.tpot_s = sample if self.tpot_s is None else 0.9 * self.tpot_s + 0.1 * sample
-        self.tpot_floor_s = min(self.tpot_floor_s, self.tpot_s)
+        self.tpot_samples += 1
+        if self.tpot_samples >= self.FLOOR_AFTER:
+            self.tpot_floor_s = min(self.tpot_floor_s, self.tpot_s)
         target = self.tpot_target()
         if target is not None and self.tpot_s > target and self.in_flight > 1 \
                 and now - self.last_cut > self.lifetime_s:
@@ -205,7 +217,8 @@ class ReplicaView:
             if lifetime_s is not None:
                 self.lifetime_s = 0.9 * self.lifetime_s + 0.1 * lifetime_s
             target = self.tpot_target()
-            if binding and (target is None or self.tpot_s is None or self.tpot_s <= target):
+            # a limit of one grows back whatever the time per token: one at a time is no cure for a slow replica
+            if binding and (target is None or self.tpot_s is None or self.tpot_s <= target or self.limit < 2.0):
                 self.limit += 1.0 if self.slow_start else 1.0 / self.limit
 
     def refused(self, now: float) -> None:
@@ -219,3 +232,4 @@ class ReplicaView:
     def mark_up(self) -> None:
         self.up = True
         self.down_reason = ""
+        self.refused_at = None

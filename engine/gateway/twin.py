@@ -45,6 +45,8 @@ class FleetSettings:
     queue_ttl_s: float = 30.0
     #: one way, gateway to replica and back
     network_s: float = 0.001
+    #: what an evicted request keeps in the replicas (``simulate --eviction``)
+    eviction: str = "recompute"
 
 
 def simulate_fleet(arrivals: Sequence, profile: Profile | Sequence[Profile], controllers: Sequence[Controller],
@@ -77,8 +79,8 @@ class _FleetTwin:
         self.cores = []
         for i, (c, prof) in enumerate(zip(controllers, profiles)):
             c.reset()
-            core = make_sim_engine(prof, c, record_steps=False, keep_requests=False, noise_seed=noise_seed + i,
-                                   prefix_caching=prefix_caching)
+            core = make_sim_engine(prof, c, record_steps=False, eviction=settings.eviction, keep_requests=False,
+                                   noise_seed=noise_seed + i, prefix_caching=prefix_caching)
             self.cores.append(core)
         tpot = profile.tpot_slo_s if settings.admission else None
         self.views = [ReplicaView(f"replica-{i}", stale_after_s=settings.stale_after_s, tpot_slo_s=tpot)

@@ -177,7 +177,7 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
                               retry_after_s=retry_after)
     item = Queued(priority, http.headers.get(c.tenant_header, ""), len(prompt) / 4 + charged, arrived,
                   arrived + c.queue_ttl_s, prompt,
-                  predicted_wait_s=fleet.admission.predicted_wait_s(arrived, fleet.queue.ahead(priority)))
+                  predicted_wait_s=fleet.gate.predicted_wait_s(priority, arrived))
     while True:
         item.ticket = asyncio.get_running_loop().create_future()
         fleet.enqueue(item, front=item.retries > 0)

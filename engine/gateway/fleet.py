@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tidegate.engine.gateway.queue import DrainAdmission, GatewayQueue, Queued
+from tidegate.engine.gateway.gate import Gate
+from tidegate.engine.gateway.queue import Queued
 from tidegate.engine.gateway.replicas import ReplicaView, parse_gauges
-from tidegate.engine.gateway.routers import make_router
 
 log = logging.getLogger("tidegate.gateway")
 
@@ -87,11 +87,10 @@ class Fleet:
             raise ValueError("a gateway needs at least one replica (--replica URL)")
         self.config = config
         tpot = config.tpot_slo_s if config.admission else None
-        self.views = [ReplicaView(u.rstrip("/"), stale_after_s=config.stale_after_s, tpot_slo_s=tpot)
-                      for u in config.replicas]
-        self.router = make_router(config.router)
-        self.queue = GatewayQueue()
-        self.admission = DrainAdmission(config.ttft_slo_s)
+        self.gate = Gate([ReplicaView(u.rstrip("/"), stale_after_s=config.stale_after_s, tpot_slo_s=tpot)
+                          for u in config.replicas], config.router, config.admission, config.ttft_slo_s,
+                         config.scrape_interval_s)
+        self.views, self.queue, self.admission = self.gate.views, self.gate.queue, self.gate.admission
         self.metrics = GatewayMetrics()
         self.client: httpx.AsyncClient | None = None
         self._wake: asyncio.Event | None = None
@@ -135,20 +134,9 @@ class Fleet:
     def in_flight(self) -> int:
         return sum(v.in_flight for v in self.views)
 
-    def candidates(self, now: float) -> list[ReplicaView]:
-        """The replicas the next request may go to now."""
-        up = [v for v in self.views if v.up]
-        if not self.config.admission:
-            return up
-        period = self.config.scrape_interval_s
-        return [v for v in up if v.room(now, period)]
-
     def admit(self, priority: int, now: float) -> float | None:
         """None admits an arrival of ``priority``; else its Retry-After in seconds."""
-        if not self.config.admission:
-            return None
-        return self.admission.retry_after(now, self.queue.ahead(priority), sum(v.up for v in self.views),
-                                          bool(self.candidates(now)))
+        return self.gate.admit(priority, now)
 
     def enqueue(self, item: Queued, front: bool = False) -> None:
         """Queue ``item`` and dispatch at once what can go (arrivals of one instant see each other)."""
@@ -157,22 +145,7 @@ class Fleet:
 
     def dispatch(self, now: float) -> None:
         """End what outlived its TTL; hand the queue's next requests to replicas with room."""
-        for item in self.queue.expire(now):
-            _resolve(item, None)
-        while len(self.queue):
-            candidates = self.candidates(now)
-            if not candidates:
-                break
-            item = self.queue.pop()
-            if item is None:
-                break
-            if item.ticket is None or item.ticket.done():  # its client went away while it waited
-                continue
-            view = self.router.pick(candidates, item.prompt, now)
-            view.dispatched(now)
-            if not item.retries:
-                self.admission.waited(item.predicted_wait_s, now - item.arrived_at)
-            _resolve(item, view)
+        self.gate.dispatch(now, _resolve, lambda item: _resolve(item, None))
         self.metrics.queue.set(len(self.queue))
 
     # ------------------------------------------------------------------------------- tasks

@@ -3,8 +3,9 @@
 Each replica is the simulator's engine (``make_sim_engine``: the profile's step model, KV pool and
 the replica's own controller). In front of them run the gateway's pieces exactly as the HTTP
 gateway runs them: ``ReplicaView`` (gauges, in-flight counts, the concurrency limit), the routers,
-``GatewayQueue`` and ``DrainAdmission``. What the wire adds is modelled: a one-way network delay
-between the gateway and a replica, and gauges that are only as fresh as their last scrape.
+``GatewayQueue`` and ``DrainAdmission``, all through the same ``Gate``. What the wire adds is
+modelled: a one-way network delay between the gateway and a replica, and gauges that are only as
+fresh as their last scrape.
 
 The events run in time order: arrivals at the gateway, scrapes, requests reaching a replica and
 replies reaching the gateway sit in one heap; between them the replica whose clock is earliest
@@ -25,9 +26,10 @@ from tidegate.ctrl.base import Controller
 from tidegate.engine.core.metrics import EngineMetrics
 from tidegate.engine.core.profile import Profile
 from tidegate.engine.core.request import Request, RequestState, unservable_reason
-from tidegate.engine.gateway.queue import DrainAdmission, GatewayQueue, Queued
+from tidegate.engine.gateway.gate import Gate
+from tidegate.engine.gateway.queue import Queued
 from tidegate.engine.gateway.replicas import ReplicaView
-from tidegate.engine.gateway.routers import PrefixAffinity, make_router
+from tidegate.engine.gateway.routers import PrefixAffinity
 from tidegate.engine.sim.simulate import make_request, make_sim_engine
 from tidegate.engine.sim.steady import run_steady
 
@@ -83,11 +85,11 @@ class _FleetTwin:
                                    noise_seed=noise_seed + i, prefix_caching=prefix_caching)
             self.cores.append(core)
         tpot = profile.tpot_slo_s if settings.admission else None
-        self.views = [ReplicaView(f"replica-{i}", stale_after_s=settings.stale_after_s, tpot_slo_s=tpot)
-                      for i in range(len(self.cores))]
-        self.router = make_router(settings.router)
-        self.queue = GatewayQueue()
-        self.admission = DrainAdmission(profile.ttft_slo_s)
+        self.gate = Gate([ReplicaView(f"replica-{i}", stale_after_s=settings.stale_after_s, tpot_slo_s=tpot)
+                          for i in range(len(self.cores))], settings.router, settings.admission,
+                         profile.ttft_slo_s, settings.scrape_interval_s)
+        self.views, self.queue, self.admission = self.gate.views, self.gate.queue, self.gate.admission
+        self._index = {id(v): i for i, v in enumerate(self.views)}
         self.metrics = EngineMetrics(record_steps=False, keep_requests=False)
         self.heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
@@ -153,14 +155,11 @@ class _FleetTwin:
         request = make_request(i, a)
         self.metrics.on_arrival(request)
         item = Queued(0, "", a.prompt_tokens + a.max_tokens, t, t + self.s.queue_ttl_s, prompt=_prefix_key(request),
-                      payload=request, predicted_wait_s=self.admission.predicted_wait_s(t, self.queue.ahead(0)))
-        if self.s.admission:
-            wait = self.admission.retry_after(t, self.queue.ahead(item.priority), sum(v.up for v in self.views),
-                                              bool(self._candidates(t)))
-            if wait is not None:
-                self.rejected += 1
-                self._end(request, RequestState.REJECTED, t)
-                return
+                      payload=request, predicted_wait_s=self.gate.predicted_wait_s(0, t))
+        if self.gate.admit(item.priority, t) is not None:
+            self.rejected += 1
+            self._end(request, RequestState.REJECTED, t)
+            return
         self.queue.push(item)
         self._dispatch(t)
 
@@ -171,28 +170,16 @@ class _FleetTwin:
         if self.pending:
             self.push(t + self.s.scrape_interval_s, _SCRAPE)
 
-    def _candidates(self, t: float) -> list[ReplicaView]:
-        if not self.s.admission:
-            return self.views
-        return [v for v in self.views if v.room(t, self.s.scrape_interval_s)]
-
     def _dispatch(self, t: float) -> None:
-        for item in self.queue.expire(t):
-            self.expired += 1
-            self._end(item.payload, RequestState.EXPIRED, t)
-        while len(self.queue):
-            candidates = self._candidates(t)
-            if not candidates:
-                break
-            item = self.queue.pop()
-            assert item is not None
-            request: Request = item.payload
-            view = self.router.pick(candidates, item.prompt, t)
-            view.dispatched(t)
-            if not item.retries:
-                self.admission.waited(item.predicted_wait_s, t - item.arrived_at)
-            self.dispatched_at[request.request_id] = t
-            self.push(t + self.s.network_s, _DELIVER, (self.views.index(view), item))
+        self.gate.dispatch(t, lambda item, view: self._send(item, view, t), lambda item: self._expire(item, t))
+
+    def _send(self, item: Queued, view: ReplicaView, t: float) -> None:
+        self.dispatched_at[item.payload.request_id] = t
+        self.push(t + self.s.network_s, _DELIVER, (self._index[id(view)], item))
+
+    def _expire(self, item: Queued, t: float) -> None:
+        self.expired += 1
+        self._end(item.payload, RequestState.EXPIRED, t)
 
     def _deliver(self, t: float, j: int, item: Queued) -> None:
         core = self.cores[j]
@@ -255,8 +242,9 @@ class _FleetTwin:
         out["kv_capacity_tokens"] = capacity
         out["gateway"] = {"router": self.s.router, "admission": self.s.admission, "rejected": self.rejected,
                           "expired": self.expired, "resent": self.resent}
-        if isinstance(self.router, PrefixAffinity):
-            out["gateway"].update(affinity_hits=self.router.hits, affinity_yielded=self.router.yielded)
+        router = self.gate.router
+        if isinstance(router, PrefixAffinity):
+            out["gateway"].update(affinity_hits=router.hits, affinity_yielded=router.yielded)
         out["replicas"] = [{"served": s["completed"], "goodput_rps": s["goodput_rps"],
                             "ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"],
                             "tpot_p50_s": s["tpot_p50_s"], "prefill_tokens": s["prefill_tokens"],

@@ -241,6 +241,27 @@ def arm_light(args, out: Path, rate: float) -> dict:
         replica.stop()
 
 
+def arm_ray(args, out: Path, cap_a: float) -> dict:
+    """``tidegate serve --ray-replicas 2`` (both replicas with replica A's KV: one deployment, one config):
+    its capacity, ``--load`` x that, and replica A's light load, through Ray Serve's proxy and router."""
+    fleet = Server(["--ray-replicas", "2", "--threads", "1", "--kv-capacity-tokens", str(args.kv_tokens),
+                    "--controller", args.controller, "--router", args.router, "--log-level", "warning"],
+                   out / "ray_fleet.log")
+    fleet.start(300)
+    time.sleep(2.0)  # Ray's proxy learns of its replicas by long poll
+    favoured(fleet, args)
+    try:
+        cap = summarize(*drive(fleet.url, args.flood_rps, args.capacity_s, args, seed=1))["throughput_rps"]
+        log(f"  Ray Serve fleet capacity {cap:.2f} req/s")
+        probe = probed(fleet.url, args.duration, out)
+        over = figures(*drive(fleet.url, args.load * cap, args.duration, args, seed=2), args)
+        over.update(probe())
+        light = figures(*drive(fleet.url, 0.3 * cap_a, args.light_s, args, seed=3), args)
+        return {"capacity_rps": cap, "overload": over, "light": light}
+    finally:
+        fleet.stop()
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", type=float, default=3.0, help="overload, x capacity")
@@ -257,7 +278,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tpot-slo-ms", type=float, default=200)
     p.add_argument("--client-nice", type=int, default=5,
                    help="the servers (and the idle probe) run this many steps less nice than the clients")
-    p.add_argument("--arms", default="capacity,separate,fleet,light,kill")
+    p.add_argument("--arms", default="capacity,separate,fleet,light,kill,ray")
     p.add_argument("--out", type=Path, default=Path("docs/bench/gateway"))
     return p.parse_args()
 
@@ -294,6 +315,9 @@ def main() -> None:
     if "kill" in arms:
         log("kill: replica b killed at half time, fleet at 1x")
         res["kill"] = arm_fleet(args, logs, fleet_cap, ["--router", args.router, *slo], seed=4, kill=True)
+    if "ray" in arms:
+        log(f"Ray Serve: tidegate serve --ray-replicas 2, its capacity, then {args.load}x it and light load")
+        res["ray"] = arm_ray(args, logs, cap["a"])
     (args.out / "gateway.json").write_text(json.dumps(res, indent=2))
     write_report(res, args.out)
     log(f"wrote {args.out}/gateway.json, gateway.md, gateway.png")
@@ -303,7 +327,9 @@ def write_report(res: dict, out: Path) -> None:
     sep, light = res.get("separate", {}), res.get("light", {})
     rows = [("replica a alone", sep.get("a")), ("replica b alone", sep.get("b")), ("gateway", res.get("gateway")),
             ("round robin", res.get("round_robin")), ("light: direct", light.get("direct")),
-            ("light: gateway", light.get("gateway")), ("kill: gateway", res.get("kill"))]
+            ("light: gateway", light.get("gateway")), ("kill: gateway", res.get("kill")),
+            ("Ray Serve, 2 replicas", res.get("ray", {}).get("overload")),
+            ("light: Ray Serve", res.get("ray", {}).get("light"))]
     lines = [f"# Two replicas behind the gateway ({res['date']}, {res['machine']})", "",
              f"Capacity (req/s): {json.dumps(res['capacity_rps'])}", "",
              "| arm | goodput req/s | served | 429 | 503 | 5xx | stream errors | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
@@ -332,6 +358,13 @@ def write_report(res: dict, out: Path) -> None:
         lines += ["", f"Kill: {k['streams_broken']} streams broken, the last ended "
                       f"{k['slowest_end_after_kill_s']:.2f} s after the kill; {k['completed_after_kill']} requests "
                       "sent after it completed."]
+    if res.get("ray"):
+        r = res["ray"]
+        lines += ["", f"Ray Serve (`tidegate serve --ray-replicas 2`, both replicas with replica a's KV): capacity "
+                      f"{r['capacity_rps']:.2f} req/s; at {res['args']['load']}x it, goodput "
+                      f"{r['overload']['goodput_rps']:.2f} req/s "
+                      f"(**{r['overload']['goodput_rps'] / max(r['capacity_rps'], 1e-12):.2f}x** its capacity), "
+                      f"{r['overload']['rejected_429']} answered 429, {r['overload']['server_errors_5xx']} 5xx."]
     (out / "gateway.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 

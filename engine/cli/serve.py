@@ -109,6 +109,25 @@ class _StartError(Exception):
               help="Niceness the engine process adds to the server's, so that on a busy machine health checks "
                    "and refusals are answered before model steps run (0: the same priority)  [default: 5]")
 @friendly(_StartError, VllmServeError)
+@click.option("--ray-replicas", type=click.IntRange(min=1), default=None,
+              help="Serve as this many replicas on Ray Serve (the tidegate[ray] extra), each a tidegate server with "
+                   "its own engine and controller, behind Ray Serve's HTTP proxy on --host/--port with the gateway's "
+                   "router as Ray's request router (docs/GATEWAY.md, 'On Ray Serve').")
+@click.option("--ray-address", default=None,
+              help="With --ray-replicas: a running Ray cluster to deploy on ('auto', 'ray://HOST:10001') "
+                   "[default: a local Ray on this machine].")
+@click.option("--router", type=click.Choice(["round-robin", "least-loaded", "power-of-two", "predicted-delay"]),
+              default="predicted-delay", show_default=True,
+              help="With --ray-replicas: which replica with room takes a request (see `tidegate gateway --help`).")
+@click.option("--ray-hold-s", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="With --ray-replicas: the longest a request waits at the router for a replica with room before "
+                   "it goes to the best one, whose controller admits it or answers 429.")
+@click.option("--ray-max-queued", type=click.IntRange(min=1), default=256, show_default=True,
+              help="With --ray-replicas: the most requests waiting at the router; more get 429 with a Retry-After.")
+@click.option("--ray-replica-cpus", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="With --ray-replicas: the CPUs Ray reserves for each replica.")
+@click.option("--ray-replica-gpus", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="With --ray-replicas: the GPUs Ray reserves for each replica (1 to serve each on a GPU).")
 @click.pass_context
 def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_name, controller_spec, profile_name,
           host, port, api_key, chat_template_path, trust_request_chat_template,
@@ -116,8 +135,17 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
           max_num_batched_tokens, max_num_seqs, prefix_caching, enable_prompt_tokens_details, device, dtype,
           max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads,
-          engine_nice):
+          engine_nice, ray_replicas, ray_address, router, ray_hold_s, ray_max_queued, ray_replica_cpus,
+          ray_replica_gpus):
     """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /tokenize, /metrics)."""
+    ray_options = {"ray_address": ray_address, "ray_hold_s": ray_hold_s, "ray_max_queued": ray_max_queued,
+                   "ray_replica_cpus": ray_replica_cpus, "ray_replica_gpus": ray_replica_gpus, "router": router}
+    if ray_replicas is None:
+        given = [name for name in ray_options if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--{given[0].replace('_', '-')} applies to --ray-replicas")
+    elif engine == "vllm":
+        raise click.UsageError("--ray-replicas serves tidegate's own engine; --engine vllm does not apply")
     if engine == "vllm":
         serve_vllm(ctx, model, controller_spec, profile_name, vllm_args, vllm_python, step_log,
                    own_options=_OWN_ENGINE_OPTIONS)
@@ -154,6 +182,12 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
                              **({} if engine_nice is None else {"engine_nice": engine_nice}))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if ray_replicas is not None:
+        if fit:
+            raise click.UsageError("--profile fit does not apply to --ray-replicas; fit one with `tidegate profile` "
+                                   "and pass its file")
+        _serve_on_ray(config, ray_replicas, ray_options)
+        return
     try:  # hold the port while the model loads: one taken fails now, not after
         sockets = bind_sockets(host, port)
     except ValueError as exc:
@@ -167,6 +201,41 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
         raise click.UsageError(str(exc)) from None
     on_started = functools.partial(_banner, config, service, controller)
     GracefulServer(create_app(service, config), service, config, sockets, on_started).run()
+
+
+def _serve_on_ray(config, replicas: int, options: dict) -> None:
+    """``tidegate serve --ray-replicas N``: deploy, say where, and serve until interrupted."""
+    import signal
+    import threading
+
+    try:
+        from tidegate.engine.gateway.ray_serve import RayFleetConfig, start, stop
+    except ImportError as exc:
+        raise click.UsageError(f"--ray-replicas needs Ray Serve: pip install 'tidegate[ray]' ({exc})") from None
+    try:
+        fleet = RayFleetConfig(replicas=replicas, router=options["router"], hold_s=options["ray_hold_s"],
+                               max_queued=options["ray_max_queued"], cpus=options["ray_replica_cpus"],
+                               gpus=options["ray_replica_gpus"], address=options["ray_address"],
+                               max_ongoing=config.max_in_flight)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        start(config, fleet)
+    except Exception as exc:  # Ray's errors: a cluster not reachable, replicas that fail to start
+        stop()
+        raise click.ClickException(f"Ray Serve did not start: {type(exc).__name__}: {exc}") from None
+    click.echo(f"tidegate: serving {config.model_name!r} with controller {config.controller!r} on "
+               f"http://{config.host}:{config.port}/v1 as {replicas} Ray Serve replicas (router {fleet.router}, "
+               f"{'cluster ' + fleet.address if fleet.address else 'a local Ray'})", err=True)
+    try:
+        while not done.wait(1.0):
+            pass
+    finally:
+        click.echo("tidegate: stopping the Ray Serve application", err=True)
+        stop()
 
 
 #: the options of tidegate's own engine and server, which --engine vllm refuses (vLLM takes its own, --vllm-arg)

@@ -141,6 +141,8 @@ class EngineService:
         self._snapshot: Snapshot | None = None
         self._submitted = (0, 0)
         self._admit_errors = 0
+        #: requests that ended finished (not cancelled, refused or failed) since the service started
+        self.finished_total = 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -246,6 +248,16 @@ class EngineService:
             elif snap.guarded:
                 out["controller"] = "guarded: the slo-flow heuristic decides"
         return out
+
+    def load_gauges(self) -> dict[str, float]:
+        """The load gauges ``/metrics`` exports (``num_requests_waiting``, ``num_requests_running``,
+        ``kv_cache_usage_perc``) as of the latest tick, by the gateway's names, and the requests finished
+        whole so far; empty before the first tick."""
+        snap, info = self._snapshot, self.info
+        if snap is None or info is None:
+            return {}
+        return {"waiting": float(snap.waiting), "running": float(snap.running),
+                "kv_usage": snap.kv_used_tokens / info.kv_capacity_tokens, "finished": float(self.finished_total)}
 
     @property
     def degraded(self) -> bool:
@@ -420,6 +432,8 @@ class EngineService:
 
     def _on_finished(self, o: Outcome, stream: Stream, now: float) -> None:
         m = self.metrics
+        if o.state is RequestState.FINISHED:
+            self.finished_total += 1
         prefill = None if o.engine_ttft_s is None or o.queue_s is None else max(0.0, o.engine_ttft_s - o.queue_s)
         first, last = stream.first_token_s, stream.last_token_s
         decode = None if first is None or last is None else last - first

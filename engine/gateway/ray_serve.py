@@ -1,0 +1,217 @@
+"""tidegate's server as Ray Serve replicas, routed by the gateway's routers (``tidegate serve
+--ray-replicas N``; the ``tidegate[ray]`` extra).
+
+- :class:`TidegateReplica`: one deployment replica is one ``tidegate serve``: its engine, its
+  controller (which admits, queues or refuses with 429 and a Retry-After) and its OpenAI routes,
+  served through Ray Serve's HTTP proxy. It reports its load gauges to Ray Serve
+  (``record_routing_stats``) and fails Ray's health check while its engine is down.
+- :class:`TidegateRouter`: Ray Serve's request router for that deployment, the gateway's
+  :class:`~engine.gateway.ranking.GatewayRanking` over the replicas Ray offers: the gateway's
+  router picks among the replicas with room; with none, the request waits in Ray's router (late
+  dispatch) for up to ``hold_s``, then goes to the best replica, whose controller decides.
+- Ray's own bound on what waits at the router (``max_queued_requests``) answers 429 with a
+  Retry-After, so nothing queues without bound before the replicas either.
+
+The same call runs on one machine (a local Ray) or a cluster (``address``); a model folder other
+than the built-in ``tiny`` must then exist on every node.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from tidegate.engine.gateway.ranking import GatewayRanking
+from tidegate.engine.gateway.routers import ROUTERS
+from tidegate.engine.serve.config import ServeConfig
+
+log = logging.getLogger("tidegate.ray")
+
+#: the routers that need no prompt: Ray Serve's router is handed the HTTP request before its body is read
+RAY_ROUTERS = tuple(name for name in ROUTERS if name != "prefix-affinity")
+
+
+@dataclass
+class RayFleetConfig:
+    """How the replicas run on Ray (``tidegate serve --help``: the ``--ray-*`` options)."""
+
+    replicas: int = 2
+    router: str = "predicted-delay"
+    #: the longest a request waits at the router for a replica with room, in seconds
+    hold_s: float = 1.0
+    #: how often each replica reports its gauges, in seconds
+    report_period_s: float = 0.25
+    #: the most requests one replica holds at once (Ray's ``max_ongoing_requests``)
+    max_ongoing: int = 256
+    #: the most requests that wait at the router; more get 429 (Ray's ``max_queued_requests``)
+    max_queued: int = 256
+    #: the Retry-After of that 429, in seconds
+    retry_after_s: float = 1.0
+    cpus: float = 1.0
+    gpus: float = 0.0
+    #: a running Ray cluster (``auto``, ``ray://host:10001``); None: a local Ray on this machine
+    address: str | None = None
+    #: the Ray application's name
+    app_name: str = "tidegate"
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("--ray-replicas must be at least 1")
+        if self.router not in RAY_ROUTERS:
+            raise ValueError(f"the router {self.router!r} cannot run in Ray Serve (it needs the prompt, which Ray's "
+                             f"router does not see); one of {', '.join(RAY_ROUTERS)}")
+        if not (self.hold_s >= 0 and self.report_period_s > 0 and self.retry_after_s > 0):
+            raise ValueError("--ray-hold-s must be at least 0 and the report period and Retry-After above 0")
+        if self.max_ongoing < 1 or self.max_queued < 1:
+            raise ValueError("the replicas' and the router's request limits must be at least 1")
+        if self.cpus < 0 or self.gpus < 0:
+            raise ValueError("--ray-replica-cpus and --ray-replica-gpus cannot be negative")
+
+
+@serve.ingress()
+class TidegateReplica:
+    """One ``tidegate serve`` as a Ray Serve replica.
+
+    :param config: the server's settings (its host and port are Ray's proxy's, not this replica's)
+    """
+
+    def __init__(self, config: ServeConfig) -> None:
+        from tidegate.engine.serve.launch import build_service
+
+        logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.config = config
+        self.service = build_service(config)
+
+    def __serve_build_asgi_app__(self):
+        from tidegate.engine.serve.app import create_app
+
+        app = create_app(self.service, self.config)
+        return _NameReplica(app, serve.get_replica_context().replica_id.unique_id)
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """What :class:`TidegateRouter` ranks by: the load gauges and when they were read."""
+        return {**self.service.load_gauges(), "at": time.time()}
+
+    def check_health(self) -> None:
+        if not self.service.alive:
+            raise RuntimeError("the engine is not running")
+
+    def __del__(self) -> None:
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.stop()
+
+
+class _NameReplica:
+    """ASGI middleware: every response says which replica answered (``x-tidegate-replica``), as an
+    operator tracing a slow or failed request across the fleet needs."""
+
+    def __init__(self, app, name: str) -> None:
+        self.app = app
+        self.header = (b"x-tidegate-replica", name.encode("ascii", "replace"))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+class TidegateRouter(FIFOMixin, RequestRouter):
+    """Ray Serve's request router with the gateway's ranking (``request_router_kwargs`` are
+    :class:`GatewayRanking`'s)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.ranking = GatewayRanking(**kwargs)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        now, wall = time.monotonic(), time.time()
+        ranking = self.ranking
+        by_key = {}
+        for replica in candidate_replicas:
+            key = replica.replica_id.unique_id
+            by_key[key] = replica
+            ranking.view(key, replica.max_ongoing_requests)
+            ranking.report(key, replica.routing_stats or {}, now, wall)
+        ranking.keep([r.replica_id.unique_id for r in self.curr_replicas.values()])
+        if pending_request is None:
+            request_id, waited = "", math.inf
+        else:
+            request_id = pending_request.metadata.internal_request_id
+            waited = max(0.0, wall - pending_request.created_at)
+        order = ranking.rank([(key, by_key[key].max_ongoing_requests) for key in by_key], "", request_id,
+                             waited, now)
+        if pending_request is not None:
+            # every replica was looked at: Ray's router backs off before asking again, instead of spinning
+            pending_request.routing_context.should_backoff = True
+        return [[by_key[key]] for key in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        self.ranking.routed(pending_request.metadata.internal_request_id, replica_id.unique_id, time.monotonic())
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.ranking.ended(internal_request_id, time.monotonic())
+
+
+def build_app(config: ServeConfig, fleet: RayFleetConfig):
+    """The Ray Serve application: ``fleet.replicas`` tidegate servers behind :class:`TidegateRouter`."""
+    router_config = RequestRouterConfig(
+        request_router_class=TidegateRouter,
+        request_router_kwargs={"router": fleet.router, "hold_s": fleet.hold_s,
+                               "report_period_s": fleet.report_period_s},
+        request_routing_stats_period_s=fleet.report_period_s,
+        request_routing_stats_timeout_s=max(1.0, 4 * fleet.report_period_s),
+        # a held request is looked at again soon: it waits for room, not for a backoff
+        initial_backoff_s=0.01, backoff_multiplier=1.5, max_backoff_s=max(0.01, min(0.1, fleet.hold_s / 4)),
+    )
+    deployment = serve.deployment(TidegateReplica).options(
+        name="tidegate", num_replicas=fleet.replicas,
+        ray_actor_options={"num_cpus": fleet.cpus, "num_gpus": fleet.gpus},
+        max_ongoing_requests=fleet.max_ongoing, max_queued_requests=fleet.max_queued,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=fleet.retry_after_s),
+        request_router_config=router_config,
+        health_check_period_s=2.0, health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=config.drain_timeout_s,
+    )
+    return deployment.bind(config)
+
+
+def start(config: ServeConfig, fleet: RayFleetConfig, num_cpus: int | None = None) -> None:
+    """Start Ray (or join ``fleet.address``), Ray Serve's proxy on ``config.host:config.port`` and the
+    application; returns once every replica serves.
+
+    :param num_cpus: the CPUs a local Ray may use (None: the machine's)
+    """
+    import ray
+
+    if not ray.is_initialized():
+        if fleet.address is None:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=fleet.address, log_to_driver=True)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config, fleet), name=fleet.app_name, route_prefix="/", blocking=False)
+
+
+def stop() -> None:
+    """Delete the application and stop Ray Serve (and a local Ray this process started)."""
+    import ray
+
+    try:
+        serve.shutdown()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from tidegate.engine.cli import main
-from tidegate.engine.gateway.ranking import GatewayRanking
+from tidegate.engine.gateway.ranking import GatewayRanking, Refused
 from tidegate.engine.gateway.ray_serve import RayFleetConfig
 from tests.test_server import free_port
 
@@ -33,7 +33,7 @@ def _report(ranking, key, now, waiting=0.0, running=0.0, finished=None, age=0.0)
 
 
 def test_the_ranking_prefers_the_replica_its_reports_say_is_less_loaded():
-    r = GatewayRanking("least-loaded", hold_s=1.0, report_period_s=0.25)
+    r = GatewayRanking("least-loaded", report_period_s=0.25)
     r.view("a", 8)
     r.view("b", 8)
     _report(r, "a", 10.0, waiting=0.0, running=6.0)
@@ -61,8 +61,8 @@ def test_predicted_delay_sends_more_to_the_replica_that_finishes_more():
     assert r.views["slow"].completion_rate(20.25) >= 0.0
 
 
-def test_a_request_waits_for_room_up_to_its_hold_then_goes_to_the_best_replica():
-    r = GatewayRanking("least-loaded", hold_s=1.0, report_period_s=0.25)
+def test_a_request_waits_for_room_and_before_the_rate_is_measured_goes_on_after_the_slo():
+    r = GatewayRanking("least-loaded", ttft_slo_s=1.0, report_period_s=0.25)
     for key in ("a", "b"):
         r.view(key, 1)
         _report(r, key, 5.0)
@@ -71,14 +71,42 @@ def test_a_request_waits_for_room_up_to_its_hold_then_goes_to_the_best_replica()
     # every replica holds its limit: the third request waits at the router
     assert r.rank([("a", 1), ("b", 1)], "", "q3", 0.2, 5.2) == []
     assert r.rank([("a", 1), ("b", 1)], "", "q3", 0.6, 5.6) == []
-    assert r.held_total == 1 and r.released_total == 0
-    # past its hold it goes on, to the best replica, whose own controller decides
+    assert r.held_total == 1 and r.holding == 1 and r.released_total == 0
+    # no drain rate measured yet: once its SLO is spent it goes on, and the best replica's controller decides
     assert len(r.rank([("a", 1), ("b", 1)], "", "q3", 1.1, 6.1)) == 2
-    assert r.released_total == 1
+    assert r.released_total == 1 and r.holding == 0
     # a request that ends frees its replica's room
     r.ended("q1", 6.2)
     assert r.rank([("a", 1), ("b", 1)], "", "q4", 0.0, 6.2) == ["a"]
     assert r.views["a"].in_flight == 0 and r.views["b"].in_flight == 1
+
+
+def test_with_the_drain_rate_measured_a_request_that_would_start_late_is_refused():
+    r = GatewayRanking("least-loaded", ttft_slo_s=2.0, report_period_s=0.25)
+    for key in ("a", "b"):
+        r.view(key, 2)
+    for i in range(41):  # ten seconds of reports: each replica finishes one a report, 8 a second in all
+        for key in ("a", "b"):
+            _report(r, key, 0.25 * i, running=2.0, finished=float(i))
+    now = 10.0
+    for i, key in enumerate(("a", "a", "b", "b")):
+        r.routed(f"run{i}", key, now)
+    assert r.admission.predicted_wait_s(now, 0) == pytest.approx(0.125, rel=0.3)
+    # nothing ahead: held; two more behind it are held while they would start within 2 s
+    assert r.rank([("a", 2), ("b", 2)], "", "w1", 0.0, now) == []
+    assert r.rank([("a", 2), ("b", 2)], "", "w2", 0.0, now) == []
+    assert r.holding == 2
+    # one that has already waited 1.95 s in Ray's queue would not start within 2 s: refused
+    with pytest.raises(Refused) as refusal:
+        r.rank([("a", 2), ("b", 2)], "", "late", 1.95, now)
+    assert refusal.value.retry_after_s >= 1.0 and r.refused_total == 1 and r.holding == 2
+    # w1 is handed a replica that freed: its wait is measured against what was predicted
+    r.ended("run0", now + 0.4)
+    assert r.rank([("a", 2), ("b", 2)], "", "w1", 0.4, now + 0.4) == ["a"]
+    r.routed("w1", "a", now + 0.4)
+    assert r.holding == 1
+    # a waiting request never seen again (its client left) is forgotten
+    assert r.rank([("a", 2), ("b", 2)], "", "w3", 0.0, now + 20.0) == [] and r.holding == 1
 
 
 def test_the_ranking_forgets_stopped_replicas_and_ignores_bad_reports():
@@ -100,7 +128,7 @@ def test_the_fleet_settings_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="at least 1"):
         RayFleetConfig(replicas=0)
     with pytest.raises(ValueError):
-        GatewayRanking(hold_s=-1.0)
+        GatewayRanking(ttft_slo_s=0.0)
 
 
 def test_ray_options_without_ray_replicas_get_one_sentence():

@@ -119,9 +119,9 @@ class _StartError(Exception):
 @click.option("--router", type=click.Choice(["round-robin", "least-loaded", "power-of-two", "predicted-delay"]),
               default="predicted-delay", show_default=True,
               help="With --ray-replicas: which replica with room takes a request (see `tidegate gateway --help`).")
-@click.option("--ray-hold-s", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="With --ray-replicas: the longest a request waits at the router for a replica with room before "
-                   "it goes to the best one, whose controller admits it or answers 429.")
+@click.option("--ray-ttft-slo-s", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="With --ray-replicas: a request waits at the router for a replica with room while it would still "
+                   "start within this; one that would not gets 429 with a Retry-After from the fleet's drain rate.")
 @click.option("--ray-max-queued", type=click.IntRange(min=1), default=256, show_default=True,
               help="With --ray-replicas: the most requests waiting at the router; more get 429 with a Retry-After.")
 @click.option("--ray-replica-cpus", type=click.FloatRange(min=0), default=1.0, show_default=True,
@@ -135,10 +135,10 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
           max_num_batched_tokens, max_num_seqs, prefix_caching, enable_prompt_tokens_details, device, dtype,
           max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads,
-          engine_nice, ray_replicas, ray_address, router, ray_hold_s, ray_max_queued, ray_replica_cpus,
+          engine_nice, ray_replicas, ray_address, router, ray_ttft_slo_s, ray_max_queued, ray_replica_cpus,
           ray_replica_gpus):
     """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /tokenize, /metrics)."""
-    ray_options = {"ray_address": ray_address, "ray_hold_s": ray_hold_s, "ray_max_queued": ray_max_queued,
+    ray_options = {"ray_address": ray_address, "ray_ttft_slo_s": ray_ttft_slo_s, "ray_max_queued": ray_max_queued,
                    "ray_replica_cpus": ray_replica_cpus, "ray_replica_gpus": ray_replica_gpus, "router": router}
     if ray_replicas is None:
         given = [name for name in ray_options if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
@@ -213,7 +213,7 @@ def _serve_on_ray(config, replicas: int, options: dict) -> None:
     except ImportError as exc:
         raise click.UsageError(f"--ray-replicas needs Ray Serve: pip install 'tidegate[ray]' ({exc})") from None
     try:
-        fleet = RayFleetConfig(replicas=replicas, router=options["router"], hold_s=options["ray_hold_s"],
+        fleet = RayFleetConfig(replicas=replicas, router=options["router"], ttft_slo_s=options["ray_ttft_slo_s"],
                                max_queued=options["ray_max_queued"], cpus=options["ray_replica_cpus"],
                                gpus=options["ray_replica_gpus"], address=options["ray_address"],
                                max_ongoing=config.max_in_flight)

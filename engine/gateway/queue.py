@@ -190,6 +190,11 @@ class DrainAdmission:
     def first_byte_s(self) -> float:
         return _p90(self._first_byte)
 
+    @property
+    def late_s(self) -> float:
+        """How much longer than predicted requests waited in the queue: the 90th percentile, at least 0."""
+        return max(0.0, _p90(self._late))
+
     def predicted_wait_s(self, now: float, ahead: int) -> float:
         """The queue wait predicted for an arrival with ``ahead`` requests before it (0 while the rate is
         not trusted)."""
@@ -206,7 +211,7 @@ class DrainAdmission:
         rate = self._rate(now)
         if rate <= 0.0:
             return None if ahead < replicas else self.ttft_slo_s
-        wait = (ahead + 1) / rate + max(0.0, _p90(self._late))
+        wait = (ahead + 1) / rate + self.late_s
         budget = self.ttft_slo_s - self.first_byte_s
         return None if wait <= budget else wait - max(budget, 0.0)
 

@@ -8,9 +8,11 @@
 - :class:`TidegateRouter`: Ray Serve's request router for that deployment, the gateway's
   :class:`~engine.gateway.ranking.GatewayRanking` over the replicas Ray offers: the gateway's
   router picks among the replicas with room; with none, the request waits in Ray's router (late
-  dispatch) for up to ``hold_s``, then goes to the best replica, whose controller decides.
-- Ray's own bound on what waits at the router (``max_queued_requests``) answers 429 with a
-  Retry-After, so nothing queues without bound before the replicas either.
+  dispatch) while the requests before it drain within the TTFT SLO, and is refused with 429 and a
+  Retry-After (Ray's ``BackPressureError``, which its proxy answers with that status) once it would
+  not start in time.
+- Ray's own bound on what waits at the router (``max_queued_requests``) answers 429 with a fixed
+  Retry-After at once, so nothing queues without bound before the replicas either.
 
 The same call runs on one machine (a local Ray) or a cluster (``address``); a model folder other
 than the built-in ``tiny`` must then exist on every node.
@@ -26,9 +28,10 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from tidegate.engine.gateway.ranking import GatewayRanking
+from tidegate.engine.gateway.ranking import GatewayRanking, Refused
 from tidegate.engine.gateway.routers import ROUTERS
 from tidegate.engine.serve.config import ServeConfig
 
@@ -44,8 +47,8 @@ class RayFleetConfig:
 
     replicas: int = 2
     router: str = "predicted-delay"
-    #: the longest a request waits at the router for a replica with room, in seconds
-    hold_s: float = 1.0
+    #: what the router's admission promises: a request is refused (429) when it would not start within it
+    ttft_slo_s: float = 2.0
     #: how often each replica reports its gauges, in seconds
     report_period_s: float = 0.25
     #: the most requests one replica holds at once (Ray's ``max_ongoing_requests``)
@@ -67,8 +70,8 @@ class RayFleetConfig:
         if self.router not in RAY_ROUTERS:
             raise ValueError(f"the router {self.router!r} cannot run in Ray Serve (it needs the prompt, which Ray's "
                              f"router does not see); one of {', '.join(RAY_ROUTERS)}")
-        if not (self.hold_s >= 0 and self.report_period_s > 0 and self.retry_after_s > 0):
-            raise ValueError("--ray-hold-s must be at least 0 and the report period and Retry-After above 0")
+        if not (self.ttft_slo_s > 0 and self.report_period_s > 0 and self.retry_after_s > 0):
+            raise ValueError("the TTFT SLO, the report period and the Retry-After must be above 0")
         if self.max_ongoing < 1 or self.max_queued < 1:
             raise ValueError("the replicas' and the router's request limits must be at least 1")
         if self.cpus < 0 or self.gpus < 0:
@@ -133,7 +136,8 @@ class TidegateRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request router with the gateway's ranking (``request_router_kwargs`` are
     :class:`GatewayRanking`'s)."""
 
-    def initialize_state(self, **kwargs: Any) -> None:
+    def initialize_state(self, max_queued: int = -1, **kwargs: Any) -> None:
+        self._max_queued = max_queued
         self.ranking = GatewayRanking(**kwargs)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -152,8 +156,18 @@ class TidegateRouter(FIFOMixin, RequestRouter):
         else:
             request_id = pending_request.metadata.internal_request_id
             waited = max(0.0, wall - pending_request.created_at)
-        order = ranking.rank([(key, by_key[key].max_ongoing_requests) for key in by_key], "", request_id,
-                             waited, now)
+        try:
+            order = ranking.rank([(key, by_key[key].max_ongoing_requests) for key in by_key], "", request_id,
+                                 waited, now)
+        except Refused as refusal:
+            assert pending_request is not None  # a request that has waited was handed in
+            # Ray's proxy answers BackPressureError with its status code and Retry-After; a rank handed back
+            # with the request's future done ends its routing without a replica
+            if not pending_request.future.done():
+                pending_request.future.set_exception(BackPressureError(
+                    num_queued_requests=ranking.holding, max_queued_requests=self._max_queued,
+                    status_code=429, retry_after_s=math.ceil(refusal.retry_after_s)))
+            return [[replica] for replica in candidate_replicas[:1]]
         if pending_request is not None:
             # every replica was looked at: Ray's router backs off before asking again, instead of spinning
             pending_request.routing_context.should_backoff = True
@@ -170,12 +184,12 @@ def build_app(config: ServeConfig, fleet: RayFleetConfig):
     """The Ray Serve application: ``fleet.replicas`` tidegate servers behind :class:`TidegateRouter`."""
     router_config = RequestRouterConfig(
         request_router_class=TidegateRouter,
-        request_router_kwargs={"router": fleet.router, "hold_s": fleet.hold_s,
-                               "report_period_s": fleet.report_period_s},
+        request_router_kwargs={"router": fleet.router, "ttft_slo_s": fleet.ttft_slo_s,
+                               "report_period_s": fleet.report_period_s, "max_queued": fleet.max_queued},
         request_routing_stats_period_s=fleet.report_period_s,
         request_routing_stats_timeout_s=max(1.0, 4 * fleet.report_period_s),
         # a held request is looked at again soon: it waits for room, not for a backoff
-        initial_backoff_s=0.01, backoff_multiplier=1.5, max_backoff_s=max(0.01, min(0.1, fleet.hold_s / 4)),
+        initial_backoff_s=0.01, backoff_multiplier=1.5, max_backoff_s=max(0.01, min(0.1, fleet.ttft_slo_s / 10)),
     )
     deployment = serve.deployment(TidegateReplica).options(
         name="tidegate", num_replicas=fleet.replicas,

@@ -205,6 +205,10 @@ def _learned(raw: dict[str, str], profile) -> Controller:
 
     params = {k: p for k, p in _inspect.signature(make_learned_controller).parameters.items()
               if p.kind is not p.VAR_KEYWORD and k != "profile"}
+    if "policy" in raw:  # `learned:policy=FILE`, what `tidegate tune` prints, is `path`
+        if "path" in raw:
+            raise ControllerSpecError("controller 'learned': give the policy file once, as path= or policy=")
+        raw = {("path" if k == "policy" else k): v for k, v in raw.items()}
     kwargs = _options("learned", raw, params)
     if profile is None:
         raise ControllerSpecError("controller 'learned' needs the replica's profile (its step time, KV size and SLOs)")

@@ -120,6 +120,46 @@ def evaluate_command(policies, families, profile, loads, requests, seeds, out, b
         click.echo(f"{key}: {value:.3f}")
 
 
+@click.command("tune")
+@click.argument("trace", type=_path())
+@click.option("--profile", default="a100-llama2-7b", show_default=True,
+              help="The deployment's step-time profile: a name or file (`tidegate profile` fits one).")
+@click.option("--split", type=float, default=0.5, show_default=True,
+              help="The share of the log's time span to train on; the rest is held out for the verdict.")
+@click.option("--timesteps", type=int, default=30_000, show_default=True, help="PPO timesteps of fine-tuning.")
+@click.option("--minutes", type=float, default=15.0, show_default=True,
+              help="Stop the fine-tuning after this long (what it learned so far is kept).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fine-tuning.")
+@click.option("--loads", default="1.2,2.0", show_default=True, help="Loads of the verdict, multiples of lambda_max.")
+@click.option("--seeds", default="0,1,2", show_default=True, help="Draws of the held-out part at each load.")
+@click.option("--requests", type=int, default=1500, show_default=True, help="Requests per draw.")
+@click.option("--out", type=_path(), default=Path("runs/tune"), show_default=True,
+              help="The split log, the fine-tuning, the evaluation, the verdict (tune.md) and policy.onnx if it "
+                   "ships.")
+@click.option("--resume", is_flag=True, help="Skip the stages OUT records as done; continue an interrupted "
+                                             "fine-tuning from its latest checkpoint.")
+@add_backend_options
+@friendly(OptionError, ConfigError, EvaluationError, ExportError, TaskError, ImportError)
+def tune_command(trace, profile, split, timesteps, minutes, seed, loads, seeds, requests, out, resume, backend,
+                 address, workers):
+    """One deployment's own policy from its request log TRACE (any supported trace format): fine-tune the
+    shipped policy on the log's first part, evaluate it on the rest against the shipped policy, its prior
+    and every heuristic, and ship OUT/policy.onnx only if it beats both."""
+    from tidegate.training.tune import TuneSettings, tune
+
+    settings = TuneSettings(trace=trace, out=out, profile=profile, split=split, timesteps=timesteps,
+                            minutes=minutes, seed=seed,
+                            loads=tuple(parse_list(loads, "--loads", float, "positive numbers like 1.2,2")),
+                            seeds=tuple(parse_list(seeds, "--seeds", int, "non-negative integers like 0,1,2")),
+                            requests=requests, resume=resume, backend=backend, address=address, workers=workers)
+    verdict = tune(settings, say=lambda line: click.echo(line, err=True))
+    click.echo((out / "tune.md").read_text())
+    if verdict["shipped"]:
+        click.echo(f"shipped {verdict['policy']}")
+    else:
+        click.echo("not shipped: the shipped policy stays")
+
+
 @click.command("sim-to-real")
 @click.option("--policy", type=_path(), default=DEFAULT_POLICY,
               show_default="shipped checkpoints/policy.onnx", help="An ONNX policy written by `tidegate export`.")

@@ -27,6 +27,7 @@ COMMANDS = {
     "train": "tidegate.training.cli:train_command",
     "export": "tidegate.training.cli:export_command",
     "evaluate": "tidegate.training.cli:evaluate_command",
+    "tune": "tidegate.training.cli:tune_command",
     "sim-to-real": "tidegate.training.cli:sim_to_real_command",
 }
 

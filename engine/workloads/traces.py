@@ -25,7 +25,7 @@ from typing import Any
 
 from tidegate.engine.workloads.arrivals import DEFAULT_MAX_TOKENS, Arrival, WorkloadError, check_options, scale_tokens
 
-__all__ = ["read_trace"]
+__all__ = ["read_trace", "write_trace"]
 
 # format name -> (header shown to users, time column, prompt column, output column)
 _CSV_FORMATS = {
@@ -262,3 +262,19 @@ def _json_count(value: Any, key: str, where: str) -> int:
     if not (math.isfinite(number) and number == int(number) and number >= 1):
         raise WorkloadError(f"{where}: {key} is {value!r}, expected a token count of at least 1")
     return int(number)
+
+
+def write_trace(arrivals: Iterable[Arrival], path: str | Path) -> Path:
+    """Write arrivals as a Vidur/Splitwise CSV (``arrived_at,num_prefill_tokens,num_decode_tokens``),
+    which `read_trace` reads back to the same times and lengths. A prompt's content ids (Mooncake
+    ``hash_ids``) and classes are not kept.
+
+    :return: the path written
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        f.write(_CSV_FORMATS["vidur"][0] + "\n")
+        for a in arrivals:
+            f.write(f"{a.arrival_time_s!r},{a.prompt_tokens},{a.output_tokens}\n")
+    return path

@@ -38,7 +38,7 @@ def summarisation_log(path: Path, seed: int = 7, rate_rps: float = 2.0, hours: f
     with path.open("w") as f:
         f.write("arrived_at,num_prefill_tokens,num_decode_tokens\n")
         for t, p, o in zip(times, prompts, outputs):
-            f.write(f"{t!r},{p},{o}\n")
+            f.write(f"{float(t)!r},{int(p)},{int(o)}\n")
     return path
 
 

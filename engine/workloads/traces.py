@@ -276,5 +276,5 @@ def write_trace(arrivals: Iterable[Arrival], path: str | Path) -> Path:
     with path.open("w", newline="") as f:
         f.write(_CSV_FORMATS["vidur"][0] + "\n")
         for a in arrivals:
-            f.write(f"{a.arrival_time_s!r},{a.prompt_tokens},{a.output_tokens}\n")
+            f.write(f"{float(a.arrival_time_s)!r},{int(a.prompt_tokens)},{int(a.output_tokens)}\n")
     return path

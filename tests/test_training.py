@@ -227,6 +227,24 @@ def test_evaluate_matrix_on_tiny_inputs(tmp_path):
     assert "vs_best" in res.stdout and "worst_cell_vs_best" in res.stdout
 
 
+def test_the_matrix_has_a_profile_axis(tmp_path):
+    from tidegate.training.evaluate import evaluate, summarize
+
+    rows = evaluate({"learned": DEFAULT_POLICY}, families=["short", "splitwise_code"], loads=[1.2], seeds=[0],
+                    requests=80, profile=["a100-llama2-7b", "slot"], workers=1, progress=False)
+    assert {(r["family"], r["profile"]) for r in rows} == {(f, p) for f in ("short", "splitwise_code")
+                                                           for p in ("a100-llama2-7b", "slot")}
+    summary = summarize(rows, ["learned"], held_out=["splitwise_code"])
+    assert {r["family"] for r in summary} == {"short @ a100-llama2-7b", "short @ slot",
+                                              "splitwise_code @ a100-llama2-7b", "splitwise_code @ slot"}
+    assert all(r["held_out"] == r["family"].startswith("splitwise_code") for r in summary)
+    res = invoke("evaluate", "--family", "short", "--loads", "1.2", "--requests", "60", "--seeds", "0",
+                 "--workers", "1", "--profile", "slot", "--profile", "tiny-cpu")
+    assert res.exit_code == 0 and "short @ slot" in res.stdout and "short @ tiny-cpu" in res.stdout, res.output
+    res = invoke("evaluate", "--family", "short", "--profile", "no-such-profile")
+    assert res.exit_code == 2 and "no-such-profile" in res.output
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--seeds", "a"], ["--seeds", "'a'"]),
     (["--seeds", ""], ["--seeds"]),

@@ -94,7 +94,8 @@ def export_command(checkpoint, out, vecnormalize, residual_scale):
               help="An ONNX policy written by `tidegate export`; repeat for several (e.g. one per training seed).")
 @click.option("--family", "families", multiple=True,
               help="A shipped workload family, a family YAML or a trace file; repeat (default: every shipped family).")
-@click.option("--profile", default="a100-llama2-7b", show_default=True, help="Profile name or file.")
+@click.option("--profile", "profiles", multiple=True, default=("a100-llama2-7b",), show_default=True,
+              help="Profile name or file; repeat for a profile axis (each family runs on each profile).")
 @click.option("--loads", default="0.5,0.8,1.2,2.0,3.0", show_default=True, help="Multiples of lambda_max.")
 @click.option("--requests", type=int, default=1500, show_default=True, help="Requests per cell.")
 @click.option("--seeds", default="0,1,2", show_default=True, help="Draws per (family, load).")
@@ -102,7 +103,7 @@ def export_command(checkpoint, out, vecnormalize, residual_scale):
               help="Write matrix.md, matrix.json and the heatmaps (PNG) into this folder.")
 @add_backend_options
 @friendly(OptionError, EvaluationError, TaskError, ImportError)
-def evaluate_command(policies, families, profile, loads, requests, seeds, out, backend, address, workers):
+def evaluate_command(policies, families, profiles, loads, requests, seeds, out, backend, address, workers):
     """The evaluation matrix: families x loads x seeds, the learned controller against the heuristics."""
     load_list = parse_list(loads, "--loads", float, "positive numbers like 0.8,1.5")
     seed_list = parse_list(seeds, "--seeds", int, "non-negative integers like 0,1,2")
@@ -111,7 +112,7 @@ def evaluate_command(policies, families, profile, loads, requests, seeds, out, b
     paths = list(policies)
     named = {("learned" if len(paths) == 1 else f"learned[{i}]"): p for i, p in enumerate(paths)}
     rows = evaluate(named, families=list(families) or None, loads=load_list, seeds=seed_list, requests=requests,
-                    profile=profile, backend=backend, address=address, workers=workers)
+                    profile=list(profiles), backend=backend, address=address, workers=workers)
     if out is not None:
         write_report(rows, list(named), out)
     summary = summarize(rows, list(named))

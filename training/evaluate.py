@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -139,7 +140,7 @@ def run_cell(family: str, load: float, seed: int, requests: int, profile: str, s
     controllers += [(f"{name}+guard", lambda p=policies[name]: with_guard(p)) for name in guarded]
     for name, run in controllers:
         s = run()
-        rows.append({"family": fam.name, "load": load, "seed": seed, "controller": name,
+        rows.append({"family": fam.name, "profile": profile, "load": load, "seed": seed, "controller": name,
                      "goodput_frac": s["goodput_rps"] / lam, "requests": s["requests"], "rejected": s["rejected"],
                      "evictions": s["evictions"], "slo_attainment": s["slo_attainment"],
                      "ttft_pred_wrong_side": s["ttft_pred_wrong_side"], "ttft_pred_mae_s": s["ttft_pred_mae_s"]})
@@ -147,25 +148,33 @@ def run_cell(family: str, load: float, seed: int, requests: int, profile: str, s
 
 
 def evaluate(policies: dict[str, str | Path], *, families=None, loads=DEFAULT_LOADS, seeds=(0, 1, 2),
-             requests: int = 1500, profile: str = "a100-llama2-7b", heuristics=(*HEURISTICS, PRIOR),
+             requests: int = 1500, profile: str | Sequence[str] = "a100-llama2-7b", heuristics=(*HEURISTICS, PRIOR),
              purpose: int = TEST, backend: str = "auto", address: str | None = None, workers: int | None = None,
              progress: bool = True, guarded: tuple[str, ...] = ()) -> list[dict]:
-    """The matrix's rows: one per (family, load, seed, controller).
+    """The matrix's rows: one per (profile, family, load, seed, controller).
 
     :param policies: name -> exported policy (e.g. one per training seed).
     :param families: family names, family YAML files or trace files (default: every shipped family).
+    :param profile: a profile (name or file), or several: the matrix's profile axis.
     :param guarded: policies to run also with their runtime guard (``engine.twin.guard``), as ``<name>+guard``.
-    :raises EvaluationError: a policy, family, load, seed or request count that cannot be used.
+    :raises EvaluationError: a policy, family, load, seed, profile or request count that cannot be used.
     """
     check_sizes(loads, seeds, requests)
-    prof = load_profile(profile)
-    policies = {name: str(require_policy(path, prof)) for name, path in policies.items()}
+    profiles = [profile] if isinstance(profile, (str, Path)) else list(profile)
+    if not profiles:
+        raise EvaluationError("give at least one profile")
+    for p in profiles:
+        try:
+            prof = load_profile(p)
+        except (ValueError, OSError) as exc:
+            raise EvaluationError(f"profile {str(p)!r}: {exc}") from None
+        policies = {name: str(require_policy(path, prof)) for name, path in policies.items()}
     families = list(families or shipped_families())
     for f in families:
         resolve_family(f)  # fail before any task starts
-    tasks = [{"family": str(f), "load": float(load), "seed": int(seed), "requests": requests, "profile": profile,
+    tasks = [{"family": str(f), "load": float(load), "seed": int(seed), "requests": requests, "profile": str(p),
               "specs": list(heuristics), "policies": policies, "purpose": purpose, "guarded": tuple(guarded)}
-             for f in families for load in loads for seed in seeds]
+             for p in profiles for f in families for load in loads for seed in seeds]
     cells = run_tasks(run_cell, tasks, backend=backend, address=address, workers=workers,
                       desc=f"{len(tasks)} cells", progress=progress)
     return [row for cell in cells for row in cell]
@@ -191,13 +200,15 @@ def summarize(rows: list[dict], learned: list[str], held_out=()) -> list[dict]:
     learned controllers' mean and spread, the best heuristic, the ratios and the refusals."""
     by_cell: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     refusals: dict[tuple, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    # with a profile axis a cell is a family on a profile, named "family @ profile"
+    several = len({r.get("profile") for r in rows}) > 1
     for r in rows:
-        key = (r["family"], r["load"])
+        key = (f"{r['family']} @ {Path(str(r['profile'])).stem}" if several else r["family"], r["load"])
         by_cell[key][r["controller"]].append(r["goodput_frac"])
         refusals[key][r["controller"]] += r["rejected"]
     out = []
     for (family, load), got in sorted(by_cell.items()):
-        row: dict = {"family": family, "held_out": family in held_out, "load": load}
+        row: dict = {"family": family, "held_out": family.split(" @ ")[0] in held_out, "load": load}
         for name, values in got.items():
             row[name] = float(np.mean(values))
         heur = {h: row[h] for h in HEURISTICS if h in row}

@@ -52,11 +52,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("runs/tune-bench"))
     ap.add_argument("--out", type=Path, default=Path("docs/bench/tune"))
+    ap.add_argument("--resume", action="store_true", help="pass --resume to tidegate tune (the stages done are kept)")
     args = ap.parse_args()
     log = summarisation_log(args.work / "summarisation.csv") if args.log == "summarisation" else args.log
     cmd = [sys.executable, "-m", "tidegate", "tune", str(log), "--profile", args.profile, "--timesteps",
            str(args.timesteps), "--minutes", str(args.minutes), "--seeds", args.seeds, "--workers", str(args.workers),
-           "--out", str(args.work / "tune")]
+           "--out", str(args.work / "tune"), *(["--resume"] if args.resume else [])]
     print(" ".join(cmd), file=sys.stderr, flush=True)
     start = time.monotonic()
     subprocess.run(cmd, check=True)
@@ -69,7 +70,8 @@ def main() -> None:
                    command=" ".join(cmd[1:]))
     (args.out / "tune.json").write_text(json.dumps(verdict, indent=2))
     with (args.out / "tune.md").open("a") as f:
-        f.write(f"\nThe whole command took {wall / 60:.1f} min on {verdict['machine']} ({verdict['date']}).\n")
+        f.write(f"\nThe command took {wall / 60:.1f} min{' (resumed)' if args.resume else ''} on {verdict['machine']} "
+                f"({verdict['date']}).\n")
     print(f"wrote {args.out}/tune.md ({wall / 60:.1f} min)", file=sys.stderr)
 
 

@@ -57,7 +57,9 @@ def test_tune_runs_every_stage_and_its_verdict_follows_the_figures(tuned):
     # fine-tuned from the shipped model: it carries on from the shipped model's timesteps
     assert num_timesteps(out / "train" / "model.zip") > num_timesteps(settings.base_model)
     (cell,) = verdict["cells"]
+    # one draw: no standard error, a margin above 0 is needed over both
     beats = cell["tuned"] > max(cell["shipped"], cell["prior"])
+    assert cell["margin_shipped"]["se"] is None
     assert verdict["shipped"] is beats
     assert (out / "policy.onnx").exists() is beats
     assert ("**Shipped**" if beats else "**Not shipped**") in (out / "tune.md").read_text()
@@ -73,6 +75,16 @@ def test_resume_skips_the_stages_done(tuned):
     assert model.stat().st_mtime_ns == before  # not trained again
     assert again["cells"] == verdict["cells"]
     assert not any("fine-tuning" in line for line in lines)
+
+
+def test_a_margin_ships_only_above_its_standard_error():
+    from tidegate.training.tune import beats, paired_margin
+
+    steady = paired_margin([1.02, 1.03, 1.01, 1.02], [1.0, 1.0, 1.0, 1.0])
+    assert steady["mean"] == pytest.approx(0.02) and beats(steady)
+    noisy = paired_margin([1.10, 0.93, 1.05, 0.96], [1.0, 1.0, 1.0, 1.0])
+    assert noisy["mean"] > 0 and not beats(noisy)
+    assert not beats(paired_margin([0.99], [1.0])) and beats(paired_margin([1.01], [1.0]))
 
 
 def test_an_interrupted_fine_tuning_resumes_from_its_latest_checkpoint(tmp_path):

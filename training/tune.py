@@ -9,9 +9,10 @@
 3. **Export** the tuned actor to ONNX (``OUT/candidate.onnx``).
 4. **Evaluate** the tuned policy, the shipped one, their prior (slo-flow) and every heuristic on the
    held-out part at each load (``OUT/evaluation/``), the same arrivals for every controller.
-5. **Ship or keep**: the tuned policy is written to ``OUT/policy.onnx`` only if its mean goodput beats
-   both the shipped policy's and the prior's at every load; otherwise the command says where it lost
-   and the shipped policy stays. ``OUT/tune.md``, ``tune.json`` and ``tune.png`` say which.
+5. **Ship or keep**: the tuned policy is written to ``OUT/policy.onnx`` only if, at every load, its
+   goodput beats both the shipped policy's and the prior's by more than chance: the mean of the paired
+   differences over the draws (the same arrivals for each) above its standard error. Otherwise the
+   command says where it lost and the shipped policy stays. ``OUT/tune.md``, ``tune.json`` and ``tune.png`` say which.
 
 Each stage records its end in ``OUT/tune_state.json``; ``--resume`` skips the stages done, and an
 interrupted fine-tuning continues from its latest checkpoint.
@@ -217,7 +218,10 @@ def _evaluate(s: TuneSettings, candidate: Path, held_csv: Path) -> dict:
                     requests=s.requests, profile=s.profile, backend=s.backend, address=s.address,
                     workers=s.workers)
     write_report(rows, list(named), s.out / "evaluation")
-    return {"summary": summarize(rows, list(named))}
+    draws: dict[str, dict[str, list[float]]] = {}
+    for r in sorted(rows, key=lambda r: r["seed"]):
+        draws.setdefault(f"{r['load']:g}", {}).setdefault(r["controller"], []).append(r["goodput_frac"])
+    return {"summary": summarize(rows, list(named)), "draws": draws}
 
 
 def _verdict(s: TuneSettings, evaluated: dict) -> dict:
@@ -226,11 +230,14 @@ def _verdict(s: TuneSettings, evaluated: dict) -> dict:
     cells = []
     for row in evaluated["summary"]:
         best = row.get("best_heuristic")
+        draws = evaluated["draws"][f"{row['load']:g}"]
         cells.append({"load": row["load"], "tuned": row["tuned"], "shipped": row["shipped"], "prior": row[PRIOR],
                       "best_heuristic": best, "best_heuristic_goodput": row.get(best) if best else None,
-                      "prior_rel_se": row.get("prior_rel_se")})
+                      "prior_rel_se": row.get("prior_rel_se"),
+                      "margin_shipped": paired_margin(draws["tuned"], draws["shipped"]),
+                      "margin_prior": paired_margin(draws["tuned"], draws[PRIOR])})
     losses = [f"at load {c['load']:g} ({c['tuned']:.3f} against the shipped {c['shipped']:.3f} and the prior "
-              f"{c['prior']:.3f})" for c in cells if not c["tuned"] > max(c["shipped"], c["prior"])]
+              f"{c['prior']:.3f})" for c in cells if not (beats(c["margin_shipped"]) and beats(c["margin_prior"]))]
     policy = s.out / "policy.onnx"
     if losses:
         policy.unlink(missing_ok=True)
@@ -240,20 +247,39 @@ def _verdict(s: TuneSettings, evaluated: dict) -> dict:
             "trace": str(s.trace), "profile": s.profile}
 
 
+def paired_margin(a: list[float], b: list[float]) -> dict:
+    """``a`` against ``b`` over the same draws (every controller of a draw serves the same arrivals): the
+    mean difference and its standard error (None with one draw)."""
+    import numpy as np
+
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    se = float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
+    return {"mean": float(d.mean()), "se": se}
+
+
+def beats(margin: dict) -> bool:
+    """Better by more than chance: the mean difference above its standard error (one draw: above 0)."""
+    return margin["mean"] > max(0.0, margin["se"] or 0.0)
+
+
 def _write_report(s: TuneSettings, verdict: dict) -> None:
     cells = verdict["cells"]
     lines = [f"# tidegate tune: {s.trace}", "", f"Profile {s.profile}; trained on the first {s.split:.0%} of the "
              f"log's span, evaluated on the rest ({len(s.seeds)} draws of {s.requests} requests a load). Goodput "
              "per lambda_max:", "",
-             "| load | tuned | shipped | prior (slo-flow) | best heuristic | tuned / shipped | tuned / prior | "
-             "prior's chance spread |", "|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "| load | tuned | shipped | prior (slo-flow) | best heuristic | tuned - shipped | tuned - prior |",
+             "|---:|---:|---:|---:|---|---:|---:|"]
+
+    def margin(m: dict) -> str:
+        return f"{m['mean']:+.4f}" + ("" if m["se"] is None else f" ± {m['se']:.4f}") + (" ✓" if beats(m) else "")
+
     for c in cells:
-        se = c["prior_rel_se"]
         lines.append(f"| {c['load']:g} | {c['tuned']:.3f} | {c['shipped']:.3f} | {c['prior']:.3f} | "
                      f"{c['best_heuristic']} {c['best_heuristic_goodput'] or 0:.3f} | "
-                     f"{c['tuned'] / c['shipped'] if c['shipped'] else math.nan:.3f} | "
-                     f"{c['tuned'] / c['prior'] if c['prior'] else math.nan:.3f} | "
-                     f"{'' if se is None else f'{se:.1%}'} |")
+                     f"{margin(c['margin_shipped'])} | {margin(c['margin_prior'])} |")
+    lines += ["", "A margin is the mean over the draws of the paired difference in goodput / lambda_max (every "
+              "controller of a draw serves the same arrivals) ± its standard error; ✓: above its standard error, "
+              "what shipping needs at every load."]
     lines.append("")
     if verdict["shipped"]:
         lines.append(f"**Shipped**: `tidegate serve --controller learned:path={verdict['policy']}` deploys it.")

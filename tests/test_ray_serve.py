@@ -76,7 +76,7 @@ def test_a_request_waits_for_room_and_before_the_rate_is_measured_goes_on_after_
     assert len(r.rank([("a", 1), ("b", 1)], "", "q3", 1.1, 6.1)) == 2
     assert r.released_total == 1 and r.holding == 0
     # a request that ends frees its replica's room
-    r.ended("q1", 6.2)
+    r.ended("q1", "a", 6.2)
     assert r.rank([("a", 1), ("b", 1)], "", "q4", 0.0, 6.2) == ["a"]
     assert r.views["a"].in_flight == 0 and r.views["b"].in_flight == 1
 
@@ -101,12 +101,32 @@ def test_with_the_drain_rate_measured_a_request_that_would_start_late_is_refused
         r.rank([("a", 2), ("b", 2)], "", "late", 1.95, now)
     assert refusal.value.retry_after_s >= 1.0 and r.refused_total == 1 and r.holding == 2
     # w1 is handed a replica that freed: its wait is measured against what was predicted
-    r.ended("run0", now + 0.4)
+    r.ended("run0", "a", now + 0.4)
     assert r.rank([("a", 2), ("b", 2)], "", "w1", 0.4, now + 0.4) == ["a"]
     r.routed("w1", "a", now + 0.4)
     assert r.holding == 1
     # a waiting request never seen again (its client left) is forgotten
     assert r.rank([("a", 2), ("b", 2)], "", "w3", 0.0, now + 20.0) == [] and r.holding == 1
+
+
+def test_an_end_heard_before_its_routing_or_from_an_earlier_try_leaves_no_request_counted():
+    r = GatewayRanking("least-loaded", report_period_s=0.25)
+    for key in ("a", "b"):
+        r.view(key, 1)
+    r.ended("quick", "a", 1.0)  # the replica's answer came before the routing's bookkeeping
+    r.routed("quick", "a", 1.0)
+    assert r.views["a"].in_flight == 0
+    r.routed("retried", "b", 2.0)  # a first try on a was refused; its late end must not end the try on b
+    r.ended("retried", "a", 2.1)
+    assert r.views["b"].in_flight == 1
+    r.ended("retried", "b", 2.2)
+    assert r.views["b"].in_flight == 0
+    # held requests Ray no longer holds (their clients left) are forgotten
+    r.routed("x", "a", 3.0)
+    r.routed("y", "b", 3.0)
+    assert r.rank([("a", 1), ("b", 1)], "", "gone", 0.0, 3.0) == [] and r.holding == 1
+    r.prune(set())
+    assert r.holding == 0
 
 
 def test_the_ranking_forgets_stopped_replicas_and_ignores_bad_reports():

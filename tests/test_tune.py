@@ -16,13 +16,14 @@ from tidegate.training.tune import TuneSettings, latest_checkpoint, num_timestep
 
 pytestmark = pytest.mark.timeout(300)
 
-#: one rollout of fine-tuning and small evaluation cells: the stages, not the policy's quality
-SHORT = {"n_epochs": 2}
+#: one rollout of fine-tuning (a checkpoint every 512 timesteps) and small evaluation cells: the stages,
+#: not the policy's quality
+SHORT = {"save_freq": 512}
 
 
-def test_a_written_trace_reads_back_the_same():
+def test_a_written_trace_reads_back_the_same(tmp_path):
     arrivals = read_trace(resolve_trace("splitwise_code"), first_n=300)
-    assert read_trace(write_trace(arrivals, "/tmp/tidegate-tune-roundtrip.csv")) == arrivals
+    assert read_trace(write_trace(arrivals, tmp_path / "log.csv")) == arrivals
 
 
 def test_the_log_splits_by_time_into_two_traces(tmp_path):
@@ -87,13 +88,37 @@ def test_a_margin_ships_only_above_its_standard_error():
     assert not beats(paired_margin([0.99], [1.0])) and beats(paired_margin([1.01], [1.0]))
 
 
-def test_an_interrupted_fine_tuning_resumes_from_its_latest_checkpoint(tmp_path):
-    folder = tmp_path / "train"
-    folder.mkdir()
-    assert latest_checkpoint(folder) is None
-    for n in (4096, 12288, 8192):
-        (folder / f"ppo_serving_{n}_steps.zip").write_bytes(b"")
-    assert latest_checkpoint(folder).name == "ppo_serving_12288_steps.zip"
+def test_an_interrupted_tune_resumes_from_its_latest_whole_checkpoint(tuned, tmp_path):
+    import shutil
+
+    settings, verdict, _ = tuned
+    out = tmp_path / "tune"
+    shutil.copytree(settings.out, out)
+    base = num_timesteps(settings.base_model)
+    saved = sorted((out / "train").glob("ppo_serving_*_steps.zip"))
+    assert saved, "the fine-tuning saved no checkpoint"
+    # interrupted after its last checkpoint, before the stage was recorded: model.zip never written
+    state = json.loads((out / "tune_state.json").read_text())
+    for stage in ("trained", "exported", "evaluated"):
+        state.pop(stage)
+    (out / "tune_state.json").write_text(json.dumps(state))
+    (out / "train" / "model.zip").unlink()
+    newest = latest_checkpoint(out / "train", base + 1)
+    # a checkpoint whose statistics were not written is passed over
+    steps = num_timesteps(newest)
+    (out / "train" / f"ppo_serving_vecnormalize_{steps}_steps.pkl").rename(out / "stats.pkl")
+    assert latest_checkpoint(out / "train", base + 1) != newest
+    (out / "stats.pkl").rename(out / "train" / f"ppo_serving_vecnormalize_{steps}_steps.pkl")
+    lines: list[str] = []
+    again = tune(TuneSettings(**{**settings.__dict__, "out": out, "resume": True}), say=lines.append)
+    assert any("had ended" in line and newest.name in line for line in lines)
+    assert num_timesteps(out / "train" / "model.zip") == steps
+    # evaluated again (the checkpoint was saved before the run's last update, so its figures may differ)
+    assert [c["load"] for c in again["cells"]] == [c["load"] for c in verdict["cells"]]
+    assert (out / "policy.onnx").exists() is again["shipped"]
+    # other settings cannot resume this folder
+    with pytest.raises(ConfigError, match="other settings"):
+        tune(TuneSettings(**{**settings.__dict__, "out": out, "resume": True, "split": 0.6}))
 
 
 def test_bad_input_gets_one_sentence_and_exit_code_2(tmp_path):

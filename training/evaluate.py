@@ -200,10 +200,14 @@ def summarize(rows: list[dict], learned: list[str], held_out=()) -> list[dict]:
     learned controllers' mean and spread, the best heuristic, the ratios and the refusals."""
     by_cell: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     refusals: dict[tuple, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    # with a profile axis a cell is a family on a profile, named "family @ profile"
-    several = len({r.get("profile") for r in rows}) > 1
+    # with a profile axis a cell is a family on a profile, named "family @ profile" (the profile's file name
+    # without its folder and suffix, or its whole path where two files share a name)
+    profiles = {str(r.get("profile")) for r in rows}
+    stems = {p: Path(p).stem for p in profiles}
+    short = len(set(stems.values())) == len(profiles)
     for r in rows:
-        key = (f"{r['family']} @ {Path(str(r['profile'])).stem}" if several else r["family"], r["load"])
+        name = stems[str(r.get("profile"))] if short else str(r.get("profile"))
+        key = (f"{r['family']} @ {name}" if len(profiles) > 1 else r["family"], r["load"])
         by_cell[key][r["controller"]].append(r["goodput_frac"])
         refusals[key][r["controller"]] += r["rejected"]
     out = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import zipfile
@@ -62,7 +63,8 @@ class TuneSettings:
     backend: str = "auto"
     address: str | None = None
     workers: int | None = None
-    #: the fine-tuning's PPO settings besides the base model's own (eval_freq, n_epochs ...)
+    #: the fine-tuning's run settings (``save_freq``, ``max_wall_minutes`` ...); a resumed PPO model keeps its
+    #: own hyperparameters (n_steps, batch size, learning rate)
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -114,25 +116,44 @@ def num_timesteps(model_zip: Path) -> int:
         raise ConfigError(f"{str(model_zip)!r} is not a PPO checkpoint ({type(exc).__name__})") from None
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The fine-tuning's newest periodic checkpoint in ``folder``, if any."""
-    found = [(int(m.group(1)), p) for p in folder.glob("ppo_serving_*_steps.zip") if (m := _CHECKPOINT.search(p.name))]
-    return max(found)[1] if found else None
+def latest_checkpoint(folder: Path, low: int = 0, high: int | None = None) -> Path | None:
+    """The fine-tuning's newest periodic checkpoint in ``folder`` that can be resumed (its zip reads and its
+    VecNormalize statistics were saved beside it), of ``low`` to ``high`` timesteps; None if there is none."""
+    found = sorted(((int(m.group(1)), p) for p in folder.glob("ppo_serving_*_steps.zip")
+                    if (m := _CHECKPOINT.search(p.name))), reverse=True)
+    for steps, path in found:
+        if steps < low or (high is not None and steps > high):
+            continue
+        if not path.with_name(f"ppo_serving_vecnormalize_{steps}_steps.pkl").exists():
+            continue  # interrupted between the model and its statistics
+        try:
+            num_timesteps(path)
+        except ConfigError:
+            continue  # interrupted while writing the model
+        return path
+    return None
 
 
 class _State:
-    """``OUT/tune_state.json``: the stages done, and what they found."""
+    """``OUT/tune_state.json``: the settings, the stages done and what they found."""
 
     def __init__(self, path: Path, fresh: bool) -> None:
         self.path = path
-        self.data: dict = {} if fresh or not path.exists() else json.loads(path.read_text())
+        self.data: dict = {}
+        if not fresh and path.exists():
+            try:
+                self.data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                raise ConfigError(f"--resume: {str(path)!r} cannot be read; start again without --resume") from None
 
     def done(self, stage: str) -> bool:
         return stage in self.data
 
     def record(self, stage: str, value) -> None:
         self.data[stage] = value
-        self.path.write_text(json.dumps(self.data, indent=2))
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        os.replace(tmp, self.path)  # an interruption leaves the old file or the new one, never half of one
 
 
 def tune(s: TuneSettings, say=print) -> dict:
@@ -150,12 +171,23 @@ def tune(s: TuneSettings, say=print) -> dict:
         raise ConfigError(f"--profile {s.profile!r}: {exc}") from None
     if not s.base_model.exists():
         raise ConfigError(f"the base model {str(s.base_model)!r} does not exist")
-    s.out.mkdir(parents=True, exist_ok=True)
+    try:
+        s.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {str(s.out)!r} cannot be written ({exc.strerror or exc})") from None
     state = _State(s.out / "tune_state.json", fresh=not s.resume)
-    if s.resume and state.data.get("settings", {}).get("trace") not in (None, str(s.trace)):
-        raise ConfigError(f"--resume: {str(s.out)!r} holds a tune of another log; give a new --out")
-    state.record("settings", {"trace": str(s.trace), "profile": s.profile, "split": s.split, "seed": s.seed,
-                              "timesteps": s.timesteps})
+    settings = {"trace": str(s.trace), "profile": s.profile, "split": s.split, "seed": s.seed,
+                "timesteps": s.timesteps, "loads": list(s.loads), "seeds": list(s.seeds), "requests": s.requests,
+                "base_model": str(s.base_model), "base_policy": str(s.base_policy)}
+    before = state.data.get("settings")
+    if before is not None and before != settings:
+        changed = ", ".join(k for k in settings if before.get(k) != settings[k])
+        raise ConfigError(f"--resume: {str(s.out)!r} holds a tune with other settings ({changed}); resume with "
+                          f"the same ones or give a new --out")
+    if not s.resume:  # a fresh run resumes nothing an earlier run left there
+        shutil.rmtree(s.out / "train", ignore_errors=True)
+        (s.out / "policy.onnx").unlink(missing_ok=True)
+    state.record("settings", settings)
 
     if not state.done("split"):
         train_csv, held_csv, n_train, n_held = split_trace(s.trace, s.split, s.out)
@@ -193,10 +225,16 @@ def _fine_tune(s: TuneSettings, train_csv: Path, say) -> None:
     folder = s.out / "train"
     base_steps = num_timesteps(s.base_model)
     resume_from, remaining = s.base_model, s.timesteps
-    latest = latest_checkpoint(folder) if s.resume else None
+    latest = latest_checkpoint(folder, base_steps + 1, base_steps + s.timesteps + SAVE_EVERY) if s.resume else None
     if latest is not None:
         done = num_timesteps(latest) - base_steps
-        resume_from, remaining = latest, max(1, s.timesteps - done)
+        if done >= s.timesteps:  # it ended between its last checkpoint and recording the stage
+            shutil.copyfile(latest, folder / "model.zip")
+            shutil.copyfile(latest.with_name(f"ppo_serving_vecnormalize_{num_timesteps(latest)}_steps.pkl"),
+                            folder / "vecnormalize.pkl")
+            say(f"2/4 fine-tuning had ended: {latest}")
+            return
+        resume_from, remaining = latest, s.timesteps - done
         say(f"2/4 fine-tuning resumes from {latest} ({done} of {s.timesteps} timesteps done)")
     else:
         say(f"2/4 fine-tuning the shipped policy for {s.timesteps} timesteps (at most {s.minutes:g} min)")

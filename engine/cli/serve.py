@@ -219,14 +219,19 @@ def _serve_on_ray(config, replicas: int, options: dict) -> None:
                                max_ongoing=config.max_in_flight)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     try:
         start(config, fleet)
+    except KeyboardInterrupt:
+        stop(fleet)
+        raise click.Abort() from None
     except Exception as exc:  # Ray's errors: a cluster not reachable, replicas that fail to start
-        stop()
-        raise click.ClickException(f"Ray Serve did not start: {type(exc).__name__}: {exc}") from None
+        stop(fleet)
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        raise click.ClickException(f"Ray Serve did not start: {type(exc).__name__}: "
+                                   f"{lines[-1] if lines else 'no reason given'}") from None
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, which installs handlers of its own
+        signal.signal(sig, lambda *_: done.set())
     click.echo(f"tidegate: serving {config.model_name!r} with controller {config.controller!r} on "
                f"http://{config.host}:{config.port}/v1 as {replicas} Ray Serve replicas (router {fleet.router}, "
                f"{'cluster ' + fleet.address if fleet.address else 'a local Ray'})", err=True)
@@ -235,7 +240,7 @@ def _serve_on_ray(config, replicas: int, options: dict) -> None:
             pass
     finally:
         click.echo("tidegate: stopping the Ray Serve application", err=True)
-        stop()
+        stop(fleet)
 
 
 #: the options of tidegate's own engine and server, which --engine vllm refuses (vLLM takes its own, --vllm-arg)

@@ -16,6 +16,7 @@ It keeps no clock and does no I/O: the caller passes ``time.monotonic()`` and ``
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from tidegate.engine.gateway.queue import DrainAdmission
@@ -26,6 +27,8 @@ from tidegate.engine.gateway.routers import make_router
 _GAUGES = ("waiting", "running", "kv_usage")
 #: seconds past twice the TTFT SLO after which a waiting request not seen again is forgotten
 _FORGET_AFTER_S = 5.0
+#: ends heard before their routing that are remembered, the oldest forgotten first
+_ENDED_EARLY_KEPT = 4096
 #: completions one report may add to a replica's rate (a replica that restarted reports fewer)
 _MAX_COMPLETIONS_A_REPORT = 10_000
 
@@ -60,9 +63,13 @@ class GatewayRanking:
         self.stale_after_s = stale_after_s if stale_after_s is not None else max(2.0, 4 * report_period_s)
         self.views: dict[str, ReplicaView] = {}
         self._finished: dict[str, float] = {}
+        #: when each replica's last completions were counted
+        self._completions_at: dict[str, float] = {}
         self._routed: dict[str, tuple[str, float]] = {}
         #: requests waiting for room: request id -> (arrived at, predicted wait, waited when first held)
         self._holding: dict[str, tuple[float, float, float]] = {}
+        #: (request id, replica) whose end was heard before their routing
+        self._ended_early: OrderedDict[tuple[str, str], float] = OrderedDict()
         #: requests that found no replica with room and waited; refused; sent on unmeasured after the SLO
         self.held_total = 0
         self.refused_total = 0
@@ -95,16 +102,21 @@ class GatewayRanking:
             before = self._finished.get(key)
             self._finished[key] = float(finished)
             if before is not None and finished > before:
+                # counted when the report was taken (a report read after a quiet spell is not news of now),
+                # never before a completion already counted
+                at_s = max(sent_at, self.admission.last_completion_s, self._completions_at.get(key, -math.inf))
+                self._completions_at[key] = at_s
                 count = int(min(finished - before, _MAX_COMPLETIONS_A_REPORT))
-                view.completions.add(now, count)
+                view.completions.add(at_s, count)
                 for _ in range(min(count, DrainAdmission.WINDOW)):
-                    self.admission.completed(now)
+                    self.admission.completed(at_s)
 
     def rank(self, replicas: Sequence[tuple[str, int]], prompt: str, request_id: str, waited_s: float,
-             now: float) -> list[str]:
+             now: float, ahead: int | None = None) -> list[str]:
         """The keys of ``replicas`` (``(key, limit)`` pairs) to try for a request that has waited
         ``waited_s`` so far, best first; empty while it waits for room.
 
+        :param ahead: the requests waiting before it, where the caller knows (else those held here)
         :raises Refused: it would not start within the TTFT SLO
         """
         views = [self.view(key, limit) for key, limit in replicas]
@@ -112,14 +124,15 @@ class GatewayRanking:
             return []
         room = [v for v in views if v.room(now, self.report_period_s)]
         if not room:
-            room = self._hold(request_id, views, waited_s, now)
+            room = self._hold(request_id, views, waited_s, now, ahead)
             if not room:
                 return []
         first = self.router.pick(room, prompt, now)
         rest = sorted((v for v in room if v is not first), key=lambda v: (v.load(now), v.in_flight))
         return [first.url] + [v.url for v in rest]
 
-    def _hold(self, request_id: str, views: list[ReplicaView], waited_s: float, now: float) -> list[ReplicaView]:
+    def _hold(self, request_id: str, views: list[ReplicaView], waited_s: float, now: float,
+              ahead: int | None) -> list[ReplicaView]:
         """No replica has room: hold the request (nothing), refuse it, or, with the drain rate not yet
         measured and the SLO spent, hand it to every replica (its best one's controller decides)."""
         slo = self.admission.ttft_slo_s
@@ -129,13 +142,14 @@ class GatewayRanking:
             del self._holding[rid]
         held = self._holding.get(request_id)
         arrived = held[0] if held is not None else now - waited_s
-        ahead = sum(1 for a, _, _ in self._holding.values() if a < arrived)
+        if ahead is None:
+            ahead = sum(1 for a, _, _ in self._holding.values() if a < arrived)
         predicted = self.admission.predicted_wait_s(now, ahead)
         if predicted > 0.0:  # the drain rate is measured
             if waited_s + predicted + self.admission.late_s > slo:
                 self._holding.pop(request_id, None)
                 self.refused_total += 1
-                backlog = self.admission.predicted_wait_s(now, len(self._holding))
+                backlog = self.admission.predicted_wait_s(now, max(ahead, len(self._holding)))
                 raise Refused(max(1.0, backlog - slo))
         elif waited_s >= slo:
             self._holding.pop(request_id, None)
@@ -153,24 +167,34 @@ class GatewayRanking:
         if held is not None:
             arrived, predicted, waited_then = held
             self.admission.waited(predicted, now - arrived - waited_then)
+        if self._ended_early.pop((request_id, key), None) is not None:
+            return  # its end was heard first (a reply quicker than the routing's own bookkeeping)
         view = self.views.get(key)
         if view is None:
             return
         view.dispatched(now)
         self._routed[request_id] = (key, now)
 
-    def ended(self, request_id: str, now: float) -> None:
-        """A routed request ended, however it ended (its completions are counted from the reports)."""
-        routed = self._routed.pop(request_id, None)
-        if routed is None:
+    def ended(self, request_id: str, key: str, now: float) -> None:
+        """A request sent to replica ``key`` ended, however it ended (its completions are counted from the
+        reports). An end heard before its routing is remembered, so the routing does not count it."""
+        routed = self._routed.get(request_id)
+        if routed is None or routed[0] != key:  # not routed yet, or a stale end of an earlier try elsewhere
+            if routed is None:
+                self._ended_early[(request_id, key)] = now
+                while len(self._ended_early) > _ENDED_EARLY_KEPT:
+                    self._ended_early.popitem(last=False)
             return
-        view = self.views.get(routed[0])
+        del self._routed[request_id]
+        view = self.views.get(key)
         if view is not None:
             view.ended(now, completed=False)
 
-    def forget(self, request_id: str) -> None:
-        """The request ended before it was routed (its client left, or it was refused)."""
-        self._holding.pop(request_id, None)
+    def prune(self, waiting: set[str]) -> None:
+        """Forget the held requests not among ``waiting`` (the caller's requests still waiting): their
+        clients left, or another request's routing served them."""
+        for rid in [r for r in self._holding if r not in waiting]:
+            del self._holding[rid]
 
     @property
     def holding(self) -> int:
@@ -183,3 +207,4 @@ class GatewayRanking:
         for key in [k for k in self.views if k not in alive]:
             del self.views[key]
             self._finished.pop(key, None)
+            self._completions_at.pop(key, None)

@@ -151,33 +151,69 @@ class TidegateRouter(FIFOMixin, RequestRouter):
             ranking.view(key, replica.max_ongoing_requests)
             ranking.report(key, replica.routing_stats or {}, now, wall)
         ranking.keep([r.replica_id.unique_id for r in self.curr_replicas.values()])
+        ahead = None
         if pending_request is None:
             request_id, waited = "", math.inf
         else:
             request_id = pending_request.metadata.internal_request_id
             waited = max(0.0, wall - pending_request.created_at)
+            # Ray routes a few requests at a time (two routing tasks a replica); the others wait in its FIFO
+            # unseen by this method. The queue ahead is counted from that FIFO where Ray exposes it.
+            fifo = getattr(self, "_pending_requests_to_fulfill", None)
+            if fifo is not None:
+                waiting = [pr for pr in fifo if not pr.future.done()]
+                ahead = sum(1 for pr in waiting if pr.created_at < pending_request.created_at)
+                ranking.prune({pr.metadata.internal_request_id for pr in waiting})
         try:
             order = ranking.rank([(key, by_key[key].max_ongoing_requests) for key in by_key], "", request_id,
-                                 waited, now)
+                                 waited, now, ahead)
         except Refused as refusal:
             assert pending_request is not None  # a request that has waited was handed in
-            # Ray's proxy answers BackPressureError with its status code and Retry-After; a rank handed back
-            # with the request's future done ends its routing without a replica
-            if not pending_request.future.done():
-                pending_request.future.set_exception(BackPressureError(
-                    num_queued_requests=ranking.holding, max_queued_requests=self._max_queued,
-                    status_code=429, retry_after_s=math.ceil(refusal.retry_after_s)))
+            self._refuse(pending_request, refusal)
             return [[replica] for replica in candidate_replicas[:1]]
         if pending_request is not None:
             # every replica was looked at: Ray's router backs off before asking again, instead of spinning
             pending_request.routing_context.should_backoff = True
         return [[by_key[key]] for key in order]
 
+    def _refuse(self, pending_request: PendingRequest, refusal: Refused) -> None:
+        """Fail the request's routing with a 429: Ray's proxy answers a BackPressureError with its status code
+        and Retry-After, and a rank handed back with the request's future done ends its routing."""
+        if not pending_request.future.done():
+            pending_request.future.set_exception(_Refusal(str(refusal), self.ranking.holding, self._max_queued,
+                                                          math.ceil(refusal.retry_after_s)))
+        # Ray drops a request from its indices when it is fulfilled or cancelled; a refused one is neither
+        drop = getattr(self, "_remove_pending_request_from_indices", None)
+        if drop is not None:
+            drop(pending_request)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         self.ranking.routed(pending_request.metadata.internal_request_id, replica_id.unique_id, time.monotonic())
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.ranking.ended(internal_request_id, time.monotonic())
+        self.ranking.ended(internal_request_id, replica_id.unique_id, time.monotonic())
+
+
+class _Refusal(BackPressureError):
+    """The router's refusal, as Ray's proxy answers it (429, Retry-After) with the router's reason."""
+
+    def __init__(self, reason: str, queued: int, max_queued: int, retry_after_s: float) -> None:
+        super().__init__(queued, max_queued, 429, retry_after_s)
+        self.reason = reason
+
+    @property
+    def message(self) -> str:
+        return self.reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+    def __reduce__(self):
+        return (_rebuild_refusal, (self.reason, *self.args))
+
+
+def _rebuild_refusal(reason: str, queued: int, max_queued: int, status_code: int, retry_after_s: float):
+    return _Refusal(reason, queued, max_queued, retry_after_s)
 
 
 def build_app(config: ServeConfig, fleet: RayFleetConfig):
@@ -216,16 +252,23 @@ def start(config: ServeConfig, fleet: RayFleetConfig, num_cpus: int | None = Non
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
         else:
             ray.init(address=fleet.address, log_to_driver=True)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    # one proxy, on the head node: its router is the one that counts the fleet's queue and drain rate (a proxy on
+    # every node would each admit as if the whole fleet drained its queue alone)
+    serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config, fleet), name=fleet.app_name, route_prefix="/", blocking=False)
 
 
-def stop() -> None:
-    """Delete the application and stop Ray Serve (and a local Ray this process started)."""
+def stop(fleet: RayFleetConfig) -> None:
+    """Delete the application; on a local Ray, stop Ray Serve and Ray too (on a cluster, what else runs
+    there is left running)."""
     import ray
 
+    if not ray.is_initialized():
+        return
     try:
-        serve.shutdown()
+        if fleet.address is None:
+            serve.shutdown()
+        else:
+            serve.delete(fleet.app_name)
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
+        ray.shutdown()

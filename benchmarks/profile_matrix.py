@@ -3,8 +3,7 @@ shipped profile and on perturbed ones.
 
     python benchmarks/profile_matrix.py [--draws 2] [--requests 1000] [--out docs/bench/profiles]
 
-Profiles: ``slot`` (Dong & Cao's discrete model), ``a100-llama2-7b`` and ``h200-llama3-8b`` (the roofline
-presets), ``tiny-cpu`` (the tiny model on this CPU), ``tiny-vllm-cpu`` (fitted from vLLM's steps), and two
+Profiles: ``a100-llama2-7b`` and ``h200-llama3-8b`` (the roofline presets), ``tiny-cpu`` (the tiny model on this CPU), ``tiny-vllm-cpu`` (fitted from vLLM's steps), and two
 perturbations of the A100 preset: its step-time coefficients and KV capacity each scaled by up to
 +-30% (``--perturbed``, fixed seeds; the policy trained on up to 30% around its two presets). Every
 shipped family at loads 0.5, 1.2 and 3 x lambda_max. Writes ``matrix.md``, ``matrix.json``, the
@@ -28,7 +27,26 @@ from tidegate.engine.core.profile import load_profile
 from tidegate.engine.workloads.families import perturbed_profile
 from tidegate.training.evaluate import evaluate, summarize, write_report
 
-SHIPPED = ("slot", "a100-llama2-7b", "h200-llama3-8b", "tiny-cpu", "tiny-vllm-cpu")
+#: the slot model is not among them: on the families' real token lengths no controller meets an SLO there
+#: (its own workload is benchmarks/slot_prior.py's)
+SHIPPED = ("a100-llama2-7b", "h200-llama3-8b", "tiny-cpu", "tiny-vllm-cpu")
+
+
+def profile_rows(summary: list[dict], names: list[str]) -> list[str]:
+    """One table row a profile: the worst and mean cells of learned and slo-flow against the best heuristic (cells
+    where no heuristic met an SLO have no ratio and are counted apart)."""
+    out = []
+    for name in names:
+        cells = [r for r in summary if r["family"].endswith(f" @ {name}")]
+        vb = [r["vs_best"] for r in cells if math.isfinite(r.get("vs_best", math.nan))]
+        pb = [r["prior_vs_best"] for r in cells if math.isfinite(r.get("prior_vs_best", math.nan))]
+
+        def worst_mean(xs: list[float]) -> str:
+            return f"{min(xs):.3f}, {np.mean(xs):.3f}" if xs else "no ratio"
+
+        out.append(f"| {name} | {len(cells)} ({len(cells) - len(vb)} without a ratio) | {worst_mean(vb)} | "
+                   f"{worst_mean(pb)} | {sum(x < 0.97 for x in vb)}, {sum(x < 0.97 for x in pb)} |")
+    return out
 
 
 def main() -> None:
@@ -56,13 +74,7 @@ def main() -> None:
     lines = [f"# The matrix on {len(profiles)} profiles ({time.strftime('%Y-%m-%d')}, {wall / 60:.1f} min)", "",
              "| profile | cells | learned / best: worst, mean | slo-flow / best: worst, mean | cells below 0.97 "
              "(learned, slo-flow) |", "|---|---:|---|---|---|"]
-    for prof in profiles:
-        name = Path(prof).stem
-        cells = [r for r in summary if r["family"].endswith(f" @ {name}")]
-        vb = [r["vs_best"] for r in cells if math.isfinite(r.get("vs_best", math.nan))]
-        pb = [r["prior_vs_best"] for r in cells if math.isfinite(r.get("prior_vs_best", math.nan))]
-        lines.append(f"| {name} | {len(cells)} | {min(vb):.3f}, {np.mean(vb):.3f} | {min(pb):.3f}, {np.mean(pb):.3f} "
-                     f"| {sum(x < 0.97 for x in vb)}, {sum(x < 0.97 for x in pb)} |")
+    lines += profile_rows(summary, [Path(p).stem for p in profiles])
     (args.out / "profiles.md").write_text("\n".join(lines) + "\n")
     (args.out / "profiles.json").write_text(json.dumps({"profiles": profiles, "wall_s": wall}, indent=2))
     print("\n".join(lines))

@@ -3,12 +3,13 @@ shipped profile and on perturbed ones.
 
     python benchmarks/profile_matrix.py [--draws 2] [--requests 1000] [--out docs/bench/profiles]
 
-Profiles: ``a100-llama2-7b`` and ``h200-llama3-8b`` (the roofline presets), ``tiny-cpu`` (the tiny model on this CPU), ``tiny-vllm-cpu`` (fitted from vLLM's steps), and two
-perturbations of the A100 preset: its step-time coefficients and KV capacity each scaled by up to
-+-30% (``--perturbed``, fixed seeds; the policy trained on up to 30% around its two presets). Every
-shipped family at loads 0.5, 1.2 and 3 x lambda_max. Writes ``matrix.md``, ``matrix.json``, the
-heatmaps and ``profiles.md`` (one line per profile: the worst and mean cells of learned and of
-slo-flow against the best heuristic) to ``--out``.
+Profiles: ``a100-llama2-7b`` and ``h200-llama3-8b`` (the roofline presets), ``tiny-cpu`` (the tiny
+model on this CPU), ``tiny-vllm-cpu`` (fitted from vLLM's steps), and two perturbations of the A100
+preset: its step-time coefficients and KV capacity each scaled by up to +-30% (``--perturbed``, fixed
+seeds; the policy trained on up to 30% around its two presets). Every shipped family at loads 0.5,
+1.2 and 3 x lambda_max. Writes ``matrix.md``, ``matrix.json``, the heatmaps and ``profiles.md`` (one
+line per profile: the worst and mean cells of learned and of slo-flow against the best heuristic) to
+``--out``.
 """
 
 from __future__ import annotations

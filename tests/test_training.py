@@ -66,8 +66,13 @@ def test_resume_from_checkpoint(trained, tmp_path, monkeypatch):
     assert ckpts, "CheckpointCallback wrote nothing"
     model = train(None, n_timesteps=512, out_dir=tmp_path, n_envs=1, progress_bar=False,
                   tensorboard=False, resume=ckpts[0], env_kwargs={"episode_steps": 64, "control_interval": 5},
-                  overrides=SMALL_RUN)
+                  overrides={**SMALL_RUN, "batch_size": 64, "n_epochs": 2})
     assert model.exists()
+    # the run's hyperparameters, not the checkpoint's (batch 128, 4 epochs), drive the resumed training
+    from stable_baselines3 import PPO
+
+    resumed = PPO.load(str(model))
+    assert (resumed.n_steps, resumed.batch_size, resumed.n_epochs) == (512, 64, 2)
     # without TensorBoard, SB3's log lands in the run folder, not in an empty folder of the temp dir
     assert "time/total_timesteps" in (tmp_path / "progress.csv").read_text().splitlines()[0]
     assert not list(temp.iterdir())

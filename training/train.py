@@ -151,7 +151,9 @@ def _check_resume(resume: str | Path | None) -> Path | None:
 
 
 def _resumed_model(resume: Path, venv, **ppo_options) -> tuple[PPO, VecNormalize]:
-    """The checkpoint ``resume`` and its VecNormalize statistics around ``venv``, set to keep training."""
+    """The checkpoint ``resume`` and its VecNormalize statistics around ``venv``, set to keep training with
+    ``ppo_options`` (the run's hyperparameters replace the saved ones: SB3 sets them before it builds the
+    model's buffers and schedules)."""
     try:
         venv = VecNormalize.load(str(vecnormalize_path(resume)), venv)
         venv.training = True
@@ -217,7 +219,7 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
     ppo_options = {"tensorboard_log": str(out / "tb") if tensorboard else None, "seed": seed, "verbose": verbose}
     hyper = {k: cfg[k] for k in PPO_KEYS if k in cfg}
     if resume is not None:
-        model, venv = _resumed_model(resume, venv, **ppo_options)
+        model, venv = _resumed_model(resume, venv, **ppo_options, **hyper)
     else:
         venv = VecNormalize(venv, **norm)
         model = PPO(cfg.get("policy", "MlpPolicy"), venv, policy_kwargs=cfg.get("policy_kwargs"), **ppo_options,

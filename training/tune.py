@@ -63,8 +63,7 @@ class TuneSettings:
     backend: str = "auto"
     address: str | None = None
     workers: int | None = None
-    #: the fine-tuning's run settings (``save_freq``, ``max_wall_minutes`` ...); a resumed PPO model keeps its
-    #: own hyperparameters (n_steps, batch size, learning rate)
+    #: the fine-tuning's settings over the shipped training config's (``save_freq``, ``n_epochs``, ...)
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

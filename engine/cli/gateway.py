@@ -8,8 +8,7 @@ from pathlib import Path
 import click
 
 from tidegate.engine.cli.support import friendly
-
-_ROUTERS = ("predicted-delay", "least-loaded", "power-of-two", "round-robin", "prefix-affinity")
+from tidegate.engine.gateway.routers import ROUTERS
 
 
 class _GatewayError(Exception):
@@ -45,7 +44,7 @@ def _check_url(url: str) -> str:
                    "exports vLLM's, SGLang's or tidegate's load gauges on /metrics.")
 @click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="A file of replica URLs: one a line, or JSON {\"replicas\": [...]}.")
-@click.option("--router", type=click.Choice(_ROUTERS), default="predicted-delay", show_default=True,
+@click.option("--router", type=click.Choice(list(ROUTERS)), default="predicted-delay", show_default=True,
               help="Which replica with room takes the next request (docs/GATEWAY.md).")
 @click.option("--admission/--no-admission", default=True, show_default=True,
               help="Queue at the gateway until a replica has room, and answer 429 with Retry-After when the queue "

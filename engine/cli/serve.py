@@ -12,6 +12,7 @@ import click
 from tidegate.ctrl import DEFAULT_CONTROLLER
 from tidegate.engine.cli.support import friendly
 from tidegate.engine.cli.vllm_serve import VllmServeError, serve_vllm
+from tidegate.engine.gateway.routers import PROMPT_FREE_ROUTERS
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -116,8 +117,7 @@ class _StartError(Exception):
 @click.option("--ray-address", default=None,
               help="With --ray-replicas: a running Ray cluster to deploy on ('auto', 'ray://HOST:10001') "
                    "[default: a local Ray on this machine].")
-@click.option("--router", type=click.Choice(["round-robin", "least-loaded", "power-of-two", "predicted-delay"]),
-              default="predicted-delay", show_default=True,
+@click.option("--router", type=click.Choice(list(PROMPT_FREE_ROUTERS)), default="predicted-delay", show_default=True,
               help="With --ray-replicas: which replica with room takes a request (see `tidegate gateway --help`).")
 @click.option("--ray-ttft-slo-s", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="With --ray-replicas: a request waits at the router for a replica with room while it would still "

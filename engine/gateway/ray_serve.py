@@ -32,13 +32,11 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from tidegate.engine.gateway.ranking import GatewayRanking, Refused
-from tidegate.engine.gateway.routers import ROUTERS
+from tidegate.engine.gateway.routers import PROMPT_FREE_ROUTERS
 from tidegate.engine.serve.config import ServeConfig
 
 log = logging.getLogger("tidegate.ray")
 
-#: the routers that need no prompt: Ray Serve's router is handed the HTTP request before its body is read
-RAY_ROUTERS = tuple(name for name in ROUTERS if name != "prefix-affinity")
 
 
 @dataclass
@@ -67,9 +65,9 @@ class RayFleetConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("--ray-replicas must be at least 1")
-        if self.router not in RAY_ROUTERS:
+        if self.router not in PROMPT_FREE_ROUTERS:
             raise ValueError(f"the router {self.router!r} cannot run in Ray Serve (it needs the prompt, which Ray's "
-                             f"router does not see); one of {', '.join(RAY_ROUTERS)}")
+                             f"router does not see); one of {', '.join(PROMPT_FREE_ROUTERS)}")
         if not (self.ttft_slo_s > 0 and self.report_period_s > 0 and self.retry_after_s > 0):
             raise ValueError("the TTFT SLO, the report period and the Retry-After must be above 0")
         if self.max_ongoing < 1 or self.max_queued < 1:

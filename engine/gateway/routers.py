@@ -145,6 +145,10 @@ ROUTERS = {
 }
 
 
+#: the routers that need no prompt (Ray Serve's router is handed the HTTP request before its body is read)
+PROMPT_FREE_ROUTERS = tuple(name for name in ROUTERS if name != "prefix-affinity")
+
+
 def make_router(name: str) -> Router:
     try:
         return ROUTERS[name]()

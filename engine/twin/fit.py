@@ -297,11 +297,12 @@ def batch1_median_s(rows: list[tuple]) -> float | None:
 
 def write_steps_csv(path, rows: list[tuple], runs: list[str]) -> None:
     """Serving steps ``(T, K, seconds, D, C, Q, F)`` as a steps file ``read_steps_csv`` reads,
-    with each row's run."""
+    with each row's run. Seconds are written to the bit (``repr``): an L1 fit can move on a
+    rounding, so fitting on the file must see the very durations fitted on in memory."""
     with open(path, "w") as f:
         f.write("tokens,kv_tokens_read,real_s,decodes,prefills,prefill_pairs,first_decodes,run\n")
         for (t, k, sec, d, c, q, first), run in zip(rows, runs):
-            f.write(f"{t},{k},{sec:.9g},{d},{c},{q},{first},{run}\n")
+            f.write(f"{t},{k},{float(sec)!r},{d},{c},{q},{first},{run}\n")
 
 
 def run_profile_from_steps(path, model: str = "tiny", name: str = "tiny-cpu", kv_capacity_tokens: int | None = None,

@@ -14,6 +14,9 @@ UNLIMITED = 1 << 60
 #: events the steady rate estimates span at least (``Observation.offered_rate_rps`` and
 #: ``served_rate_rps``): a Poisson rate within about 6%
 STEADY_RATE_EVENTS = 256
+#: events the recent rate estimates span at least (``Observation.arrival_rate_rps`` and
+#: ``completion_rate_rps``): a Poisson rate within about 12%, that follows a change within 64 events
+RATE_EVENTS = 64
 
 
 class _RateSource(Protocol):

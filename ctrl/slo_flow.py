@@ -55,8 +55,8 @@ import math
 from typing import ClassVar
 
 from tidegate.ctrl.base import (
-    STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection, ReplicaProfile,
-    retry_after_s,
+    RATE_EVENTS, STEADY_RATE_EVENTS, UNLIMITED, AimdTokenBudget, Controller, Decision, Observation, Rejection,
+    ReplicaProfile, retry_after_s,
 )
 from tidegate.ctrl.theory import (
     BURST_USAGE, arrivals_seen, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval,
@@ -71,6 +71,10 @@ EVIDENCE_ARRIVALS = 64
 STRONG_OVERLOAD = 3.0
 #: standard errors of margin on the capacity witness's steady arrival rate
 CAPACITY_Z = 2.0
+#: standard errors of margin on the capacity witness's recent arrival rate: tested at every arrival
+#: over windows of 64, a run of 1,500 arrivals holds some 20 independent ones, so two (2.3% one-sided
+#: each) would be crossed by chance at light load; three (0.13%) keep the run's chance near 3%
+RECENT_Z = 3.0
 #: the early witness (:meth:`SloFlowController.over_capacity`) judges from this many arrivals on:
 #: at 3 x the bound, a Poisson count of 8 is above it by more than 2 standard errors
 EARLY_ARRIVALS = 8
@@ -167,6 +171,10 @@ class SloFlowController(Controller):
         the capacity witness once ``STEADY_RATE_EVENTS`` arrived.
     :param size_error: the capacity witness's margin counts the sampling error of the traffic's
         mean KV workload besides that of the arrival rate.
+    :param recent_rate: once the steady rate spans fewer than all arrivals, the capacity witness also
+        judges the recent arrival rate (over ``RATE_EVENTS``), with ``RECENT_Z`` standard errors of
+        that count: the steady rate spans hundreds of arrivals, and a rise in the arrivals (a diurnal
+        peak, a ramp) stays under it for as long.
     :param occupied_pacing: the memory-safe activation rate divides by the larger of the completed
         requests' W and the KV token-steps held per completion (``Observation.occupied_kv_workload``):
         while long outputs still run, the completed requests are the short ones, and a rate paced
@@ -200,8 +208,8 @@ class SloFlowController(Controller):
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
                  steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, occupied_pacing: bool = True,
-                 tpot_cap: bool = True, stable_rate: bool = True, max_waiting: int | None = None,
-                 queue_timeout_s: float | None = None) -> None:
+                 tpot_cap: bool = True, stable_rate: bool = True, recent_rate: bool = True,
+                 max_waiting: int | None = None, queue_timeout_s: float | None = None) -> None:
         super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
                 and overload_power >= 0 and min_load >= 0 and steady_overload >= 0):
@@ -224,6 +232,7 @@ class SloFlowController(Controller):
         self.profile = profile
         self.steady_overload = steady_overload
         self.size_error = size_error
+        self.recent_rate = recent_rate
         self.occupied_pacing = occupied_pacing
         self.min_load = min_load if profile is not None else 0.0
         self.tpot_cap = tpot_cap and profile is not None
@@ -294,6 +303,13 @@ class SloFlowController(Controller):
           relative error from the sampling error of W (``size_error``). The fluid bound is what
           no controller can serve more of, and the load is judged against it, not against the
           completions: at 0.7 x the bound, a backlog left by a burst drains by itself.
+        - *and*, once more than ``STEADY_RATE_EVENTS`` arrived, the recent arrival rate
+          (``Observation.arrival_rate_rps``, over ``RATE_EVENTS``) is below the same threshold with
+          ``RECENT_Z`` standard errors of its own count (``recent_rate``): the steady rate averages
+          over hundreds of arrivals, so a peak that lasts fewer (a diurnal peak on a slow replica,
+          at 1.3-1.7 x its bound for minutes while the steady rate read 0.8 x) would otherwise be
+          queued without refusal until it had passed. Before, the steady rate spans every arrival,
+          and the bound is least known.
         - *and* the steady rates (over ``STEADY_RATE_EVENTS`` events, once that many arrived)
           show arrivals at most ``1 + steady_overload`` x completions: the bound's sizes are
           estimates, too high while the longest requests of a heavy tail have not been sampled;
@@ -309,7 +325,12 @@ class SloFlowController(Controller):
         if not self.size_error:
             rse = 0.0
         se = math.sqrt(1.0 / max(min(seen, STEADY_RATE_EVENTS), 1) + rse * rse)
-        return obs.offered_rate_rps / bound < self.min_load * (1.0 + CAPACITY_Z * se)
+        if not obs.offered_rate_rps / bound < self.min_load * (1.0 + CAPACITY_Z * se):
+            return False
+        if self.recent_rate and seen > STEADY_RATE_EVENTS:  # before, the steady rate spans every arrival
+            se = math.sqrt(1.0 / RATE_EVENTS + rse * rse)
+            return obs.arrival_rate_rps / bound < self.min_load * (1.0 + RECENT_Z * se)
+        return True
 
     def over_capacity(self, obs: Observation) -> bool:
         """The early witness of overload, for the start, before completions can witness it: at least

@@ -251,8 +251,8 @@ def test_long_prompts_at_light_load_are_never_refused_and_served_as_well_as_by_g
 
 
 def overloaded_by_rates(offered_load: float, **fields) -> Observation:
-    """A replica with a backlog, arrivals at 1.5 x completions over the short rates, and arrivals
-    at ``offered_load`` x the fluid bound of its traffic over the steady ones."""
+    """A replica with a backlog, arrivals at 1.5 x completions over the short rates (at 0.9 x the
+    fluid bound of its traffic), and arrivals at ``offered_load`` x that bound over the steady ones."""
     obs = Observation(kv_capacity_tokens=PROFILE.kv_capacity_tokens)
     obs.num_waiting, obs.num_running, obs.mean_step_time_s = 40, 30, 0.05
     obs.waiting_prompt_tokens, obs.head_prompt_tokens = 400_000, 10_000
@@ -261,8 +261,8 @@ def overloaded_by_rates(offered_load: float, **fields) -> Observation:
     obs.mean_output_tokens, obs.lifetime_kv_workload = 200.0, 2000.0 * 200 + 200 * 201 / 2
     obs.offered_output_tokens, obs.offered_kv_workload = obs.mean_output_tokens, obs.lifetime_kv_workload
     lam = fluid_lambda_max(2200.0, obs.lifetime_kv_workload, PROFILE, PROFILE.kv_capacity_tokens, 200.0)
-    obs.completion_rate_rps = obs.served_rate_rps = lam
-    obs.arrival_rate_rps = 1.5 * lam
+    obs.completion_rate_rps = obs.served_rate_rps = 0.6 * lam
+    obs.arrival_rate_rps = 0.9 * lam
     obs.offered_rate_rps = offered_load * lam
     for k, v in fields.items():
         setattr(obs, k, v)
@@ -296,6 +296,23 @@ def test_the_capacity_witness_overrules_overload_witnesses_that_noise_can_fire()
     assert isinstance(SloFlowController().admit(overloaded_by_rates(0.7), 1000, 100), Rejection)
     loose = build_controller("slo-flow:min_load=0", PROFILE)
     assert isinstance(loose.admit(overloaded_by_rates(0.7), 1000, 100), Rejection)
+
+
+def test_the_capacity_witness_judges_the_recent_arrivals_too():
+    """A peak: the steady rate (hundreds of arrivals) reads 0.7 x the fluid bound while the last 64
+    arrivals came at 1.3 x it, beyond three standard errors of their count; the peak is overload.
+    Arrivals at 1.0 x it are within them (and the steady rate's 0.7 x stands)."""
+    c = build_controller("slo-flow", PROFILE)
+    lam = overloaded_by_rates(0.7).arrival_rate_rps / 0.9
+    peak = overloaded_by_rates(0.7, completed_total=400, arrival_rate_rps=1.3 * lam)
+    assert peak.offered_rate_rps < peak.served_rate_rps * (1.0 + c.steady_overload)  # the steady rates see none
+    assert not c.under_capacity(peak)
+    assert isinstance(c.admit(peak, 1000, 100), Rejection)
+    assert c.under_capacity(overloaded_by_rates(0.7, completed_total=400, arrival_rate_rps=1.0 * lam))
+    blind = build_controller("slo-flow:recent_rate=false", PROFILE)
+    assert blind.under_capacity(peak) and blind.admit(peak, 1000, 100) is None
+    # before 256 arrivals the steady rate spans every arrival, and judges alone
+    assert c.under_capacity(overloaded_by_rates(0.7, completed_total=150, arrival_rate_rps=1.3 * lam))
 
 
 def test_the_capacity_witness_widens_its_margin_by_the_sampling_error_of_the_request_sizes():

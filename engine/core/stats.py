@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from tidegate.ctrl.base import STEADY_RATE_EVENTS, Observation
+from tidegate.ctrl.base import RATE_EVENTS, STEADY_RATE_EVENTS, Observation
 from tidegate.engine.core.offered import OfferedSizes
 
 #: weight of the newest value in the latency and step-time estimates
@@ -135,9 +135,9 @@ class ObservationStats:
         self.current = Observation(kv_capacity_tokens, block_size)
         #: the last copy handed out (:meth:`snapshot`)
         self.latest = self.current
-        self.arrivals = RateEstimator(rate_window_s)
+        self.arrivals = RateEstimator(rate_window_s, min_events=RATE_EVENTS)
         self.offered = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
-        self.completions = RateEstimator(rate_window_s)
+        self.completions = RateEstimator(rate_window_s, min_events=RATE_EVENTS)
         self.served = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
         # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
         self.ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)

@@ -106,7 +106,4 @@ def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, que
                f"({', '.join(urls)}), router {router}, admission {'on' if admission else 'off'}", err=True)
     server = uvicorn.Server(uvicorn.Config(create_gateway_app(config), log_level=log_level, access_log=False,
                                            timeout_keep_alive=KEEP_ALIVE_S))
-    try:
-        server.run(sockets=sockets)
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has shut down on: a stop asked for, not a failure
-        click.echo("tidegate: gateway stopped", err=True)
+    server.run(sockets=sockets)

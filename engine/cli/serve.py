@@ -200,10 +200,7 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
             sock.close()
         raise click.UsageError(str(exc)) from None
     on_started = functools.partial(_banner, config, service, controller)
-    try:
-        GracefulServer(create_app(service, config), service, config, sockets, on_started).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has shut down on: a stop asked for, not a failure
-        click.echo("tidegate: stopped", err=True)
+    GracefulServer(create_app(service, config), service, config, sockets, on_started).run()
 
 
 def _serve_on_ray(config, replicas: int, options: dict) -> None:

@@ -48,7 +48,7 @@ from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rej
 # NumpyPolicy and OnnxPolicy are not used here; they stay importable from ctrl.learned.
 from tidegate.ctrl.policy import OBS_CLIP, NumpyPolicy, OnnxPolicy, PolicyError, as_action, load_policy  # noqa: F401
 from tidegate.ctrl.policy_worker import PolicyWorker
-from tidegate.ctrl.shield import ShieldedController
+from tidegate.ctrl.shield import ShieldedController, eviction_cost_of
 from tidegate.ctrl.slo_flow import SloFlowController, predicted_ttft_s
 from tidegate.ctrl.theory import lambda_max_estimate, safe_activation_rate
 
@@ -104,9 +104,15 @@ def _clip1(x) -> float:
 def action_to_residual(action, scale: float = 1.0) -> tuple[float, float, float]:
     """(activation rate, token budget, admission threshold) multipliers for an action in
     ``[-1, 1]^3``: ``RESIDUAL_RANGE ** (scale * a)``; entries outside are clipped, NaN/inf/non-numbers
-    count as 0 (multiplier 1). ``scale`` in [0, 1] is the policy's residual scale (0: the prior)."""
+    count as 0 (multiplier 1). ``scale`` in [0, 1] is the policy's residual scale (0: the prior).
+
+    The admission threshold only tightens (at most 1): the prior refuses an arrival only where it predicts
+    its TTFT past the SLO with the measured error's margin, so a looser threshold admits requests predicted
+    late. That can help only where the predictions run pessimistic, and where the policy misreads a replica
+    it never saw, the whole queue's TTFT slides past the SLO (Dong & Cao's slot model at 1.3 x: goodput 0.25
+    against the prior's 2.90)."""
     a0, a1, a2 = (RESIDUAL_RANGE ** (scale * _clip1(a)) for a in action[:ACTION_DIM])
-    return a0, a1, a2
+    return a0, a1, (a2 if a2 < 1.0 else 1.0)
 
 
 def residual_scale_of(value) -> float:
@@ -455,13 +461,22 @@ class LearnedController(Controller):
         self._fall_back(cause, keep_action=fresh)
 
 
-def make_prior(profile: ReplicaProfile, target_usage: float = 0.9, prior_output_tokens: int = 128) -> SloFlowController:
+def make_prior(profile: ReplicaProfile, target_usage: float = 0.9, prior_output_tokens: int = 128,
+               stable_rate: bool = True) -> SloFlowController:
     """The heuristic under the learned policy, with the replica's SLOs and batch limits. It activates at the
-    shield's memory-safe rate (``stable_rate=False``), the prior the shipped policy was trained with: Algorithm 1's
-    faster rate (``ctrl.theory.stable_activation_rate``) is outside the shield's bound."""
+    shield's rate: Algorithm 1's ``M / w_hat`` where the steady arrivals ask between rho M and M of the memory,
+    ``rho M / w_hat`` elsewhere (``ctrl.theory.stable_activation_rate``; ``stable_rate=False``: the latter always)."""
     return SloFlowController(ttft_slo_s=profile.ttft_slo_s, tpot_slo_s=profile.tpot_slo_s, target_usage=target_usage,
-                             prior_output_tokens=prior_output_tokens, profile=profile, stable_rate=False,
+                             prior_output_tokens=prior_output_tokens, profile=profile, stable_rate=stable_rate,
                              max_num_batched_tokens=profile.max_num_batched_tokens, max_num_seqs=profile.max_num_seqs)
+
+
+def shield_profile_options(profile: ReplicaProfile) -> dict:
+    """The shield's options that come from the replica's profile: its batch limits, an eviction's cost (its
+    prefill again: soft mode bounds the evictions' share of engine time, not their count) and Algorithm 1's stable
+    rate, as the prior's."""
+    return {"max_num_seqs": profile.max_num_seqs, "max_num_batched_tokens": profile.max_num_batched_tokens,
+            "eviction_cost": eviction_cost_of(profile), "stable_rate": True}
 
 
 def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaProfile,
@@ -511,6 +526,6 @@ def make_learned_controller(path: str | Path | None = None, *, profile: ReplicaP
                               residual_scale=residual_scale)
     shield_options.setdefault("max_waiting", LEARNED_MAX_WAITING)
     shield_options.setdefault("queue_timeout_s", QUEUE_TIMEOUT_SLOS * profile.ttft_slo_s)
-    shield_options.setdefault("max_num_seqs", profile.max_num_seqs)
-    shield_options.setdefault("max_num_batched_tokens", profile.max_num_batched_tokens)
+    for key, value in shield_profile_options(profile).items():
+        shield_options.setdefault(key, value)
     return ShieldedController(inner, mode=shield_mode, **shield_options)

@@ -38,9 +38,15 @@ from typing import ClassVar
 from tidegate.ctrl.base import (
     RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s,
 )
-from tidegate.ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate
+from tidegate.ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, stable_activation_rate
 
 MODES = ("strict", "soft")
+
+#: soft mode with ``eviction_cost``: the share of engine time the evictions' recomputation may take in the long run
+#: (at the A100 preset's sizes, one eviction recomputes about three steps' time: 0.01 evictions a step)
+EVICTION_TIME_SHARE = 0.03
+#: ... and the most evictions the bucket refills in one step, where an eviction costs (next to) no time
+EVICTION_REFILL_MAX = 1.0
 
 #: a refusal's reason is cut to this many characters (it goes into a 429 body)
 MAX_REASON_CHARS = 200
@@ -50,6 +56,12 @@ _NAN = float("nan")
 _REFUSED = "refused by the controller"
 
 log = logging.getLogger(__name__)
+
+
+def eviction_cost_of(profile) -> tuple[float, float]:
+    """``(seconds per recomputed token, seconds per recompute)`` of a replica's profile: an evicted request's KV
+    is prefilled again (``per_token_s`` a token, ``per_prefill_s`` a chunk, 0 where the profile has none)."""
+    return float(profile.per_token_s), float(getattr(profile, "per_prefill_s", 0.0) or 0.0)
 
 
 def _number(value) -> float | None:
@@ -139,9 +151,18 @@ class ShieldedController(Controller):
     :param max_num_batched_tokens: most new tokens per step (None: the KV capacity).
     :param max_waiting: arrivals are refused while this many requests wait (always on).
     :param queue_timeout_s: a request that waited this long without starting expires (always on).
-    :param eviction_budget_per_step: soft mode: evictions the bucket refills per engine step.
+    :param eviction_budget_per_step: soft mode: evictions the bucket refills per engine step (without
+        ``eviction_cost``).
     :param eviction_burst: soft mode: bucket size; strict reservation is forced while the bucket is
         empty (at or below 0).
+    :param eviction_cost: soft mode: ``(seconds per recomputed token, seconds per recompute)``, the replica's
+        prefill cost (``eviction_cost_of``). With it the bucket refills each step what ``eviction_time_share`` of
+        the mean step's time buys in recomputation of a request of the running requests' mean KV, at most
+        ``EVICTION_REFILL_MAX``: evictions are bounded by their cost, so where prefill is cheap (Dong & Cao's slot
+        model, where it takes no time) the proposal's reservation holds.
+    :param eviction_time_share: see ``eviction_cost``.
+    :param stable_rate: ``b_safe`` is raised to Algorithm 1's ``M / w_hat`` where the steady arrivals ask between
+        rho M and M of the memory (``ctrl.theory.stable_activation_rate``); else ``rho M / w_hat`` always.
     """
 
     name: ClassVar[str] = "shielded"
@@ -150,7 +171,8 @@ class ShieldedController(Controller):
                  prior_output_tokens: int = 128, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_waiting: int = 1024,
                  queue_timeout_s: float = 60.0, eviction_budget_per_step: float = 0.01,
-                 eviction_burst: float = 8.0) -> None:
+                 eviction_burst: float = 8.0, eviction_cost: tuple[float, float] | None = None,
+                 eviction_time_share: float = EVICTION_TIME_SHARE, stable_rate: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"shield mode must be one of {', '.join(MODES)}, got {mode!r}")
         if max_waiting is None or queue_timeout_s is None:
@@ -162,6 +184,10 @@ class ShieldedController(Controller):
             raise ValueError(f"prior_output_tokens must be >= 1, got {prior_output_tokens}")
         if eviction_budget_per_step < 0 or eviction_burst < 1:
             raise ValueError("need eviction_budget_per_step >= 0 and eviction_burst >= 1")
+        if eviction_cost is not None and not (len(eviction_cost) == 2 and all(c >= 0 for c in eviction_cost)):
+            raise ValueError(f"eviction_cost must be two seconds >= 0 (per token, per recompute), got {eviction_cost}")
+        if not 0 < eviction_time_share <= 1:
+            raise ValueError(f"eviction_time_share must be in (0, 1], got {eviction_time_share}")
         for n, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if v is not None and v < 1:
                 raise ValueError(f"{n} must be >= 1, got {v}")
@@ -179,6 +205,9 @@ class ShieldedController(Controller):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eviction_budget_per_step = eviction_budget_per_step
         self.eviction_burst = float(eviction_burst)
+        self.eviction_cost = None if eviction_cost is None else (float(eviction_cost[0]), float(eviction_cost[1]))
+        self.eviction_time_share = eviction_time_share
+        self.stable_rate = stable_rate
         self.last_intervention = Intervention()
         self._late_after_s: float | None = None
         #: the inner controller's copy of the Observation, overwritten at every call
@@ -196,6 +225,8 @@ class ShieldedController(Controller):
         self._credit = 0.0
         self._bucket = self.eviction_burst
         self._evictions_seen = 0
+        #: evictions the bucket was refilled with since the reset (soft mode's bound: docs/SAFETY.md)
+        self.refilled = 0.0
         try:
             self.inner.reset()
         except Exception as exc:
@@ -229,8 +260,26 @@ class ShieldedController(Controller):
 
     # ------------------------------------------------------------------ the safe set
     def safe_budget(self, obs: Observation) -> float:
-        """rho * M / w_hat activations per step: steady KV demand rho * M (Little's law on KV)."""
+        """rho * M / w_hat activations per step: steady KV demand rho * M (Little's law on KV); with
+        ``stable_rate``, Algorithm 1's M / w_hat where the steady arrivals ask between rho M and M."""
+        if self.stable_rate:
+            return stable_activation_rate(obs, self.target_usage, self.prior_output_tokens)
         return safe_activation_rate(obs, self.target_usage, self.prior_output_tokens)
+
+    def eviction_refill(self, obs: Observation) -> float:
+        """Evictions the bucket refills this step: ``eviction_budget_per_step``, or with ``eviction_cost``
+        what ``eviction_time_share`` of a mean step buys in recomputation of a request holding the running
+        requests' mean KV (at most ``EVICTION_REFILL_MAX``; 0 before the first step is timed)."""
+        if self.eviction_cost is None:
+            return self.eviction_budget_per_step
+        per_token_s, per_recompute_s = self.eviction_cost
+        held = obs.kv_used_tokens / obs.num_running if obs.num_running > 0 else obs.mean_prompt_tokens
+        cost_s = per_token_s * held + per_recompute_s
+        step_s = obs.mean_step_time_s if obs.mean_step_time_s > 0 else obs.last_step_time_s
+        if cost_s <= 0:
+            return EVICTION_REFILL_MAX if step_s > 0 else 0.0
+        refill = self.eviction_time_share * step_s / cost_s
+        return refill if refill < EVICTION_REFILL_MAX else EVICTION_REFILL_MAX
 
     def limits(self, obs: Observation) -> tuple[int, int]:
         """(most running requests, most new tokens per step) the pool can hold."""
@@ -251,7 +300,9 @@ class ShieldedController(Controller):
         new = total - self._evictions_seen if total >= self._evictions_seen else total
         self._evictions_seen = total
         burst = self.eviction_burst
-        b = self._bucket + self.eviction_budget_per_step
+        refill = self.eviction_refill(obs)
+        self.refilled += refill
+        b = self._bucket + refill
         b = (burst if b > burst else b) - new
         self._bucket = b
         # Strict exactly while the budget is spent. Waiting for a full bucket instead (800 steps at

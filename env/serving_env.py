@@ -31,6 +31,7 @@ from tidegate.ctrl.learned import (
     ObservationFeatures,
     action_to_residual,
     make_prior,
+    shield_profile_options,
 )
 from tidegate.ctrl.base import Observation
 from tidegate.ctrl.shield import ShieldedController
@@ -236,13 +237,12 @@ class ServingEnv(gym.Env):
         self.tpot_slo_s = profile.tpot_slo_s
         self.queue_timeout_s = self._queue_timeout_s or QUEUE_TIMEOUT_SLOS * self.ttft_slo_s
         self.prior = make_prior(profile)
-        self.shield = ShieldedController(self.prior, mode=self.shield_mode, max_num_seqs=profile.max_num_seqs,
-                                         max_num_batched_tokens=profile.max_num_batched_tokens,
-                                         max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
+        options = shield_profile_options(profile)
+        self.shield = ShieldedController(self.prior, mode=self.shield_mode, max_waiting=self.max_waiting,
+                                         queue_timeout_s=self.queue_timeout_s, **options)
         self._shadow_shield = ShieldedController(make_prior(profile), mode=self.shield_mode,
-                                                 max_num_seqs=profile.max_num_seqs,
-                                                 max_num_batched_tokens=profile.max_num_batched_tokens,
-                                                 max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s)
+                                                 max_waiting=self.max_waiting, queue_timeout_s=self.queue_timeout_s,
+                                                 **options)
 
     # ------------------------------------------------------------------ episodes
     def reset(self, *, seed: int | None = None, options: dict | None = None):

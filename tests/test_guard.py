@@ -12,6 +12,7 @@ import pytest
 from tidegate.ctrl import build_controller
 from tidegate.ctrl.learned import LearnedController, ObservationFeatures, make_prior
 from tidegate.ctrl.shield import ShieldedController
+from tidegate.ctrl.slo_flow import SloFlowController
 from tidegate.engine.core.driver import replay
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.core.request import Request, RequestState
@@ -39,13 +40,27 @@ class Policy:
         return self.action
 
 
-BAD = (-1.0, -1.0, 1.0)  # half the activation rate and token budget, twice the admission threshold
+BAD = (-1.0, -1.0, 1.0)  # half the activation rate and token budget, twice the admission threshold (LooseAdmission)
 HEURISTIC = (0.0, 0.0, 0.0)
 
 
+class LooseAdmission(SloFlowController):
+    """The prior, whose admission threshold a policy's residual doubles: ``action_to_residual`` only tightens
+    admission, and in overload no action it allows loses to the heuristic by much (halving every knob wins there),
+    so the losing policy the guard must catch gets round it here."""
+
+    def set_residual(self, activation_scale: float = 1.0, token_scale: float = 1.0, reject_scale: float = 1.0) -> None:
+        acted = (activation_scale, token_scale, reject_scale) != (1.0, 1.0, 1.0)
+        super().set_residual(activation_scale, token_scale, 2.0 if acted else reject_scale)
+
+
 def learned(action) -> ShieldedController:
-    """The shielded learned controller of ``make_learned_controller`` around a constant policy."""
-    inner = LearnedController(Policy(action), ObservationFeatures(PROFILE), make_prior(PROFILE))
+    """The shielded learned controller of ``make_learned_controller`` around a constant policy (with BAD, over
+    LooseAdmission)."""
+    prior = make_prior(PROFILE)
+    if action == BAD:
+        prior.__class__ = LooseAdmission  # make_prior's settings, the doubled threshold
+    inner = LearnedController(Policy(action), ObservationFeatures(PROFILE), prior)
     return ShieldedController(inner, mode="soft", max_num_seqs=PROFILE.max_num_seqs,
                               max_num_batched_tokens=PROFILE.max_num_batched_tokens)
 
@@ -244,7 +259,6 @@ def test_simulate_guarded_is_the_plain_run_when_the_policy_never_loses_and_rescu
     assert guard.switches == 0 and guard.checks > 0
     assert {k: v for k, v in guarded.items() if k != "wall_time_s"} == \
         {k: v for k, v in plain.items() if k != "wall_time_s"}
-    careless = (0.0, 0.0, 1.0)  # four times the overload margin: refuses too late, the queue runs away
-    bad = simulate(arrivals, PROFILE, learned(careless), record_steps=False).summary
-    rescued, guard = simulate_guarded(arrivals, PROFILE, learned(careless))
+    bad = simulate(arrivals, PROFILE, learned(BAD), record_steps=False).summary  # refuses too late: the queue runs away
+    rescued, guard = simulate_guarded(arrivals, PROFILE, learned(BAD))
     assert guard.switches >= 1 and rescued["goodput_rps"] > bad["goodput_rps"]

@@ -220,7 +220,7 @@ def test_a_bad_chat_template_file_is_one_sentence(tmp_path, content, fragment):
     assert "Traceback" not in result.output
 
 
-def test_the_banner_comes_once_the_server_listens():
+def test_the_banner_comes_once_the_server_listens_and_ctrl_c_stops_it_in_one_line():
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", TIDEGATE_API_KEY=KEY)
     proc = subprocess.Popen([sys.executable, "-m", "tidegate", "serve", "--port", str(port), "--engine-thread",
@@ -244,10 +244,11 @@ def test_the_banner_comes_once_the_server_listens():
         r = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"prompt": "a"},
                        headers={"Authorization": f"Bearer {KEY}"})
         assert r.json()["max_model_len"] == 100
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a stop asked for, with one line and exit status 0
         rest = proc.communicate(timeout=30)[0]
         assert '"POST /tokenize HTTP/1.1" 200' in rest, rest
-        assert proc.returncode == 0
+        assert proc.returncode == 0, rest
+        assert "tidegate: stopped" in rest and "Aborted" not in rest and "Traceback" not in rest
     finally:
         if proc.poll() is None:
             proc.kill()

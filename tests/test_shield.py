@@ -16,7 +16,7 @@ from tidegate.ctrl.base import (
 )
 from tidegate.ctrl.flow import FlowController
 from tidegate.ctrl.greedy import GreedyController
-from tidegate.ctrl.shield import ShieldedController
+from tidegate.ctrl.shield import EVICTION_REFILL_MAX, ShieldedController
 from tidegate.ctrl.theory import BURST_USAGE
 from tidegate.engine.core.request import RequestState
 from tests.helpers import make_engine, req
@@ -84,9 +84,9 @@ def run_episode(shield: ShieldedController, arrivals, capacity: int = 128, block
             assert core.metrics.evictions == 0
             # the stronger invariant behind it: the running set's full reservation fits
             assert sum(core.scheduler.reservation(r, 1.0) for r in core.running) <= core.pool.capacity_tokens
-        else:  # docs/SAFETY.md: evictions <= B + r*T + N_max after any T steps
-            bound = shield.eviction_burst + shield.eviction_budget_per_step * core.metrics.steps + seqs_max
-            assert core.metrics.evictions <= bound
+        else:  # docs/SAFETY.md: evictions <= B + r*T + N_max after any T steps (r*T: the refills so far)
+            bound = shield.eviction_burst + shield.refilled + seqs_max
+            assert core.metrics.evictions <= bound + 1e-9
     else:
         raise AssertionError("the engine did not drain under the shield")
     # every request reaches exactly one terminal state, exactly once
@@ -126,6 +126,38 @@ def test_soft_bounds_evictions(arrivals, proposals, rate, burst):
     n_max = shield.limits(core.obs)[0]  # most running requests: min(max_num_seqs, M / block_size)
     # docs/SAFETY.md, soft mode: evictions <= B + r*T + N_max over T steps (also checked after every step)
     assert core.metrics.evictions <= burst + rate * steps + n_max
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(arrivals=ARRIVALS, proposals=st.lists(DECISIONS, min_size=1, max_size=8),
+       per_token=st.sampled_from([0.0, 1e-5, 1e-3]), per_recompute=st.sampled_from([0.0, 1e-3]),
+       share=st.floats(0.001, 1.0), burst=st.floats(1.0, 5.0))
+def test_soft_bounds_evictions_by_their_cost(arrivals, proposals, per_token, per_recompute, share, burst):
+    """With ``eviction_cost`` the refill follows an eviction's recomputation: the bound holds with the refills
+    made (at most EVICTION_REFILL_MAX a step), and a prefill that takes no time refills the most."""
+    shield = ShieldedController(Adversary(proposals), mode="soft", queue_timeout_s=50.0, eviction_burst=burst,
+                                eviction_cost=(per_token, per_recompute), eviction_time_share=share)
+    core = run_episode(shield, arrivals)
+    n_max = shield.limits(core.obs)[0]
+    assert shield.refilled <= EVICTION_REFILL_MAX * core.metrics.steps
+    assert core.metrics.evictions <= burst + shield.refilled + n_max
+
+
+def test_the_eviction_refill_is_what_a_share_of_a_step_buys_in_recomputation():
+    shield = ShieldedController(GreedyController(), mode="soft", eviction_cost=(1e-4, 2e-3), eviction_time_share=0.03)
+    obs = Observation(kv_capacity_tokens=4096)
+    assert shield.eviction_refill(obs) == 0.0  # no step timed yet: nothing refills
+    obs.mean_step_time_s, obs.kv_used_tokens, obs.num_running = 0.02, 4000, 4
+    # an eviction recomputes the mean request's 1,000 tokens: 0.1 + 0.002 s; 3% of a 20 ms step buys 0.0059 of one
+    assert shield.eviction_refill(obs) == pytest.approx(0.03 * 0.02 / 0.102)
+    obs.num_running = 400  # short requests: cheap evictions, up to the cap
+    assert shield.eviction_refill(obs) == pytest.approx(min(EVICTION_REFILL_MAX, 0.03 * 0.02 / 0.003))
+    free = ShieldedController(GreedyController(), mode="soft", eviction_cost=(0.0, 0.0))
+    assert free.eviction_refill(obs) == EVICTION_REFILL_MAX  # prefill takes no time (the slot model)
+    assert ShieldedController(GreedyController(), mode="soft").eviction_refill(obs) == 0.01  # the fixed rate
+    for bad in ((-1.0, 0.0), (0.0,)):
+        with pytest.raises(ValueError, match="eviction_cost"):
+            ShieldedController(GreedyController(), mode="soft", eviction_cost=bad)
 
 
 @settings(max_examples=50, **SETTINGS)

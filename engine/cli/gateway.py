@@ -106,4 +106,8 @@ def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, que
                f"({', '.join(urls)}), router {router}, admission {'on' if admission else 'off'}", err=True)
     server = uvicorn.Server(uvicorn.Config(create_gateway_app(config), log_level=log_level, access_log=False,
                                            timeout_keep_alive=KEEP_ALIVE_S))
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn may re-raise the Ctrl-C it shut down on: a stop asked for, not a failure
+        pass
+    click.echo("tidegate: gateway stopped", err=True)

@@ -200,7 +200,11 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
             sock.close()
         raise click.UsageError(str(exc)) from None
     on_started = functools.partial(_banner, config, service, controller)
-    GracefulServer(create_app(service, config), service, config, sockets, on_started).run()
+    try:
+        GracefulServer(create_app(service, config), service, config, sockets, on_started).run()
+    except KeyboardInterrupt:  # uvicorn may re-raise the Ctrl-C it shut down on: a stop asked for, not a failure
+        pass
+    click.echo("tidegate: stopped", err=True)
 
 
 def _serve_on_ray(config, replicas: int, options: dict) -> None:

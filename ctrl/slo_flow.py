@@ -59,7 +59,7 @@ from tidegate.ctrl.base import (
     ReplicaProfile, retry_after_s,
 )
 from tidegate.ctrl.theory import (
-    BURST_USAGE, arrivals_seen, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval,
+    BURST_USAGE, STEADY_OVERLOAD, arrivals_seen, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval,
     stable_activation_rate, tpot_running_cap,
 )
 
@@ -78,12 +78,6 @@ RECENT_Z = 3.0
 #: the early witness (:meth:`SloFlowController.over_capacity`) judges from this many arrivals on:
 #: at 3 x the bound, a Poisson count of 8 is above it by more than 2 standard errors
 EARLY_ARRIVALS = 8
-#: steady arrivals above 1 + this times the steady completions overrule the capacity witness: three
-#: standard errors of the ratio of two independent 256-event Poisson rates (sqrt(2 / 256), about 9%).
-#: The test runs at every arrival, so a margin of 1.7 standard errors (1.15, earlier) fired by
-#: chance at light load; it is there for an overload the bound does not show, and the bound now
-#: counts the long outputs still running (``Observation.decode_kv_workload``)
-STEADY_OVERLOAD = 3.0 * math.sqrt(2.0 / STEADY_RATE_EVENTS)
 
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,

@@ -282,17 +282,31 @@ def test_one_memory_safe_rate_one_aimd_budget_one_ttft_prediction():
 
 def test_the_stable_rate_is_algorithm_1s_budget_exactly_where_the_safe_rate_is_slower_than_a_stable_load():
     """b_safe = rho M / w below rho M of demand and beyond M (overload); M / w where the arrivals ask
-    between rho M and M, so activations keep up with any load Algorithm 1 serves."""
+    between rho M and M, so activations keep up with any load Algorithm 1 serves. The band is widened by
+    DEMAND_Z standard errors of the demand's rate (a rate over 256 arrivals: 1/16), past M only while the steady
+    completions keep up with the arrivals."""
     from tidegate.ctrl.base import Observation
-    from tidegate.ctrl.theory import safe_activation_rate, stable_activation_rate
+    from tidegate.ctrl.theory import DEMAND_Z, safe_activation_rate, stable_activation_rate
 
     obs = Observation(kv_capacity_tokens=2000, block_size=1)
     obs.completed_total, obs.lifetime_kv_workload, obs.mean_step_time_s = 300, 1000.0, 1.0
     b_safe = safe_activation_rate(obs, 0.9, 128)
     assert b_safe == pytest.approx(1.8)
-    for per_step, expected in ((0.5, b_safe), (1.79, b_safe), (1.81, 2.0), (2.0, 2.0), (2.01, b_safe), (9.0, b_safe)):
-        obs.offered_rate_rps = per_step  # a step of 1 s: arrivals per step
+    margin = DEMAND_Z / 16
+    low, high = 1.8 / (1 + margin), 2.0 / (1 - margin)  # the band, in arrivals per step
+    for per_step, expected in ((0.5, b_safe), (0.99 * low, b_safe), (1.01 * low, 2.0), (1.9, 2.0), (2.0, 2.0),
+                               (0.99 * high, 2.0), (1.01 * high, b_safe), (9.0, b_safe)):
+        obs.offered_rate_rps = obs.served_rate_rps = per_step  # a step of 1 s: arrivals per step, all served
         assert stable_activation_rate(obs, 0.9, 128) == pytest.approx(expected), per_step
+    # past M only while the completions keep up: a replica falling behind is in overload
+    obs.offered_rate_rps, obs.served_rate_rps = 0.99 * high, 0.99 * high / 1.3
+    assert stable_activation_rate(obs, 0.9, 128) == pytest.approx(b_safe)
+    obs.offered_rate_rps = 1.9  # within M, whatever the completions
+    assert stable_activation_rate(obs, 0.9, 128) == pytest.approx(2.0)
+    # the offered W's error is left out (on heavy tails it spans tens of percent)
+    obs.offered_rate_rps = 1.01 * high
+    obs.offered_kv_workload, obs.offered_kv_workload_se = 1000.0, 300.0
+    assert stable_activation_rate(obs, 0.9, 128) == pytest.approx(b_safe)
     obs.offered_rate_rps, obs.mean_step_time_s = 1.9, 0.0  # no step timed yet
     assert stable_activation_rate(obs, 0.9, 128) == b_safe
     obs.mean_step_time_s = 0.5  # the same arrivals per second are half as many per step
@@ -300,6 +314,25 @@ def test_the_stable_rate_is_algorithm_1s_budget_exactly_where_the_safe_rate_is_s
     assert stable_activation_rate(obs, 0.9, 128) == pytest.approx(2.0)
     obs.completed_total = 200  # the steady rate spans fewer arrivals than it needs
     assert stable_activation_rate(obs, 0.9, 128) == b_safe
+
+
+def test_slo_flow_keeps_up_with_three_classes_near_the_memorys_bound():
+    """Three Poisson classes at 0.96 of the slot model's memory bound: the demand's estimate reads a few percent
+    past M now and then, which is no overload (the completions keep up), so the rate stays Algorithm 1's and
+    slo-flow serves as greedy does. Read exactly, the rate fell to rho M / w each time and the queue grew to
+    hundreds with the KV at 84% (0.81 x greedy)."""
+    from tidegate.engine.workloads.synthetic import load_synthetic
+    from tidegate.engine.core.profile import load_profile
+
+    slot = load_profile("slot")
+    spec = {"name": "three", "arrival": {"process": "poisson"}, "duration_s": 1500, "seed": 0, "max_tokens": 64,
+            "classes": [{"name": "a", "rate_rps": 5.35, "prompt_tokens": 10, "output_tokens": 10},
+                        {"name": "b", "rate_rps": 1.07, "prompt_tokens": 20, "output_tokens": 20},
+                        {"name": "c", "rate_rps": 0.321, "prompt_tokens": 30, "output_tokens": 30}]}
+    arrivals = load_synthetic(spec)
+    greedy, slo_flow = (simulate(arrivals, slot, build_controller(name, slot)).summary["goodput_rps"]
+                        for name in ("greedy", "slo-flow"))
+    assert slo_flow >= 0.97 * greedy
 
 
 def test_slo_flow_keeps_up_with_a_load_the_memory_serves_where_the_safe_rate_alone_queues_without_end():

@@ -383,7 +383,7 @@ def test_the_shipped_policy_keeps_up_with_greedy_on_the_slot_model():
     cells = {"paper_sec41": load_workload("paper_sec41")}
     for load in (0.95, 1.3):
         cells[f"{load} x M / w"] = [Arrival(i / (load * per_slot), 20, 20, 20, 0)
-                                    for i in range(int(2000 * load * per_slot))]
+                                    for i in range(int(1000 * load * per_slot))]
     for name, arr in cells.items():
         goodput = {spec: simulate(arr, slot, build_controller(spec, slot)).summary["goodput_rps"]
                    for spec in ("greedy", "slo-flow", "learned")}

@@ -180,10 +180,12 @@ def test_twin_check_against_vllm_refuses_a_model_it_cannot_find_in_one_line(tmp_
 def test_twin_check_against_vllm(tmp_path):
     """The whole check on a small slice: vLLM serves the profiling halves and the check, the twin
     simulates the check with the profile fitted on vLLM's steps, and the report has the shape of the
-    check against tidegate's engine. Loose bounds: a 2-core machine shared with the client."""
+    check against tidegate's engine. Loose bounds: a 2-core machine shared with the client. vLLM runs eager
+    (``--vllm-arg``), as this suite's other vLLM servers: it starts without compiling its model first."""
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, ["twin-check", "--engine", "vllm", "--trace", "splitwise_conv", "--first", "24",
-                                      "--noise-seeds", "2", "--out", str(out), "--json"])
+                                      "--noise-seeds", "2", "--out", str(out), "--json",
+                                      "--vllm-arg", "--enforce-eager"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output.strip().splitlines()[-1])
     assert report["engine"] == "vllm" and report["twin_controller"] == "greedy" and report["fit_around"]

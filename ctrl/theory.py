@@ -133,8 +133,7 @@ def stable_activation_rate(obs: Observation, target_usage: float, prior_output_t
     w = pacing_kv_workload(obs, prior_output_tokens, occupied)
     b_safe = target_usage * memory / w
     step_s = obs.mean_step_time_s
-    seen = arrivals_seen(obs)
-    if not (step_s > 0 and obs.completed_total > 0 and seen >= STEADY_RATE_EVENTS):
+    if not (step_s > 0 and obs.completed_total > 0 and arrivals_seen(obs) >= STEADY_RATE_EVENTS):
         return b_safe
     demand = obs.offered_rate_rps * step_s * w
     margin = DEMAND_Z / math.sqrt(STEADY_RATE_EVENTS)

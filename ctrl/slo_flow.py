@@ -19,8 +19,10 @@ Five rules, each with a worst case that can be argued on its own:
   or prefill of running requests beyond one step's budget) *and* its predicted TTFT, counting that
   work, the running requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
   percentile of realised minus predicted TTFT over its rate window, ``Observation.ttft_error_p90_s``:
-  a burst that has passed no longer counts, so its errors cannot keep refusing at light load), exceeds
-  ``reject_above`` x SLO. Overload has two witnesses, and neither can be defeated by
+  a burst that has passed no longer counts, so its errors cannot keep refusing at light load), or, with a
+  profile, the profile's compute time for the prompt tokens ahead and its own (``ctrl.theory.prefill_time_s``:
+  prefill steps are the long ones, so a count of steps at the mean step time runs short where prompts are
+  long), exceeds ``reject_above`` x SLO. Overload has two witnesses, and neither can be defeated by
   refusing: arrivals outpace completions (u = arrival rate / completion rate above ``1 +
   overload_margin``; refusals shorten the queue, never the arrival rate), or the KV sits at rho M
   (the memory is the bottleneck, and what waits, waits for memory; u is then 1). A refused arrival
@@ -60,7 +62,7 @@ from tidegate.ctrl.base import (
 )
 from tidegate.ctrl.theory import (
     BURST_USAGE, STEADY_OVERLOAD, arrivals_seen, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval,
-    stable_activation_rate, tpot_running_cap,
+    prefill_time_s, stable_activation_rate, tpot_running_cap,
 )
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
@@ -183,6 +185,10 @@ class SloFlowController(Controller):
     :param stable_rate: where the steady arrivals ask between rho M and M of the memory, activate at Dong &
         Cao's Algorithm 1 budget ``M / w_hat`` instead of ``rho M / w_hat``, which is slower than them
         (``ctrl.theory.stable_activation_rate``); off, always ``rho M / w_hat`` (the shield's bound).
+    :param prefill_bound: with a ``profile``, the admission rule's predicted TTFT is at least the profile's
+        compute time for the prompt tokens ahead and the arrival's own (``ctrl.theory.prefill_time_s``): the
+        engine's mean step is mostly decode steps, and a queue of long prompts prefills in steps several times
+        as long; off, only the count of steps at the mean step time.
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -202,7 +208,7 @@ class SloFlowController(Controller):
                  max_num_seqs: int = 256, overload_power: float = 0.0, memory_witness: bool = True,
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
                  steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, occupied_pacing: bool = True,
-                 tpot_cap: bool = True, stable_rate: bool = True, recent_rate: bool = True,
+                 tpot_cap: bool = True, stable_rate: bool = True, recent_rate: bool = True, prefill_bound: bool = True,
                  max_waiting: int | None = None, queue_timeout_s: float | None = None) -> None:
         super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
@@ -231,6 +237,7 @@ class SloFlowController(Controller):
         self.min_load = min_load if profile is not None else 0.0
         self.tpot_cap = tpot_cap and profile is not None
         self.stable_rate = stable_rate
+        self.prefill_bound = prefill_bound and profile is not None
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
         self.reset()
@@ -362,6 +369,9 @@ class SloFlowController(Controller):
         if not limit < math.inf:
             return None
         delay = self.predict_ttft_s(obs, prompt_tokens) + max(obs.ttft_error_p90_s, 0.0)
+        if self.prefill_bound:
+            assert self.profile is not None
+            delay = max(delay, prefill_time_s(obs, prompt_tokens, self._decision.token_budget, self.profile))
         if delay > limit:
             return Rejection(f"predicted TTFT {delay:.3g} s exceeds {limit:.3g} s in overload", retry_after_s(obs))
         return None

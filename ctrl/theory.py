@@ -368,6 +368,20 @@ def tpot_running_cap(obs: Observation, profile: ReplicaProfile, tpot_slo_s: floa
     return max(math.floor(root * root), 1.0)
 
 
+def prefill_time_s(obs: Observation, prefill_tokens: int, token_budget: float, profile: ReplicaProfile) -> float:
+    """Seconds the profile's step model takes to prefill the prompt tokens ahead of an arrival (the running
+    requests' and the queue's) and its own ``prefill_tokens``, in chunks of the token budget less one decode
+    per running request: every prompt token's cost, plus each chunk's step overhead (base cost, the running
+    requests' decodes and their KV reads), times the mean step's noise factor. A compute bound: it holds
+    however the steps are composed, where a count of steps at the mean step time does not (prefill steps
+    are the long ones: on the A100 preset, a 1,024-token chunk takes three times a decode step)."""
+    tokens = float(obs.running_prefill_tokens + obs.waiting_prompt_tokens + prefill_tokens)
+    running = float(obs.num_running)
+    steps = max(tokens / max(float(token_budget) - running, 1.0), 1.0)
+    overhead = profile.base_s + decode_token_s(profile) * running + profile.per_kv_token_s * obs.kv_used_tokens
+    return (profile.per_token_s * tokens + steps * overhead) * mean_step_factor(profile)
+
+
 def lambda_max_estimate(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128) -> float:
     """The fluid bound ``1 / (a W / M + c W + b S)`` (``ctrl.theory.fluid_lambda_max``) of the traffic
     seen so far: S and W from the engine's running estimates over completed requests; before the

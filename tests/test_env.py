@@ -51,8 +51,8 @@ def test_the_drain_charges_a_backlog_the_policy_leaves_behind():
     assert rewards == [0.0] * 30  # the prior against itself, drain included
     e.reset(seed=1)
     info = {}
-    for _ in range(30):  # twice the activations and batch, half the admission threshold
-        *_, info = e.step(np.array([1.0, 1.0, -1.0]))
+    for _ in range(30):  # half the activations, the batch and the admission threshold
+        *_, info = e.step(np.array([-1.0, -1.0, -1.0]))
     assert info["drain_reward"] != 0.0
     arrived = e.totals["good"] + e.totals["missed"] + e.totals["rejected"]
     assert arrived == e.core.metrics.arrived  # every request that came is counted once, the drain's too

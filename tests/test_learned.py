@@ -90,7 +90,7 @@ def test_residuals_scale_the_heuristic_knobs():
     assert action_to_residual((float("nan"), 5.0, "x")) == (1.0, 2.0, 1.0)
     obs = Observation(kv_capacity_tokens=100_000)
     obs.num_waiting, obs.num_running, obs.mean_step_time_s, obs.completion_rate_rps = 3, 50, 0.05, 5.0
-    obs.waiting_prompt_tokens, obs.head_prompt_tokens, obs.arrival_rate_rps = 60_000, 20_000, 10.0  # 2x overload
+    obs.waiting_prompt_tokens, obs.head_prompt_tokens, obs.arrival_rate_rps = 15_000, 5_000, 10.0  # 2x overload
     obs.offered_rate_rps, obs.served_rate_rps = 10.0, 5.0  # ... over the steady rates too
     obs.now_s, obs.completed_total = 100.0, 100  # ... with requests waiting since the start
     strict = learned_with(Const([0.0, 0.0, -1.0]))

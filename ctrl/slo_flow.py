@@ -17,12 +17,12 @@ Five rules, each with a worst case that can be argued on its own:
 - **Admission** on a calibrated prediction (:func:`predicted_ttft_s`): an arrival is refused with
   429 only in overload, when work is queued ahead of it (requests waiting, the running cap reached,
   or prefill of running requests beyond one step's budget) *and* its predicted TTFT, counting that
-  work, the running requests' decodes and its own prefill, plus how late recent predictions ran (the engine's 90th
-  percentile of realised minus predicted TTFT over its rate window, ``Observation.ttft_error_p90_s``:
-  a burst that has passed no longer counts, so its errors cannot keep refusing at light load), or, with a
-  profile, the profile's compute time for the prompt tokens ahead and its own (``ctrl.theory.prefill_time_s``:
-  prefill steps are the long ones, so a count of steps at the mean step time runs short where prompts are
-  long), exceeds ``reject_above`` x SLO. Overload has two witnesses, and neither can be defeated by
+  work, the running requests' decodes and its own prefill (with a profile, at least the profile's compute time
+  for the prompt tokens ahead and its own, ``ctrl.theory.prefill_time_s``: prefill steps are the long ones, so
+  a count of steps at the mean step time runs short where prompts are long), plus how late recent predictions
+  ran (the engine's 90th percentile of realised minus predicted TTFT over its rate window,
+  ``Observation.ttft_error_p90_s``: a burst that has passed no longer counts, so its errors cannot keep
+  refusing at light load), exceeds ``reject_above`` x SLO. Overload has two witnesses, and neither can be defeated by
   refusing: arrivals outpace completions (u = arrival rate / completion rate above ``1 +
   overload_margin``; refusals shorten the queue, never the arrival rate), or the KV sits at rho M
   (the memory is the bottleneck, and what waits, waits for memory; u is then 1). A refused arrival
@@ -84,7 +84,7 @@ EARLY_ARRIVALS = 8
 
 def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, target_usage: float = 0.9,
                      prior_output_tokens: int = 128, occupied: bool = True, running_cap: float = math.inf,
-                     stable_rate: bool = True) -> float:
+                     stable_rate: bool = True, profile: ReplicaProfile | None = None) -> float:
     """Seconds until the first token of an arrival with ``prompt_tokens``, from ``Observation`` only.
 
     The larger of two bounds, plus the step that produces the token:
@@ -104,16 +104,20 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
       its own, at the step's token budget less one token for each running request's decode.
 
     Step time is the engine's running mean. 0 before the first step was timed: no evidence of delay.
+    With a ``profile``, the result is at least the profile's compute time for the prefill ahead and the
+    arrival's own (``ctrl.theory.prefill_time_s``), from the first arrival on.
 
     :param occupied: the memory-safe rate is paced by the KV held per completion where that W is
         larger (``ctrl.theory.safe_activation_rate``), as slo-flow activates by default.
     :param running_cap: the most requests that run at once (the applied Decision's ``running_cap``).
     :param stable_rate: the rate is raised to Algorithm 1's where the arrivals are stable on the memory
         (``ctrl.theory.stable_activation_rate``), as slo-flow activates by default.
+    :param profile: the replica's step model, for the compute bound on prefill (None: no bound).
     """
+    bound = 0.0 if profile is None else prefill_time_s(obs, prompt_tokens, token_budget, profile)
     step_s = obs.mean_step_time_s or obs.last_step_time_s
     if not step_s > 0:
-        return 0.0
+        return bound
     per_step = max(float(token_budget) - obs.num_running, 1.0)
     prefill_steps = (obs.running_prefill_tokens + obs.waiting_prompt_tokens + prompt_tokens) / per_step
     queue_steps = 0.0
@@ -141,7 +145,7 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
                 if silence * done > 1.0:
                     done = 1.0 / silence
             queue_steps = max(queue_steps, short / max(done, 1e-9))
-    return (max(queue_steps, prefill_steps) + 1.0) * step_s
+    return max((max(queue_steps, prefill_steps) + 1.0) * step_s, bound)
 
 
 class SloFlowController(Controller):
@@ -188,7 +192,9 @@ class SloFlowController(Controller):
     :param prefill_bound: with a ``profile``, the admission rule's predicted TTFT is at least the profile's
         compute time for the prompt tokens ahead and the arrival's own (``ctrl.theory.prefill_time_s``): the
         engine's mean step is mostly decode steps, and a queue of long prompts prefills in steps several times
-        as long; off, only the count of steps at the mean step time.
+        as long; off, only the count of steps at the mean step time. The engine records the bounded
+        prediction (``EngineCore``'s ``ttft_profile``), so the error term measures the errors of the
+        prediction it corrects; with the bound off, it measures those of a higher one.
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -352,7 +358,7 @@ class SloFlowController(Controller):
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""
         return predicted_ttft_s(obs, prompt_tokens, self._decision.token_budget, self.target_usage,
                                 self.prior_output_tokens, self.occupied_pacing, self._decision.running_cap,
-                                self.stable_rate)
+                                self.stable_rate, self.profile if self.prefill_bound else None)
 
     def nothing_ahead(self, obs: Observation) -> bool:
         """No request waits, a slot is free under the running cap, and the running requests' prefill fits
@@ -369,9 +375,6 @@ class SloFlowController(Controller):
         if not limit < math.inf:
             return None
         delay = self.predict_ttft_s(obs, prompt_tokens) + max(obs.ttft_error_p90_s, 0.0)
-        if self.prefill_bound:
-            assert self.profile is not None
-            delay = max(delay, prefill_time_s(obs, prompt_tokens, self._decision.token_budget, self.profile))
         if delay > limit:
             return Rejection(f"predicted TTFT {delay:.3g} s exceeds {limit:.3g} s in overload", retry_after_s(obs))
         return None

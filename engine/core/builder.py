@@ -43,4 +43,4 @@ def build_engine(profile: Profile, controller: Controller, executor: Executor, c
     return EngineCore(controller, executor, clock, kv_capacity_tokens=profile.kv_capacity_tokens,
                       block_size=profile.block_size, rate_window_s=rate_window_s(profile),
                       on_token=on_token, on_finish=on_finish, record_steps=record_steps, eviction=eviction,
-                      prefix_caching=prefix_caching)
+                      prefix_caching=prefix_caching, ttft_profile=profile)

@@ -26,7 +26,7 @@ import math
 from collections import deque
 from typing import Callable
 
-from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s
+from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, ReplicaProfile, retry_after_s
 from tidegate.ctrl.slo_flow import predicted_ttft_s
 from tidegate.engine.core.block_pool import BlockPool
 from tidegate.engine.core.clock import Clock
@@ -67,6 +67,10 @@ class EngineCore:
     :param prefix_caching: a request starts with the blocks of its prompt's longest cached prefix
         and prefills only the rest (``BlockPool``); it counts only those tokens as its prefill in
         the queue's work, the controller's admission and its predicted TTFT.
+    :param ttft_profile: the replica's step model, for the predicted TTFT's compute bound on the prefill
+        ahead (``ctrl.slo_flow.predicted_ttft_s``): the prediction each request records, whose errors
+        become ``Observation.ttft_error_p90_s``, is then the one slo-flow judges arrivals on.
+        ``build_engine`` passes the replica's profile.
     """
 
     def __init__(
@@ -82,10 +86,12 @@ class EngineCore:
         record_steps: bool = True,
         eviction: str = "recompute",
         prefix_caching: bool = True,
+        ttft_profile: ReplicaProfile | None = None,
     ) -> None:
         if eviction not in EVICTION_MODES:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_MODES)}, got {eviction!r}")
         self.controller = controller
+        self.ttft_profile = ttft_profile
         self.clock = clock
         self.eviction = eviction
         self.pool = BlockPool(kv_capacity_tokens, block_size, prefix_caching)
@@ -167,7 +173,7 @@ class EngineCore:
             return self._reject(request, rejection.reason, rejection.retry_after_s)
         # from the latest observation: admit() has just made it, or the last step did
         request.predicted_ttft_s = predicted_ttft_s(stats.current, prefill, self._token_budget,
-                                                    running_cap=self._running_cap)
+                                                    running_cap=self._running_cap, profile=self.ttft_profile)
         self.scheduler.queue(request, prefill)
         return None
 

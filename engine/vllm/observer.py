@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tidegate.ctrl.base import Observation
+from tidegate.ctrl.base import Observation, ReplicaProfile
 from tidegate.ctrl.slo_flow import predicted_ttft_s
 from tidegate.engine.core.request import Request, RequestState
 from tidegate.engine.core.stats import ObservationStats
@@ -37,10 +37,14 @@ class VllmObserver:
     :param kv_capacity_tokens: the KV cache's capacity in tokens.
     :param block_size: tokens per KV block.
     :param rate_window_s: the stats' rate window (``tidegate.engine.core.builder.rate_window_s``).
+    :param profile: the replica's profile, for the TTFT predictions' compute bound on prefill (as
+        ``EngineCore``'s ``ttft_profile``).
     """
 
-    def __init__(self, kv_capacity_tokens: int, block_size: int, rate_window_s: float) -> None:
+    def __init__(self, kv_capacity_tokens: int, block_size: int, rate_window_s: float,
+                 profile: ReplicaProfile | None = None) -> None:
         self.stats = ObservationStats(kv_capacity_tokens, block_size, rate_window_s)
+        self.profile = profile
         self.kv_capacity_tokens = kv_capacity_tokens
         # the observer's clock: monotonic seconds since start-up; vLLM stamps arrivals with time.time()
         self._mono0 = time.monotonic()
@@ -63,7 +67,8 @@ class VllmObserver:
         arrival = min(request.arrival_time - self._wall0, self.now())
         stats.arrived(arrival, prompt)
         stats.admitted(prompt, True)
-        predicted = predicted_ttft_s(stats.current, prompt, self.token_budget, running_cap=self.running_cap)
+        predicted = predicted_ttft_s(stats.current, prompt, self.token_budget, running_cap=self.running_cap,
+                                     profile=self.profile)
         self._tracked[request.request_id] = _Tracked(arrival, predicted)
         self._awaiting_first.add(request.request_id)
 

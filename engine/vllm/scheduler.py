@@ -112,7 +112,8 @@ class TidegateSchedulerMixin:
         if config.step_log:
             self._step_log = StepLog(config.step_log)
         if controller is not None or self._step_log is not None:
-            self._observer = VllmObserver(limits.kv_capacity_tokens, limits.block_size, rate_window_s(profile))
+            self._observer = VllmObserver(limits.kv_capacity_tokens, limits.block_size, rate_window_s(profile),
+                                          profile)
         if controller is not None:
             self._decider = CheckedDecider(controller, config.decide_timeout_s, limits.max_num_batched_tokens,
                                            limits.max_num_seqs)

@@ -97,7 +97,7 @@ def compare(args: argparse.Namespace) -> None:
         ax.invert_yaxis()
         ax.set_xlabel(f"goodput, {name_b} / {name_a}")
         fig.tight_layout()
-        fig.savefig(out / "compare.png", dpi=110)
+        fig.savefig(out / "compare.png", dpi=80)
 
 
 def main() -> None:

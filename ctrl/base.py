@@ -17,6 +17,9 @@ STEADY_RATE_EVENTS = 256
 #: events the recent rate estimates span at least (``Observation.arrival_rate_rps`` and
 #: ``completion_rate_rps``): a Poisson rate within about 12%, that follows a change within 64 events
 RATE_EVENTS = 64
+#: a TTFT prediction of at least this many mean steps is about a queue, and its relative error enters
+#: ``Observation.ttft_rel_error_p90``; shorter ones are about one step's noise
+QUEUE_STEPS = 4
 
 
 class _RateSource(Protocol):
@@ -67,7 +70,7 @@ class Observation:
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
-        "running_prompt_tokens", "ttft_error_p90_s", "last_completion_s",
+        "running_prompt_tokens", "ttft_error_p90_s", "ttft_rel_error_p90", "last_completion_s",
     )
     __slots__ = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
@@ -79,7 +82,7 @@ class Observation:
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
-        "running_prompt_tokens", "ttft_error_p90_s", "last_completion_s",
+        "running_prompt_tokens", "ttft_error_p90_s", "ttft_rel_error_p90", "last_completion_s",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -156,6 +159,11 @@ class Observation:
         #: that bound and its activation: past it, a running request waits by the controller's
         #: choice of order, which no prediction at arrival is meant to foresee
         self.ttft_error_p90_s = 0.0
+        #: the 90th percentile of the same errors relative to their prediction, over the predictions of at
+        #: least ``QUEUE_STEPS`` mean steps (a queue's, not a step's) within the rate window: predictions of
+        #: a queue's wait run late in proportion to the wait, which an error in seconds, mostly of requests
+        #: with nothing ahead, understates for the long ones
+        self.ttft_rel_error_p90 = 0.0
         #: when the latest request completed, or when the current busy period started (an arrival
         #: with nothing running or waiting) if that is later: the silence since then tells how soon
         #: the next completion can be expected. -1 before the first arrival (and in an Observation
@@ -298,6 +306,7 @@ class Observation:
         o.running_prefill_tokens = self.running_prefill_tokens
         o.running_prompt_tokens = self.running_prompt_tokens
         o.ttft_error_p90_s = self.ttft_error_p90_s
+        o.ttft_rel_error_p90 = self.ttft_rel_error_p90
         o.last_completion_s = self.last_completion_s
         return o
 

@@ -22,10 +22,12 @@ Five rules, each with a worst case that can be argued on its own:
   a count of steps at the mean step time runs short where prompts are long), plus how late recent predictions
   ran (the engine's 90th percentile of realised minus predicted TTFT over its rate window,
   ``Observation.ttft_error_p90_s``: a burst that has passed no longer counts, so its errors cannot keep
-  refusing at light load), exceeds ``reject_above`` x SLO. Overload has two witnesses, and neither can be defeated by
-  refusing: arrivals outpace completions (u = arrival rate / completion rate above ``1 +
-  overload_margin``; refusals shorten the queue, never the arrival rate), or the KV sits at rho M
-  (the memory is the bottleneck, and what waits, waits for memory; u is then 1). A refused arrival
+  refusing at light load), or times one plus their 90th percentile relative to the predictions of a queue's
+  wait (``Observation.ttft_rel_error_p90``) where that is more, exceeds ``reject_above`` x SLO. Overload
+  has two witnesses, and neither can be defeated by refusing: arrivals outpace completions (u = arrival
+  rate / completion rate above ``1 + overload_margin``; refusals shorten the queue, never the arrival
+  rate), or the KV sits at rho M (the memory is the bottleneck, and what waits, waits for memory; u is
+  then 1). A refused arrival
   would most likely have missed its SLO anyway, and in overload it would have taken capacity from
   those that can still meet theirs; the error term is a measured margin, not an assumed one.
   (``overload_power`` p > 0 divides the threshold by u^p, a shorter queue the deeper the overload;
@@ -195,6 +197,11 @@ class SloFlowController(Controller):
         as long; off, only the count of steps at the mean step time. The engine records the bounded
         prediction (``EngineCore``'s ``ttft_profile``), so the error term measures the errors of the
         prediction it corrects; with the bound off, it measures those of a higher one.
+    :param relative_error: the predicted TTFT is also corrected in proportion, times one plus the 90th
+        percentile of recent errors relative to the predictions of at least ``QUEUE_STEPS`` mean steps
+        (``Observation.ttft_rel_error_p90``), where that is more than the error in seconds: a queue's wait is
+        mispredicted in proportion to its length (a slot frees in lumps on a replica whose KV holds a few
+        requests), while the error in seconds is mostly that of requests with nothing ahead.
 
     :param target_usage: rho of the memory-safe activation rate.
     :param prior_output_tokens: output length assumed before any request completed.
@@ -215,7 +222,8 @@ class SloFlowController(Controller):
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
                  steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, occupied_pacing: bool = True,
                  tpot_cap: bool = True, stable_rate: bool = True, recent_rate: bool = True, prefill_bound: bool = True,
-                 max_waiting: int | None = None, queue_timeout_s: float | None = None) -> None:
+                 relative_error: bool = True, max_waiting: int | None = None,
+                 queue_timeout_s: float | None = None) -> None:
         super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
                 and overload_power >= 0 and min_load >= 0 and steady_overload >= 0):
@@ -244,6 +252,7 @@ class SloFlowController(Controller):
         self.tpot_cap = tpot_cap and profile is not None
         self.stable_rate = stable_rate
         self.prefill_bound = prefill_bound and profile is not None
+        self.relative_error = relative_error
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
         self.reset()
@@ -374,7 +383,10 @@ class SloFlowController(Controller):
         limit = self.reject_delay_s(obs)
         if not limit < math.inf:
             return None
-        delay = self.predict_ttft_s(obs, prompt_tokens) + max(obs.ttft_error_p90_s, 0.0)
+        predicted = self.predict_ttft_s(obs, prompt_tokens)
+        delay = predicted + max(obs.ttft_error_p90_s, 0.0)
+        if self.relative_error:
+            delay = max(delay, predicted * (1.0 + max(obs.ttft_rel_error_p90, 0.0)))
         if delay > limit:
             return Rejection(f"predicted TTFT {delay:.3g} s exceeds {limit:.3g} s in overload", retry_after_s(obs))
         return None

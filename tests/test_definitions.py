@@ -272,6 +272,32 @@ def test_in_overload_slo_flow_counts_the_prefill_ahead_at_the_profiles_cost_not_
     assert controller().admit(obs, 2000, 100) is None
 
 
+def test_in_overload_slo_flow_corrects_a_queues_predicted_wait_in_proportion_to_it():
+    """Recent predictions of a queue's wait ran twice as long as predicted (``ttft_rel_error_p90`` = 1), while the
+    error in seconds, mostly of requests with nothing ahead, reads 0.1 s: an arrival predicted at 1.0 s against
+    a 2 s SLO is refused (2.1 s), and admitted when the correction is only in seconds (1.1 s)."""
+    from tidegate.ctrl.slo_flow import SloFlowController
+
+    obs = _offered(256, 128)
+    obs.mean_step_time_s, obs.lifetime_kv_workload, obs.mean_output_tokens = 0.03, 41_000.0, 128.0
+    # every slot taken: one request ahead, and the arrival waits for two completions at 2 a second
+    obs.num_running, obs.num_waiting, obs.kv_used_tokens = 40, 1, 30_000
+    obs.arrival_rate_rps = obs.offered_rate_rps = 6.0  # 3 x the completions: overload
+    obs.completion_rate_rps = obs.served_rate_rps = 2.0
+    obs.ttft_error_p90_s, obs.ttft_rel_error_p90 = 0.1, 1.0
+
+    def controller(**options):
+        return SloFlowController(ttft_slo_s=2.0, tpot_slo_s=0.2, max_num_batched_tokens=2048, max_num_seqs=40,
+                                 tpot_cap=False, **options)
+
+    predicted = controller().predict_ttft_s(obs, 256)
+    assert predicted + 0.1 < 2.0 < 2 * predicted
+    assert controller().admit(obs, 256, 128) is not None
+    assert controller(relative_error=False).admit(obs, 256, 128) is None
+    obs.ttft_rel_error_p90 = -0.5  # predictions ran early: no correction below the prediction itself
+    assert controller().admit(obs, 256, 128) is None
+
+
 def test_the_prefill_bound_serves_more_of_a_long_prompt_trace_in_overload():
     """The A100 preset, the code trace's prompts (median 1,500 tokens, p90 4,750) at 2 x its bound: counted at
     the mean step, a burst's prefill was predicted at a tenth of what it took, and the admitted requests missed

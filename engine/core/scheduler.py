@@ -429,7 +429,7 @@ class Scheduler(Planner):
                 # running request is the order's doing, not the prediction's error; the queue wait
                 # before its activation is the prediction's to foresee, however long
                 ttft = min(ttft, max(self.late_after_s, r.start_time_s - r.arrival_time_s))
-            self.stats.first_token(now, ttft - r.predicted_ttft_s)
+            self.stats.first_token(now, ttft - r.predicted_ttft_s, r.predicted_ttft_s)
 
     # ------------------------------------------------------------------ endings
     def end(self, r: Request, state: RequestState, reason: str, now: float, ended: list[Request]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from tidegate.ctrl.base import RATE_EVENTS, STEADY_RATE_EVENTS, Observation
+from tidegate.ctrl.base import QUEUE_STEPS, RATE_EVENTS, STEADY_RATE_EVENTS, Observation
 from tidegate.engine.core.offered import OfferedSizes
 
 #: weight of the newest value in the latency and step-time estimates
@@ -141,6 +141,7 @@ class ObservationStats:
         self.served = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
         # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
         self.ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)
+        self.ttft_rel_error = RecentQuantile(0.9, horizon_s=rate_window_s)
         self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
         self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
         self.offered_sizes = OfferedSizes(WORKLOAD_ALPHA)
@@ -174,6 +175,7 @@ class ObservationStats:
         obs.defer_rates(self.arrivals, self.offered, self.completions, self.served)
         obs.evicted_last_step = evicted_last_step
         obs.ttft_error_p90_s = self.ttft_error.current(now_s)
+        obs.ttft_rel_error_p90 = self.ttft_rel_error.current(now_s)
         return obs
 
     def snapshot(self) -> Observation:
@@ -252,9 +254,14 @@ class ObservationStats:
         if num_tokens:
             obs.mean_step_time_s += LATENCY_ALPHA * (duration_s - obs.mean_step_time_s)
 
-    def first_token(self, now_s: float, ttft_error_s: float) -> None:
-        """A request got its first token ``ttft_error_s`` later than its admission predicted."""
-        self.current.ttft_error_p90_s = self.ttft_error.add(ttft_error_s, now_s)
+    def first_token(self, now_s: float, ttft_error_s: float, predicted_s: float = 0.0) -> None:
+        """A request got its first token ``ttft_error_s`` later than its admission predicted
+        (``predicted_s``, for the relative error: counted where it is at least ``QUEUE_STEPS`` mean steps)."""
+        current = self.current
+        current.ttft_error_p90_s = self.ttft_error.add(ttft_error_s, now_s)
+        step_s = current.mean_step_time_s
+        if step_s > 0.0 and predicted_s >= QUEUE_STEPS * step_s:
+            current.ttft_rel_error_p90 = self.ttft_rel_error.add(ttft_error_s / predicted_s, now_s)
 
     def evicted(self) -> None:
         """A running request was evicted."""

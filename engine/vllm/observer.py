@@ -153,7 +153,7 @@ class VllmObserver:
         t = self._tracked.get(req_id)
         if t is not None:
             t.first_token_s = now
-            self.stats.first_token(now, now - t.arrival_s - t.predicted_ttft_s)
+            self.stats.first_token(now, now - t.arrival_s - t.predicted_ttft_s, t.predicted_ttft_s)
 
     def finished(self, request: Any, completed: bool) -> Request | None:
         """``request`` reached a terminal state (``completed``: it stopped or hit its length, rather
@@ -167,7 +167,7 @@ class VllmObserver:
             self._awaiting_first.discard(req_id)
             if out:  # its first token was its last
                 t.first_token_s = now
-                self.stats.first_token(now, now - t.arrival_s - t.predicted_ttft_s)
+                self.stats.first_token(now, now - t.arrival_s - t.predicted_ttft_s, t.predicted_ttft_s)
         prompt = request.num_prompt_tokens
         ended = Request(req_id, t.arrival_s, prompt, max(int(request.max_tokens), 1))
         ended.num_output_tokens = out

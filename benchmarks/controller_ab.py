@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -41,8 +42,15 @@ def run_cell(job: tuple[str, str, float, int, int, tuple[str, ...]]) -> tuple[st
 
 def run(args: argparse.Namespace) -> None:
     specs = tuple(args.spec)
-    loads = [float(x) for x in args.loads.split(",")]
-    jobs = [(p, f, load, d, args.requests, specs) for p in args.profile or ("a100-llama2-7b", "tiny-cpu")
+    profiles = args.profile or ("a100-llama2-7b", "tiny-cpu")
+    try:
+        loads = [float(x) for x in args.loads.split(",")]
+        for p in profiles:  # a bad spec or profile is told before any cell runs
+            for spec in specs:
+                build_controller(spec, load_profile(p))
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    jobs = [(p, f, load, d, args.requests, specs) for p in profiles
             for f in shipped_families() for load in loads for d in range(args.draws)]
     cells: dict[str, dict[str, float]] = {}
     with ProcessPoolExecutor(args.workers) as pool:
@@ -53,10 +61,28 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {args.out / 'cells.json'} ({len(cells)} cell draws)")
 
 
+def fail(message: str) -> None:
+    """One sentence on stderr and exit status 2, as the project's commands answer bad input."""
+    print(f"controller_ab: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def load_run(folder: Path, spec: str) -> dict[str, dict[str, float]]:
+    """The cells of a ``run`` in ``folder``, which must hold ``spec`` (:func:`fail` otherwise)."""
+    path = folder / "cells.json"
+    try:
+        run_ = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        fail(f"cannot read {path} ({exc}); make it with `controller_ab.py run`")
+    if spec not in run_["specs"]:
+        fail(f"{path} has no spec {spec!r}; it has {', '.join(run_['specs'])}")
+    return run_["cells"]
+
+
 def compare(args: argparse.Namespace) -> None:
     name_a, name_b = args.name_a or args.spec_a, args.name_b or args.spec_b
-    a = json.loads((args.dir_a / "cells.json").read_text())["cells"]
-    b = json.loads((args.dir_b / "cells.json").read_text())["cells"]
+    a = load_run(args.dir_a, args.spec_a)
+    b = load_run(args.dir_b, args.spec_b)
     sums: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for key in sorted(set(a) & set(b)):
         profile, family, load, _ = key.split("|")

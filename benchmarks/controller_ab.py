@@ -84,7 +84,10 @@ def compare(args: argparse.Namespace) -> None:
     a = load_run(args.dir_a, args.spec_a)
     b = load_run(args.dir_b, args.spec_b)
     sums: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
-    for key in sorted(set(a) & set(b)):
+    keys = sorted(set(a) & set(b))
+    # the reference's columns only where both runs simulated it
+    ref = all(args.ref in a[key] and args.ref in b[key] for key in keys)
+    for key in keys:
         profile, family, load, _ = key.split("|")
         s = sums[(profile, family, load)]
         s[0] += a[key][args.spec_a]
@@ -92,15 +95,17 @@ def compare(args: argparse.Namespace) -> None:
         s[2] += a[key].get(args.ref, math.nan)
         s[3] += b[key].get(args.ref, math.nan)
     lines = [f"# B, {name_b} (`{args.spec_b}`), against A, {name_a} (`{args.spec_a}`)", "",
-             f"Goodput summed over the paired draws; `{args.ref}` from each run.", "",
-             f"| profile | family | load | B / A | A / {args.ref} | B / {args.ref} |", "|---|---|---:|---:|---:|---:|"]
+             "Goodput summed over the paired draws" + (f"; `{args.ref}` from each run." if ref else "."), "",
+             "| profile | family | load | B / A |" + (f" A / {args.ref} | B / {args.ref} |" if ref else ""),
+             "|---|---|---:|---:|" + ("---:|---:|" if ref else "")]
     logs, labels = [], []
     for (profile, family, load), (ga, gb, ra, rb) in sums.items():
         ratio = gb / ga if ga > 0 else math.nan
         if ratio > 0:
             logs.append(math.log(ratio))
             labels.append(f"{profile} {family} {load}")
-        lines.append(f"| {profile} | {family} | {load} | {ratio:.3f} | {ga / ra:.3f} | {gb / rb:.3f} |")
+        row = f"| {profile} | {family} | {load} | {ratio:.3f} |"
+        lines.append(row + (f" {ga / ra:.3f} | {gb / rb:.3f} |" if ref else ""))
     if logs:
         lines += ["", f"B / A over {len(logs)} cells: geometric mean {math.exp(sum(logs) / len(logs)):.3f}, "
                       f"worst {math.exp(min(logs)):.3f}, best {math.exp(max(logs)):.3f}."]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -29,6 +28,9 @@ from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.workloads.families import load_family, shipped_families
 from tidegate.training.evaluate import cell_arrivals
+from tidegate.engine.bench.report import usage_error
+
+PROG = "controller_ab"
 
 
 def run_cell(job: tuple[str, str, float, int, int, tuple[str, ...]]) -> tuple[str, dict[str, float]]:
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> None:
             for spec in specs:
                 build_controller(spec, load_profile(p))
     except (ValueError, OSError) as exc:
-        fail(str(exc))
+        usage_error(str(exc), PROG)
     jobs = [(p, f, load, d, args.requests, specs) for p in profiles
             for f in shipped_families() for load in loads for d in range(args.draws)]
     cells: dict[str, dict[str, float]] = {}
@@ -61,21 +63,15 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {args.out / 'cells.json'} ({len(cells)} cell draws)")
 
 
-def fail(message: str) -> None:
-    """One sentence on stderr and exit status 2, as the project's commands answer bad input."""
-    print(f"controller_ab: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def load_run(folder: Path, spec: str) -> dict[str, dict[str, float]]:
-    """The cells of a ``run`` in ``folder``, which must hold ``spec`` (:func:`fail` otherwise)."""
+    """The cells of a ``run`` in ``folder``, which must hold ``spec`` (one sentence and exit status 2 otherwise)."""
     path = folder / "cells.json"
     try:
         run_ = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        fail(f"cannot read {path} ({exc}); make it with `controller_ab.py run`")
+        usage_error(f"cannot read {path} ({exc}); make it with `controller_ab.py run`", PROG)
     if spec not in run_["specs"]:
-        fail(f"{path} has no spec {spec!r}; it has {', '.join(run_['specs'])}")
+        usage_error(f"{path} has no spec {spec!r}; it has {', '.join(run_['specs'])}", PROG)
     return run_["cells"]
 
 
@@ -92,8 +88,9 @@ def compare(args: argparse.Namespace) -> None:
         s = sums[(profile, family, load)]
         s[0] += a[key][args.spec_a]
         s[1] += b[key][args.spec_b]
-        s[2] += a[key].get(args.ref, math.nan)
-        s[3] += b[key].get(args.ref, math.nan)
+        if ref:
+            s[2] += a[key][args.ref]
+            s[3] += b[key][args.ref]
     lines = [f"# B, {name_b} (`{args.spec_b}`), against A, {name_a} (`{args.spec_a}`)", "",
              "Goodput summed over the paired draws" + (f"; `{args.ref}` from each run." if ref else "."), "",
              "| profile | family | load | B / A |" + (f" A / {args.ref} | B / {args.ref} |" if ref else ""),

@@ -31,12 +31,10 @@ from tidegate.engine.core.profile import Profile, ProfileError, load_profile
 from tidegate.engine.core.request import RequestState
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.workloads.arrivals import Arrival
+from tidegate.engine.workloads.synthetic import load_synthetic
+from tidegate.engine.bench.report import usage_error
 
-
-def fail(message: str) -> None:
-    """One sentence on stderr and exit status 2, as the project's commands answer bad input."""
-    print(f"load_step: {message}", file=sys.stderr)
-    raise SystemExit(2)
+PROG = "load_step"
 
 
 def phase(text: str) -> tuple[float, float]:
@@ -51,16 +49,17 @@ def phase(text: str) -> tuple[float, float]:
 
 def arrivals(phases: list[tuple[float, float]], gap_s: float, prompt: int, output: int,
              draw: int) -> tuple[list[Arrival], list[float]]:
-    """Poisson arrivals phase after phase, and each phase's start."""
-    rng = np.random.default_rng(draw)
+    """Poisson arrivals phase after phase (each a one-class synthetic workload, seeded by the draw and the
+    phase), and each phase's start."""
     out: list[Arrival] = []
     starts: list[float] = []
     start = 0.0
-    for rate, seconds in phases:
+    for i, (rate, seconds) in enumerate(phases):
         starts.append(start)
-        t = start
-        while (t := t + float(rng.exponential(1.0 / rate))) < start + seconds:
-            out.append(Arrival(t, prompt, output, output))
+        workload = {"arrival": {"process": "poisson"}, "duration_s": seconds, "max_tokens": output,
+                    "classes": [{"rate_rps": rate, "prompt_tokens": prompt, "output_tokens": output}]}
+        out += [dataclasses.replace(a, arrival_time_s=start + a.arrival_time_s)
+                for a in load_synthetic(workload, seed=len(phases) * draw + i)]
         start += seconds + gap_s
     return out, starts
 
@@ -101,7 +100,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if not (args.prompt_tokens >= 1 and args.output_tokens >= 1 and args.draws >= 1 and args.gap_s >= 0):
-        fail("--prompt-tokens, --output-tokens and --draws must be at least 1, and --gap-s at least 0")
+        usage_error("--prompt-tokens, --output-tokens and --draws must be at least 1, and --gap-s at least 0", PROG)
     try:
         profile = load_profile(args.profile)
         slos = {k: v for k, v in (("ttft_slo_s", args.ttft_slo_s), ("tpot_slo_s", args.tpot_slo_s)) if v is not None}
@@ -109,7 +108,7 @@ def main() -> None:
         for spec in args.spec:
             build_controller(spec, profile)
     except (ValueError, OSError, ProfileError) as exc:
-        fail(str(exc))
+        usage_error(str(exc), PROG)
 
     runs: dict[str, list[list[dict]]] = {spec: [] for spec in args.spec}
     for draw in range(args.draws):

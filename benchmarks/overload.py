@@ -53,6 +53,7 @@ from tidegate.engine.bench.overload.report import markdown, write_outputs
 from tidegate.engine.bench.overload.server import Server, ServerError
 from tidegate.engine.bench.overload.stats import kill_summary
 from tidegate.engine.bench.overload.targets import TARGETS, kill_misses, lost, overload_misses
+from tidegate.engine.bench.report import usage_error
 
 #: the registered controllers that copy a server's scheduler, by that server's name
 ALIASES = {"vllm": "greedy", "tgi": "no-evict"}
@@ -209,11 +210,6 @@ def parse_args() -> argparse.Namespace:
     args.duration = args.duration or (15.0 if quick else 60.0)
     args.capacity_s = args.capacity_s or (4.0 if quick else 8.0)
     return args
-
-
-def usage_error(sentence: str) -> None:
-    print(f"error: {sentence}", file=sys.stderr)
-    sys.exit(2)
 
 
 def controller_names(text: str) -> list[str]:

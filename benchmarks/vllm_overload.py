@@ -59,6 +59,7 @@ from tidegate.engine.bench.vllm.server import VLLM_PYTHON, VllmServer
 from tidegate.engine.bench.vllm.stats import add_ratios, probe_stats, queue_stats, request_stats
 from tidegate.engine.bench.vllm.steps import step_overhead
 from tidegate.engine.bench.vllm.targets import TARGETS, misses
+from tidegate.engine.bench.report import usage_error
 
 STARTUP_GUESS_S = 75.0  # vLLM's start-up on a 2-core machine with a small model (40-90 s)
 
@@ -126,11 +127,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.drain_s is None:
         args.drain_s = args.ttft_slo_s + args.tpot_slo_s * (args.max_tokens - 1) + 5.0
     return args
-
-
-def usage_error(sentence: str) -> None:
-    print(f"error: {sentence}", file=sys.stderr)
-    sys.exit(2)
 
 
 def queued_values(text: str, capacity_clients: int | None) -> list[int] | None:

@@ -211,8 +211,8 @@ class SloFlowController(Controller):
         predicted TTFT of the work ahead of it alone (``predict_ttft_s`` of a prompt of 0 tokens: no error
         margin, no residual, not its own prefill) exceeds ``reject_above`` x SLO. The rates the other
         witnesses read span 64 and 256 events, and a step in load after an idle spell reads as the spell for
-        that many arrivals (on the twin of a vLLM CPU replica stepping to 3 x its capacity after a pause, 207
-        of the 257 requests that missed their TTFT arrived in the step's first 15 s; 95 with the witness).
+        that many arrivals (on the twin of a vLLM CPU replica stepping to 3 x its capacity after a pause, 224
+        of the 270 requests that missed their TTFT arrived in the step's first 15 s; 108 with the witness).
         Off by default: on the A100 preset's long-context and multi-class traffic at 0.5-0.7 x lambda_max it
         refused up to 31 of 800 requests a draw (goodput -0.4% to +5.3%), where nothing is to be refused.
 

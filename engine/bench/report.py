@@ -1,5 +1,5 @@
 """Small helpers the benchmark scripts share: a table printed and written, a percentile's relative
-error, and a column of a results CSV.
+error, a column of a results CSV, and bad input told in one sentence.
 
 No torch and no engine imports: numpy only, so any script (or a notebook) can take them.
 """
@@ -7,12 +7,14 @@ No torch and no engine imports: numpy only, so any script (or a notebook) can ta
 from __future__ import annotations
 
 import csv
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
-__all__ = ["csv_column", "emit", "rel_error"]
+__all__ = ["csv_column", "emit", "rel_error", "usage_error"]
 
 
 def emit(lines: Sequence[str] | str, out: Path | None = None) -> None:
@@ -36,3 +38,9 @@ def csv_column(path: Path, key: str, keep: Callable[[dict[str, str]], bool] | No
     with open(path) as f:
         return np.array([float(r[key]) for r in csv.DictReader(f)
                          if r[key] not in ("", "nan") and (keep is None or keep(r))])
+
+
+def usage_error(sentence: str, prog: str = "error") -> NoReturn:
+    """Bad input, as the project's commands answer it: ``prog: sentence`` on stderr and exit status 2."""
+    print(f"{prog}: {sentence}", file=sys.stderr)
+    raise SystemExit(2)

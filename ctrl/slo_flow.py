@@ -106,7 +106,10 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
       requests started together (a burst, the start of a run, and its echo a lifetime later): after a
       silence longer than the mean gap the completion rate implies, the next completion is expected no
       sooner than the silence lasted (``Observation.last_completion_s``), so an arrival that needs a slot
-      is not promised one in the middle of a wave's gap;
+      is not promised one in the middle of a wave's gap. Nor is the first slot expected free before the
+      oldest running request has decoded the short end of recent outputs (``Observation.short_output_tokens``):
+      where all running requests are young (a wave that has just started), the rate of the completions
+      before them says nothing of when theirs begin;
     - **prefill**: the prompt tokens still to prefill of the running requests, of the queue ahead and
       its own, at the step's token budget less one token for each running request's decode.
 
@@ -151,7 +154,10 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
                 silence = (obs.now_s - obs.last_completion_s) / step_s
                 if silence * done > 1.0:
                     done = 1.0 / silence
-            queue_steps = max(queue_steps, short / max(done, 1e-9))
+            # nor before the oldest running request reaches the short end of recent outputs: the first
+            # slot frees then at the earliest, the rest at the rate
+            first = max(obs.short_output_tokens - obs.oldest_output_tokens, 0)
+            queue_steps = max(queue_steps, short / max(done, 1e-9), first + max(short - 1.0, 0.0) / max(done, 1e-9))
     return max((max(queue_steps, prefill_steps) + 1.0) * step_s, bound)
 
 

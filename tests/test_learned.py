@@ -840,6 +840,24 @@ def test_a_silence_in_completions_is_not_promised_a_slot():
     assert c.admit(recent, 100, 100) is None
 
 
+def test_a_wave_of_young_running_requests_frees_no_slot_before_the_short_outputs_end():
+    """The cap is full of requests that started a few steps ago (a wave), and the completions before them ran
+    at 5/s: the first slot frees no sooner than the oldest of them reaches the short end of recent outputs
+    (300 - 20 steps of 0.05 s here), so in overload the arrival is refused. Once the oldest has decoded that
+    far, the rate stands again, and it is admitted."""
+    c = SloFlowController(max_num_batched_tokens=2048)
+    c.set_admission_state((1.0, 2048, 20))
+    young = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, oldest_output_tokens=20)
+    assert predicted_ttft_s(young, 100, 2048, running_cap=20) >= (300 - 20) * 0.05
+    assert isinstance(c.admit(young, 100, 100), Rejection)
+    old = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, oldest_output_tokens=300)
+    assert predicted_ttft_s(old, 100, 2048, running_cap=20) < 1.0
+    assert c.admit(old, 100, 100) is None
+    # each later slot at the rate: the fifth waits for the first and four more completions
+    fifth = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, oldest_output_tokens=280, num_waiting=4)
+    assert predicted_ttft_s(fifth, 100, 2048, running_cap=20) >= (20 + 4 / (5.0 * 0.05)) * 0.05
+
+
 def test_only_arrivals_predicted_to_miss_their_slo_are_refused_and_the_measured_error_counts():
     c = SloFlowController(max_num_batched_tokens=2048)
     obs = overloaded_obs(num_waiting=4, waiting_prompt_tokens=4000)

@@ -157,6 +157,35 @@ def test_the_last_completion_is_the_latest_completion_or_the_start_of_the_busy_p
     assert stats.current.last_completion_s == 9.0 and stats.snapshot().last_completion_s == 9.0
 
 
+def test_the_short_outputs_are_the_tenth_percentile_of_the_last_64_completions_and_the_oldest_runs_first():
+    """``short_output_tokens`` is the 10th percentile of the last 64 completions' outputs, however old (an output's
+    length is the traffic's, not a moment's); ``oldest_output_tokens`` is what the engine says of the first of its
+    running requests, and in the engine that is the request that started first (a steady decode's count included)."""
+    from tidegate.engine.core.stats import ObservationStats
+
+    stats = ObservationStats(kv_capacity_tokens=1000)
+    assert stats.current.short_output_tokens == 0
+    for i in range(100):
+        stats.completed(float(i), 10, 1000 + i, 0.5, 0.1)  # the first 36 (1000-1035) leave the window
+    assert stats.current.short_output_tokens == 1036 + 6  # the 7th smallest of 1036-1099
+    assert stats.observe(1e6, 1, 20, 0, 1, 0, 10, 0, 0, 17).oldest_output_tokens == 17
+    assert stats.snapshot().short_output_tokens == 1042 and stats.snapshot().oldest_output_tokens == 17
+
+    from tidegate.ctrl.greedy import GreedyController
+
+    core = make_engine(GreedyController(), capacity=4096)
+    for i, out in enumerate((50, 5, 5)):
+        core.add_request(req(i, 8, out, arrival=core.clock.now()))
+        core.step()
+    for _ in range(10):
+        core.step()
+    first = core.scheduler.running[0]
+    assert first.request_id == "0" and core.observe().oldest_output_tokens == 13  # it started first: 13 steps ago
+    while len(core.scheduler.running) > 1:
+        core.step()
+    assert core.observe().oldest_output_tokens == core.scheduler.running[0].num_output_tokens
+
+
 def test_the_relative_ttft_error_counts_only_predictions_of_a_queues_wait():
     """``ttft_rel_error_p90`` is the 90th percentile of (realised - predicted) / predicted over predictions of at least
     ``QUEUE_STEPS`` mean steps; a prediction of a step or two is about one step's noise, and its relative error

@@ -214,6 +214,31 @@ def _observation_stats():
     return stats
 
 
+def test_the_observer_reads_vllms_queues_and_the_oldest_running_requests_output():
+    """The observation from vLLM's state: the queue (waiting, and waiting with blocks held), its head's
+    prompt, the running requests' prompts, and the output so far of the first of them (vLLM keeps its
+    running requests in the order they were scheduled, preempting from the tail)."""
+    from types import SimpleNamespace
+
+    from tidegate.engine.vllm.observer import VllmObserver
+
+    class Queue(list):
+        def peek_request(self):
+            return self[0]
+
+    def request(prompt: int, computed: int, out: int) -> SimpleNamespace:
+        return SimpleNamespace(num_prompt_tokens=prompt, num_tokens=prompt + out, num_computed_tokens=computed,
+                               num_output_tokens=out)
+
+    observer = VllmObserver(LIMITS.kv_capacity_tokens, LIMITS.block_size, 10.0)
+    running = [request(100, 139, 40), request(50, 59, 10), request(70, 20, 0)]
+    obs = observer.observe(3, Queue([request(30, 0, 0)]), Queue([request(200, 64, 0)]), running, 0.25)
+    assert (obs.num_waiting, obs.num_running, obs.waiting_prompt_tokens) == (2, 3, 30 + 136)
+    assert (obs.head_prompt_tokens, obs.running_prompt_tokens, obs.oldest_output_tokens) == (200, 220, 40)
+    assert obs.kv_used_tokens == round(0.25 * LIMITS.kv_capacity_tokens)
+    assert observer.observe(4, Queue(), Queue(), [], 0.0).oldest_output_tokens == 0
+
+
 def test_the_profile_is_refitted_from_the_replicas_steps_unless_turned_off():
     live = replica_profile(PluginConfig(), LIMITS)
     assert isinstance(live, OnlineProfile) and live.current == replica_profile(PluginConfig(profile_fit="off"), LIMITS)

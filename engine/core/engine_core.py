@@ -335,10 +335,15 @@ class EngineCore:
     def _observe(self, now: float) -> Observation:
         """The engine's state into its statistics; returns ``stats.current`` (the engine's own)."""
         sched = self.scheduler
-        waiting = sched.waiting
-        return self.stats.observe(now, self.step_index, self.pool.used_tokens, len(waiting), len(sched.running),
+        waiting, running = sched.waiting, sched.running
+        oldest = 0
+        if running:
+            head = running[0]  # a steady decode's count lags: its output is the tick less its lag
+            lag = head.decode_lag
+            oldest = head.num_output_tokens if lag is None else sched.steady.tick - lag
+        return self.stats.observe(now, self.step_index, self.pool.used_tokens, len(waiting), len(running),
                                   sched.waiting_prompt_tokens, sched.running_prompt_tokens,
-                                  waiting[0].prompt_len if waiting else 0, sched.evicted_last_step)
+                                  waiting[0].prompt_len if waiting else 0, sched.evicted_last_step, oldest)
 
     # ------------------------------------------------------------------ the decision
     def _decide(self) -> Decision:

@@ -22,6 +22,9 @@ from tidegate.engine.core.offered import OfferedSizes
 LATENCY_ALPHA = 0.05
 #: weight of the newest request in the request-size estimates: heavy-tailed, so a longer memory
 WORKLOAD_ALPHA = 0.01
+#: the quantile of recent outputs ``Observation.short_output_tokens`` reads: of N requests that start
+#: together, about N / 10 complete before the oldest running one has decoded that many tokens
+SHORT_OUTPUT_QUANTILE = 0.1
 
 
 class RateEstimator:
@@ -142,6 +145,8 @@ class ObservationStats:
         # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
         self.ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)
         self.ttft_rel_error = RecentQuantile(0.9, horizon_s=rate_window_s)
+        # the outputs of the last 64 completions, however old: their length is the traffic's, not a moment's
+        self.short_outputs = RecentQuantile(SHORT_OUTPUT_QUANTILE)
         self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
         self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
         self.offered_sizes = OfferedSizes(WORKLOAD_ALPHA)
@@ -154,7 +159,7 @@ class ObservationStats:
     # ------------------------------------------------------------------ the state now
     def observe(self, now_s: float, step_index: int, kv_used_tokens: int, num_waiting: int, num_running: int,
                 waiting_prompt_tokens: int, running_prompt_tokens: int, head_prompt_tokens: int,
-                evicted_last_step: int) -> Observation:
+                evicted_last_step: int, oldest_output_tokens: int = 0) -> Observation:
         """Bring the figures up to ``now_s`` with the engine's state; returns :attr:`current`.
 
         :param kv_used_tokens: KV tokens held now.
@@ -162,6 +167,7 @@ class ObservationStats:
         :param running_prompt_tokens: prompt tokens of the running requests.
         :param head_prompt_tokens: the prompt of the queue's first request (0: none waits).
         :param evicted_last_step: requests the last step evicted.
+        :param oldest_output_tokens: output tokens so far of the running request that started first.
         """
         obs = self.current
         obs.now_s = now_s
@@ -172,6 +178,7 @@ class ObservationStats:
         obs.waiting_prompt_tokens = waiting_prompt_tokens
         obs.running_prompt_tokens = running_prompt_tokens
         obs.head_prompt_tokens = head_prompt_tokens
+        obs.oldest_output_tokens = oldest_output_tokens
         obs.defer_rates(self.arrivals, self.offered, self.completions, self.served)
         obs.evicted_last_step = evicted_last_step
         obs.ttft_error_p90_s = self.ttft_error.current(now_s)
@@ -277,6 +284,7 @@ class ObservationStats:
         obs, a, aw = self.current, LATENCY_ALPHA, WORKLOAD_ALPHA
         obs.completed_total += 1
         obs.last_completion_s = now_s
+        obs.short_output_tokens = int(self.short_outputs.add(output_tokens))
         o, p = output_tokens, prompt_len
         # exponentially weighted means corrected for their start (weights normalised to sum to 1):
         # the mean of all completions while they are few, the first one never weighs more than the rest

@@ -97,7 +97,7 @@ class VllmObserver:
         stats = self.stats
         stats.observe(now, step_index, kv_used, len(waiting) + len(holding), len(running), queued,
                       sum(r.num_prompt_tokens for r in running), head.num_prompt_tokens if head is not None else 0,
-                      self.evicted_last_step)
+                      self.evicted_last_step, running[0].num_output_tokens if running else 0)
         stats.step_started(kv_used)
         return stats.snapshot()
 

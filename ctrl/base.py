@@ -71,7 +71,7 @@ class Observation:
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p90_s", "ttft_rel_error_p90", "last_completion_s",
-        "oldest_output_tokens", "short_output_tokens",
+        "most_output_tokens", "short_output_tokens",
     )
     __slots__ = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
@@ -84,7 +84,7 @@ class Observation:
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p90_s", "ttft_rel_error_p90", "last_completion_s",
-        "oldest_output_tokens", "short_output_tokens",
+        "most_output_tokens", "short_output_tokens",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -171,13 +171,15 @@ class Observation:
         #: the next completion can be expected. -1 before the first arrival (and in an Observation
         #: an engine did not make): unknown
         self.last_completion_s = -1.0
-        #: output tokens so far of the running request that started first (0 when none runs): the
-        #: running requests are in activation order, and the one at their head has decoded the longest
-        #: (one that resumes after an eviction joins the tail with its kept output, and counts later)
-        self.oldest_output_tokens = 0
-        #: the 10th percentile of the outputs of the last 64 completions (0 before the first): an
-        #: output much shorter is rare, so the running requests free no slot before the oldest of them
-        #: has decoded about this many tokens
+        #: the most output tokens so far of any running request (0 when none runs). An engine may leave
+        #: this and ``short_output_tokens`` 0 where no arrival would wait for a slot (fewer running and
+        #: waiting requests than its running cap) and in the observations of its steps: admission's TTFT
+        #: prediction reads them only where an arrival would wait
+        self.most_output_tokens = 0
+        #: the 10th percentile of the outputs of the last 64 completions that are longer than the least
+        #: output so far of any running request (0 before the first, or where none is longer): every
+        #: running request's output will be longer than what it has, so nine in ten of them run to at
+        #: least this many tokens, and no slot is likely to free before the most advanced has decoded it
         self.short_output_tokens = 0
 
     # The four rates are computed when first read, not at every step: most controllers read none
@@ -318,7 +320,7 @@ class Observation:
         o.ttft_error_p90_s = self.ttft_error_p90_s
         o.ttft_rel_error_p90 = self.ttft_rel_error_p90
         o.last_completion_s = self.last_completion_s
-        o.oldest_output_tokens = self.oldest_output_tokens
+        o.most_output_tokens = self.most_output_tokens
         o.short_output_tokens = self.short_output_tokens
         return o
 
@@ -434,6 +436,12 @@ class Controller:
     def decide(self, obs: Observation) -> Decision:
         """The Decision for the next step."""
         raise NotImplementedError
+
+    def reads_slot_wait(self) -> bool:
+        """Whether ``admit`` reads ``Observation.most_output_tokens`` and ``short_output_tokens`` (the
+        TTFT prediction's wait for a slot): an engine may fill them only in the observations of arrivals
+        for a controller that does."""
+        return False
 
     def steady_decision(self) -> Decision | None:
         """The Decision ``decide`` returns, with no other effect, whatever the observation: the

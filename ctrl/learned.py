@@ -380,6 +380,9 @@ class LearnedController(Controller):
             pass
         return d
 
+    def reads_slot_wait(self) -> bool:
+        return self.prior.reads_slot_wait()  # the prior makes every admission
+
     def admission_state(self):
         """The prior's admission state (None if it has none), for a twin deciding arrivals elsewhere."""
         try:

@@ -238,6 +238,13 @@ class ShieldedController(Controller):
         except Exception as exc:
             self._absorb("use_wall_clock()", exc)
 
+    def reads_slot_wait(self) -> bool:
+        try:
+            return bool(self.inner.reads_slot_wait())
+        except Exception as exc:
+            self._absorb("reads_slot_wait()", exc)
+            return True  # fill them: the inner controller may read them
+
     def admission_state(self):
         """The inner controller's admission state (the shield's own admission reads only the
         Observation and its options); None if the inner controller cannot give it."""

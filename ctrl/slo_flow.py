@@ -107,9 +107,9 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
       silence longer than the mean gap the completion rate implies, the next completion is expected no
       sooner than the silence lasted (``Observation.last_completion_s``), so an arrival that needs a slot
       is not promised one in the middle of a wave's gap. Nor is the first slot expected free before the
-      oldest running request has decoded the short end of recent outputs (``Observation.short_output_tokens``):
-      where all running requests are young (a wave that has just started), the rate of the completions
-      before them says nothing of when theirs begin;
+      most advanced running request has decoded the short end of the recent outputs longer than any running
+      request has yet (``Observation.short_output_tokens``): where all running requests are young (a wave
+      that has just started), the rate of the completions before them says nothing of when theirs begin;
     - **prefill**: the prompt tokens still to prefill of the running requests, of the queue ahead and
       its own, at the step's token budget less one token for each running request's decode.
 
@@ -154,9 +154,9 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
                 silence = (obs.now_s - obs.last_completion_s) / step_s
                 if silence * done > 1.0:
                     done = 1.0 / silence
-            # nor before the oldest running request reaches the short end of recent outputs: the first
-            # slot frees then at the earliest, the rest at the rate
-            first = max(obs.short_output_tokens - obs.oldest_output_tokens, 0)
+            # nor before the most advanced running request reaches the short end of the outputs they can
+            # still have: the first slot frees then at the earliest, the rest at the rate
+            first = max(obs.short_output_tokens - obs.most_output_tokens, 0)
             queue_steps = max(queue_steps, short / max(done, 1e-9), first + max(short - 1.0, 0.0) / max(done, 1e-9))
     return max((max(queue_steps, prefill_steps) + 1.0) * step_s, bound)
 
@@ -388,6 +388,9 @@ class SloFlowController(Controller):
         return predicted_ttft_s(obs, prompt_tokens, self._decision.token_budget, self.target_usage,
                                 self.prior_output_tokens, self.occupied_pacing, self._decision.running_cap,
                                 self.stable_rate, self.profile if self.prefill_bound else None)
+
+    def reads_slot_wait(self) -> bool:
+        return True
 
     def nothing_ahead(self, obs: Observation) -> bool:
         """No request waits, a slot is free under the running cap, and the running requests' prefill fits

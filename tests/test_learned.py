@@ -847,14 +847,14 @@ def test_a_wave_of_young_running_requests_frees_no_slot_before_the_short_outputs
     far, the rate stands again, and it is admitted."""
     c = SloFlowController(max_num_batched_tokens=2048)
     c.set_admission_state((1.0, 2048, 20))
-    young = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, oldest_output_tokens=20)
+    young = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=20)
     assert predicted_ttft_s(young, 100, 2048, running_cap=20) >= (300 - 20) * 0.05
     assert isinstance(c.admit(young, 100, 100), Rejection)
-    old = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, oldest_output_tokens=300)
+    old = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=300)
     assert predicted_ttft_s(old, 100, 2048, running_cap=20) < 1.0
     assert c.admit(old, 100, 100) is None
     # each later slot at the rate: the fifth waits for the first and four more completions
-    fifth = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, oldest_output_tokens=280, num_waiting=4)
+    fifth = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=280, num_waiting=4)
     assert predicted_ttft_s(fifth, 100, 2048, running_cap=20) >= (20 + 4 / (5.0 * 0.05)) * 0.05
 
 

@@ -157,33 +157,40 @@ def test_the_last_completion_is_the_latest_completion_or_the_start_of_the_busy_p
     assert stats.current.last_completion_s == 9.0 and stats.snapshot().last_completion_s == 9.0
 
 
-def test_the_short_outputs_are_the_tenth_percentile_of_the_last_64_completions_and_the_oldest_runs_first():
+def test_the_short_outputs_are_the_tenth_percentile_of_recent_outputs_longer_than_any_running_request_has():
     """``short_output_tokens`` is the 10th percentile of the last 64 completions' outputs, however old (an output's
-    length is the traffic's, not a moment's); ``oldest_output_tokens`` is what the engine says of the first of its
-    running requests, and in the engine that is the request that started first (a steady decode's count included)."""
+    length is the traffic's, not a moment's), among those longer than the least output of a running request: a
+    request that has decoded 5 tokens will not end at 1, so one-token answers (a probe, a classifier) say nothing
+    of when it frees its slot while none of them runs. ``most_output_tokens`` is the most any running request has,
+    in the engine a steady decode's count included."""
+    from tidegate.ctrl.greedy import GreedyController
     from tidegate.engine.core.stats import ObservationStats
 
     stats = ObservationStats(kv_capacity_tokens=1000)
-    assert stats.current.short_output_tokens == 0
+    assert stats.outputs.short_above(0) == 0
     for i in range(100):
         stats.completed(float(i), 10, 1000 + i, 0.5, 0.1)  # the first 36 (1000-1035) leave the window
-    assert stats.current.short_output_tokens == 1036 + 6  # the 7th smallest of 1036-1099
-    assert stats.observe(1e6, 1, 20, 0, 1, 0, 10, 0, 0, 17).oldest_output_tokens == 17
-    assert stats.snapshot().short_output_tokens == 1042 and stats.snapshot().oldest_output_tokens == 17
+    assert stats.outputs.short_above(3) == 1036 + 6  # the 7th of 1036-1099
+    assert stats.observe(1e6, 1, 20, 0, 1, 0, 10, 0, 0, 17, 1042).most_output_tokens == 17
+    assert stats.snapshot().short_output_tokens == 1042 and stats.snapshot().most_output_tokens == 17
+    for _ in range(32):
+        stats.completed(2e6, 10, 1, 0.5, 0.1)  # half the window: one-token answers
+    assert stats.outputs.short_above(0) == 1  # one of them may be running
+    assert stats.outputs.short_above(1) == 1068 + 3  # none is: the 4th of 1068-1099
+    assert stats.outputs.short_above(5000) == 0  # longer than all seen
 
-    from tidegate.ctrl.greedy import GreedyController
-
-    core = make_engine(GreedyController(), capacity=4096)
-    for i, out in enumerate((50, 5, 5)):
+    core = make_engine(GreedyController(max_num_seqs=3), capacity=4096)
+    for i, out in enumerate((50, 20, 20)):
         core.add_request(req(i, 8, out, arrival=core.clock.now()))
         core.step()
     for _ in range(10):
         core.step()
-    first = core.scheduler.running[0]
-    assert first.request_id == "0" and core.observe().oldest_output_tokens == 13  # it started first: 13 steps ago
+    # the cap is full, so an arrival would wait for a slot: the engine reads its running requests' outputs
+    assert core.scheduler.running[0].request_id == "0" and core.observe().most_output_tokens == 13  # 13 steps ago
+    assert core.observe().short_output_tokens == 0  # nothing has completed yet
     while len(core.scheduler.running) > 1:
         core.step()
-    assert core.observe().oldest_output_tokens == core.scheduler.running[0].num_output_tokens
+    assert core.observe().most_output_tokens == 0  # a slot is free: not read
 
 
 def test_the_relative_ttft_error_counts_only_predictions_of_a_queues_wait():
@@ -202,3 +209,29 @@ def test_the_relative_ttft_error_counts_only_predictions_of_a_queues_wait():
     assert stats.current.ttft_rel_error_p90 == 0.5 / (QUEUE_STEPS * 0.1)
     assert stats.observe(11.0, 0, 0, 0, 0, 0, 0, 0, 0).ttft_rel_error_p90 == 0.5 / (QUEUE_STEPS * 0.1)
     assert stats.observe(100.0, 0, 0, 0, 0, 0, 0, 0, 0).ttft_rel_error_p90 == 0.0  # past the rate window: forgotten
+
+
+@given(arrivals=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.integers(1, 60)), min_size=1,
+                         max_size=30),
+       cap=st.integers(1, 8), capacity=st.sampled_from([48, 96, 1024]))
+def test_the_running_outputs_read_from_the_steady_lags_are_those_counted_one_by_one(arrivals, cap, capacity):
+    """Where an arrival would wait for a slot, the engine reads the most and the least output of its running
+    requests from the steady decodes' lags (``SteadyDecodes.outputs``) and the others one by one: the same as
+    counting every running request's output, through activations, endings and evictions (tight KV)."""
+    from tidegate.ctrl.greedy import GreedyController
+    from tidegate.engine.core.steady_decodes import running_outputs
+
+    core = make_engine(GreedyController(max_num_seqs=cap), capacity=capacity)
+    pending = sorted(arrivals)
+    for step in range(800):
+        while pending and pending[0][0] <= step:
+            _, prompt, out = pending.pop(0)
+            core.add_request(req(step * 100 + len(pending), prompt, out, arrival=core.clock.now()))
+        if not pending and not core.has_unfinished:
+            break
+        sched = core.scheduler
+        outs = [r.num_output_tokens if r.decode_lag is None else sched.steady.tick - r.decode_lag
+                for r in sched.running]
+        expected = (max(outs), min(outs)) if outs else (0, 0)
+        assert running_outputs(sched.steady, sched.explicit, sched.steady.tick) == expected
+        core.step()

@@ -24,7 +24,7 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", kv_capacity_tokens=4096, device="cpu")
+    return LLM("tiny", kv_capacity_tokens=4096, device="cpu", dtype="float32")  # exact references: fp32 everywhere
 
 
 @pytest.fixture(scope="module")

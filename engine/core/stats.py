@@ -13,6 +13,7 @@ it writes into one reaches the figures the next step is made from.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 
 from tidegate.ctrl.base import QUEUE_STEPS, RATE_EVENTS, STEADY_RATE_EVENTS, Observation
@@ -22,8 +23,7 @@ from tidegate.engine.core.offered import OfferedSizes
 LATENCY_ALPHA = 0.05
 #: weight of the newest request in the request-size estimates: heavy-tailed, so a longer memory
 WORKLOAD_ALPHA = 0.01
-#: the quantile of recent outputs ``Observation.short_output_tokens`` reads: of N requests that start
-#: together, about N / 10 complete before the oldest running one has decoded that many tokens
+#: the quantile of recent outputs ``Observation.short_output_tokens`` reads
 SHORT_OUTPUT_QUANTILE = 0.1
 
 
@@ -124,6 +124,32 @@ class RecentQuantile:
         return self._current
 
 
+class RecentOutputs:
+    """The outputs of the last ``window`` completions, for ``Observation.short_output_tokens`` (sorted when
+    first asked after a change: an engine whose controller never asks pays one append a completion)."""
+
+    __slots__ = ("_ring", "_sorted")
+
+    def __init__(self, window: int = 64) -> None:
+        self._ring: deque[int] = deque(maxlen=window)
+        self._sorted: list[int] | None = []
+
+    def add(self, output_tokens: int) -> None:
+        self._ring.append(output_tokens)
+        self._sorted = None
+
+    def short_above(self, least: int) -> int:
+        """The ``SHORT_OUTPUT_QUANTILE`` quantile of the outputs kept that are longer than ``least`` (0: none is)."""
+        ordered = self._sorted
+        if ordered is None:
+            self._sorted = ordered = sorted(self._ring)
+        start = bisect_right(ordered, least)
+        above = len(ordered) - start
+        if not above:
+            return 0
+        return ordered[start + max(math.ceil(SHORT_OUTPUT_QUANTILE * above) - 1, 0)]
+
+
 class ObservationStats:
     """The running statistics behind every Observation, updated by engine events.
 
@@ -146,7 +172,7 @@ class ObservationStats:
         self.ttft_error = RecentQuantile(0.9, horizon_s=rate_window_s)
         self.ttft_rel_error = RecentQuantile(0.9, horizon_s=rate_window_s)
         # the outputs of the last 64 completions, however old: their length is the traffic's, not a moment's
-        self.short_outputs = RecentQuantile(SHORT_OUTPUT_QUANTILE)
+        self.outputs = RecentOutputs()
         self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
         self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
         self.offered_sizes = OfferedSizes(WORKLOAD_ALPHA)
@@ -159,7 +185,7 @@ class ObservationStats:
     # ------------------------------------------------------------------ the state now
     def observe(self, now_s: float, step_index: int, kv_used_tokens: int, num_waiting: int, num_running: int,
                 waiting_prompt_tokens: int, running_prompt_tokens: int, head_prompt_tokens: int,
-                evicted_last_step: int, oldest_output_tokens: int = 0) -> Observation:
+                evicted_last_step: int, most_output_tokens: int = 0, short_output_tokens: int = 0) -> Observation:
         """Bring the figures up to ``now_s`` with the engine's state; returns :attr:`current`.
 
         :param kv_used_tokens: KV tokens held now.
@@ -167,7 +193,8 @@ class ObservationStats:
         :param running_prompt_tokens: prompt tokens of the running requests.
         :param head_prompt_tokens: the prompt of the queue's first request (0: none waits).
         :param evicted_last_step: requests the last step evicted.
-        :param oldest_output_tokens: output tokens so far of the running request that started first.
+        :param most_output_tokens: the most output tokens so far of any running request.
+        :param short_output_tokens: ``outputs.short_above`` the least output of a running request.
         """
         obs = self.current
         obs.now_s = now_s
@@ -178,7 +205,8 @@ class ObservationStats:
         obs.waiting_prompt_tokens = waiting_prompt_tokens
         obs.running_prompt_tokens = running_prompt_tokens
         obs.head_prompt_tokens = head_prompt_tokens
-        obs.oldest_output_tokens = oldest_output_tokens
+        obs.most_output_tokens = most_output_tokens
+        obs.short_output_tokens = short_output_tokens
         obs.defer_rates(self.arrivals, self.offered, self.completions, self.served)
         obs.evicted_last_step = evicted_last_step
         obs.ttft_error_p90_s = self.ttft_error.current(now_s)
@@ -284,7 +312,7 @@ class ObservationStats:
         obs, a, aw = self.current, LATENCY_ALPHA, WORKLOAD_ALPHA
         obs.completed_total += 1
         obs.last_completion_s = now_s
-        obs.short_output_tokens = int(self.short_outputs.add(output_tokens))
+        self.outputs.add(output_tokens)
         o, p = output_tokens, prompt_len
         # exponentially weighted means corrected for their start (weights normalised to sum to 1):
         # the mean of all completions while they are few, the first one never weighs more than the rest

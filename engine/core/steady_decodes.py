@@ -15,9 +15,10 @@ runs whole stretches of steady steps from it.
 
 from __future__ import annotations
 
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from typing import Iterable
 
+from tidegate.ctrl.base import UNLIMITED
 from tidegate.engine.core.request import Request, RequestState
 
 _RUNNING = RequestState.RUNNING
@@ -26,7 +27,8 @@ _RUNNING = RequestState.RUNNING
 class SteadyDecodes:
     """The steady decodes of one engine, for a pool of ``block_size``-token blocks."""
 
-    __slots__ = ("block_size", "count", "base", "tick", "ends", "blocks", "first")
+    __slots__ = ("block_size", "count", "base", "tick", "ends", "blocks", "first", "_low_lags", "_high_lags",
+                 "_lags_kept")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -42,6 +44,12 @@ class SteadyDecodes:
         self.blocks: list[list[Request]] = [[] for _ in range(block_size)]
         #: (tick, steady requests that joined at it with one output token: their next decode is the first)
         self.first = (0, 0)
+        # heaps of (lag, seq, request) and (-lag, seq, request): the most and the least output among the
+        # steady decodes (``outputs``); an entry outlives its request's time in steady decode, as in ``ends``.
+        # Kept from the first call of ``outputs`` on: an engine whose controller never asks pays nothing
+        self._low_lags: list[tuple[int, int, Request]] = []
+        self._high_lags: list[tuple[int, int, Request]] = []
+        self._lags_kept = False
 
     def join(self, requests: Iterable[Request]) -> bool:
         """Count the requests among ``requests`` that now decode (running, their sequence computed
@@ -59,6 +67,9 @@ class SteadyDecodes:
             self.count += 1
             self.base += r.prompt_len - lag
             heappush(self.ends, (end_tokens(r) + lag, r.activation_seq, r))
+            if self._lags_kept:
+                heappush(self._low_lags, (lag, r.activation_seq, r))
+                heappush(self._high_lags, (-lag, r.activation_seq, r))
             if out == 1:  # its next decode is its first (Batch.first_decodes)
                 fresh_tick, fresh = self.first
                 self.first = (tick, fresh + 1 if fresh_tick == tick else 1)
@@ -91,6 +102,30 @@ class SteadyDecodes:
             self.first = (fresh_tick, fresh - 1)
         self.blocks[(1 + lag - r.prompt_len) % self.block_size].remove(r)
 
+    def outputs(self, tick: int) -> tuple[int, int]:
+        """The most and the least output of the steady decodes (there must be some) at decode ``tick``."""
+        low, high = self._low_lags, self._high_lags
+        if not self._lags_kept or len(low) > 2 * self.count + 64:  # built, or rid of entries that left
+            self._lags_kept = True
+            low.clear()
+            for _, seq, r in self.ends:  # every steady decode has one entry there
+                lag = r.decode_lag
+                if lag is not None and r.activation_seq == seq and r.state is _RUNNING:
+                    low.append((lag, seq, r))
+            heapify(low)
+            high[:] = [(-lag, seq, r) for lag, seq, r in low]
+            heapify(high)
+        lag, seq, r = low[0]
+        while r.decode_lag != lag or r.activation_seq != seq or r.state is not _RUNNING:
+            heappop(low)
+            lag, seq, r = low[0]
+        most = tick - lag
+        lag, seq, r = high[0]
+        while r.decode_lag != -lag or r.activation_seq != seq or r.state is not _RUNNING:
+            heappop(high)
+            lag, seq, r = high[0]
+        return most, tick + lag
+
     def sync(self, running: Iterable[Request]) -> None:
         """Write the current token counts into the steady requests among ``running``."""
         tick = self.tick
@@ -110,6 +145,8 @@ class SteadyDecodes:
         self.count = self.base = 0
         self.ends = []
         self.first = (0, 0)
+        self._low_lags = []
+        self._high_lags = []
         for blocks in self.blocks:
             blocks.clear()
 
@@ -129,3 +166,16 @@ def end_tokens(r: Request) -> int:
     """The output length at which ``r`` ends for certain: ``max_tokens``, or the target length."""
     target = r.target_output_len
     return target if target is not None and target < r.max_tokens else r.max_tokens
+
+
+def running_outputs(steady: SteadyDecodes, explicit: list[Request], tick: int) -> tuple[int, int]:
+    """The most and the least output tokens of the running requests ((0, 0) when none runs): the
+    ``steady`` decodes' from their lags at decode ``tick``, the others' (``explicit``) one by one."""
+    most, least = steady.outputs(tick) if steady.count else (0, UNLIMITED)
+    for r in explicit:
+        out = r.num_output_tokens
+        if out > most:
+            most = out
+        if out < least:
+            least = out
+    return most, least if least < UNLIMITED else 0

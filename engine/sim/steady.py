@@ -71,7 +71,7 @@ def run_steady(core: EngineCore, until_s: float, max_steps: int | None = None) -
             batch = Batch()
             batch.num_tokens = batch.num_decodes = steady
             batch.kv_tokens_read = kv_read = base + steady * tick
-            seen = (now, held, stats.decode_kv_steps, sched.evicted_last_step, tick)
+            seen = (now, held, stats.decode_kv_steps, sched.evicted_last_step)
             sched.evicted_last_step = 0
             stats.decode_kv_steps += kv_read
             fresh = steady_set.first
@@ -111,7 +111,7 @@ def _grow_steady(core: EngineCore, tick: int) -> bool:
     return True
 
 
-def _steady_step_ends(core: EngineCore, seen: tuple[float, int, float, int, int], batch: Batch, outcome,
+def _steady_step_ends(core: EngineCore, seen: tuple[float, int, float, int], batch: Batch, outcome,
                       ended: list[Request]) -> None:
     """A steady step whose executor raised (``outcome`` the exception) or said more than a
     duration (``outcome`` the StepResult: token ids, stopped or failed requests), finished as
@@ -130,7 +130,7 @@ def _steady_step_ends(core: EngineCore, seen: tuple[float, int, float, int, int]
     core._finish_step(seen[0], batch)
 
 
-def _after_steady(core: EngineCore, d: Decision, seen: tuple[float, int, float, int, int] | None,
+def _after_steady(core: EngineCore, d: Decision, seen: tuple[float, int, float, int] | None,
                   ended: list[Request]) -> None:
     """What the steps ``run_steady`` ran leave as full steps leave it: the decision's settings,
     and the observation as the last step's start made it (``seen``; None: made already)."""
@@ -144,10 +144,10 @@ def _after_steady(core: EngineCore, d: Decision, seen: tuple[float, int, float, 
         core._notify_finished(ended)
 
 
-def _observe_steady(core: EngineCore, start: float, used: int, decoded: float, evicted: int, tick: int) -> None:
+def _observe_steady(core: EngineCore, start: float, used: int, decoded: float, evicted: int) -> None:
     """The observation a steady step starting at ``start`` made: ``used`` KV tokens held (before
     its blocks), its KV steps counted, ``decoded`` the decodes' KV steps before its own,
-    ``evicted`` the evictions of the step before it, ``tick`` the decode tick it started at."""
+    ``evicted`` the evictions of the step before it."""
     obs, stats = core._observe(start), core.stats
     obs.kv_used_tokens = used
     obs.evicted_last_step = evicted
@@ -155,9 +155,6 @@ def _observe_steady(core: EngineCore, start: float, used: int, decoded: float, e
         obs.occupied_kv_workload = stats.kv_steps / stats.kv_completions
         obs.decode_kv_workload = decoded / stats.kv_completions
     obs.running_prefill_tokens = 0
-    running = core.scheduler.running
-    if running and running[0].decode_lag is not None:
-        obs.oldest_output_tokens = tick - running[0].decode_lag
 
 
 def _steady_start(core: EngineCore, until_s: float) -> tuple[Decision, tuple[float, float] | None] | None:

@@ -94,10 +94,16 @@ class VllmObserver:
             for r in queue:
                 queued += r.num_tokens - r.num_computed_tokens
         head = holding.peek_request() if holding else waiting.peek_request() if waiting else None
+        prompts = most = 0
+        least = 0 if not running else running[0].num_output_tokens
+        for r in running:
+            prompts += r.num_prompt_tokens
+            out = r.num_output_tokens
+            most, least = max(most, out), min(least, out)
         stats = self.stats
-        stats.observe(now, step_index, kv_used, len(waiting) + len(holding), len(running), queued,
-                      sum(r.num_prompt_tokens for r in running), head.num_prompt_tokens if head is not None else 0,
-                      self.evicted_last_step, running[0].num_output_tokens if running else 0)
+        stats.observe(now, step_index, kv_used, len(waiting) + len(holding), len(running), queued, prompts,
+                      head.num_prompt_tokens if head is not None else 0, self.evicted_last_step, most,
+                      stats.outputs.short_above(least))
         stats.step_started(kv_used)
         return stats.snapshot()
 

@@ -119,6 +119,20 @@ class Vandal(Controller):
         return Decision(token_budget=24)
 
 
+def _drive(core, arrivals, max_steps: int):
+    """Feed ``arrivals`` (step, prompt tokens, output tokens) into ``core`` and step it, at most ``max_steps``
+    steps; yields before each step, and returns once every request has ended."""
+    pending = sorted(arrivals)
+    for step in range(max_steps):
+        while pending and pending[0][0] <= step:
+            _, prompt, out = pending.pop(0)
+            core.add_request(req(step * 100 + len(pending), prompt, out, arrival=core.clock.now()))
+        if not pending and not core.has_unfinished:
+            return
+        yield
+        core.step()
+
+
 @given(arrivals=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.integers(1, 16)), min_size=1,
                          max_size=30))
 def test_a_controller_cannot_change_the_engine_through_its_observation(arrivals):
@@ -128,14 +142,8 @@ def test_a_controller_cannot_change_the_engine_through_its_observation(arrivals)
     for vandal in (False, True):
         ctrl = Vandal(vandal)
         core = make_engine(ctrl, capacity=96)
-        pending = sorted(arrivals)
-        for step in range(600):
-            while pending and pending[0][0] <= step:
-                _, prompt, out = pending.pop(0)
-                core.add_request(req(step * 100 + len(pending), prompt, out, arrival=core.clock.now()))
-            if not pending and not core.has_unfinished:
-                break
-            core.step()
+        for _ in _drive(core, arrivals, 600):
+            pass
         ends = sorted((r.request_id, r.state.name, r.num_output_tokens, r.finish_time_s) for r in core.metrics.terminal)
         runs.append((ctrl.seen, ends, core.obs.as_dict()))
     assert runs[0] == runs[1]
@@ -222,16 +230,9 @@ def test_the_running_outputs_read_from_the_steady_lags_are_those_counted_one_by_
     from tidegate.engine.core.steady_decodes import running_outputs
 
     core = make_engine(GreedyController(max_num_seqs=cap), capacity=capacity)
-    pending = sorted(arrivals)
-    for step in range(800):
-        while pending and pending[0][0] <= step:
-            _, prompt, out = pending.pop(0)
-            core.add_request(req(step * 100 + len(pending), prompt, out, arrival=core.clock.now()))
-        if not pending and not core.has_unfinished:
-            break
+    for _ in _drive(core, arrivals, 800):
         sched = core.scheduler
         outs = [r.num_output_tokens if r.decode_lag is None else sched.steady.tick - r.decode_lag
                 for r in sched.running]
         expected = (max(outs), min(outs)) if outs else (0, 0)
         assert running_outputs(sched.steady, sched.explicit, sched.steady.tick) == expected
-        core.step()

@@ -214,7 +214,7 @@ def _observation_stats():
     return stats
 
 
-def test_the_observer_reads_vllms_queues_and_the_oldest_running_requests_output():
+def test_the_observer_reads_vllms_queues_and_its_running_requests_outputs():
     """The observation from vLLM's state: the queue (waiting, and waiting with blocks held), its head's
     prompt, the running requests' prompts, the most output any of them has, and the short end of the
     recent outputs longer than the least any of them has."""
@@ -899,7 +899,7 @@ class TestEnv:
         # and acted on it: the admission residual the controller holds in vLLM's engine, and publishes to the
         # API process's admission, is the agent's (action -1 halves the prior's threshold, +1 keeps it: it only
         # tightens). The
-        # share of arrivals each episode refuses is left unasserted: on a wall clock two short episodes at 2x
+        # share of arrivals each episode refuses is left unasserted: on a wall clock two short episodes in overload
         # load refuse about half their arrivals either way, and which refuses more is the machine's timing
         assert tight["admission_state"] is not None and loose["admission_state"] is not None
         assert tight["admission_state"][0] < 1.0 == loose["admission_state"][0]

@@ -71,7 +71,7 @@ class Observation:
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p90_s", "ttft_rel_error_p90", "last_completion_s",
-        "most_output_tokens", "short_output_tokens",
+        "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps",
     )
     __slots__ = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
@@ -84,7 +84,7 @@ class Observation:
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p90_s", "ttft_rel_error_p90", "last_completion_s",
-        "most_output_tokens", "short_output_tokens",
+        "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -181,6 +181,13 @@ class Observation:
         #: running request's output will be longer than what it has, so nine in ten of them run to at
         #: least this many tokens, and no slot is likely to free before the most advanced has decoded it
         self.short_output_tokens = 0
+        #: arrivals since the current busy period began (the latest arrival that found nothing running or
+        #: waiting), that one included; 0 before the first arrival
+        self.busy_arrivals = 0
+        #: arrivals per second over the busy period's last ``RATE_EVENTS`` arrivals at most: the gaps between
+        #: them over the time from the first of them to now (0 before two). Unlike ``arrival_rate_rps`` it
+        #: never reaches back past an idle spell, so a step in load after one shows at once
+        self.busy_rate_rps = 0.0
 
     # The four rates are computed when first read, not at every step: most controllers read none
     # of them, and the estimates are a tenth of a simulated step. ``defer_rates`` hands the
@@ -320,8 +327,8 @@ class Observation:
         o.ttft_error_p90_s = self.ttft_error_p90_s
         o.ttft_rel_error_p90 = self.ttft_rel_error_p90
         o.last_completion_s = self.last_completion_s
-        o.most_output_tokens = self.most_output_tokens
-        o.short_output_tokens = self.short_output_tokens
+        o.most_output_tokens, o.short_output_tokens = self.most_output_tokens, self.short_output_tokens
+        o.busy_arrivals, o.busy_rate_rps = self.busy_arrivals, self.busy_rate_rps
         return o
 
 

@@ -44,12 +44,12 @@ def test_registered_and_episode_ends_drained_or_truncated(drain):
 
 
 def test_the_drain_charges_a_backlog_the_policy_leaves_behind():
-    kw = dict(families=["chat"], load_range=(2.5, 2.5), episode_steps=30, baseline="prior", seed=1)
+    kw = dict(families=["chat"], load_range=(2.5, 2.5), episode_steps=30, baseline="prior", seed=3)
     e = ServingEnv(**kw)
-    e.reset(seed=1)
+    e.reset(seed=3)
     rewards = [e.step(np.zeros(3))[1] for _ in range(30)]
     assert rewards == [0.0] * 30  # the prior against itself, drain included
-    e.reset(seed=1)
+    e.reset(seed=3)
     info = {}
     for _ in range(30):  # half the activations, the batch and the admission threshold
         *_, info = e.step(np.array([-1.0, -1.0, -1.0]))
@@ -99,12 +99,16 @@ def test_action_has_an_admission_knob_and_augment_adds_segments():
     e = ServingEnv(augment=[(1.0, 1.0), (2.0, 0.15)], **SMALL)
     assert e.action_space.shape == (3,)
     assert [s.name for s in e.segments] == ["splitwise_conv[train]", "splitwise_conv[train]x2/0.15"]
-    e.reset(seed=0, options={"load": 2.5, "segment": 0})
-    # a tight threshold (action[2] = -1) refuses more arrivals than a loose one
-    tight = sum(e.step(np.array([0.0, 0.0, -1.0], dtype=np.float32))[4]["rejections"] for _ in range(16))
-    e.reset(seed=0, options={"load": 2.5, "segment": 0})
-    loose = sum(e.step(np.array([0.0, 0.0, 1.0], dtype=np.float32))[4]["rejections"] for _ in range(16))
-    assert tight > 0 and tight >= loose
+    # a tight threshold (action[2] = -1) refuses sooner than a loose one: up to the first step at which it refuses,
+    # the loose one refuses fewer (the two episodes are the same until a decision differs; after that, the tight
+    # one holds the shorter queue and may refuse less)
+    refused = {}
+    for threshold in (-1.0, 1.0):
+        e.reset(seed=0, options={"load": 2.5, "segment": 0})
+        action = np.array([0.0, 0.0, threshold], dtype=np.float32)
+        refused[threshold] = np.cumsum([e.step(action)[4]["rejections"] for _ in range(16)])
+    first = int(np.argmax(refused[-1.0] > 0))
+    assert refused[-1.0][first] > 0 and refused[-1.0][first] > refused[1.0][first], refused
 
 
 @pytest.mark.timeout(120)

@@ -5,6 +5,7 @@ broken policy never stalls or breaks a step."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import threading
 import time
@@ -25,6 +26,7 @@ from tidegate.ctrl.theory import fluid_lambda_max, shrunk_lambda_max, shrunk_lam
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.workloads.families import load_family
+from tidegate.engine.workloads.synthetic import load_synthetic
 from tidegate.training.evaluate import cell_arrivals
 
 PROFILE = load_profile("a100-llama2-7b")
@@ -856,6 +858,64 @@ def test_a_wave_of_young_running_requests_frees_no_slot_before_the_short_outputs
     # each later slot at the rate: the fifth waits for the first and four more completions
     fifth = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=280, num_waiting=4)
     assert predicted_ttft_s(fifth, 100, 2048, running_cap=20) >= (20 + 4 / (5.0 * 0.05)) * 0.05
+
+
+def test_arrivals_above_the_bound_in_a_busy_period_witness_overload_where_the_rates_read_an_idle_spell():
+    """After an idle spell the 64- and 256-event rates read the spell: arrivals and completions look alike (u = 1)
+    and the steady rate is under the bound. The busy period's own arrivals witness the overload from its 8th to
+    its 256th (when the steady rates span it alone), where their count is above what the bound brings in their
+    time by three standard errors of a Poisson count: 3 x the bound over 39 gaps, but over 7 gaps only past about
+    4.5 x. Nothing else changes: below the threshold, or without a profile, nothing is refused."""
+    c = SloFlowController(max_num_batched_tokens=2048, profile=PROFILE, ttft_slo_s=PROFILE.ttft_slo_s)
+    bound = shrunk_lambda_max_interval(Observation(PROFILE.kv_capacity_tokens), PROFILE)[0]
+    spell = overloaded_obs(kv_capacity_tokens=PROFILE.kv_capacity_tokens, completed_total=1000,
+                           arrival_rate_rps=0.3 * bound, completion_rate_rps=0.3 * bound, busy_arrivals=40,
+                           busy_rate_rps=3.0 * bound)
+    spell.offered_rate_rps = spell.served_rate_rps = 0.3 * bound
+    assert shrunk_lambda_max_interval(spell, PROFILE)[0] == pytest.approx(bound, rel=0.05)
+    assert c.over_busy_capacity(spell) and c.reject_delay_s(spell) == pytest.approx(PROFILE.ttft_slo_s)
+    for fields in ({"busy_arrivals": 7}, {"busy_arrivals": 256}, {"busy_rate_rps": 1.3 * bound},
+                   {"busy_arrivals": 8, "busy_rate_rps": 3.0 * bound}):
+        quiet = copy.copy(spell)
+        for k, v in fields.items():
+            setattr(quiet, k, v)
+        assert not c.over_busy_capacity(quiet) and c.reject_delay_s(quiet) == math.inf, fields
+    few = copy.copy(spell)
+    few.busy_arrivals, few.busy_rate_rps = 8, 5.0 * bound
+    assert c.over_busy_capacity(few)
+    assert SloFlowController(profile=PROFILE, busy_witness=False).reject_delay_s(spell) == math.inf
+    assert not SloFlowController().over_busy_capacity(spell)  # no profile, no bound
+    early = copy.copy(spell)
+    early.completed_total = 0  # the start of a run: the early regime, which the busy period's witness joins
+    assert c.reject_delay_s(early) == pytest.approx(PROFILE.ttft_slo_s)
+
+
+def test_a_step_in_load_after_an_idle_spell_is_refused_from_its_start():
+    """A replica of vLLM on a CPU (the shipped profile fitted from its steps) at half its bound, idle for 35 s, then
+    at three times it: without the busy period's witness the first arrivals of the step queue until the rates have
+    forgotten the spell, and about half of its first 10 s are late; with it, few are, and the step's goodput is
+    higher. (On the GPU presets the other witnesses see such a step within a second: hundreds arrive in it.)"""
+    profile = load_profile("tiny-vllm-cpu")
+    bound = fluid_lambda_max(256 + 64, 256 * 64 + 64 * 65 / 2, profile, mean_output_tokens=64,
+                             max_num_seqs=profile.max_num_seqs)
+    arr, start, step_s = [], 0.0, 0.0
+    for i, (multiple, seconds) in enumerate(((0.5, 60.0), (3.0, 40.0))):
+        workload = {"arrival": {"process": "poisson"}, "duration_s": seconds, "max_tokens": 64,
+                    "classes": [{"rate_rps": multiple * bound, "prompt_tokens": 256, "output_tokens": 64}]}
+        arr += [dataclasses.replace(a, arrival_time_s=start + a.arrival_time_s)
+                for a in load_synthetic(workload, seed=i)]
+        step_s, start = start, start + seconds + 35.0
+    late, goodput = {}, {}
+    for on in (True, False):
+        result = simulate(arr, profile, build_controller(f"slo-flow:busy_witness={str(on).lower()}", profile),
+                          record_steps=False)
+        served = [r for r in result.core.metrics.terminal if r.arrival_time_s >= step_s and r.first_token_time_s]
+        ttft = [r.first_token_time_s - r.arrival_time_s for r in served]
+        late[on] = sum(t > profile.ttft_slo_s for r, t in zip(served, ttft) if r.arrival_time_s < step_s + 10.0)
+        tpot = [(r.finish_time_s - r.first_token_time_s) / 63 for r in served]
+        goodput[on] = sum(t <= profile.ttft_slo_s and p <= profile.tpot_slo_s for t, p in zip(ttft, tpot))
+    assert late[False] >= 20 and late[True] <= late[False] / 4, late
+    assert goodput[True] > 1.5 * goodput[False], goodput
 
 
 def test_only_arrivals_predicted_to_miss_their_slo_are_refused_and_the_measured_error_counts():

@@ -8,6 +8,7 @@ that come later must not change what a late read sees.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -163,6 +164,41 @@ def test_the_last_completion_is_the_latest_completion_or_the_start_of_the_busy_p
     assert stats.current.last_completion_s == 5.0
     stats.completed(9.0, 10, 4, 0.5, 0.1)
     assert stats.current.last_completion_s == 9.0 and stats.snapshot().last_completion_s == 9.0
+
+
+def test_the_busy_period_counts_its_arrivals_and_their_rate_from_its_start():
+    """An arrival into an empty engine starts a busy period: ``busy_arrivals`` counts from it, and ``busy_rate_rps``
+    is the gaps between the period's last 64 arrivals at most over the time from the first of them to now, so an
+    idle spell before it never enters. Arrivals since the last observation keep the period going: they are not in
+    its counts yet. The engine tells the statistics whether it was empty."""
+    from tidegate.engine.core.stats import ObservationStats
+
+    stats = ObservationStats(kv_capacity_tokens=1000)
+    obs = stats.observe(0.0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert (obs.busy_arrivals, obs.busy_rate_rps) == (0, 0.0)
+    for i in range(5):
+        stats.arrived(10.0 + i, 10)  # no observation between them: one busy period
+    obs = stats.observe(14.0, 1, 50, 5, 0, 50, 0, 10, 0)
+    assert obs.busy_arrivals == 5 and obs.busy_rate_rps == pytest.approx(4 / 4.0)
+    assert stats.observe(18.0, 2, 50, 5, 0, 50, 0, 10, 0).busy_rate_rps == pytest.approx(4 / 8.0)  # a silence
+    stats.observe(100.0, 3, 0, 0, 0, 0, 0, 0, 0)  # all done: idle
+    for i in range(100):
+        stats.arrived(200.0 + 0.1 * i, 10)
+    obs = stats.observe(200.0 + 9.9, 4, 50, 100, 0, 50, 0, 10, 0)
+    assert obs.busy_arrivals == 100 and obs.busy_rate_rps == pytest.approx(10.0)  # the last 64: 63 gaps in 6.3 s
+    assert obs.arrival_rate_rps < 6.5  # the 64-event rate still reads the idle spell
+    stats.arrived(300.0, 10, idle=False)  # the engine says it holds requests
+    stats.arrived(301.0, 10, idle=True)  # and that it was empty
+    assert stats.current.busy_arrivals == 1 and stats.current.last_completion_s == 301.0
+
+    core = make_engine(Controller(), capacity=4096)
+    core.add_request(req(0, 8, 2, arrival=core.clock.now()))
+    core.add_request(req(1, 8, 2, arrival=core.clock.now()))
+    assert core.observe().busy_arrivals == 2
+    while core.scheduler.running or core.scheduler.waiting:
+        core.step()
+    core.add_request(req(2, 8, 2, arrival=core.clock.now()))  # the last observation saw one running: the engine knows
+    assert core.observe().busy_arrivals == 1
 
 
 def test_the_short_outputs_are_the_tenth_percentile_of_recent_outputs_longer_than_any_running_request_has():

@@ -163,11 +163,12 @@ class EngineCore:
         stats = self.stats
         if never is not None or not isinstance(admission, _Ask):  # no observation follows: keep the last one's rates
             stats.settle_arrival_rates()
-        stats.arrived(now, request.prompt_len)
+        sched = self.scheduler
+        stats.arrived(now, request.prompt_len, not sched.waiting and not sched.running)
         self.metrics.on_arrival(request)
         if never is not None:
             return self._reject(request, never, 0.0)
-        prefill = self.scheduler.prefill_tokens(request)
+        prefill = sched.prefill_tokens(request)
         rejection = self.admit(request, prefill) if isinstance(admission, _Ask) else admission
         stats.admitted(request.prompt_len, rejection is None)
         if rejection is not None:

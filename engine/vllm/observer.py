@@ -65,7 +65,7 @@ class VllmObserver:
         stats, prompt = self.stats, request.num_prompt_tokens
         stats.settle_arrival_rates()  # no observation follows the arrival: keep the last one's rates
         arrival = min(request.arrival_time - self._wall0, self.now())
-        stats.arrived(arrival, prompt)
+        stats.arrived(arrival, prompt, not self._tracked)
         stats.admitted(prompt, True)
         predicted = predicted_ttft_s(stats.current, prompt, self.token_budget, running_cap=self.running_cap,
                                      profile=self.profile)
@@ -76,7 +76,7 @@ class VllmObserver:
         """The API process refused an arrival (it never entered vLLM's queue)."""
         stats = self.stats
         stats.settle_arrival_rates()
-        stats.arrived(self.now(), prompt_tokens)
+        stats.arrived(self.now(), prompt_tokens, not self._tracked)
         stats.admitted(prompt_tokens, False)
         stats.refused()
 

@@ -18,7 +18,7 @@ STEADY_RATE_EVENTS = 256
 #: ``completion_rate_rps``): a Poisson rate within about 12%, that follows a change within 64 events
 RATE_EVENTS = 64
 #: a TTFT prediction of at least this many mean steps is about a queue, and its relative error enters
-#: ``Observation.ttft_rel_error_p90``; shorter ones are about one step's noise
+#: ``Observation.ttft_rel_error_p95``; shorter ones are about one step's noise
 QUEUE_STEPS = 4
 
 
@@ -70,7 +70,7 @@ class Observation:
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
-        "running_prompt_tokens", "ttft_error_p90_s", "ttft_rel_error_p90", "last_completion_s",
+        "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
         "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps",
     )
     __slots__ = (
@@ -83,7 +83,7 @@ class Observation:
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
-        "running_prompt_tokens", "ttft_error_p90_s", "ttft_rel_error_p90", "last_completion_s",
+        "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
         "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps",
     )
 
@@ -154,18 +154,18 @@ class Observation:
         #: prompt tokens of the running requests (the KV they hold beyond these is their output so
         #: far, rounded up to blocks)
         self.running_prompt_tokens = 0
-        #: the 90th percentile of realised minus predicted TTFT over the last 64 requests that got
-        #: their first token within the engine's rate window (0 when none did): how late the
+        #: the 95th percentile (the engine's ``TTFT_ERROR_QUANTILE``) of realised minus predicted TTFT over the
+        #: last 64 requests that got their first token within the engine's rate window (0 when none did): how late the
         #: admission predictions run now, not during a burst that has passed. Under late-last
         #: prefill (``Decision.late_after_s``) a request's realised TTFT counts up to the later of
         #: that bound and its activation: past it, a running request waits by the controller's
         #: choice of order, which no prediction at arrival is meant to foresee
-        self.ttft_error_p90_s = 0.0
-        #: the 90th percentile of the same errors relative to their prediction, over the predictions of at
+        self.ttft_error_p95_s = 0.0
+        #: the 95th percentile of the same errors relative to their prediction, over the predictions of at
         #: least ``QUEUE_STEPS`` mean steps (a queue's, not a step's) within the rate window: predictions of
         #: a queue's wait run late in proportion to the wait, which an error in seconds, mostly of requests
         #: with nothing ahead, understates for the long ones
-        self.ttft_rel_error_p90 = 0.0
+        self.ttft_rel_error_p95 = 0.0
         #: when the latest request completed, or when the current busy period started (an arrival
         #: with nothing running or waiting) if that is later: the silence since then tells how soon
         #: the next completion can be expected. -1 before the first arrival (and in an Observation
@@ -324,8 +324,8 @@ class Observation:
         o.mean_step_time_s = self.mean_step_time_s
         o.running_prefill_tokens = self.running_prefill_tokens
         o.running_prompt_tokens = self.running_prompt_tokens
-        o.ttft_error_p90_s = self.ttft_error_p90_s
-        o.ttft_rel_error_p90 = self.ttft_rel_error_p90
+        o.ttft_error_p95_s = self.ttft_error_p95_s
+        o.ttft_rel_error_p95 = self.ttft_rel_error_p95
         o.last_completion_s = self.last_completion_s
         o.most_output_tokens, o.short_output_tokens = self.most_output_tokens, self.short_output_tokens
         o.busy_arrivals, o.busy_rate_rps = self.busy_arrivals, self.busy_rate_rps

@@ -20,10 +20,10 @@ Five rules, each with a worst case that can be argued on its own:
   work, the running requests' decodes and its own prefill (with a profile, at least the profile's compute time
   for the prompt tokens ahead and its own, ``ctrl.theory.prefill_time_s``: prefill steps are the long ones, so
   a count of steps at the mean step time runs short where prompts are long), plus how late recent predictions
-  ran (the engine's 90th percentile of realised minus predicted TTFT over its rate window,
-  ``Observation.ttft_error_p90_s``: a burst that has passed no longer counts, so its errors cannot keep
-  refusing at light load), or times one plus their 90th percentile relative to the predictions of a queue's
-  wait (``Observation.ttft_rel_error_p90``) where that is more, exceeds ``reject_above`` x SLO. Overload
+  ran (the engine's 95th percentile of realised minus predicted TTFT over its rate window,
+  ``Observation.ttft_error_p95_s``: a burst that has passed no longer counts, so its errors cannot keep
+  refusing at light load), or times one plus their 95th percentile relative to the predictions of a queue's
+  wait (``Observation.ttft_rel_error_p95``) where that is more, exceeds ``reject_above`` x SLO. Overload
   has two witnesses, and neither can be defeated by refusing: arrivals outpace completions (u = arrival
   rate / completion rate above ``1 + overload_margin``; refusals shorten the queue, never the arrival
   rate), or the KV sits at rho M (the memory is the bottleneck, and what waits, waits for memory; u is
@@ -210,9 +210,9 @@ class SloFlowController(Controller):
         as long; off, only the count of steps at the mean step time. The engine records the bounded
         prediction (``EngineCore``'s ``ttft_profile``), so the error term measures the errors of the
         prediction it corrects; with the bound off, it measures those of a higher one.
-    :param relative_error: the predicted TTFT is also corrected in proportion, times one plus the 90th
+    :param relative_error: the predicted TTFT is also corrected in proportion, times one plus the 95th
         percentile of recent errors relative to the predictions of at least ``QUEUE_STEPS`` mean steps
-        (``Observation.ttft_rel_error_p90``), where that is more than the error in seconds: a queue's wait is
+        (``Observation.ttft_rel_error_p95``), where that is more than the error in seconds: a queue's wait is
         mispredicted in proportion to its length (a slot frees in lumps on a replica whose KV holds a few
         requests), while the error in seconds is mostly that of requests with nothing ahead.
     :param busy_witness: with a ``profile``, arrivals above the fluid bound within the current busy period witness
@@ -457,9 +457,9 @@ class SloFlowController(Controller):
                                      retry_after_s(obs))
             return None
         predicted = self.predict_ttft_s(obs, prompt_tokens)
-        delay = predicted + max(obs.ttft_error_p90_s, 0.0)
+        delay = predicted + max(obs.ttft_error_p95_s, 0.0)
         if self.relative_error:
-            delay = max(delay, predicted * (1.0 + max(obs.ttft_rel_error_p90, 0.0)))
+            delay = max(delay, predicted * (1.0 + max(obs.ttft_rel_error_p95, 0.0)))
         if delay > limit:
             return Rejection(f"predicted TTFT {delay:.3g} s exceeds {limit:.3g} s in overload", retry_after_s(obs))
         return None

@@ -273,7 +273,7 @@ def test_in_overload_slo_flow_counts_the_prefill_ahead_at_the_profiles_cost_not_
 
 
 def test_in_overload_slo_flow_corrects_a_queues_predicted_wait_in_proportion_to_it():
-    """Recent predictions of a queue's wait ran twice as long as predicted (``ttft_rel_error_p90`` = 1), while the
+    """Recent predictions of a queue's wait ran twice as long as predicted (``ttft_rel_error_p95`` = 1), while the
     error in seconds, mostly of requests with nothing ahead, reads 0.1 s: an arrival predicted at 1.0 s against
     a 2 s SLO is refused (2.1 s), and admitted when the correction is only in seconds (1.1 s)."""
     from tidegate.ctrl.slo_flow import SloFlowController
@@ -284,7 +284,7 @@ def test_in_overload_slo_flow_corrects_a_queues_predicted_wait_in_proportion_to_
     obs.num_running, obs.num_waiting, obs.kv_used_tokens = 40, 1, 30_000
     obs.arrival_rate_rps = obs.offered_rate_rps = 6.0  # 3 x the completions: overload
     obs.completion_rate_rps = obs.served_rate_rps = 2.0
-    obs.ttft_error_p90_s, obs.ttft_rel_error_p90 = 0.1, 1.0
+    obs.ttft_error_p95_s, obs.ttft_rel_error_p95 = 0.1, 1.0
 
     def controller(**options):
         return SloFlowController(ttft_slo_s=2.0, tpot_slo_s=0.2, max_num_batched_tokens=2048, max_num_seqs=40,
@@ -294,7 +294,7 @@ def test_in_overload_slo_flow_corrects_a_queues_predicted_wait_in_proportion_to_
     assert predicted + 0.1 < 2.0 < 2 * predicted
     assert controller().admit(obs, 256, 128) is not None
     assert controller(relative_error=False).admit(obs, 256, 128) is None
-    obs.ttft_rel_error_p90 = -0.5  # predictions ran early: no correction below the prediction itself
+    obs.ttft_rel_error_p95 = -0.5  # predictions ran early: no correction below the prediction itself
     assert controller().admit(obs, 256, 128) is None
 
 
@@ -315,7 +315,7 @@ def test_a_queue_predicted_past_the_slo_witnesses_overload_that_the_rates_do_not
     obs.num_waiting, obs.waiting_prompt_tokens = 12, 12 * 256
     obs.arrival_rate_rps = obs.offered_rate_rps = 1.0  # a rate that still spans the idle spell
     obs.completion_rate_rps = obs.served_rate_rps = 1.5
-    obs.ttft_error_p90_s = obs.ttft_rel_error_p90 = 0.0
+    obs.ttft_error_p95_s = obs.ttft_rel_error_p95 = 0.0
 
     def controller(queue_witness=True, **options):
         return SloFlowController(ttft_slo_s=2.0, tpot_slo_s=0.2, profile=profile, max_num_seqs=128,

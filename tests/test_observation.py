@@ -238,7 +238,7 @@ def test_the_short_outputs_are_the_tenth_percentile_of_recent_outputs_longer_tha
 
 
 def test_the_relative_ttft_error_counts_only_predictions_of_a_queues_wait():
-    """``ttft_rel_error_p90`` is the 90th percentile of (realised - predicted) / predicted over predictions of at least
+    """``ttft_rel_error_p95`` is the 90th percentile of (realised - predicted) / predicted over predictions of at least
     ``QUEUE_STEPS`` mean steps; a prediction of a step or two is about one step's noise, and its relative error
     (doubled by one step more) says nothing about how a queue's wait is mispredicted."""
     from tidegate.ctrl.base import QUEUE_STEPS
@@ -247,12 +247,12 @@ def test_the_relative_ttft_error_counts_only_predictions_of_a_queues_wait():
     stats = ObservationStats(1000, 16, 10.0)
     stats.current.mean_step_time_s = 0.1
     stats.first_token(1.0, 0.1, 0.1)  # one step predicted, two taken: +100%, not a queue's
-    assert stats.current.ttft_rel_error_p90 == 0.0 and stats.current.ttft_error_p90_s == 0.1
+    assert stats.current.ttft_rel_error_p95 == 0.0 and stats.current.ttft_error_p95_s == 0.1
     for i in range(10):
         stats.first_token(1.0 + i, 0.5 * (i + 1), QUEUE_STEPS * 0.1 * (i + 1))  # a queue's wait, 1.25 x late
-    assert stats.current.ttft_rel_error_p90 == 0.5 / (QUEUE_STEPS * 0.1)
-    assert stats.observe(11.0, 0, 0, 0, 0, 0, 0, 0, 0).ttft_rel_error_p90 == 0.5 / (QUEUE_STEPS * 0.1)
-    assert stats.observe(100.0, 0, 0, 0, 0, 0, 0, 0, 0).ttft_rel_error_p90 == 0.0  # past the rate window: forgotten
+    assert stats.current.ttft_rel_error_p95 == 0.5 / (QUEUE_STEPS * 0.1)
+    assert stats.observe(11.0, 0, 0, 0, 0, 0, 0, 0, 0).ttft_rel_error_p95 == 0.5 / (QUEUE_STEPS * 0.1)
+    assert stats.observe(100.0, 0, 0, 0, 0, 0, 0, 0, 0).ttft_rel_error_p95 == 0.0  # past the rate window: forgotten
 
 
 @given(arrivals=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.integers(1, 60)), min_size=1,

@@ -70,7 +70,7 @@ class EngineCore:
         the queue's work, the controller's admission and its predicted TTFT.
     :param ttft_profile: the replica's step model, for the predicted TTFT's compute bound on the prefill
         ahead (``ctrl.slo_flow.predicted_ttft_s``): the prediction each request records, whose errors
-        become ``Observation.ttft_error_p90_s``, is then the one slo-flow judges arrivals on.
+        become ``Observation.ttft_error_p95_s``, is then the one slo-flow judges arrivals on.
         ``build_engine`` passes the replica's profile.
     """
 

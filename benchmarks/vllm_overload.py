@@ -3,6 +3,7 @@
     python benchmarks/vllm_overload.py                       # every arm at 0.7x, 1.5x and 3x capacity
     python benchmarks/vllm_overload.py --quick               # smoke run: vllm and tidegate, 10 s at 0.7x and 1.5x
     python benchmarks/vllm_overload.py --arm tidegate='--scheduler-cls ... --middleware ...'
+    python benchmarks/vllm_overload.py --arms tidegate --reuse EARLIER_OUT   # the plugin again, vanilla's rows reused
 
 Every arm is the same vLLM OpenAI server (``.venv-vllm``, ``make vllm-setup``) on the same model folder
 with the same common arguments, plus the arm's own (``--arm NAME='ARGS'`` replaces or adds one;
@@ -26,7 +27,9 @@ Figures per arm and load: goodput (DistServe: requests per second of the arrival
 and TPOT SLOs), TTFT and TPOT p50/p99 of served requests, 429s with their latency and Retry-After, 503
 and other 5xx, every request in one bucket, the ratios against vanilla vLLM and against the best
 queued arm, the plugin's share of each step from its step log, and issue 32's targets for the tidegate
-arms. Writes ``vllm_overload.json``, ``.md`` and ``.png`` to ``--out`` (after every load, so an
+arms. ``--reuse`` takes an earlier run's capacity and its rows of the arms this run leaves out, where both offered
+the same arrivals to the same servers (a change to the plugin is measured again in 11 minutes, not 18). Writes
+``vllm_overload.json``, ``.md`` and ``.png`` to ``--out`` (after every load, so an
 interrupted run keeps what it measured) and the servers' logs, step logs and every request's record
 (``requests-ARM-LOADx.jsonl``) to ``--out``/logs; progress goes to stderr. The pieces are in ``engine/bench/vllm/``.
 """
@@ -55,6 +58,7 @@ from tidegate.engine.bench.vllm.arms import Arm, ArmError, default_arms, merge_a
 from tidegate.engine.bench.vllm.model import ModelFolderError, describe, model_folder, prompt_token_ids
 from tidegate.engine.bench.vllm.phases import closed_run, load_run, measure_capacity, step_log_lines
 from tidegate.engine.bench.vllm.report import markdown, write_outputs
+from tidegate.engine.bench.vllm.reuse import ReuseError, load_result, reused_rows
 from tidegate.engine.bench.vllm.server import VLLM_PYTHON, VllmServer
 from tidegate.engine.bench.vllm.stats import add_ratios, probe_stats, queue_stats, request_stats
 from tidegate.engine.bench.vllm.steps import step_overhead
@@ -91,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "ramp's level that set the capacity (--max-num-queued-reqs caps waiting plus running requests)")
     add("--queued-loads", type=floats, default=(1.5, 3.0), help="the loads the vllm-queued-N arms run at")
     add("--capacity-rps", type=float, default=None, help="skip the capacity run and take this capacity")
+    add("--reuse", type=Path, default=None, metavar="RUN",
+        help="an earlier run's vllm_overload.json (or its --out folder) with the same arrivals, model and servers: "
+             "its capacity, and its rows of the arms this run leaves out (e.g. --arms tidegate --reuse DIR)")
     add("--capacity-s", type=float, default=None, help="seconds of each closed-loop level of the capacity ramp [20]")
     add("--capacity-warmup-s", type=float, default=None, help="each level's first seconds, not counted [6]")
     add("--capacity-clients", type=ints, default=(32, 64, 128, 256),
@@ -157,7 +164,7 @@ def vllm_version(python: Path) -> str | None:
 
 def planned_seconds(arms: list[Arm], args) -> float:
     """A guess of the run's length: start-ups, capacity, and each load's arrivals plus (at most) the drain."""
-    total = 0.0 if args.capacity_rps else len(args.capacity_clients) * (args.capacity_s + 15)
+    total = 0.0 if args.capacity_rps or args.reuse else len(args.capacity_clients) * (args.capacity_s + 15)
     for arm in arms:
         loads = [x for x in args.loads if arm.runs_at(x)]
         total += STARTUP_GUESS_S + 10 + sum(args.duration_s + (args.drain_s if x > 1 else 5) + 8 for x in loads)
@@ -270,32 +277,45 @@ def write(run: dict, args) -> None:
     write_outputs(result, args.out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if not args.vllm_python.exists():
-        usage_error(f"{args.vllm_python} does not exist: run `make vllm-setup` (vLLM's own venv) or pass --vllm-python")
-    if not 0 <= args.client_nice <= 19:
-        usage_error(f"--client-nice {args.client_nice}: expected a niceness from 0 to 19")
+def plan(args, settings: dict) -> tuple[list[Arm], dict[str, list[dict]], dict | None, bool, Path]:
+    """The arms to run, the rows and capacity reused from an earlier run, whether the queued sweep waits for
+    the capacity ramp's N, and the model folder; bad arguments end here, in one sentence."""
     try:
+        earlier = load_result(args.reuse) if args.reuse is not None else None
         given = [parse_arm(a) for a in args.arm]
         only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
         sweep = only is None or "vllm-queued" in only
-        explicit = queued_values(args.queued_reqs, None)
+        clients = ((earlier.get("capacity") or {}).get("capacity_clients") or args.capacity_clients[-1]
+                   if earlier else None)
+        explicit = queued_values(args.queued_reqs, clients)
         defaults = default_arms(args.controller, args.ttft_slo_s, args.tpot_slo_s)
         if explicit and sweep:
             defaults += queued_arms(explicit, args.queued_loads)
         if only is not None and "vllm-queued" in only:
             at = only.index("vllm-queued")
             only[at:at + 1] = [a.name for a in defaults if a.queued_reqs is not None]
-        arms = merge_arms(defaults, given, only, args.queued_loads)
+        arms = merge_arms(defaults, given, only, args.queued_loads, need_vanilla=earlier is None)
+        reused, capacity = (reused_rows(earlier, settings, {a.name for a in arms}, args.loads, str(args.reuse))
+                            if earlier else ({}, None))
         folder = model_folder(args.model, args.out / "models", args.model_seed)
-    except (ArmError, ModelFolderError) as exc:
+    except (ArmError, ModelFolderError, ReuseError) as exc:
         usage_error(str(exc))
-    sweep_later = sweep and explicit is None  # the N come from the capacity ramp
+    return arms, reused, capacity, sweep and explicit is None, folder  # no N yet: the capacity ramp's
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.vllm_python.exists():
+        usage_error(f"{args.vllm_python} does not exist: run `make vllm-setup` (vLLM's own venv) or pass --vllm-python")
+    if not 0 <= args.client_nice <= 19:
+        usage_error(f"--client-nice {args.client_nice}: expected a niceness from 0 to 19")
+    if args.reuse is not None and args.capacity_rps:
+        usage_error("--reuse takes the earlier run's capacity; leave out --capacity-rps")
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    arms, reused, capacity, sweep_later, folder = plan(args, settings)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server is stopped on the way out
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     settings.update(common_args=shlex.split(args.vllm_args), env={"VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gib},
                     arms={a.name: {"server_args": list(a.server_args), "loads": a.loads} for a in arms})
     result = {"command": " ".join(["python", *map(shlex.quote, sys.argv)]) if argv is None else shlex.join(argv),
@@ -303,8 +323,9 @@ def main(argv: list[str] | None = None) -> None:
                           "python": platform.python_version()},
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "settings": settings, "targets": TARGETS,
               "model": describe(folder), "vllm_version": vllm_version(args.vllm_python), "rows": []}
-    capacity = {"capacity_rps": args.capacity_rps, "given": True} if args.capacity_rps else None
-    run = {"ctx": ctx, "folder": folder, "capacity": capacity, "result": result, "rows": {},
+    if args.capacity_rps:
+        capacity = {"capacity_rps": args.capacity_rps, "given": True}
+    run = {"ctx": ctx, "folder": folder, "capacity": capacity, "result": result, "rows": reused,
            "tidegate_arms": {a.name for a in arms if a.name != "vllm" and a.queued_reqs is None},
            "spec": {"model": None, "token_ids": prompt_token_ids(folder), "prompt_tokens": args.prompt_tokens,
                     "max_tokens": args.max_tokens, "seed": args.seed,

@@ -157,10 +157,10 @@ def test_the_last_completion_is_the_latest_completion_or_the_start_of_the_busy_p
 
     stats = ObservationStats(kv_capacity_tokens=1000)
     assert stats.current.last_completion_s == -1.0
-    stats.arrived(5.0, 10)
+    stats.arrived(5.0, 10, idle=True)
     assert stats.current.last_completion_s == 5.0
     stats.observe(6.0, 1, 20, 0, 1, 0, 10, 0, 0)  # it runs
-    stats.arrived(7.0, 10)
+    stats.arrived(7.0, 10, idle=False)
     assert stats.current.last_completion_s == 5.0
     stats.completed(9.0, 10, 4, 0.5, 0.1)
     assert stats.current.last_completion_s == 9.0 and stats.snapshot().last_completion_s == 9.0
@@ -169,21 +169,21 @@ def test_the_last_completion_is_the_latest_completion_or_the_start_of_the_busy_p
 def test_the_busy_period_counts_its_arrivals_and_their_rate_from_its_start():
     """An arrival into an empty engine starts a busy period: ``busy_arrivals`` counts from it, and ``busy_rate_rps``
     is the gaps between the period's last 64 arrivals at most over the time from the first of them to now, so an
-    idle spell before it never enters. Arrivals since the last observation keep the period going: they are not in
-    its counts yet. The engine tells the statistics whether it was empty."""
+    idle spell before it never enters. The engine tells the statistics whether it was empty: the last observation
+    may still count a request that has completed since, and does not count the arrivals since."""
     from tidegate.engine.core.stats import ObservationStats
 
     stats = ObservationStats(kv_capacity_tokens=1000)
     obs = stats.observe(0.0, 0, 0, 0, 0, 0, 0, 0, 0)
     assert (obs.busy_arrivals, obs.busy_rate_rps) == (0, 0.0)
     for i in range(5):
-        stats.arrived(10.0 + i, 10)  # no observation between them: one busy period
+        stats.arrived(10.0 + i, 10, idle=i == 0)  # one busy period
     obs = stats.observe(14.0, 1, 50, 5, 0, 50, 0, 10, 0)
     assert obs.busy_arrivals == 5 and obs.busy_rate_rps == pytest.approx(4 / 4.0)
     assert stats.observe(18.0, 2, 50, 5, 0, 50, 0, 10, 0).busy_rate_rps == pytest.approx(4 / 8.0)  # a silence
     stats.observe(100.0, 3, 0, 0, 0, 0, 0, 0, 0)  # all done: idle
     for i in range(100):
-        stats.arrived(200.0 + 0.1 * i, 10)
+        stats.arrived(200.0 + 0.1 * i, 10, idle=i == 0)
     obs = stats.observe(200.0 + 9.9, 4, 50, 100, 0, 50, 0, 10, 0)
     assert obs.busy_arrivals == 100 and obs.busy_rate_rps == pytest.approx(10.0)  # the last 64: 63 gaps in 6.3 s
     assert obs.arrival_rate_rps < 6.5  # the 64-event rate still reads the idle spell

@@ -208,7 +208,7 @@ def _observation_stats():
 
     stats = ObservationStats(LIMITS.kv_capacity_tokens, LIMITS.block_size, 5.0)
     for i in range(4):
-        stats.arrived(0.01 * i, 100 + i)
+        stats.arrived(0.01 * i, 100 + i, idle=i == 0)
         stats.observe(0.01 * i, i, 256 * i, 3, 2, 300, 200, 100, 0)
         stats.step_started(256 * i)
     return stats

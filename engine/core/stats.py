@@ -64,6 +64,16 @@ class RateEstimator:
         else:
             self._times.extend([now_s] * min(count, self.min_events))
 
+    def last_rate(self, events: int, now_s: float) -> float:
+        """The gaps between the last ``events`` events (at most ``min_events``) over the time from the first of
+        them to ``now_s`` (0 with fewer than two)."""
+        times = self._times
+        k = min(events, len(times))
+        if k < 2:
+            return 0.0
+        first = times[-k]
+        return (k - 1) / (now_s - first) if now_s > first else 0.0
+
     def _ewma(self, now_s: float) -> float:
         dt = now_s - self._last_s
         return self._value * math.exp(-dt / self.window_s) if dt > 0 else self._value
@@ -179,8 +189,6 @@ class ObservationStats:
         self.ttft_rel_error = RecentQuantile(TTFT_ERROR_QUANTILE, horizon_s=rate_window_s)
         # the outputs of the last 64 completions, however old: their length is the traffic's, not a moment's
         self.outputs = RecentOutputs()
-        # the arrival times of the current busy period, its last RATE_EVENTS at most
-        self.busy_times: deque[float] = deque(maxlen=RATE_EVENTS)
         self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
         self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
         self.offered_sizes = OfferedSizes(WORKLOAD_ALPHA)
@@ -215,9 +223,8 @@ class ObservationStats:
         obs.head_prompt_tokens = head_prompt_tokens
         obs.most_output_tokens = most_output_tokens
         obs.short_output_tokens = short_output_tokens
-        busy = self.busy_times
-        gaps = len(busy) - 1
-        obs.busy_rate_rps = gaps / (now_s - busy[0]) if gaps > 0 and now_s > busy[0] else 0.0
+        # the busy period's arrivals are the last ``busy_arrivals`` the arrival rate keeps
+        obs.busy_rate_rps = self.arrivals.last_rate(obs.busy_arrivals, now_s)
         obs.defer_rates(self.arrivals, self.offered, self.completions, self.served)
         obs.evicted_last_step = evicted_last_step
         obs.ttft_error_p95_s = self.ttft_error.current(now_s)
@@ -257,24 +264,19 @@ class ObservationStats:
                 latest.settle_completion_rates()
 
     # ------------------------------------------------------------------ events
-    def arrived(self, now_s: float, prompt_len: int, idle: bool | None = None) -> None:
+    def arrived(self, now_s: float, prompt_len: int, idle: bool) -> None:
         """A request arrived (admitted or not).
 
-        :param idle: nothing ran or waited in the engine when it arrived (None: as the last observation
-            said, with nothing arrived since). A busy period starts with such an arrival."""
+        :param idle: nothing ran or waited in the engine when it arrived: a busy period starts. The engine
+            knows; the last observation may still count a request that has completed since."""
         self.arrivals.add(now_s)
         self.offered.add(now_s)
         self._offered_decay *= 1.0 - WORKLOAD_ALPHA
         obs = self.current
-        busy = self.busy_times
-        if idle is None:  # the arrivals since the last observation are not in its counts yet
-            idle = obs.num_running == 0 and obs.num_waiting == 0 and not (busy and busy[-1] >= obs.now_s)
         if idle:  # a busy period starts: completions are due from now
             obs.last_completion_s = now_s
             obs.busy_arrivals = 0
-            busy.clear()
         obs.busy_arrivals += 1
-        busy.append(now_s)
         obs.offered_prompt_tokens += (WORKLOAD_ALPHA / (1.0 - self._offered_decay)
                                       * (prompt_len - obs.offered_prompt_tokens))
 

@@ -10,6 +10,7 @@
 - ``stats``: the figures of one arm at one load (goodput, latencies, outcomes) and the ratios between arms
 - ``steps``: the plugin's step log, read for its own time per step
 - ``report``: ``vllm_overload.json``, ``vllm_overload.md`` and ``vllm_overload.png``
+- ``reuse``: an earlier run's rows and capacity, taken into a run of fewer arms (``--reuse``)
 
 Nothing here imports vLLM: the servers run in vLLM's own venv, and the client talks HTTP to them.
 """

@@ -103,13 +103,14 @@ def parse_arm(text: str) -> Arm:
 
 
 def merge_arms(defaults: list[Arm], given: list[Arm], only: list[str] | None,
-               queued_loads: tuple[float, ...] | None) -> list[Arm]:
+               queued_loads: tuple[float, ...] | None, need_vanilla: bool = True) -> list[Arm]:
     """``defaults`` with each arm of ``given`` replacing the one of its name (keeping its loads), extending
     it (``NAME+=``), or added (a ``vllm-queued-N`` at ``queued_loads``); then, if ``only`` is given, those
     arms alone, in that order.
 
+    :param need_vanilla: the vanilla ``vllm`` arm must run (False where an earlier run's rows stand for it).
     :raises ArmError: ``NAME+=`` of no arm, ``only`` names an arm that does not exist, or there is no
-        vanilla ``vllm`` arm.
+        vanilla ``vllm`` arm where one is needed.
     """
     arms = {a.name: a for a in defaults}
     for a in given:
@@ -126,5 +127,8 @@ def merge_arms(defaults: list[Arm], given: list[Arm], only: list[str] | None,
                            f"{', '.join([*arms, 'vllm-queued'])}.")
         arms = {n: arms[n] for n in only}
     if "vllm" not in arms:
-        raise ArmError("the arms must include vllm (vanilla vLLM): capacity and every ratio are measured against it.")
+        if need_vanilla:
+            raise ArmError("the arms must include vllm (vanilla vLLM): capacity and every ratio are measured "
+                           "against it (or --reuse an earlier run that measured it).")
+        return list(arms.values())
     return [arms["vllm"], *(a for n, a in arms.items() if n != "vllm")]

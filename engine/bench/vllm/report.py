@@ -70,6 +70,12 @@ def markdown(result: dict) -> str:
                       ("clients", "clients"), ("rps", "req/s"), ("output_tok_s", "output tok/s"),
                       ("ttft_p50_ms", "TTFT p50 ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("within_slo", "medians in SLO"),
                       ("not_completed", "not completed")]) + [""]
+    reused = [r for r in result["rows"] if r.get("reused_from")]
+    if reused:
+        arms = ", ".join(f"{a} at {', '.join(fmt(r['load']) + 'x' for r in reused if r['arm'] == a)}"
+                         for a in dict.fromkeys(r["arm"] for r in reused))
+        lines += [f"Reused from the earlier run {reused[0]['reused_from']} (the same arrivals, model and servers; "
+                  f"its capacity): {arms}.", ""]
     rows = [_flat(r) for r in result["rows"] if "goodput_rps" in r]
     lines += ["## Figures", ""] + table(rows, FIGURES) + [""]
     lines += ["## How every request ended", ""] + table(rows, OUTCOMES) + [""]

@@ -47,10 +47,16 @@ def phase(text: str) -> tuple[float, float]:
     return rate, seconds
 
 
+#: the class of the idle probe's requests, left out of every figure
+PROBE_CLASS = 1
+
+
 def arrivals(phases: list[tuple[float, float]], gap_s: float, prompt: int, output: int,
-             draw: int) -> tuple[list[Arrival], list[float]]:
+             draw: int, probe_period_s: float = 0.0) -> tuple[list[Arrival], list[float]]:
     """Poisson arrivals phase after phase (each a one-class synthetic workload, seeded by the draw and the
-    phase), and each phase's start."""
+    phase), and each phase's start; with ``probe_period_s``, the overload benchmark's idle probe too: a
+    one-token completion of a two-token prompt every period from the start to the end of the last gap
+    (``PROBE_CLASS``)."""
     out: list[Arrival] = []
     starts: list[float] = []
     start = 0.0
@@ -61,6 +67,9 @@ def arrivals(phases: list[tuple[float, float]], gap_s: float, prompt: int, outpu
         out += [dataclasses.replace(a, arrival_time_s=start + a.arrival_time_s)
                 for a in load_synthetic(workload, seed=len(phases) * draw + i)]
         start += seconds + gap_s
+    if probe_period_s > 0:
+        out += [Arrival(k * probe_period_s, 2, 1, 1, PROBE_CLASS) for k in range(int(start / probe_period_s))]
+        out.sort(key=lambda a: a.arrival_time_s)
     return out, starts
 
 
@@ -70,7 +79,8 @@ def measure(result, starts: list[float], phases: list[tuple[float, float]], prof
     ttft_slo, tpot_slo = profile.ttft_slo_s, profile.tpot_slo_s
     rows = []
     for start, (_, seconds) in zip(starts, phases):
-        mine = [r for r in result.core.metrics.terminal if start <= r.arrival_time_s < start + seconds]
+        mine = [r for r in result.core.metrics.terminal
+                if start <= r.arrival_time_s < start + seconds and r.class_id != PROBE_CLASS]
         served = [r for r in mine if r.first_token_time_s is not None and r.finish_time_s is not None]
         ttft = np.array([r.first_token_time_s - r.arrival_time_s for r in served])
         tpot = np.array([(r.finish_time_s - r.first_token_time_s) / max(r.num_output_tokens - 1, 1) for r in served])
@@ -85,6 +95,25 @@ def measure(result, starts: list[float], phases: list[tuple[float, float]], prof
     return rows
 
 
+def plot(runs: dict[str, list[list[dict]]], profile: Profile, path: Path) -> None:
+    """Draw 0's served requests' TTFT against their arrival, one panel per spec, the SLO in red."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.4 * len(runs)), sharex=True, squeeze=False)
+    for ax, (spec, draws) in zip(axes[:, 0], runs.items()):
+        points = [p for ph in draws[0] for p in ph["points"]]
+        ax.scatter([p[0] for p in points], [p[1] for p in points], s=3)
+        ax.axhline(profile.ttft_slo_s, color="tab:red", lw=0.8)
+        ax.set_ylabel("TTFT s")
+        ax.set_title(spec, fontsize=9)
+    axes[-1, 0].set_xlabel("arrival s (draw 0)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True, help="a profile name or file")
@@ -96,11 +125,16 @@ def main() -> None:
     ap.add_argument("--ttft-slo-s", type=float, default=None, help="the TTFT SLO (default: the profile's)")
     ap.add_argument("--tpot-slo-s", type=float, default=None, help="the TPOT SLO (default: the profile's)")
     ap.add_argument("--early-s", type=float, default=15.0, help="a phase's first seconds, counted apart")
+    ap.add_argument("--probe-period-s", type=float, default=0.0,
+                    help="the overload benchmark's idle probe: a one-token completion every this many seconds, "
+                         "phases and gaps alike, left out of the figures (0: none)")
     ap.add_argument("--draws", type=int, default=6)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if not (args.prompt_tokens >= 1 and args.output_tokens >= 1 and args.draws >= 1 and args.gap_s >= 0):
-        usage_error("--prompt-tokens, --output-tokens and --draws must be at least 1, and --gap-s at least 0", PROG)
+    if not (args.prompt_tokens >= 1 and args.output_tokens >= 1 and args.draws >= 1 and args.gap_s >= 0
+            and args.probe_period_s >= 0):
+        usage_error("--prompt-tokens, --output-tokens and --draws must be at least 1, and --gap-s and "
+                    "--probe-period-s at least 0", PROG)
     try:
         profile = load_profile(args.profile)
         slos = {k: v for k, v in (("ttft_slo_s", args.ttft_slo_s), ("tpot_slo_s", args.tpot_slo_s)) if v is not None}
@@ -112,7 +146,8 @@ def main() -> None:
 
     runs: dict[str, list[list[dict]]] = {spec: [] for spec in args.spec}
     for draw in range(args.draws):
-        arr, starts = arrivals(args.phase, args.gap_s, args.prompt_tokens, args.output_tokens, draw)
+        arr, starts = arrivals(args.phase, args.gap_s, args.prompt_tokens, args.output_tokens, draw,
+                               args.probe_period_s)
         for spec in args.spec:
             result = simulate(arr, profile, build_controller(spec, profile), noise_seed=draw, record_steps=False)
             runs[spec].append(measure(result, starts, args.phase, profile, args.early_s))
@@ -122,7 +157,9 @@ def main() -> None:
              f"Profile `{args.profile}`, SLO TTFT <= {profile.ttft_slo_s:g} s and TPOT <= {profile.tpot_slo_s:g} s; "
              f"{args.prompt_tokens} prompt and {args.output_tokens} output tokens, Poisson; phases "
              + ", ".join(f"{r:g} req/s for {s:g} s" for r, s in args.phase)
-             + f", {args.gap_s:g} s idle between them; {args.draws} draws. Sums over the draws; TTFT p99 of the served "
+             + f", {args.gap_s:g} s idle between them"
+             + (f" (an idle probe every {args.probe_period_s:g} s throughout)" if args.probe_period_s else "")
+             + f"; {args.draws} draws. Sums over the draws; TTFT p99 of the served "
              "requests, mean and worst over draws.", "",
              f"| spec | phase | requests | served | refused | goodput req/s (mean) | late TTFT | of them in the first "
              f"{args.early_s:g} s | TTFT p99 s, mean / worst |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -146,21 +183,7 @@ def main() -> None:
                                                          "summary": summary}, indent=1))
     print("\n".join(lines))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.4 * len(runs)), sharex=True, squeeze=False)
-    for ax, (spec, draws) in zip(axes[:, 0], runs.items()):
-        points = [p for ph in draws[0] for p in ph["points"]]
-        ax.scatter([p[0] for p in points], [p[1] for p in points], s=3)
-        ax.axhline(profile.ttft_slo_s, color="tab:red", lw=0.8)
-        ax.set_ylabel("TTFT s")
-        ax.set_title(spec, fontsize=9)
-    axes[-1, 0].set_xlabel("arrival s (draw 0)")
-    fig.tight_layout()
-    fig.savefig(args.out / "load_step.png", dpi=80)
+    plot(runs, profile, args.out / "load_step.png")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ class Observation:
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
-        "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps",
+        "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps", "busy_prompt_tokens",
+        "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se",
     )
     __slots__ = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
@@ -84,7 +85,8 @@ class Observation:
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
-        "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps",
+        "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps", "busy_prompt_tokens",
+        "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -176,10 +178,13 @@ class Observation:
         #: waiting requests than its running cap) and in the observations of its steps: admission's TTFT
         #: prediction reads them only where an arrival would wait
         self.most_output_tokens = 0
-        #: the 10th percentile of the outputs of the last 64 completions that are longer than the least
-        #: output so far of any running request (0 before the first, or where none is longer): every
-        #: running request's output will be longer than what it has, so nine in ten of them run to at
-        #: least this many tokens, and no slot is likely to free before the most advanced has decoded it
+        #: the 10th percentile of the outputs of the last 64 completions of more than one token that are longer
+        #: than the least output so far of any running request with a token (0 before the first, or where none
+        #: is longer): every running request's output will be longer than what it has, so nine in ten of them
+        #: run to at least this many tokens, and no slot is likely to free before the most advanced has decoded
+        #: it. A one-token answer comes with its prefill and never holds a slot over a step, and a request still
+        #: prefilling says nothing of its output: both would make this the shortest output of all (a probe's
+        #: one token every 0.5 s left nothing else among the last 64 after an idle spell, and no bound)
         self.short_output_tokens = 0
         #: arrivals since the current busy period began (the latest arrival that found nothing running or
         #: waiting), that one included; 0 before the first arrival
@@ -188,6 +193,16 @@ class Observation:
         #: them over the time from the first of them to now (0 before two). Unlike ``arrival_rate_rps`` it
         #: never reaches back past an idle spell, so a step in load after one shows at once
         self.busy_rate_rps = 0.0
+        #: the busy period's arrivals' mean prompt, expected output and expected lifetime KV workload W, each
+        #: arrival's output expected from the completed requests of its prompt's size (``OfferedSizes``,
+        #: ``output_for``): the mix of what arrives now, where ``offered_*`` remember a hundred completions of
+        #: what arrived before (a step from one-token probes to long answers showed at once here, and halved
+        #: ``offered_output_tokens`` for a minute). 0 until an arrival's output can be expected (a completion)
+        self.busy_prompt_tokens = 0.0
+        self.busy_output_tokens = 0.0
+        self.busy_kv_workload = 0.0
+        #: the standard error of ``busy_kv_workload`` as the mean of the busy period's arrivals' W (0 before two)
+        self.busy_kv_workload_se = 0.0
 
     # The four rates are computed when first read, not at every step: most controllers read none
     # of them, and the estimates are a tenth of a simulated step. ``defer_rates`` hands the
@@ -328,7 +343,9 @@ class Observation:
         o.ttft_rel_error_p95 = self.ttft_rel_error_p95
         o.last_completion_s = self.last_completion_s
         o.most_output_tokens, o.short_output_tokens = self.most_output_tokens, self.short_output_tokens
-        o.busy_arrivals, o.busy_rate_rps = self.busy_arrivals, self.busy_rate_rps
+        o.busy_arrivals, o.busy_rate_rps, o.busy_prompt_tokens, o.busy_output_tokens, o.busy_kv_workload, \
+            o.busy_kv_workload_se = (self.busy_arrivals, self.busy_rate_rps, self.busy_prompt_tokens,
+                                     self.busy_output_tokens, self.busy_kv_workload, self.busy_kv_workload_se)
         return o
 
 

@@ -70,8 +70,8 @@ from tidegate.ctrl.base import (
     ReplicaProfile, retry_after_s,
 )
 from tidegate.ctrl.theory import (
-    BURST_USAGE, STEADY_OVERLOAD, arrivals_seen, headroom_activations, safe_activation_rate, shrunk_lambda_max_interval,
-    prefill_time_s, stable_activation_rate, tpot_running_cap,
+    BURST_USAGE, STEADY_OVERLOAD, arrivals_seen, fluid_lambda_max, headroom_activations, safe_activation_rate,
+    shrunk_lambda_max_interval, prefill_time_s, stable_activation_rate, tpot_running_cap,
 )
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
@@ -218,6 +218,8 @@ class SloFlowController(Controller):
     :param busy_witness: with a ``profile``, arrivals above the fluid bound within the current busy period witness
         overload too (:meth:`SloFlowController.over_busy_capacity`), until its arrivals outnumber the steady
         rate's span: the other witnesses' rates reach back past an idle spell.
+    :param busy_mix: the busy period's witness judges its arrivals against the fluid bound of their own mix of
+        sizes (:meth:`SloFlowController.busy_bound`), not the traffic's so far.
     :param queue_witness: with requests waiting and no other witness of overload, refuse an arrival when the
         predicted TTFT of the work ahead of it alone (``predict_ttft_s`` of a prompt of 0 tokens: no error
         margin, no residual, not its own prefill) exceeds ``reject_above`` x SLO. The rates the other
@@ -246,8 +248,8 @@ class SloFlowController(Controller):
                  profile: ReplicaProfile | None = None, min_load: float = 0.85, late_last: bool = True,
                  steady_overload: float = STEADY_OVERLOAD, size_error: bool = True, occupied_pacing: bool = True,
                  tpot_cap: bool = True, stable_rate: bool = True, recent_rate: bool = True, prefill_bound: bool = True,
-                 relative_error: bool = True, busy_witness: bool = True, queue_witness: bool = False,
-                 max_waiting: int | None = None,
+                 relative_error: bool = True, busy_witness: bool = True, busy_mix: bool = True,
+                 queue_witness: bool = False, max_waiting: int | None = None,
                  queue_timeout_s: float | None = None) -> None:
         super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
@@ -279,6 +281,7 @@ class SloFlowController(Controller):
         self.prefill_bound = prefill_bound and profile is not None
         self.relative_error = relative_error
         self.busy_witness = busy_witness and profile is not None
+        self.busy_mix = busy_mix
         self.queue_witness = queue_witness
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
@@ -414,8 +417,12 @@ class SloFlowController(Controller):
         if not (self.busy_witness and EARLY_ARRIVALS <= n < STEADY_RATE_EVENTS):
             return False
         assert self.profile is not None
-        bound, rse = shrunk_lambda_max_interval(obs, self.profile, self.prior_output_tokens)
-        high = bound * (1.0 + RECENT_Z * rse) if self.size_error else bound
+        # the lower of the bounds of the busy period's mix and of the traffic so far: the first follows a change
+        # of sizes at once, the second counts the long outputs still running, which completions leave out
+        high = math.inf
+        for bound, rse in (self.busy_bound(obs), shrunk_lambda_max_interval(obs, self.profile,
+                                                                            self.prior_output_tokens)):
+            high = min(high, bound * (1.0 + RECENT_Z * rse) if self.size_error else bound)
         rate = obs.busy_rate_rps
         if not rate > high:
             return False
@@ -424,6 +431,23 @@ class SloFlowController(Controller):
         gaps = min(n, RATE_EVENTS) - 1
         expected = gaps * high / rate
         return 3.0 * math.sqrt(gaps) * (1.0 - 1.0 / (9.0 * gaps) - (expected / gaps) ** (1.0 / 3.0)) > RECENT_Z
+
+    def busy_bound(self, obs: Observation) -> tuple[float, float]:
+        """The fluid bound of the busy period's own arrivals and its relative standard error: their mean prompt,
+        expected output and W (``Observation.busy_kv_workload``, each arrival's output expected from the recent
+        completions of its prompt's size), the error of their mean W over the arrivals counted; the traffic
+        offered so far (``ctrl.theory.shrunk_lambda_max_interval``) before any output can be expected. The
+        rate the witness judges is these arrivals' rate, so the bound is their mix's: after an idle spell of
+        one-token probes the offered output had fallen to half the long answers' that followed, and the
+        bound of the traffic so far to twice theirs, which hid the step."""
+        assert self.profile is not None
+        w = obs.busy_kv_workload
+        if not (self.busy_mix and w > 0.0):
+            return shrunk_lambda_max_interval(obs, self.profile, self.prior_output_tokens)
+        d = obs.busy_output_tokens
+        m = obs.kv_capacity_tokens or self.profile.kv_capacity_tokens
+        bound = fluid_lambda_max(obs.busy_prompt_tokens + d, w, self.profile, m, d, self.profile.max_num_seqs)
+        return bound, obs.busy_kv_workload_se / w
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""

@@ -44,18 +44,24 @@ def test_registered_and_episode_ends_drained_or_truncated(drain):
 
 
 def test_the_drain_charges_a_backlog_the_policy_leaves_behind():
-    kw = dict(families=["chat"], load_range=(2.5, 2.5), episode_steps=30, baseline="prior", seed=3)
-    e = ServingEnv(**kw)
-    e.reset(seed=3)
-    rewards = [e.step(np.zeros(3))[1] for _ in range(30)]
-    assert rewards == [0.0] * 30  # the prior against itself, drain included
-    e.reset(seed=3)
-    info = {}
-    for _ in range(30):  # half the activations, the batch and the admission threshold
-        *_, info = e.step(np.array([-1.0, -1.0, -1.0]))
-    assert info["drain_reward"] != 0.0
-    arrived = e.totals["good"] + e.totals["missed"] + e.totals["rejected"]
-    assert arrived == e.core.metrics.arrived  # every request that came is counted once, the drain's too
+    """The prior against itself earns nothing, drain included; a policy that halves the activations, the batch
+    and the admission threshold leaves a backlog whose drain differs from the prior's on some of six draws (on
+    a given draw the two backlogs can drain alike, so no single seed is asked for)."""
+    drains = []
+    for seed in range(6):
+        e = ServingEnv(families=["chat"], load_range=(2.5, 2.5), episode_steps=30, baseline="prior", seed=seed)
+        if seed < 2:
+            e.reset(seed=seed)
+            rewards = [e.step(np.zeros(3))[1] for _ in range(30)]
+            assert rewards == [0.0] * 30  # the prior against itself, drain included
+        e.reset(seed=seed)
+        info = {}
+        for _ in range(30):
+            *_, info = e.step(np.array([-1.0, -1.0, -1.0]))
+        drains.append(info["drain_reward"])
+        arrived = e.totals["good"] + e.totals["missed"] + e.totals["rejected"]
+        assert arrived == e.core.metrics.arrived  # every request that came is counted once, the drain's too
+    assert sum(d != 0.0 for d in drains) >= 2, drains
 
 
 def test_same_seed_same_episode():

@@ -25,6 +25,7 @@ from tidegate.ctrl.slo_flow import SloFlowController, predicted_ttft_s
 from tidegate.ctrl.theory import fluid_lambda_max, shrunk_lambda_max, shrunk_lambda_max_interval
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
+from tidegate.engine.workloads.arrivals import Arrival
 from tidegate.engine.workloads.families import load_family
 from tidegate.engine.workloads.synthetic import load_synthetic
 from tidegate.training.evaluate import cell_arrivals
@@ -920,6 +921,57 @@ def test_a_step_in_load_after_an_idle_spell_is_refused_from_its_start():
         goodput[on] = sum(t <= profile.ttft_slo_s and p <= profile.tpot_slo_s for t, p in zip(ttft, tpot))
     assert late[False] >= 20 and late[True] <= late[False] / 4, late
     assert goodput[True] > 1.5 * goodput[False], goodput
+
+
+def test_the_busy_period_is_judged_by_its_own_mix_of_sizes_not_an_idle_spells():
+    """The same step with an idle probe throughout (a one-token answer to a two-token prompt every 0.5 s, as the
+    vLLM benchmark's): over the spell the completions are all probes, the offered output falls towards one token
+    and the bound of the traffic so far rises far above the long answers' that follow, so the busy period's
+    witness would judge them against it and stay silent. Judged against the bound of its own arrivals, each
+    arrival's output expected from the completions of its prompt's size, the step is refused from its start."""
+    profile = load_profile("tiny-vllm-cpu")
+    bound = fluid_lambda_max(256 + 64, 256 * 64 + 64 * 65 / 2, profile, mean_output_tokens=64,
+                             max_num_seqs=profile.max_num_seqs)
+    arr, start, step_s = [], 0.0, 0.0
+    for i, (multiple, seconds) in enumerate(((0.5, 60.0), (3.0, 40.0))):
+        workload = {"arrival": {"process": "poisson"}, "duration_s": seconds, "max_tokens": 64,
+                    "classes": [{"rate_rps": multiple * bound, "prompt_tokens": 256, "output_tokens": 64}]}
+        arr += [dataclasses.replace(a, arrival_time_s=start + a.arrival_time_s)
+                for a in load_synthetic(workload, seed=i)]
+        step_s, start = start, start + seconds + 35.0
+    arr = sorted(arr + [Arrival(0.5 * k, 2, 1, 1, class_id=1) for k in range(int(start / 0.5))],
+                 key=lambda a: a.arrival_time_s)
+    late, goodput = {}, {}
+    for on in (True, False):
+        result = simulate(arr, profile, build_controller(f"slo-flow:busy_mix={str(on).lower()}", profile),
+                          record_steps=False)
+        served = [r for r in result.core.metrics.terminal
+                  if r.arrival_time_s >= step_s and r.first_token_time_s and r.class_id == 0]
+        ttft = [r.first_token_time_s - r.arrival_time_s for r in served]
+        late[on] = sum(t > profile.ttft_slo_s for r, t in zip(served, ttft) if r.arrival_time_s < step_s + 10.0)
+        tpot = [(r.finish_time_s - r.first_token_time_s) / 63 for r in served]
+        goodput[on] = sum(t <= profile.ttft_slo_s and p <= profile.tpot_slo_s for t, p in zip(ttft, tpot))
+    assert late[False] >= 20 and late[True] <= late[False] / 3, late
+    assert goodput[True] > 1.3 * goodput[False], goodput
+
+
+def test_the_busy_bound_is_the_fluid_bound_of_the_busy_periods_mix_with_its_error():
+    """With the busy period's sizes known, its bound is the fluid bound of their means and its relative error
+    that of their mean W; before any output can be expected (0), the traffic's so far."""
+    c = SloFlowController(max_num_batched_tokens=2048, profile=PROFILE, ttft_slo_s=PROFILE.ttft_slo_s)
+    obs = overloaded_obs(kv_capacity_tokens=PROFILE.kv_capacity_tokens)
+    assert c.busy_bound(obs) == shrunk_lambda_max_interval(obs, PROFILE)
+    w = 256 * 128 + 128 * 129 / 2
+    obs.busy_prompt_tokens, obs.busy_output_tokens, obs.busy_kv_workload, obs.busy_kv_workload_se = 256, 128, w, 0.1 * w
+    bound, rse = c.busy_bound(obs)
+    assert bound == pytest.approx(fluid_lambda_max(256 + 128, w, PROFILE, PROFILE.kv_capacity_tokens, 128,
+                                                   PROFILE.max_num_seqs))
+    assert rse == pytest.approx(0.1)
+    light = copy.copy(obs)
+    light.busy_output_tokens, light.busy_kv_workload = 1, 256 + 1
+    assert c.busy_bound(light)[0] > 2 * bound  # one-token answers: a higher bound
+    off = SloFlowController(max_num_batched_tokens=2048, profile=PROFILE, busy_mix=False)
+    assert off.busy_bound(obs) == shrunk_lambda_max_interval(obs, PROFILE)
 
 
 def test_only_arrivals_predicted_to_miss_their_slo_are_refused_and_the_measured_error_counts():

@@ -8,6 +8,7 @@ that come later must not change what a late read sees.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -166,6 +167,36 @@ def test_the_last_completion_is_the_latest_completion_or_the_start_of_the_busy_p
     assert stats.current.last_completion_s == 9.0 and stats.snapshot().last_completion_s == 9.0
 
 
+def test_the_busy_period_reports_the_mix_of_its_own_arrivals():
+    """Each arrival's output is expected from the completions of its prompt's size: after a spell of one-token
+    answers to two-token prompts, a busy period of 256-token prompts (whose completions had 128 tokens) reports
+    their sizes, not the spell's; a mixed one their means, with the standard error of its W; an idle engine starts
+    the sums again."""
+    from tidegate.engine.core.stats import ObservationStats
+
+    stats = ObservationStats(kv_capacity_tokens=100_000)
+    assert stats.current.busy_kv_workload == 0.0
+    stats.arrived(0.0, 256, idle=True)  # nothing completed yet: no output can be expected
+    assert stats.current.busy_kv_workload == 0.0
+    stats.completed(1.0, 256, 128, 0.5, 0.1)
+    for i in range(100):
+        stats.arrived(2.0 + i, 2, idle=True)
+        stats.completed(2.1 + i, 2, 1, 0.05, None)
+    assert stats.current.offered_output_tokens < 60  # the long memory reads mostly the spell
+    w_long, w_probe = 256 * 128 + 128 * 129 / 2, 2 * 1 + 1
+    for i in range(4):
+        stats.arrived(200.0 + i, 256, idle=i == 0)
+    obs = stats.current
+    assert (obs.busy_prompt_tokens, obs.busy_output_tokens, obs.busy_kv_workload) == (256, 128, w_long)
+    assert obs.busy_kv_workload_se == 0.0
+    stats.arrived(205.0, 2, idle=False)
+    obs = stats.current
+    assert obs.busy_kv_workload == pytest.approx((4 * w_long + w_probe) / 5)
+    assert obs.busy_kv_workload_se == pytest.approx(np.std([w_long] * 4 + [w_probe]) / 2)
+    stats.arrived(300.0, 2, idle=True)
+    assert stats.current.busy_output_tokens == 1 and stats.snapshot().busy_kv_workload == w_probe
+
+
 def test_the_busy_period_counts_its_arrivals_and_their_rate_from_its_start():
     """An arrival into an empty engine starts a busy period: ``busy_arrivals`` counts from it, and ``busy_rate_rps``
     is the gaps between the period's last 64 arrivals at most over the time from the first of them to now, so an
@@ -204,9 +235,10 @@ def test_the_busy_period_counts_its_arrivals_and_their_rate_from_its_start():
 def test_the_short_outputs_are_the_tenth_percentile_of_recent_outputs_longer_than_any_running_request_has():
     """``short_output_tokens`` is the 10th percentile of the last 64 completions' outputs, however old (an output's
     length is the traffic's, not a moment's), among those longer than the least output of a running request: a
-    request that has decoded 5 tokens will not end at 1, so one-token answers (a probe, a classifier) say nothing
-    of when it frees its slot while none of them runs. ``most_output_tokens`` is the most any running request has,
-    in the engine a steady decode's count included."""
+    request that has decoded 5 tokens will not end at 2, so two-token answers say nothing of when it frees its slot
+    while none of them runs. One-token answers are not kept: they come with their prefill and never hold a slot
+    over a step. ``most_output_tokens`` is the most any running request has, in the engine a steady decode's count
+    included, and the least is that of those with a token (one still prefilling says nothing of its output)."""
     from tidegate.ctrl.greedy import GreedyController
     from tidegate.engine.core.stats import ObservationStats
 
@@ -218,9 +250,12 @@ def test_the_short_outputs_are_the_tenth_percentile_of_recent_outputs_longer_tha
     assert stats.observe(1e6, 1, 20, 0, 1, 0, 10, 0, 0, 17, 1042).most_output_tokens == 17
     assert stats.snapshot().short_output_tokens == 1042 and stats.snapshot().most_output_tokens == 17
     for _ in range(32):
-        stats.completed(2e6, 10, 1, 0.5, 0.1)  # half the window: one-token answers
-    assert stats.outputs.short_above(0) == 1  # one of them may be running
-    assert stats.outputs.short_above(1) == 1068 + 3  # none is: the 4th of 1068-1099
+        stats.completed(2e6, 10, 1, 0.5, 0.1)  # one-token answers came with their prefill: not kept
+    assert stats.outputs.short_above(0) == 1036 + 6
+    for _ in range(32):
+        stats.completed(3e6, 10, 2, 0.5, 0.1)  # half the window: two-token answers
+    assert stats.outputs.short_above(1) == 2  # one of them may be running
+    assert stats.outputs.short_above(2) == 1068 + 3  # none is: the 4th of 1068-1099
     assert stats.outputs.short_above(5000) == 0  # longer than all seen
 
     core = make_engine(GreedyController(max_num_seqs=3), capacity=4096)
@@ -238,7 +273,7 @@ def test_the_short_outputs_are_the_tenth_percentile_of_recent_outputs_longer_tha
 
 
 def test_the_relative_ttft_error_counts_only_predictions_of_a_queues_wait():
-    """``ttft_rel_error_p95`` is the 90th percentile of (realised - predicted) / predicted over predictions of at least
+    """``ttft_rel_error_p95`` is the 95th percentile of (realised - predicted) / predicted over predictions of at least
     ``QUEUE_STEPS`` mean steps; a prediction of a step or two is about one step's noise, and its relative error
     (doubled by one step more) says nothing about how a queue's wait is mispredicted."""
     from tidegate.ctrl.base import QUEUE_STEPS

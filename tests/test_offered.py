@@ -182,3 +182,24 @@ def test_a_burst_into_free_memory_leaves_room_for_the_running_requests_to_grow()
     obs.completed_total, obs.num_running, obs.running_prompt_tokens = 0, 0, 0  # before any completion:
     obs.head_prompt_tokens, obs.kv_used_tokens = 372, 0  # the queue head with the prior output
     assert headroom_activations(obs, 0.9, 128) == 90_000 // 500
+
+
+@settings(max_examples=50, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(1, 5000), st.integers(1, 2000)), min_size=1, max_size=60))
+def test_an_arrivals_output_is_expected_from_the_completions_of_its_prompts_size(pairs):
+    """The mean output of the recent completions in the arrival's prompt bin (power of two); a bin with none
+    takes the offered mean; nothing before the first completion. Refusals do not enter a bin's mean: within a
+    bin admission does not depend on the output."""
+    est = OfferedSizes(0.01)
+    assert est.output_for(100) == 0.0
+    for p, d in pairs:
+        est.arrived(p, admitted=True)
+        est.arrived(p, admitted=False)
+        est.completed(p, d)
+    for p, _ in pairs:
+        mine = [(i, d) for i, (q, d) in enumerate(pairs) if q.bit_length() == p.bit_length()]
+        weights = [0.99 ** (len(mine) - 1 - j) for j in range(len(mine))]
+        want = sum(w * d for w, (_, d) in zip(weights, mine)) / sum(weights)
+        assert est.output_for(p) == pytest.approx(want, rel=1e-9)
+    empty = next(b for b in range(1, 24) if all(q.bit_length() != b + 1 for q, _ in pairs))
+    assert est.output_for(2 ** empty) == pytest.approx(est.output_tokens)

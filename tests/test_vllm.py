@@ -236,11 +236,13 @@ def test_the_observer_reads_vllms_queues_and_its_running_requests_outputs():
     assert (obs.num_waiting, obs.num_running, obs.waiting_prompt_tokens) == (2, 3, 30 + 136)
     assert (obs.head_prompt_tokens, obs.running_prompt_tokens, obs.most_output_tokens) == (200, 220, 40)
     assert obs.short_output_tokens == 0  # nothing completed yet
-    for out in (1, 1, 1, 128, 128):
+    for out in (1, 1, 1, 5, 128, 128):
         observer.stats.completed(observer.now(), 10, out, 0.1, 0.05)
-    assert observer.observe(4, Queue(), Queue(), running, 0.25).short_output_tokens == 1  # one just started
-    running[2].num_output_tokens = running[2].num_tokens = 71
-    assert observer.observe(5, Queue(), Queue(), running, 0.25).short_output_tokens == 128  # all past one token
+    # the least output of those with a token is 10 (the one at 0 is still prefilling), and one-token answers,
+    # which never held a slot over a step, are not kept: the outputs longer than 10 are 128
+    assert observer.observe(4, Queue(), Queue(), running, 0.25).short_output_tokens == 128
+    running[1].num_output_tokens = 3
+    assert observer.observe(5, Queue(), Queue(), running, 0.25).short_output_tokens == 5
     assert obs.kv_used_tokens == round(0.25 * LIMITS.kv_capacity_tokens)
     assert observer.observe(6, Queue(), Queue(), [], 0.0).most_output_tokens == 0
 

@@ -30,7 +30,8 @@ class OfferedSizes:
         rate per arrival.
     """
 
-    __slots__ = ("alpha", "_offered", "_admitted", "_stamp", "_arrivals", "_w", "_wd", "_ww", "_www", "_w2")
+    __slots__ = ("alpha", "_offered", "_admitted", "_stamp", "_arrivals", "_w", "_wd", "_ww", "_www", "_w2",
+                 "_bin_n", "_bin_d")
 
     def __init__(self, alpha: float = 0.01) -> None:
         self.alpha = alpha
@@ -43,6 +44,8 @@ class OfferedSizes:
         self._ww = 0.0  # ... times W
         self._www = 0.0  # ... times W^2
         self._w2 = 0.0  # sum of squared decayed weights (for the effective sample size)
+        self._bin_n = [0.0] * PROMPT_BINS  # completions per prompt bin, decayed per completion of the bin
+        self._bin_d = [0.0] * PROMPT_BINS  # ... times their output
 
     @staticmethod
     def _bin(prompt_tokens: int) -> int:
@@ -78,6 +81,9 @@ class OfferedSizes:
         keep = 1.0 - self.alpha
         w = self.weight(prompt_tokens)
         work = prompt_tokens * output_tokens + output_tokens * (output_tokens + 1) / 2
+        k = self._bin(prompt_tokens)
+        self._bin_n[k] = self._bin_n[k] * keep + 1.0
+        self._bin_d[k] = self._bin_d[k] * keep + output_tokens
         self._w = self._w * keep + w
         self._wd = self._wd * keep + w * output_tokens
         self._ww = self._ww * keep + w * work
@@ -88,6 +94,15 @@ class OfferedSizes:
     def output_tokens(self) -> float:
         """Mean output length of the offered requests (0 before any completion)."""
         return self._wd / self._w if self._w > 0 else 0.0
+
+    def output_for(self, prompt_tokens: int) -> float:
+        """The output expected of an arrival with this prompt: the mean output of the recent completions of
+        its prompt's size (its bin's last hundred or so), else of the offered requests (0 before any
+        completion). Within a bin admission does not depend on the output, so the bin's completions are
+        its arrivals' sample."""
+        k = self._bin(prompt_tokens)
+        n = self._bin_n[k]
+        return self._bin_d[k] / n if n > 0 else self.output_tokens
 
     @property
     def kv_workload(self) -> float:

@@ -192,6 +192,8 @@ class ObservationStats:
         self._workload_decay = 1.0  # (1 - alpha)^completions: the estimates' start-up correction
         self._offered_decay = 1.0  # (1 - alpha)^arrivals, the same for the offered prompt mean
         self.offered_sizes = OfferedSizes(WORKLOAD_ALPHA)
+        # the busy period's arrivals with an expected output: their count and sums of prompt, output, W and W^2
+        self._busy_sums: list[float] = [0, 0.0, 0.0, 0.0, 0.0]
         self.kv_steps = 0.0  # KV tokens in use summed over steps, decayed per completion
         self.kv_completions = 0.0  # completions, decayed alike (Little's law on the KV)
         #: KV tokens read by decodes summed over steps, decayed alike (the simulator's fast path adds
@@ -276,7 +278,23 @@ class ObservationStats:
         if idle:  # a busy period starts: completions are due from now
             obs.last_completion_s = now_s
             obs.busy_arrivals = 0
+            self._busy_sums = [0, 0.0, 0.0, 0.0, 0.0]
         obs.busy_arrivals += 1
+        d = self.offered_sizes.output_for(prompt_len)
+        if d > 0.0:  # the busy period's mix, of the arrivals whose output can be expected
+            sums = self._busy_sums
+            w = prompt_len * d + d * (d + 1.0) / 2.0
+            sums[0] += 1
+            sums[1] += prompt_len
+            sums[2] += d
+            sums[3] += w
+            sums[4] += w * w
+            n = sums[0]
+            mean = sums[3] / n
+            obs.busy_prompt_tokens, obs.busy_output_tokens, obs.busy_kv_workload = sums[1] / n, sums[2] / n, mean
+            obs.busy_kv_workload_se = (math.sqrt(max(sums[4] / n - mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0)
+        elif idle:
+            obs.busy_prompt_tokens = obs.busy_output_tokens = obs.busy_kv_workload = obs.busy_kv_workload_se = 0.0
         obs.offered_prompt_tokens += (WORKLOAD_ALPHA / (1.0 - self._offered_decay)
                                       * (prompt_len - obs.offered_prompt_tokens))
 
@@ -335,7 +353,8 @@ class ObservationStats:
         obs, a, aw = self.current, LATENCY_ALPHA, WORKLOAD_ALPHA
         obs.completed_total += 1
         obs.last_completion_s = now_s
-        self.outputs.add(output_tokens)
+        if output_tokens > 1:  # one token comes with the prefill: such a request never held a slot over a step
+            self.outputs.add(output_tokens)
         o, p = output_tokens, prompt_len
         # exponentially weighted means corrected for their start (weights normalised to sum to 1):
         # the mean of all completions while they are few, the first one never weighs more than the rest

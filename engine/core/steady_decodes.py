@@ -176,6 +176,6 @@ def running_outputs(steady: SteadyDecodes, explicit: list[Request], tick: int) -
         out = r.num_output_tokens
         if out > most:
             most = out
-        if out < least:
+        if 0 < out < least:
             least = out
     return most, least if least < UNLIMITED else 0

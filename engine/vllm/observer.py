@@ -94,12 +94,13 @@ class VllmObserver:
             for r in queue:
                 queued += r.num_tokens - r.num_computed_tokens
         head = holding.peek_request() if holding else waiting.peek_request() if waiting else None
-        prompts = most = 0
-        least = 0 if not running else running[0].num_output_tokens
+        prompts = most = least = 0
         for r in running:
             prompts += r.num_prompt_tokens
             out = r.num_output_tokens
-            most, least = max(most, out), min(least, out)
+            most = max(most, out)
+            if out and (out < least or not least):  # the least of those with a token (as the engine's)
+                least = out
         stats = self.stats
         stats.observe(now, step_index, kv_used, len(waiting) + len(holding), len(running), queued, prompts,
                       head.num_prompt_tokens if head is not None else 0, self.evicted_last_step, most,

@@ -1,12 +1,14 @@
 """A step in load after an idle spell, in the twin: who misses the TTFT SLO, and when they arrived.
 
     python benchmarks/load_step.py --profile PROFILE.json --spec slo-flow --spec slo-flow:queue_witness=false \
-        --phase 3.27:120 --gap-s 35 --phase 6.54:120 --out DIR [--draws 6] [--ttft-slo-s 2 --tpot-slo-s 0.2]
+        --phase 3.27:120 --gap-s 35 --phase 6.54:120 --out DIR [--draws 6] [--ttft-slo-s 2 --tpot-slo-s 0.2] \
+        [--probe-period-s 0.5]
 
 The arrivals of ``benchmarks/vllm_overload.py``: Poisson, every request ``--prompt-tokens`` in and exactly
 ``--output-tokens`` out, one ``--phase RATE:SECONDS`` after the other (repeatable), with the replica idle for
 ``--gap-s`` between them (the overload benchmark runs its loads on one server, one after the other, with a pause
-between them). The profile is any profile, e.g. one fitted from that benchmark's step log
+between them; ``--probe-period-s`` adds its idle probe, a one-token completion every period, left out of the
+figures). The profile is any profile, e.g. one fitted from that benchmark's step log
 (``tidegate profile --from-steps DIR/logs/steps-tidegate.csv --out PROFILE.json``), with the benchmark's SLOs
 given here. Every spec runs on the same ``--draws`` draws (arrivals and step noise seeded by the draw).
 

@@ -895,11 +895,11 @@ def test_arrivals_above_the_bound_in_a_busy_period_witness_overload_where_the_ra
     assert c.reject_delay_s(early) == pytest.approx(PROFILE.ttft_slo_s)
 
 
-def test_a_step_in_load_after_an_idle_spell_is_refused_from_its_start():
-    """A replica of vLLM on a CPU (the shipped profile fitted from its steps) at half its bound, idle for 35 s, then
-    at three times it: without the busy period's witness the first arrivals of the step queue until the rates have
-    forgotten the spell, and about half of its first 10 s are late; with it, few are, and the step's goodput is
-    higher. (On the GPU presets the other witnesses see such a step within a second: hundreds arrive in it.)"""
+def step_after_idle(spec: str, probe_period_s: float = 0.0) -> tuple[dict[bool, int], dict[bool, int]]:
+    """A replica of vLLM on a CPU (the shipped ``tiny-vllm-cpu`` profile, fitted from its steps) at half its bound for
+    60 s, idle for 35 s, then at three times it for 40 s, with ``probe_period_s``'s one-token probe (a two-token prompt,
+    class 1) throughout; run with ``spec`` + ``=true`` and ``=false``. Per setting: the step's late first tokens in
+    its first 10 s, and its requests within both SLOs (probes left out)."""
     profile = load_profile("tiny-vllm-cpu")
     bound = fluid_lambda_max(256 + 64, 256 * 64 + 64 * 65 / 2, profile, mean_output_tokens=64,
                              max_num_seqs=profile.max_num_seqs)
@@ -910,15 +910,26 @@ def test_a_step_in_load_after_an_idle_spell_is_refused_from_its_start():
         arr += [dataclasses.replace(a, arrival_time_s=start + a.arrival_time_s)
                 for a in load_synthetic(workload, seed=i)]
         step_s, start = start, start + seconds + 35.0
+    if probe_period_s > 0:
+        probes = [Arrival(probe_period_s * k, 2, 1, 1, class_id=1) for k in range(int(start / probe_period_s))]
+        arr = sorted(arr + probes, key=lambda a: a.arrival_time_s)
     late, goodput = {}, {}
     for on in (True, False):
-        result = simulate(arr, profile, build_controller(f"slo-flow:busy_witness={str(on).lower()}", profile),
-                          record_steps=False)
-        served = [r for r in result.core.metrics.terminal if r.arrival_time_s >= step_s and r.first_token_time_s]
+        result = simulate(arr, profile, build_controller(f"{spec}={str(on).lower()}", profile), record_steps=False)
+        served = [r for r in result.core.metrics.terminal
+                  if r.arrival_time_s >= step_s and r.first_token_time_s and r.class_id == 0]
         ttft = [r.first_token_time_s - r.arrival_time_s for r in served]
         late[on] = sum(t > profile.ttft_slo_s for r, t in zip(served, ttft) if r.arrival_time_s < step_s + 10.0)
         tpot = [(r.finish_time_s - r.first_token_time_s) / 63 for r in served]
         goodput[on] = sum(t <= profile.ttft_slo_s and p <= profile.tpot_slo_s for t, p in zip(ttft, tpot))
+    return late, goodput
+
+
+def test_a_step_in_load_after_an_idle_spell_is_refused_from_its_start():
+    """Without the busy period's witness the first arrivals of the step queue until the rates have forgotten the
+    spell, and about half of its first 10 s are late; with it, few are, and the step's goodput is higher. (On the
+    GPU presets the other witnesses see such a step within a second: hundreds arrive in it.)"""
+    late, goodput = step_after_idle("slo-flow:busy_witness")
     assert late[False] >= 20 and late[True] <= late[False] / 4, late
     assert goodput[True] > 1.5 * goodput[False], goodput
 
@@ -929,28 +940,7 @@ def test_the_busy_period_is_judged_by_its_own_mix_of_sizes_not_an_idle_spells():
     and the bound of the traffic so far rises far above the long answers' that follow, so the busy period's
     witness would judge them against it and stay silent. Judged against the bound of its own arrivals, each
     arrival's output expected from the completions of its prompt's size, the step is refused from its start."""
-    profile = load_profile("tiny-vllm-cpu")
-    bound = fluid_lambda_max(256 + 64, 256 * 64 + 64 * 65 / 2, profile, mean_output_tokens=64,
-                             max_num_seqs=profile.max_num_seqs)
-    arr, start, step_s = [], 0.0, 0.0
-    for i, (multiple, seconds) in enumerate(((0.5, 60.0), (3.0, 40.0))):
-        workload = {"arrival": {"process": "poisson"}, "duration_s": seconds, "max_tokens": 64,
-                    "classes": [{"rate_rps": multiple * bound, "prompt_tokens": 256, "output_tokens": 64}]}
-        arr += [dataclasses.replace(a, arrival_time_s=start + a.arrival_time_s)
-                for a in load_synthetic(workload, seed=i)]
-        step_s, start = start, start + seconds + 35.0
-    arr = sorted(arr + [Arrival(0.5 * k, 2, 1, 1, class_id=1) for k in range(int(start / 0.5))],
-                 key=lambda a: a.arrival_time_s)
-    late, goodput = {}, {}
-    for on in (True, False):
-        result = simulate(arr, profile, build_controller(f"slo-flow:busy_mix={str(on).lower()}", profile),
-                          record_steps=False)
-        served = [r for r in result.core.metrics.terminal
-                  if r.arrival_time_s >= step_s and r.first_token_time_s and r.class_id == 0]
-        ttft = [r.first_token_time_s - r.arrival_time_s for r in served]
-        late[on] = sum(t > profile.ttft_slo_s for r, t in zip(served, ttft) if r.arrival_time_s < step_s + 10.0)
-        tpot = [(r.finish_time_s - r.first_token_time_s) / 63 for r in served]
-        goodput[on] = sum(t <= profile.ttft_slo_s and p <= profile.tpot_slo_s for t, p in zip(ttft, tpot))
+    late, goodput = step_after_idle("slo-flow:busy_mix", probe_period_s=0.5)
     assert late[False] >= 20 and late[True] <= late[False] / 3, late
     assert goodput[True] > 1.3 * goodput[False], goodput
 

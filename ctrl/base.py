@@ -190,14 +190,16 @@ class Observation:
         #: waiting), that one included; 0 before the first arrival
         self.busy_arrivals = 0
         #: arrivals per second over the busy period's last ``RATE_EVENTS`` arrivals at most: the gaps between
-        #: them over the time from the first of them to now (0 before two). Unlike ``arrival_rate_rps`` it
+        #: them over the time from the first of them to now (0 before two, and past the busy period's first
+        #: ``STEADY_RATE_EVENTS``, where the steady rates span it alone). Unlike ``arrival_rate_rps`` it
         #: never reaches back past an idle spell, so a step in load after one shows at once
         self.busy_rate_rps = 0.0
         #: the busy period's arrivals' mean prompt, expected output and expected lifetime KV workload W, each
         #: arrival's output expected from the completed requests of its prompt's size (``OfferedSizes``,
         #: ``output_for``): the mix of what arrives now, where ``offered_*`` remember a hundred completions of
         #: what arrived before (a step from one-token probes to long answers showed at once here, and halved
-        #: ``offered_output_tokens`` for a minute). 0 until an arrival's output can be expected (a completion)
+        #: ``offered_output_tokens`` for a minute). Over the busy period's first ``STEADY_RATE_EVENTS`` arrivals
+        #: (after them the steady rates span it alone); 0 until an arrival's output can be expected (a completion)
         self.busy_prompt_tokens = 0.0
         self.busy_output_tokens = 0.0
         self.busy_kv_workload = 0.0

@@ -218,6 +218,10 @@ def test_the_busy_period_counts_its_arrivals_and_their_rate_from_its_start():
     obs = stats.observe(200.0 + 9.9, 4, 50, 100, 0, 50, 0, 10, 0)
     assert obs.busy_arrivals == 100 and obs.busy_rate_rps == pytest.approx(10.0)  # the last 64: 63 gaps in 6.3 s
     assert obs.arrival_rate_rps < 6.5  # the 64-event rate still reads the idle spell
+    for i in range(100, 300):
+        stats.arrived(200.0 + 0.1 * i, 10, idle=False)
+    obs = stats.observe(230.0, 5, 50, 100, 0, 50, 0, 10, 0)
+    assert obs.busy_arrivals == 300 and obs.busy_rate_rps == 0.0  # past 256 the steady rates span it alone
     stats.arrived(300.0, 10, idle=False)  # the engine says it holds requests
     stats.arrived(301.0, 10, idle=True)  # and that it was empty
     assert stats.current.busy_arrivals == 1 and stats.current.last_completion_s == 301.0

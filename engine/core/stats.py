@@ -225,8 +225,10 @@ class ObservationStats:
         obs.head_prompt_tokens = head_prompt_tokens
         obs.most_output_tokens = most_output_tokens
         obs.short_output_tokens = short_output_tokens
-        # the busy period's arrivals are the last ``busy_arrivals`` the arrival rate keeps
-        obs.busy_rate_rps = self.arrivals.last_rate(obs.busy_arrivals, now_s)
+        # the busy period's arrivals are the last ``busy_arrivals`` the arrival rate keeps; past its first
+        # STEADY_RATE_EVENTS the steady rates span it alone, and nothing reads it (a step's cost saved)
+        busy = obs.busy_arrivals
+        obs.busy_rate_rps = self.arrivals.last_rate(busy, now_s) if busy < STEADY_RATE_EVENTS else 0.0
         obs.defer_rates(self.arrivals, self.offered, self.completions, self.served)
         obs.evicted_last_step = evicted_last_step
         obs.ttft_error_p95_s = self.ttft_error.current(now_s)
@@ -275,11 +277,15 @@ class ObservationStats:
         self.offered.add(now_s)
         self._offered_decay *= 1.0 - WORKLOAD_ALPHA
         obs = self.current
+        obs.offered_prompt_tokens += (WORKLOAD_ALPHA / (1.0 - self._offered_decay)
+                                      * (prompt_len - obs.offered_prompt_tokens))
         if idle:  # a busy period starts: completions are due from now
             obs.last_completion_s = now_s
             obs.busy_arrivals = 0
             self._busy_sums = [0, 0.0, 0.0, 0.0, 0.0]
         obs.busy_arrivals += 1
+        if obs.busy_arrivals > STEADY_RATE_EVENTS:  # the mix of its first arrivals: past them nothing reads it
+            return
         d = self.offered_sizes.output_for(prompt_len)
         if d > 0.0:  # the busy period's mix, of the arrivals whose output can be expected
             sums = self._busy_sums
@@ -295,8 +301,6 @@ class ObservationStats:
             obs.busy_kv_workload_se = (math.sqrt(max(sums[4] / n - mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0)
         elif idle:
             obs.busy_prompt_tokens = obs.busy_output_tokens = obs.busy_kv_workload = obs.busy_kv_workload_se = 0.0
-        obs.offered_prompt_tokens += (WORKLOAD_ALPHA / (1.0 - self._offered_decay)
-                                      * (prompt_len - obs.offered_prompt_tokens))
 
     def admitted(self, prompt_len: int, accepted: bool) -> None:
         """The admission's verdict on an arrival that could fit (``accepted``: it was queued)."""

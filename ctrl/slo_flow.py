@@ -419,9 +419,10 @@ class SloFlowController(Controller):
         assert self.profile is not None
         # the lower of the bounds of the busy period's mix and of the traffic so far: the first follows a change
         # of sizes at once, the second counts the long outputs still running, which completions leave out
+        traffic = shrunk_lambda_max_interval(obs, self.profile, self.prior_output_tokens)
+        mix = self.busy_bound(obs, traffic)
         high = math.inf
-        for bound, rse in (self.busy_bound(obs), shrunk_lambda_max_interval(obs, self.profile,
-                                                                            self.prior_output_tokens)):
+        for bound, rse in (mix, traffic) if mix is not traffic else (traffic,):
             high = min(high, bound * (1.0 + RECENT_Z * rse) if self.size_error else bound)
         rate = obs.busy_rate_rps
         if not rate > high:
@@ -432,18 +433,20 @@ class SloFlowController(Controller):
         expected = gaps * high / rate
         return 3.0 * math.sqrt(gaps) * (1.0 - 1.0 / (9.0 * gaps) - (expected / gaps) ** (1.0 / 3.0)) > RECENT_Z
 
-    def busy_bound(self, obs: Observation) -> tuple[float, float]:
+    def busy_bound(self, obs: Observation, traffic: tuple[float, float] | None = None) -> tuple[float, float]:
         """The fluid bound of the busy period's own arrivals and its relative standard error: their mean prompt,
         expected output and W (``Observation.busy_kv_workload``, each arrival's output expected from the recent
         completions of its prompt's size), the error of their mean W over the arrivals counted; the traffic
         offered so far (``ctrl.theory.shrunk_lambda_max_interval``) before any output can be expected. The
         rate the witness judges is these arrivals' rate, so the bound is their mix's: after an idle spell of
         one-token probes the offered output had fallen to half the long answers' that followed, and the
-        bound of the traffic so far to twice theirs, which hid the step."""
+        bound of the traffic so far to twice theirs, which hid the step.
+
+        :param traffic: the traffic's bound, where the caller has it already (returned as it is in its place)."""
         assert self.profile is not None
         w = obs.busy_kv_workload
         if not (self.busy_mix and w > 0.0):
-            return shrunk_lambda_max_interval(obs, self.profile, self.prior_output_tokens)
+            return traffic or shrunk_lambda_max_interval(obs, self.profile, self.prior_output_tokens)
         d = obs.busy_output_tokens
         m = obs.kv_capacity_tokens or self.profile.kv_capacity_tokens
         bound = fluid_lambda_max(obs.busy_prompt_tokens + d, w, self.profile, m, d, self.profile.max_num_seqs)

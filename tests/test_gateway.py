@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tidegate.engine.cli import main
 from tidegate.engine.gateway.app import create_gateway_app
+from tidegate.engine.gateway.features import FLEET_FEATURES, FLEET_OBS_DIM
 from tidegate.engine.gateway.fleet import GatewayConfig
 from tidegate.engine.gateway.queue import DrainAdmission, GatewayQueue, Queued
 from tidegate.engine.gateway.replicas import ReplicaView, parse_gauges
@@ -180,6 +182,35 @@ def test_the_cli_refuses_bad_fleets_with_one_sentence(tmp_path):
     bad.write_text("{not json")
     r = CliRunner().invoke(main, ["gateway", "--fleet", str(bad)])
     assert r.exit_code == 2 and "not valid JSON" in r.output and "Traceback" not in r.output
+
+
+def _constant_policy(path, action: float, features: int = FLEET_OBS_DIM, actions: int = 1):
+    """An exported policy that answers ``action`` whatever it reads."""
+    import torch
+
+    from tidegate.training.export import _Actor, _write_onnx
+
+    hidden, out = torch.nn.Linear(features, 4), torch.nn.Linear(4, actions)
+    with torch.no_grad():
+        out.weight.zero_()
+        out.bias.fill_(action)
+    _write_onnx(_Actor(np.zeros(features), np.ones(features), 10.0, [hidden], out), features, path, path)
+    return path
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (None, [], "does not exist"),
+    (lambda p: p.write_bytes(b"not onnx"), [], "is not a policy file of tidegate export"),
+    (lambda p: _constant_policy(p, 0.0, features=18, actions=3), [], "reads 18 features and answers 3 actions"),
+    (lambda p: _constant_policy(p, 0.0), ["--no-admission"], "drop --no-admission"),
+])
+def test_the_cli_refuses_an_admission_policy_it_cannot_run_in_one_sentence(tmp_path, make, args, message):
+    path = tmp_path / "policy.onnx"
+    if make is not None:
+        make(path)
+    r = CliRunner().invoke(main, ["gateway", "--replica", "http://127.0.0.1:1", "--admission-policy", str(path),
+                                  *args])
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output, r.output
 
 
 # ------------------------------------------------------------------------------- over loopback
@@ -411,6 +442,42 @@ def test_overload_gets_429_with_retry_after_and_the_ttl_ends_what_waits_too_long
         expired = [r for r in answers if r.status_code == 503]
         assert all("TTL" in r.json()["error"]["message"] for r in expired)
         assert len(answers) == 12  # every request answered, one way or the other
+    finally:
+        g.close()
+
+
+def test_an_admission_policy_sets_the_budget_every_interval_and_a_failing_one_falls_back(pair, tmp_path):
+    a, b = pair
+    policy = _constant_policy(tmp_path / "tight.onnx", -1.0)
+    g = Gateway([a.url, b.url], admission_policy=str(policy), policy_interval_s=0.05, ttft_slo_s=2.0)
+    try:
+        for _ in range(3):
+            status, events = _stream_text(g.url)
+            assert status == 200 and events[-1] == "[DONE]"
+        _eventually(lambda: g.fleet.admission.budget_scale == 0.5)  # 2 ** -1
+        metrics = httpx.get(g.url + "/metrics").text
+        assert "tidegate:gateway_admission_budget_scale 0.5" in metrics
+        health = g.health()
+        assert health["admission_policy"] == str(policy) and health["admission_budget_scale"] == 0.5
+        # the features counted the three arrivals and their ends (all within the SLOs) before a decision read them
+        x = dict(zip(FLEET_FEATURES, g.fleet.features.read(g.fleet.gate, time.monotonic(), -1.0)))
+        assert x["refused_share"] == 0.0 and x["good_share"] == 1.0
+
+        def fallbacks() -> float:
+            from prometheus_client.parser import text_string_to_metric_families
+
+            text = httpx.get(g.url + "/metrics").text
+            return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                       if s.name == "tidegate:gateway_policy_fallbacks_total")
+
+        def broken(_obs):
+            raise RuntimeError("a policy that fails")
+        for bad in (broken, lambda _obs: np.array([np.nan])):  # raises; answers NaN
+            before = fallbacks()
+            g.fleet.policy = bad
+            _eventually(lambda before=before: fallbacks() > before)
+            assert g.fleet.admission.budget_scale == 1.0 and g.fleet.last_action == 0.0
+        assert g.fleet.client is not None and _stream_text(g.url)[0] == 200  # and the gateway serves on
     finally:
         g.close()
 

@@ -42,6 +42,9 @@ def _path() -> click.Path:
 @click.command("train")
 @click.option("--config", "config_path", type=_path(), default=DEFAULT_CONFIG,
               show_default="shipped training/configs/ppo.yaml", help="Zoo-style YAML, one key per env id.")
+@click.option("--env", "env_name", type=click.Choice(["serving", "fleet"]), default="serving", show_default=True,
+              help="serving: one replica's controller (tidegate/Serving-v0); fleet: the gateway's admission in "
+                   "front of a fleet (tidegate/Fleet-v0).")
 @click.option("--timesteps", type=int, default=None, help="Override the config's n_timesteps.")
 @click.option("--n-envs", type=int, default=None, help="Override the config's n_envs.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the envs and of PPO.")
@@ -53,19 +56,22 @@ def _path() -> click.Path:
               help="A checkpoint .zip to continue from (its VecNormalize statistics beside it).")
 @add_backend_options
 @friendly(ConfigError, OptionError, TaskError, ImportError)
-def train_command(config_path, timesteps, n_envs, seed, seeds, out_dir, resume, backend, address, workers):
-    """Train the learned controller with PPO on tidegate/Serving-v0."""
+def train_command(config_path, env_name, timesteps, n_envs, seed, seeds, out_dir, resume, backend, address, workers):
+    """Train the learned controller (or, with --env fleet, the gateway's admission) with PPO."""
+    from tidegate.env import ENV_ID, FLEET_ENV_ID
     from tidegate.training.train import train, train_seeds
 
+    env_id = FLEET_ENV_ID if env_name == "fleet" else ENV_ID
     if seeds is None:
-        path = train(config_path, n_timesteps=timesteps, n_envs=n_envs, seed=seed, out_dir=out_dir, resume=resume)
+        path = train(config_path, env_id=env_id, n_timesteps=timesteps, n_envs=n_envs, seed=seed, out_dir=out_dir,
+                     resume=resume)
         click.echo(f"saved {path}")
         return
     if resume is not None:
         raise OptionError("--resume continues one run: give --seed, not --seeds")
     seed_list = parse_list(seeds, "--seeds", int, "integers like 0,1,2")
     for path in train_seeds(config_path, seed_list, out_dir, n_timesteps=timesteps, n_envs=n_envs,
-                            backend=backend, address=address, workers=workers):
+                            backend=backend, address=address, workers=workers, env_id=env_id):
         click.echo(f"saved {path}")
 
 

@@ -1,7 +1,8 @@
-"""PPO training of the learned controller on ``tidegate/Serving-v0``, from a zoo-style YAML config.
+"""PPO training of the learned controller on ``tidegate/Serving-v0`` (or of the fleet gateway's admission on
+``tidegate/Fleet-v0``), from a zoo-style YAML config.
 
-    tidegate train [--config training/configs/ppo.yaml] [--timesteps N] [--n-envs N] [--seed 0]
-        [--out runs/ppo] [--resume runs/ppo/ppo_serving_100000_steps.zip]
+    tidegate train [--env serving|fleet] [--config training/configs/ppo.yaml] [--timesteps N] [--n-envs N]
+        [--seed 0] [--out runs/ppo] [--resume runs/ppo/ppo_serving_100000_steps.zip]
 
 Reads top to bottom: config, vectorised envs (SubprocVecEnv, DummyVecEnv for one env) under
 VecNormalize, PPO, callbacks (evaluation on the eval split, checkpoints, serving scalars in
@@ -25,8 +26,9 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNormalize
 
-import tidegate.env  # noqa: F401  (registers tidegate/Serving-v0)
-from tidegate.env import ENV_ID
+import tidegate.env  # noqa: F401  (registers tidegate/Serving-v0 and tidegate/Fleet-v0)
+from tidegate.env import ENV_ID, FLEET_ENV_ID
+from tidegate.env.fleet_env import FleetEnv
 from tidegate.env.serving_env import ServingEnv
 from tidegate.training.configs import DEFAULT_CONFIG, DEFAULT_OUT
 from tidegate.training.errors import ConfigError
@@ -35,6 +37,10 @@ from tidegate.training.parallel import run_tasks
 PPO_KEYS = ("n_steps", "batch_size", "n_epochs", "learning_rate", "gamma", "gae_lambda", "clip_range",
             "ent_coef", "vf_coef", "max_grad_norm", "target_kl", "use_sde")
 CHECKPOINT_PREFIX = "ppo_serving"
+#: the env each config key trains
+ENV_CLASSES = {ENV_ID: ServingEnv, FLEET_ENV_ID: FleetEnv}
+#: the checkpoints' name prefix, per env
+CHECKPOINT_PREFIXES = {ENV_ID: CHECKPOINT_PREFIX, FLEET_ENV_ID: "ppo_fleet"}
 
 
 def vecnormalize_path(model_path: str | Path) -> Path:
@@ -118,10 +124,10 @@ class StopOnWallTime(BaseCallback):
         return time.perf_counter() - self._t0 < self.max_wall_s
 
 
-def make_envs(n_envs: int, env_kwargs: dict, seed: int, vec_env: str | None = None):
-    """``n_envs`` copies of the env: SubprocVecEnv, or DummyVecEnv for one env (or on request)."""
+def make_envs(n_envs: int, env_kwargs: dict, seed: int, vec_env: str | None = None, env_id: str = ENV_ID):
+    """``n_envs`` copies of ``env_id``'s env: SubprocVecEnv, or DummyVecEnv for one env (or on request)."""
     cls = DummyVecEnv if n_envs == 1 or vec_env == "dummy" else SubprocVecEnv
-    return make_vec_env(ServingEnv, n_envs=n_envs, seed=seed, env_kwargs=env_kwargs, vec_env_cls=cls)
+    return make_vec_env(ENV_CLASSES[env_id], n_envs=n_envs, seed=seed, env_kwargs=env_kwargs, vec_env_cls=cls)
 
 
 def env_kwargs_of(cfg: dict, overrides: dict | None = None) -> tuple[dict, dict]:
@@ -163,7 +169,7 @@ def _resumed_model(resume: Path, venv, **ppo_options) -> tuple[PPO, VecNormalize
         raise ConfigError(f"{resume}: cannot resume from this checkpoint ({type(exc).__name__})") from None
 
 
-def _callbacks(cfg: dict, eval_venv, out: Path, n_envs: int) -> CallbackList:
+def _callbacks(cfg: dict, eval_venv, out: Path, n_envs: int, prefix: str = CHECKPOINT_PREFIX) -> CallbackList:
     """Wall-time stop (``max_wall_minutes``), serving scalars, evaluation on the eval split every
     ``eval_freq`` steps and a checkpoint with its VecNormalize statistics every ``save_freq`` steps."""
     max_wall = cfg.get("max_wall_minutes")
@@ -174,7 +180,7 @@ def _callbacks(cfg: dict, eval_venv, out: Path, n_envs: int) -> CallbackList:
                      eval_freq=max(1, int(cfg.get("eval_freq", 10_000)) // n_envs),
                      best_model_save_path=str(out / "best"), log_path=str(out / "eval"), deterministic=True),
         CheckpointCallback(save_freq=max(1, int(cfg.get("save_freq", 20_000)) // n_envs), save_path=str(out),
-                           name_prefix=CHECKPOINT_PREFIX, save_vecnormalize=True),
+                           name_prefix=prefix, save_vecnormalize=True),
     ])
 
 
@@ -186,7 +192,7 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
     """Train PPO and save ``out_dir/model.zip`` with ``out_dir/vecnormalize.pkl``.
 
     :param config_path: zoo-style YAML, one key per env id (default: the shipped ``training/configs/ppo.yaml``).
-    :param env_id: the key to read (the env is always ``tidegate/Serving-v0``).
+    :param env_id: the env to train, and the config's key to read (``ENV_CLASSES``).
     :param n_timesteps: override the config's ``n_timesteps``.
     :param seed: seed of the envs and of PPO.
     :param out_dir: where the model, CheckpointCallback checkpoints, evaluations (``eval/``, ``best/``),
@@ -204,6 +210,8 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
     :raises ConfigError: the config or the checkpoint to resume from cannot be used.
     """
     config_path = DEFAULT_CONFIG if config_path is None else Path(config_path)
+    if env_id not in ENV_CLASSES:
+        raise ConfigError(f"no env {env_id!r}; choose one of {', '.join(ENV_CLASSES)}")
     cfg = {**load_config(config_path, env_id), **(overrides or {})}
     resume = _check_resume(resume)
     torch.set_num_threads(1)  # a 64x64 MLP: threads only contend with the env workers
@@ -213,8 +221,8 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
     kwargs, eval_kwargs = env_kwargs_of(cfg, env_kwargs)
     norm = {"norm_obs": True, "norm_reward": True, "clip_obs": 10.0, **cfg.get("normalize", {})}
 
-    venv = make_envs(n_envs, kwargs, seed, vec_env)
-    eval_venv = VecNormalize(make_envs(1, eval_kwargs, seed + 10_000, "dummy"), training=False,
+    venv = make_envs(n_envs, kwargs, seed, vec_env, env_id)
+    eval_venv = VecNormalize(make_envs(1, eval_kwargs, seed + 10_000, "dummy", env_id), training=False,
                              norm_obs=norm["norm_obs"], norm_reward=False, clip_obs=norm["clip_obs"])
     ppo_options = {"tensorboard_log": str(out / "tb") if tensorboard else None, "seed": seed, "verbose": verbose}
     hyper = {k: cfg[k] for k in PPO_KEYS if k in cfg}
@@ -229,7 +237,8 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
 
     t0 = time.perf_counter()
     model.learn(total_timesteps=int(n_timesteps or cfg.get("n_timesteps", 100_000)),
-                callback=_callbacks(cfg, eval_venv, out, n_envs), progress_bar=progress_bar,
+                callback=_callbacks(cfg, eval_venv, out, n_envs, CHECKPOINT_PREFIXES[env_id]),
+                progress_bar=progress_bar,
                 reset_num_timesteps=resume is None, tb_log_name="ppo")
     wall_s = time.perf_counter() - t0
     model_path = out / "model.zip"
@@ -251,7 +260,7 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
 def train_seeds(config_path: str | Path | None, seeds: list[int], out_dir: str | Path = DEFAULT_OUT, *,
                 n_timesteps: int | None = None, n_envs: int | None = None, backend: str = "auto",
                 address: str | None = None, workers: int | None = None, env_kwargs: dict | None = None,
-                overrides: dict | None = None) -> list[Path]:
+                overrides: dict | None = None, env_id: str = ENV_ID) -> list[Path]:
     """One training run per seed, each in ``out_dir/seed<N>``, as parallel tasks
     (``training.parallel.run_tasks``: local processes, or Ray with ``backend``/``address``).
 
@@ -259,10 +268,11 @@ def train_seeds(config_path: str | Path | None, seeds: list[int], out_dir: str |
     """
     if not seeds or len(set(seeds)) != len(seeds):
         raise ConfigError(f"seeds must be distinct and at least one, got {seeds}")
-    load_config(DEFAULT_CONFIG if config_path is None else config_path)  # a bad config fails before any task starts
+    # a bad config fails before any task starts
+    load_config(DEFAULT_CONFIG if config_path is None else config_path, env_id)
     out = Path(out_dir)
     tasks = [{"config_path": str(config_path) if config_path else None, "seed": s, "out_dir": str(out / f"seed{s}"),
               "n_timesteps": n_timesteps, "n_envs": n_envs, "progress_bar": False, "env_kwargs": env_kwargs,
-              "overrides": overrides, "tensorboard": False} for s in seeds]
+              "overrides": overrides, "tensorboard": False, "env_id": env_id} for s in seeds]
     return run_tasks(train, tasks, backend=backend, address=address, workers=workers,
                      desc=f"training {len(seeds)} seeds")

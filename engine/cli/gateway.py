@@ -70,13 +70,19 @@ def _check_url(url: str) -> str:
               help="The header naming a request's tenant; tenants share the queue by tokens.")
 @click.option("--priority-header", default="x-gateway-inference-priority", show_default=True,
               help="The header giving a request's priority when its body has no 'priority' (lower goes first).")
+@click.option("--admission-policy", type=click.Path(dir_okay=False), default=None,
+              help="A fleet admission policy (ONNX: tidegate train --env fleet, then tidegate export) that sets "
+                   "the admission budget every --policy-interval-s; default: the gateway's own rule.")
+@click.option("--policy-interval-s", type=click.FloatRange(min=0.01), default=None,
+              help="Seconds between the admission policy's decisions [default: half the TTFT SLO].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @friendly(_GatewayError)
 def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, queue_ttl_s, scrape_interval_s,
-            stale_after_s, health_interval_s, read_timeout_s, tenant_header, priority_header, host, port, log_level):
+            stale_after_s, health_interval_s, read_timeout_s, tenant_header, priority_header, admission_policy,
+            policy_interval_s, host, port, log_level):
     """Admission, queueing, priorities and routing in front of many replicas of any engine."""
     import logging
 
@@ -90,12 +96,22 @@ def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, que
     if not urls:
         raise _GatewayError("no replica: give --replica URL (repeatable) or --fleet FILE")
     urls = list(dict.fromkeys(_check_url(u) for u in urls))
+    if admission_policy is not None:
+        if not admission:
+            raise _GatewayError("--admission-policy sets the gateway's admission: drop --no-admission")
+        from tidegate.engine.gateway.features import load_fleet_policy
+
+        try:
+            load_fleet_policy(admission_policy)
+        except ValueError as exc:
+            raise _GatewayError(exc) from None
     config = GatewayConfig(urls, router=router, admission=admission, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
                            queue_ttl_s=queue_ttl_s,
                            scrape_interval_s=scrape_interval_s, stale_after_s=stale_after_s,
                            health_interval_s=health_interval_s, read_timeout_s=read_timeout_s,
                            tenant_header=tenant_header.lower(),
-                           priority_header=priority_header.lower(), host=host, port=port)
+                           priority_header=priority_header.lower(), admission_policy=admission_policy,
+                           policy_interval_s=policy_interval_s, host=host, port=port)
     try:
         sockets = bind_sockets(host, port)
     except ValueError as exc:
@@ -103,7 +119,8 @@ def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, que
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape otherwise
     click.echo(f"tidegate: gateway on http://{host}:{port}/v1 before {len(urls)} replica(s) "
-               f"({', '.join(urls)}), router {router}, admission {'on' if admission else 'off'}", err=True)
+               f"({', '.join(urls)}), router {router}, admission {'on' if admission else 'off'}"
+               f"{f', admission policy {admission_policy}' if admission_policy else ''}", err=True)
     server = uvicorn.Server(uvicorn.Config(create_gateway_app(config), log_level=log_level, access_log=False,
                                            timeout_keep_alive=KEEP_ALIVE_S))
     try:

@@ -170,6 +170,7 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
         m.requests.labels("unavailable").inc()
         return error_response(503, "no replica is up", "unavailable", retry_after_s=c.health_interval_s)
     retry_after = fleet.admit(priority, arrived)
+    fleet.features.on_arrival(refused=retry_after is not None)
     if retry_after is not None:
         m.requests.labels("rejected").inc()
         return error_response(429, "the fleet is busy: the queue ahead would not start this request within the "
@@ -191,6 +192,7 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
             raise
         if view is None:
             m.requests.labels("expired").inc()
+            fleet.features.on_end(good=False)
             return error_response(503, f"waited {c.queue_ttl_s:g} s (the gateway queue's TTL) for a replica with room",
                                   "unavailable", retry_after_s=c.health_interval_s)
         answer = await _send(fleet, view, path, raw, http, item, stream)
@@ -256,6 +258,7 @@ async def _whole(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item
     if ok:
         fleet.admission.completed(now)
         m.ttfb.observe(now - item.arrived_at)
+    fleet.features.on_end(good=ok)  # whole: no token timing to judge by
     m.requests.labels("completed" if ok else f"replica_{upstream.status_code}").inc()
     return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
 
@@ -270,6 +273,9 @@ class _Relay:
         self.fleet, self.view, self.upstream, self.item, self.dispatched = fleet, view, upstream, item, dispatched
         self.outcome = "client_gone"
         self._finished = False
+        self.first_s: float | None = None
+        self.last_s = 0.0
+        self.events = 0
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The replica's stream, chunk by chunk; an error event and ``[DONE]`` if the replica fails in it."""
@@ -280,7 +286,10 @@ class _Relay:
                 if not chunk:
                     continue
                 now = time.monotonic()
+                self.events += chunk.count(b"data: {")
+                self.last_s = now
                 if last is None:
+                    self.first_s = now
                     view.first_byte(self.dispatched, now)
                     fleet.admission.first_byte(now - self.dispatched)
                     m.ttfb.observe(now - self.item.arrived_at)
@@ -312,10 +321,21 @@ class _Relay:
         self.view.ended(now, completed=completed, lifetime_s=now - self.dispatched)
         if completed:
             self.fleet.admission.completed(now)
+        if self.outcome != "client_gone":  # a client that left says nothing of the fleet
+            self.fleet.features.on_end(good=completed and self.met_slo())
         self.fleet.metrics.requests.labels(self.outcome).inc()
         self.fleet.wake()
         with contextlib.suppress(Exception):
             await self.upstream.aclose()
+
+
+    def met_slo(self) -> bool:
+        """The stream's first byte within the TTFT SLO of the request's arrival, and its events, after the
+        first, at most the TPOT SLO apart on average (an event is a token, or ``stream_interval`` of them)."""
+        c = self.fleet.config
+        if self.first_s is None or self.first_s - self.item.arrived_at > c.ttft_slo_s:
+            return False
+        return self.events < 2 or (self.last_s - self.first_s) / (self.events - 1) <= c.tpot_slo_s
 
 
 class _RelayedResponse(StreamingResponse):

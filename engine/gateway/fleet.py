@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 import httpx
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tidegate.engine.gateway.features import FleetFeatures, budget_scale, load_fleet_policy
 from tidegate.engine.gateway.gate import Gate
 from tidegate.engine.gateway.queue import Queued
 from tidegate.engine.gateway.replicas import ReplicaView, parse_gauges
@@ -46,6 +49,11 @@ class GatewayConfig:
     tenant_header: str = "x-gateway-inference-fairness-id"
     priority_header: str = "x-gateway-inference-priority"
     max_request_bytes: int = 32 << 20
+    #: a fleet admission policy (ONNX, ``tidegate train --env fleet`` then ``tidegate export``) that sets the
+    #: admission budget every ``policy_interval_s`` (None: the gateway's own rule)
+    admission_policy: str | None = None
+    #: seconds between the policy's decisions (None: half the TTFT SLO, the fleet env's interval)
+    policy_interval_s: float | None = None
     host: str = "127.0.0.1"
     port: int = 8080
     #: extra settings of no effect on routing, kept for the operator's view (``/health``)
@@ -77,6 +85,12 @@ class GatewayMetrics:
                              registry=r)
         self.running = Gauge("tidegate:gateway_replica_running", "The replica's running requests, as last scraped.",
                              labels, registry=r)
+        self.budget_scale = Gauge("tidegate:gateway_admission_budget_scale", "The queue wait admission allows, as a "
+                                  "multiple of what the TTFT SLO leaves (the admission policy's last decision).",
+                                  registry=r)
+        self.budget_scale.set(1.0)
+        self.policy_fallbacks = Counter("tidegate:gateway_policy_fallbacks_total", "Admission policy decisions that "
+                                        "failed and fell back to the gateway's own rule.", registry=r)
 
 
 class Fleet:
@@ -92,6 +106,14 @@ class Fleet:
                          config.scrape_interval_s)
         self.views, self.queue, self.admission = self.gate.views, self.gate.queue, self.gate.admission
         self.metrics = GatewayMetrics()
+        #: what the admission policy reads (counted whether or not one runs)
+        self.features = FleetFeatures(config.ttft_slo_s)
+        self.policy = None
+        self.last_action = 0.0
+        if config.admission_policy is not None:
+            if not config.admission:
+                raise ValueError("an admission policy needs the gateway's admission: drop --no-admission")
+            self.policy = load_fleet_policy(config.admission_policy)
         self.client: httpx.AsyncClient | None = None
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -106,6 +128,8 @@ class Fleet:
         self._wake = asyncio.Event()
         self._tasks = [asyncio.create_task(self._watch(v)) for v in self.views]
         self._tasks.append(asyncio.create_task(self._dispatch_loop()))
+        if self.policy is not None:
+            self._tasks.append(asyncio.create_task(self._policy_loop()))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -163,6 +187,30 @@ class Fleet:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
+    async def _policy_loop(self) -> None:
+        interval = self.config.policy_interval_s or self.config.ttft_slo_s / 2
+        self.features.reset(time.monotonic())
+        while True:
+            await asyncio.sleep(interval)
+            self.decide(time.monotonic())
+
+    def decide(self, now: float) -> None:
+        """The admission policy's decision for the next interval, from the features of the last; a policy
+        that fails (or answers a non-finite action) leaves the gateway's own rule (action 0) for the interval."""
+        assert self.policy is not None
+        try:
+            x = self.features.read(self.gate, now, self.last_action)
+            action = float(np.asarray(self.policy(x[None, :])).reshape(-1)[0])
+            if not math.isfinite(action):
+                raise ValueError(f"the policy answered {action}")
+        except Exception:
+            log.exception("the admission policy failed; the gateway's own rule holds for this interval")
+            self.metrics.policy_fallbacks.inc()
+            action = 0.0
+        self.last_action = max(-1.0, min(1.0, action))
+        self.admission.budget_scale = budget_scale(self.last_action)
+        self.metrics.budget_scale.set(self.admission.budget_scale)
+
     async def _watch(self, view: ReplicaView) -> None:
         """Scrape the replica's gauges while it is up; check its health while it is down."""
         assert self.client is not None
@@ -210,7 +258,8 @@ class Fleet:
         now = time.monotonic()
         return {
             "queue": len(self.queue), "fail_open": self.fail_open(now), "router": self.config.router,
-            "admission": self.config.admission,
+            "admission": self.config.admission, "admission_policy": self.config.admission_policy,
+            "admission_budget_scale": self.admission.budget_scale,
             "replicas": [{"url": v.url, "up": v.up, "down_reason": v.down_reason or None, "stale": v.stale(now),
                           "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
                           "kv_usage": v.kv_usage, "completed": v.completed_total,

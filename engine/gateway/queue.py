@@ -149,6 +149,8 @@ class DrainAdmission:
     not one time in two.
 
     :param ttft_slo_s: the time to first token a client is promised
+    :param budget_scale: the queue wait admitted is this multiple of what the SLO leaves after the first
+        byte (1: the SLO's; below 1 refuses sooner, above later). The fleet env's agent sets it.
     """
 
     #: completions before the measured rate is trusted
@@ -158,8 +160,9 @@ class DrainAdmission:
     #: the drain rate's time constant; a rate whose last completion is older says nothing of now
     WINDOW_S = 10.0
 
-    def __init__(self, ttft_slo_s: float) -> None:
+    def __init__(self, ttft_slo_s: float, budget_scale: float = 1.0) -> None:
         self.ttft_slo_s = ttft_slo_s
+        self.budget_scale = budget_scale
         self.drain = RateEstimator(self.WINDOW_S, min_events=self.MIN_COMPLETIONS)
         self.completions = 0
         self.last_completion_s = -math.inf
@@ -170,6 +173,10 @@ class DrainAdmission:
         self.drain.add(now)
         self.completions += 1
         self.last_completion_s = now
+
+    def rate(self, now: float) -> float:
+        """The drain rate in requests per second (0 while it is not trusted)."""
+        return self._rate(now)
 
     def _rate(self, now: float) -> float:
         """The drain rate, or 0 while it is not trusted: before ``MIN_COMPLETIONS`` completions, or
@@ -212,7 +219,7 @@ class DrainAdmission:
         if rate <= 0.0:
             return None if ahead < replicas else self.ttft_slo_s
         wait = (ahead + 1) / rate + self.late_s
-        budget = self.ttft_slo_s - self.first_byte_s
+        budget = self.ttft_slo_s * self.budget_scale - self.first_byte_s
         return None if wait <= budget else wait - max(budget, 0.0)
 
 

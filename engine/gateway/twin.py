@@ -62,7 +62,7 @@ def simulate_fleet(arrivals: Sequence, profile: Profile | Sequence[Profile], con
     :returns: the fleet's summary (the keys ``simulate`` prints, over all replicas) with ``gateway``
         (its refusals, expiries and re-sends) and ``replicas`` (each one's figures).
     """
-    fleet = _FleetTwin(arrivals, profile, controllers, settings or FleetSettings(), prefix_caching, noise_seed)
+    fleet = FleetTwin(arrivals, profile, controllers, settings or FleetSettings(), prefix_caching, noise_seed)
     wall = time.perf_counter()
     fleet.run(on_progress)
     summary = fleet.summary()
@@ -70,7 +70,10 @@ def simulate_fleet(arrivals: Sequence, profile: Profile | Sequence[Profile], con
     return summary
 
 
-class _FleetTwin:
+class FleetTwin:
+    """The fleet on its virtual clock: ``start``, ``advance`` to a time as often as wanted (the fleet env
+    advances it one control interval at a time), then ``finish``. ``simulate_fleet`` runs it whole."""
+
     def __init__(self, arrivals, profile: Profile | Sequence[Profile], controllers, settings: FleetSettings,
                  prefix_caching: bool, noise_seed: int) -> None:
         profiles = [profile] * len(controllers) if isinstance(profile, Profile) else list(profile)
@@ -97,18 +100,38 @@ class _FleetTwin:
         self.rejected = self.expired = self.resent = 0
         self.refused_by_replica = [0] * len(self.cores)
         self.pending = 0  # arrivals not yet ended
+        self.arrived = 0
+        self._now = 0.0
+        #: called with every request as it ends (served, refused or expired), for a caller that counts
+        self.on_end: Callable[[Request], None] | None = None
 
     # ------------------------------------------------------------------------------- events
     def push(self, t: float, kind: int, payload: object = None) -> None:
         heapq.heappush(self.heap, (t, next(self._seq), kind, payload))
 
     def run(self, on_progress) -> None:
+        self.start()
+        self.advance(math.inf, on_progress)
+        self.finish()
+
+    def start(self) -> None:
+        """Put every arrival on the heap, and the first scrape."""
         for i, a in enumerate(self.arrivals):
             self.push(a.arrival_time_s, _ARRIVE, i)
         self.pending = len(self.arrivals)
         if self.arrivals:
             self.push(self.arrivals[0].arrival_time_s, _SCRAPE)
-        done = 0
+
+    @property
+    def now(self) -> float:
+        """The time the fleet has run to: its last event's."""
+        return self._now
+
+    def advance(self, until: float, on_progress: Callable[[int], None] | None = None) -> bool:
+        """Run every event and replica step that starts before ``until`` (a step may end after it).
+
+        :returns: whether anything is left (events, or requests in a replica)
+        """
         cores, heap = self.cores, self.heap
         while heap or any(c.has_unfinished for c in cores):
             t_event = heap[0][0] if heap else math.inf
@@ -118,22 +141,32 @@ class _FleetTwin:
                     now = c.clock.now()
                     if now < t_core:
                         j, t_core = k, now
+            if min(t_event, t_core) >= until:
+                self._now = max(self._now, until)
+                return True
             if j >= 0 and t_core < t_event:
-                self._step(j, t_event)
+                self._step(j, min(t_event, until))
                 continue
             t, _, kind, payload = heapq.heappop(heap)
+            self._now = max(self._now, t)
             if kind == _ARRIVE:
                 self._arrive(t, payload)
-                done += 1
-                if on_progress is not None and done % 1000 == 0:
-                    on_progress(done)
+                self.arrived += 1
+                if on_progress is not None and self.arrived % 1000 == 0:
+                    on_progress(self.arrived)
             elif kind == _SCRAPE:
                 self._scrape(t)
             elif kind == _DELIVER:
                 self._deliver(t, *payload)
             else:
                 self._reply(t, *payload)
-        for c in cores:
+        if math.isfinite(until):
+            self._now = max(self._now, until)
+        return False
+
+    def finish(self) -> None:
+        """Bring every replica's clock and figures up to date (after the last ``advance``)."""
+        for c in self.cores:
             c.sync()
 
     def _step(self, j: int, until: float) -> None:
@@ -221,6 +254,8 @@ class _FleetTwin:
         self._count(request)
 
     def _count(self, request: Request) -> None:
+        if self.on_end is not None:
+            self.on_end(request)
         self.metrics.on_terminal(request)
         self.metrics.last_time_s = max(self.metrics.last_time_s, request.finish_time_s or 0.0)
         self.pending -= 1

@@ -1,0 +1,156 @@
+"""A learned fleet admission policy against the gateway's own rule and fixed budgets, in the fleet twin.
+
+    python benchmarks/fleet_admission.py --run runs/fleet [--seeds 0,1,2] [--out docs/bench/fleet_admission]
+
+``--run`` is the folder of ``tidegate train --env fleet --seeds ...`` (a ``seed<N>/model.zip`` per training seed)
+or of one run (``model.zip``). Each run's final model is exported (``policy.onnx`` beside it) and evaluated,
+run by numpy as the gateway runs it, on whole episodes of the fleet env (4 replicas of the A100 preset that
+schedule as vLLM does, behind the predicted-delay router, 128 s of arrivals, then the drain): every family of
+the config (the training ones and the held-out ones) at each load (a multiple of the fleet's fluid bound), on
+``--draws`` test draws that neither training nor validation saw. Each draw is served by every arm on the same
+arrivals and step noise: the gateway's own rule (action 0), fixed budgets (``--fixed``) and each seed's policy.
+
+Writes ``fleet_admission.json`` (every episode), ``fleet_admission.md`` (goodput per cell, ratios, the
+geometric means at loads >= 1.2 with their spread over training seeds) and ``fleet_admission.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from tidegate.env import FLEET_ENV_ID
+from tidegate.training.export import export
+from tidegate.training.fleet_eval import evaluate_fleet, geomean_ratio
+from tidegate.training.train import load_config
+
+RULE = "fixed:0"
+
+
+def runs_of(folder: Path) -> dict[str, Path]:
+    """The final model of each training seed under ``folder`` (or ``folder``'s own)."""
+    if (folder / "model.zip").is_file():
+        return {"seed0": folder / "model.zip"}
+    found = {p.parent.name: p for p in sorted(folder.glob("seed*/model.zip"))}
+    if not found:
+        sys.exit(f"{folder}: no model.zip in it or in its seed*/ folders")
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=Path, required=True)
+    ap.add_argument("--loads", default="0.5,0.8,1.2,2,3")
+    ap.add_argument("--draws", default="0,1,2", help="test draws per (family, load)")
+    ap.add_argument("--fixed", default="0,-0.5,0.5", help="fixed actions to compare (0: the gateway's own rule)")
+    ap.add_argument("--families", default=None, help="default: the config's training and held-out families")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/fleet_admission"))
+    args = ap.parse_args()
+
+    cfg = load_config(None, FLEET_ENV_ID)
+    env_kwargs = {k: v for k, v in cfg["env_kwargs"].items()
+                  if k in ("replicas", "profile", "replica_controller", "router", "episode_requests", "episode_steps")}
+    trained = list(cfg["env_kwargs"]["families"])
+    held_out = list(cfg.get("held_out", []))
+    families = args.families.split(",") if args.families else trained + held_out
+    loads = [float(x) for x in args.loads.split(",")]
+    draws = [int(x) for x in args.draws.split(",")]
+    fixed = [float(x) for x in args.fixed.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    runs = runs_of(args.run)
+    for i, (name, model) in enumerate(runs.items()):
+        policy = export(model, model.with_name("policy.onnx"))
+        cells = len(families) * len(loads) * len(draws)
+        done = [0]
+
+        def progress(row: dict, name=name, cells=cells, done=done) -> None:
+            if row["arm"] == "learned":
+                done[0] += 1
+                print(f"\r{name}: {done[0]}/{cells} cells, {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr)
+        out = evaluate_fleet(str(policy), families, loads, draws, fixed=fixed if i == 0 else (),
+                             env_kwargs=env_kwargs, on_cell=progress)
+        print(file=sys.stderr)
+        for r in out:
+            if r["arm"] == "learned":
+                r["arm"] = f"learned:{name}"
+        rows.extend(out)
+    (args.out / "fleet_admission.json").write_text(json.dumps(rows, indent=1))
+    report = tabulate(rows, families, held_out, loads, fixed, list(runs), time.perf_counter() - t0)
+    (args.out / "fleet_admission.md").write_text(report)
+    plot(rows, families, loads, list(runs), args.out / "fleet_admission.png")
+    print(report)
+
+
+def tabulate(rows, families, held_out, loads, fixed, seeds, wall_s) -> str:
+    mean = defaultdict(list)
+    for r in rows:
+        mean[(r["family"], r["load"], r["arm"])].append(r["goodput_rps"])
+    arms = [f"fixed:{a:g}" for a in fixed] + [f"learned:{s}" for s in seeds]
+    lines = ["| family | load | " + " | ".join(arms) + " | learned / rule |", "|---|---:|" + "---:|" * (len(arms) + 1)]
+    for f in families:
+        for ld in loads:
+            g = {a: float(np.mean(mean[(f, ld, a)])) for a in arms if mean[(f, ld, a)]}
+            learned = [g[a] for a in arms if a.startswith("learned") and a in g]
+            ratio = float(np.mean(learned)) / g[RULE] if learned and g.get(RULE) else math.nan
+            lines.append(f"| {f}{' (held out)' if f in held_out else ''} | {ld:g} | "
+                         + " | ".join(f"{g.get(a, math.nan):.2f}" for a in arms) + f" | {ratio:.3f} |")
+    lines += ["", "Geometric mean of goodput over the gateway's own rule, cell by cell (draws paired), and the worst "
+              "cell:", "", "| arm | all loads | loads >= 1.2 | worst | held out, loads >= 1.2 |",
+              "|---|---:|---:|---:|---:|"]
+    held_rows = [r for r in rows if r["family"] in held_out]
+    seed_means = []
+    for a in arms:
+        if a == RULE:
+            continue
+        g_all, worst, n = geomean_ratio(rows, a, RULE)
+        g_high, _, _ = geomean_ratio(rows, a, RULE, min_loads=1.2)
+        g_held, _, _ = geomean_ratio(held_rows, a, RULE, min_loads=1.2)
+        if a.startswith("learned"):
+            seed_means.append(g_high)
+        lines.append(f"| {a} | {g_all:.3f} | {g_high:.3f} | {worst:.3f} | {g_held:.3f} |")
+    if seed_means:
+        lines += ["", f"Learned at loads >= 1.2 over {len(seed_means)} training seed(s): mean "
+                      f"{np.mean(seed_means):.3f}, range {min(seed_means):.3f}-{max(seed_means):.3f}."]
+    lines += ["", f"Goodput in requests per second that met both SLOs (TTFT 2 s, TPOT 0.1 s), each the mean of its "
+                  f"draws; wall time {wall_s:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, families, loads, seeds, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["family"], r["load"], r["seed"], r["arm"]): r["goodput_rps"] for r in rows}
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for f in families:
+        ys = []
+        for ld in loads:
+            ratios = [by[(f, ld, d, f"learned:{s}")] / by[(f, ld, d, RULE)]
+                      for (ff, ll, d, a) in by if ff == f and ll == ld and a == RULE and by[(f, ld, d, RULE)] > 0
+                      for s in seeds if (f, ld, d, f"learned:{s}") in by]
+            ys.append(float(np.exp(np.mean(np.log(ratios)))) if ratios else math.nan)
+        ax.plot(loads, ys, marker="o", label=f)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("load (x the fleet's fluid bound)")
+    ax.set_ylabel("goodput, learned / the gateway's rule")
+    ax.set_title("Fleet admission: the learned budget against the gateway's own rule")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The fleet admission policy against fixed admission budgets, on the fleet env's whole episodes.
+
+Each cell is a (family, load, seed) draw of ``FleetEnv`` at the plain reward (no shadow); every arm
+serves the same arrivals with the same step noise: the gateway's own rule (action 0), fixed budgets
+(``fixed``) and the exported policy (an ONNX file of ``tidegate export``, run as the gateway runs it).
+Goodput counts the requests that met both SLOs, over the episode's span, drain included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from tidegate.ctrl.policy import load_policy
+from tidegate.env.fleet_env import FleetEnv
+
+#: test draws: seeds far from training's (``make_vec_env`` seeds from 0) and validation's (10,000 on)
+TEST_SEED_BASE = 20_000
+
+
+def run_episode(env: FleetEnv, act: Callable[[np.ndarray], float], seed: int, options: dict) -> dict:
+    """One whole episode with ``act`` choosing each interval's action from the observation: goodput and counts."""
+    obs, info = env.reset(seed=seed, options=options)
+    actions = []
+    while True:
+        a = float(act(obs))
+        actions.append(a)
+        obs, _, terminated, truncated, _ = env.step(np.array([a], dtype=np.float32))
+        if terminated or truncated:
+            break
+    span = env.interval_s * env.episode_steps
+    t = env.totals
+    return {"requests": info["requests"], "good": t["good"], "missed": t["missed"], "rejected": t["rejected"],
+            "goodput_rps": t["good"] / span, "goodput_frac": t["good"] / (env.lambda_max_rps * span),
+            "mean_action": float(np.mean(actions))}
+
+
+def evaluate_fleet(policy: str | None, families: Sequence[str], loads: Sequence[float], seeds: Sequence[int], *,
+                   fixed: Sequence[float] = (0.0, -1.0), env_kwargs: dict | None = None,
+                   on_cell: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every (family, load, seed) cell for every arm: ``fixed:<a>`` for each fixed action and ``learned``.
+
+    :param policy: an exported fleet policy (ONNX), or None for the fixed arms alone.
+    :param seeds: draw indices; the env is reset with ``TEST_SEED_BASE + seed``.
+    :param env_kwargs: ``FleetEnv`` options besides the families (replicas, profile, router, ...).
+    """
+    kwargs = {**(env_kwargs or {}), "baseline": "none", "drain": True}
+    arms: dict[str, Callable[[np.ndarray], float]] = {f"fixed:{a:g}": (lambda _o, a=a: a) for a in fixed}
+    if policy is not None:
+        run = load_policy(policy)
+        arms["learned"] = lambda o: float(np.asarray(run(o[None, :].astype(np.float32))).reshape(-1)[0])
+    rows = []
+    for family in families:
+        env = FleetEnv(families=[family], **kwargs)
+        for load in loads:
+            for seed in seeds:
+                for arm, act in arms.items():
+                    row = {"family": family, "load": float(load), "seed": int(seed), "arm": arm,
+                           **run_episode(env, act, TEST_SEED_BASE + int(seed), {"load": float(load)})}
+                    rows.append(row)
+                    if on_cell is not None:
+                        on_cell(row)
+    return rows
+
+
+def geomean_ratio(rows: list[dict], arm: str, base: str, min_loads: float = 0.0) -> tuple[float, float, int]:
+    """The geometric mean and the worst of ``arm``'s goodput over ``base``'s, cell by cell (cells at
+    ``min_loads`` and above where ``base`` served something), and how many cells."""
+    by = {(r["family"], r["load"], r["seed"], r["arm"]): r["goodput_rps"] for r in rows}
+    ratios = [by[(f, ld, s, arm)] / g for (f, ld, s, a), g in by.items()
+              if a == base and ld >= min_loads and g > 0 and (f, ld, s, arm) in by]
+    if not ratios:
+        return math.nan, math.nan, 0
+    return float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-9))))), float(min(ratios)), len(ratios)

@@ -72,13 +72,13 @@ class Observation:
         "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
         "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps", "busy_prompt_tokens",
-        "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se",
+        "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se", "slot_completion_rate_rps",
     )
     __slots__ = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
         "num_waiting", "num_running", "waiting_prompt_tokens", "head_prompt_tokens",
         "_arrival_rate_rps", "_offered_rate_rps", "_completion_rate_rps", "_served_rate_rps",
-        "_arrival_sources", "_completion_sources",
+        "_slot_completion_rate_rps", "_arrival_sources", "_completion_sources",
         "last_step_time_s", "last_step_tokens",
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
@@ -101,11 +101,12 @@ class Observation:
         self.waiting_prompt_tokens = 0
         self.head_prompt_tokens = 0
         self._arrival_sources: tuple[_RateSource, _RateSource] | None = None
-        self._completion_sources: tuple[_RateSource, _RateSource] | None = None
+        self._completion_sources: tuple[_RateSource, _RateSource, _RateSource] | None = None
         self._arrival_rate_rps = 0.0
         self._offered_rate_rps = 0.0
         self._completion_rate_rps = 0.0
         self._served_rate_rps = 0.0
+        self._slot_completion_rate_rps = 0.0
         self.last_step_time_s = 0.0
         self.last_step_tokens = 0
         self.ttft_recent_s = 0.0
@@ -168,10 +169,11 @@ class Observation:
         #: a queue's wait run late in proportion to the wait, which an error in seconds, mostly of requests
         #: with nothing ahead, understates for the long ones
         self.ttft_rel_error_p95 = 0.0
-        #: when the latest request completed, or when the current busy period started (an arrival
-        #: with nothing running or waiting) if that is later: the silence since then tells how soon
-        #: the next completion can be expected. -1 before the first arrival (and in an Observation
-        #: an engine did not make): unknown
+        #: when the latest request with more than one output token completed (one that held a slot over a
+        #: step, as ``slot_completion_rate_rps`` counts), or when the current busy period started (an
+        #: arrival with nothing running or waiting) if that is later: the silence since then tells how
+        #: soon the next slot can be expected to free. -1 before the first arrival (and in an
+        #: Observation an engine did not make): unknown
         self.last_completion_s = -1.0
         #: the most output tokens so far of any running request (0 when none runs). An engine may leave
         #: this and ``short_output_tokens`` 0 where no arrival would wait for a slot (fewer running and
@@ -206,16 +208,16 @@ class Observation:
         #: the standard error of ``busy_kv_workload`` as the mean of the busy period's arrivals' W (0 before two)
         self.busy_kv_workload_se = 0.0
 
-    # The four rates are computed when first read, not at every step: most controllers read none
+    # The five rates are computed when first read, not at every step: most controllers read none
     # of them, and the estimates are a tenth of a simulated step. ``defer_rates`` hands the
     # estimators in at the step's start; the first read, write or copy of a rate computes it and
     # its pair's at ``now_s``. The engine settles a pair before it adds an event to its
     # estimators, so a late read sees what an eager one would have.
     def defer_rates(self, arrivals: _RateSource, offered: _RateSource, completions: _RateSource,
-                    served: _RateSource) -> None:
-        """Compute the four rates from these estimators at ``now_s`` when first read."""
+                    served: _RateSource, slot_completions: _RateSource) -> None:
+        """Compute the five rates from these estimators at ``now_s`` when first read."""
         self._arrival_sources = (arrivals, offered)
-        self._completion_sources = (completions, served)
+        self._completion_sources = (completions, served, slot_completions)
 
     def settle_arrival_rates(self) -> None:
         """Compute ``arrival_rate_rps`` and ``offered_rate_rps`` now, if they are deferred."""
@@ -226,12 +228,14 @@ class Observation:
             self._offered_rate_rps = sources[1].rate(self.now_s)
 
     def settle_completion_rates(self) -> None:
-        """Compute ``completion_rate_rps`` and ``served_rate_rps`` now, if they are deferred."""
+        """Compute ``completion_rate_rps``, ``served_rate_rps`` and ``slot_completion_rate_rps`` now, if they
+        are deferred."""
         sources = self._completion_sources
         if sources is not None:
             self._completion_sources = None
             self._completion_rate_rps = sources[0].rate(self.now_s)
             self._served_rate_rps = sources[1].rate(self.now_s)
+            self._slot_completion_rate_rps = sources[2].rate(self.now_s)
 
     @property
     def arrival_rate_rps(self) -> float:
@@ -283,6 +287,21 @@ class Observation:
         self._served_rate_rps = value
 
     @property
+    def slot_completion_rate_rps(self) -> float:
+        """Completions per second of requests that held a slot over a step: those with more than one output
+        token (one token comes with the prefill). The rate at which running requests free their slots and
+        memory for the queue: a one-token answer frees only the slot it took itself, and a stream of them
+        (a health probe, a classifier) would otherwise read as capacity."""
+        if self._completion_sources is not None:
+            self.settle_completion_rates()
+        return self._slot_completion_rate_rps
+
+    @slot_completion_rate_rps.setter
+    def slot_completion_rate_rps(self, value: float) -> None:
+        self.settle_completion_rates()
+        self._slot_completion_rate_rps = value
+
+    @property
     def kv_usage(self) -> float:
         return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
 
@@ -321,6 +340,7 @@ class Observation:
         o._offered_rate_rps = self._offered_rate_rps
         o._completion_rate_rps = self._completion_rate_rps
         o._served_rate_rps = self._served_rate_rps
+        o._slot_completion_rate_rps = self._slot_completion_rate_rps
         o.last_step_time_s = self.last_step_time_s
         o.last_step_tokens = self.last_step_tokens
         o.ttft_recent_s = self.ttft_recent_s

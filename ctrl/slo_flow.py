@@ -134,8 +134,9 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
     prefill_steps = (obs.running_prefill_tokens + obs.waiting_prompt_tokens + prompt_tokens) / per_step
     queue_steps = 0.0
     if obs.num_running > 0:
-        # completions per step: the observed rate, or before any completion Little's law
-        done = obs.completion_rate_rps * step_s
+        # completions per step of requests that held a slot (a one-token answer frees only its own): the
+        # observed rate, or before any completion Little's law
+        done = obs.slot_completion_rate_rps * step_s
         if not done > 0:
             done = obs.num_running / (obs.mean_output_tokens or prior_output_tokens)
         if obs.num_waiting > 0:

@@ -283,7 +283,7 @@ def test_in_overload_slo_flow_corrects_a_queues_predicted_wait_in_proportion_to_
     # every slot taken: one request ahead, and the arrival waits for two completions at 2 a second
     obs.num_running, obs.num_waiting, obs.kv_used_tokens = 40, 1, 30_000
     obs.arrival_rate_rps = obs.offered_rate_rps = 6.0  # 3 x the completions: overload
-    obs.completion_rate_rps = obs.served_rate_rps = 2.0
+    obs.completion_rate_rps = obs.served_rate_rps = obs.slot_completion_rate_rps = 2.0
     obs.ttft_error_p95_s, obs.ttft_rel_error_p95 = 0.1, 1.0
 
     def controller(**options):

@@ -157,6 +157,7 @@ def test_prediction_waits_for_a_running_slot_when_the_cap_binds():
     obs = Observation(kv_capacity_tokens=131_072)
     obs.mean_step_time_s, obs.num_waiting, obs.num_running = 0.05, 60, 128
     obs.completed_total, obs.completion_rate_rps = 500, 13.0
+    obs.slot_completion_rate_rps = 13.0  # none of one token
     obs.mean_prompt_tokens, obs.mean_output_tokens, obs.kv_used_tokens = 256.0, 128.0, 40_000
     free = predicted_ttft_s(obs, 256, 8192)
     capped = predicted_ttft_s(obs, 256, 8192, running_cap=128)
@@ -164,6 +165,9 @@ def test_prediction_waits_for_a_running_slot_when_the_cap_binds():
     assert capped == pytest.approx((61 / (13.0 * 0.05) + 1) * 0.05)  # 61 completions at 13 a second
     assert predicted_ttft_s(obs, 256, 8192, running_cap=256) == free  # slots to spare: no wait for one
     assert SloFlowController(max_num_seqs=128).predict_ttft_s(obs, 256) == capped
+    # half the completions one-token answers (a health probe): each freed only the slot it took itself
+    obs.slot_completion_rate_rps = 6.5
+    assert predicted_ttft_s(obs, 256, 8192, running_cap=128) == pytest.approx((61 / (6.5 * 0.05) + 1) * 0.05)
 
 
 def test_slo_flow_predicts_the_queue_at_the_activation_rate_it_applies():
@@ -807,6 +811,8 @@ def overloaded_obs(**fields) -> Observation:
     obs.now_s, obs.completed_total = 100.0, 100
     for k, v in fields.items():
         setattr(obs, k, v)
+    if "slot_completion_rate_rps" not in fields:  # none of one token
+        obs.slot_completion_rate_rps = obs.completion_rate_rps
     return obs
 
 

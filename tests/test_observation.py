@@ -17,7 +17,7 @@ from tidegate.ctrl.base import Controller, Decision, Observation
 from tidegate.engine.core.request import RequestState
 from tests.helpers import make_engine, req
 
-RATES = ("arrival_rate_rps", "offered_rate_rps", "completion_rate_rps", "served_rate_rps")
+RATES = ("arrival_rate_rps", "offered_rate_rps", "completion_rate_rps", "served_rate_rps", "slot_completion_rate_rps")
 
 
 class Reference(Controller):
@@ -28,12 +28,12 @@ class Reference(Controller):
         super().__init__()
         self.core = None
         self.reads = reads
-        self.expected: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # a new Observation's
+        self.expected: tuple[float, ...] = (0.0,) * len(RATES)  # a new Observation's
         self.calls = 0
 
     def _snapshot(self, obs: Observation) -> None:
         c = self.core
-        estimators = (c.stats.arrivals, c.stats.offered, c.stats.completions, c.stats.served)
+        estimators = (c.stats.arrivals, c.stats.offered, c.stats.completions, c.stats.served, c.stats.slot_completions)
         self.expected = tuple(e.rate(obs.now_s) for e in estimators)
         self.calls += 1
         if self.reads[self.calls % len(self.reads)]:
@@ -95,7 +95,7 @@ def test_copy_and_write_settle_the_rates():
     core.obs.served_rate_rps = 7.0
     assert core.obs.served_rate_rps == 7.0 and core.obs.arrival_rate_rps == ctrl.expected[0]
     fresh = Observation()
-    assert [getattr(fresh, n) for n in RATES] == [0.0] * 4
+    assert [getattr(fresh, n) for n in RATES] == [0.0] * len(RATES)
 
 
 class Vandal(Controller):
@@ -165,6 +165,24 @@ def test_the_last_completion_is_the_latest_completion_or_the_start_of_the_busy_p
     assert stats.current.last_completion_s == 5.0
     stats.completed(9.0, 10, 4, 0.5, 0.1)
     assert stats.current.last_completion_s == 9.0 and stats.snapshot().last_completion_s == 9.0
+    stats.completed(9.5, 10, 1, 0.5, None)  # a one-token answer held no slot over a step: no slot freed
+    assert stats.current.last_completion_s == 9.0
+
+
+def test_one_token_answers_count_as_completions_not_as_slots_freed():
+    """A stream of one-token answers (a health probe) between long ones: each counts in the completion rate,
+    none in the rate at which running requests free their slots."""
+    from tidegate.engine.core.stats import ObservationStats
+
+    stats = ObservationStats(kv_capacity_tokens=100_000, rate_window_s=5.0)
+    for i in range(200):
+        t = 0.1 * i
+        stats.completed(t, 100, 1 if i % 4 else 50, 0.2, None if i % 4 else 0.05)
+    stats.observe(20.0, 400, 0, 0, 0, 0, 0, 0, 0)
+    obs = stats.snapshot()
+    assert obs.completion_rate_rps == pytest.approx(10.0, rel=0.15)
+    assert obs.slot_completion_rate_rps == pytest.approx(2.5, rel=0.25)
+    assert obs.last_completion_s == pytest.approx(19.6)
 
 
 def test_the_busy_period_reports_the_mix_of_its_own_arrivals():

@@ -183,6 +183,7 @@ class ObservationStats:
         self.arrivals = RateEstimator(rate_window_s, min_events=RATE_EVENTS)
         self.offered = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
         self.completions = RateEstimator(rate_window_s, min_events=RATE_EVENTS)
+        self.slot_completions = RateEstimator(rate_window_s, min_events=RATE_EVENTS)  # more than one token
         self.served = RateEstimator(rate_window_s, min_events=STEADY_RATE_EVENTS)
         # realised minus predicted TTFT of the last 64 first tokens within the rate estimates' memory
         self.ttft_error = RecentQuantile(TTFT_ERROR_QUANTILE, horizon_s=rate_window_s)
@@ -229,7 +230,7 @@ class ObservationStats:
         # STEADY_RATE_EVENTS the steady rates span it alone, and nothing reads it (a step's cost saved)
         busy = obs.busy_arrivals
         obs.busy_rate_rps = self.arrivals.last_rate(busy, now_s) if busy < STEADY_RATE_EVENTS else 0.0
-        obs.defer_rates(self.arrivals, self.offered, self.completions, self.served)
+        obs.defer_rates(self.arrivals, self.offered, self.completions, self.served, self.slot_completions)
         obs.evicted_last_step = evicted_last_step
         obs.ttft_error_p95_s = self.ttft_error.current(now_s)
         obs.ttft_rel_error_p95 = self.ttft_rel_error.current(now_s)
@@ -264,6 +265,7 @@ class ObservationStats:
                 latest._completion_sources = None
                 latest._completion_rate_rps = current._completion_rate_rps
                 latest._served_rate_rps = current._served_rate_rps
+                latest._slot_completion_rate_rps = current._slot_completion_rate_rps
             else:
                 latest.settle_completion_rates()
 
@@ -356,9 +358,10 @@ class ObservationStats:
         self.served.add(now_s)
         obs, a, aw = self.current, LATENCY_ALPHA, WORKLOAD_ALPHA
         obs.completed_total += 1
-        obs.last_completion_s = now_s
         if output_tokens > 1:  # one token comes with the prefill: such a request never held a slot over a step
+            self.slot_completions.add(now_s)
             self.outputs.add(output_tokens)
+            obs.last_completion_s = now_s
         o, p = output_tokens, prompt_len
         # exponentially weighted means corrected for their start (weights normalised to sum to 1):
         # the mean of all completions while they are few, the first one never weighs more than the rest

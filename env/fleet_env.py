@@ -33,6 +33,7 @@ from tidegate.engine.gateway.routers import ROUTERS
 from tidegate.engine.gateway.twin import FleetSettings, FleetTwin
 from tidegate.engine.workloads import Arrival, split_segments
 from tidegate.engine.workloads.families import family_segment, load_family
+from tidegate.env.serving_env import check_shared_options
 
 #: the reward's weights, as ``ServingEnv``'s defaults: goodput, and a small cost per refusal so that, goodput
 #: being equal, serving wins over refusing
@@ -92,7 +93,8 @@ class FleetEnv(gym.Env):
     :param drain: at an episode's end, arrivals stop and the fleet serves what it holds at action 0; the
         drain's reward is added to the last step's and the episode ends ``terminated``. Without it the
         episode ends ``truncated``.
-    :param settings: the gateway's and the wire's settings (``FleetSettings``; its ``admission`` must be on).
+    :param settings: the gateway's and the wire's settings (``FleetSettings``; its ``admission`` must be on, and
+        its router is ``router``).
     :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
     """
 
@@ -109,19 +111,11 @@ class FleetEnv(gym.Env):
             raise ValueError(f"replicas must be a whole number >= 1, got {replicas!r}")
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
-        low, high = (float(x) for x in load_range)
-        if not 0 < low <= high:
-            raise ValueError(f"load_range must be (low, high) with 0 < low <= high, got {load_range}")
+        low, high = check_shared_options(load_range, reward_weights, FLEET_REWARD_WEIGHTS, baseline)
         if episode_steps < 1:
             raise ValueError(f"episode_steps must be >= 1, got {episode_steps}")
         if interval_s is not None and not (isinstance(interval_s, (int, float)) and 0 < interval_s < math.inf):
             raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
-        unknown = set(reward_weights or {}) - set(FLEET_REWARD_WEIGHTS)
-        if unknown:
-            raise ValueError(f"unknown reward weights {sorted(unknown)}; expected some of "
-                             f"{', '.join(FLEET_REWARD_WEIGHTS)}")
-        if baseline not in ("none", "prior"):
-            raise ValueError(f"baseline must be 'none' or 'prior', got {baseline!r}")
         settings = settings or FleetSettings()
         if not settings.admission:
             raise ValueError("the fleet env learns the gateway's admission: settings.admission must be on")

@@ -49,6 +49,19 @@ from tidegate.engine.workloads.families import family_segment, load_family, pert
 log = logging.getLogger(__name__)
 
 
+def check_shared_options(load_range, reward_weights, known_weights, baseline) -> tuple[float, float]:
+    """One sentence for the first bad option both envs take; the load range as floats."""
+    low, high = (float(x) for x in load_range)
+    if not 0 < low <= high:
+        raise ValueError(f"load_range must be (low, high) with 0 < low <= high, got {load_range}")
+    unknown = set(reward_weights or {}) - set(known_weights)
+    if unknown:
+        raise ValueError(f"unknown reward weights {sorted(unknown)}; expected some of {', '.join(known_weights)}")
+    if baseline not in ("none", "prior"):
+        raise ValueError(f"baseline must be 'none' or 'prior', got {baseline!r}")
+    return low, high
+
+
 def _check_options(backend, load_range, control_interval, episode_steps, reward_weights, baseline, profile_spread,
                    episode_requests, max_waiting) -> tuple[float, float]:
     """One sentence for the first bad option; the load range as floats."""
@@ -56,17 +69,9 @@ def _check_options(backend, load_range, control_interval, episode_steps, reward_
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "engine" and compiled.active():
         raise ValueError("backend 'engine' runs the real engine, which runs the interpreted source: drop --compiled")
-    low, high = (float(x) for x in load_range)
-    if not 0 < low <= high:
-        raise ValueError(f"load_range must be (low, high) with 0 < low <= high, got {load_range}")
+    low, high = check_shared_options(load_range, reward_weights, DEFAULT_REWARD_WEIGHTS, baseline)
     if control_interval < 1 or episode_steps < 1:
         raise ValueError("control_interval and episode_steps must be >= 1")
-    unknown = set(reward_weights or {}) - set(DEFAULT_REWARD_WEIGHTS)
-    if unknown:
-        raise ValueError(f"unknown reward weights {sorted(unknown)}; expected some of "
-                         f"{', '.join(DEFAULT_REWARD_WEIGHTS)}")
-    if baseline not in ("none", "prior"):
-        raise ValueError(f"baseline must be 'none' or 'prior', got {baseline!r}")
     if baseline == "prior" and backend != "sim":
         raise ValueError("baseline='prior' needs the sim backend (a shadow engine runs the prior alongside)")
     if not 0 <= profile_spread < 1:

@@ -41,8 +41,8 @@ FLEET_REWARD_WEIGHTS = {"goodput": 1.0, "slo_miss": 0.0, "rejection": 0.01}
 
 
 class _Counts:
-    """The requests that ended, by outcome, since the last ``take``; those the gateway admitted also go
-    to the policy's ``features`` (if any)."""
+    """The requests that ended, by outcome, since the last ``take``; the ends of those the gateway admitted
+    also go to the policy's ``features`` (if any)."""
 
     __slots__ = ("good", "missed", "rejected", "ttft_slo_s", "tpot_slo_s", "features")
 
@@ -54,8 +54,6 @@ class _Counts:
     def __call__(self, request: Request) -> None:
         if request.state is RequestState.REJECTED:
             self.rejected += 1
-            if self.features is not None:
-                self.features.refused += 1
             return
         good = request.state is RequestState.FINISHED and met_slo(request, self.ttft_slo_s, self.tpot_slo_s)
         if good:
@@ -203,7 +201,8 @@ class FleetEnv(gym.Env):
         arrived = fleet.arrived - self._arrived_before
         self._arrived_before = fleet.arrived
         self._steps += 1
-        self.features.arrived = arrived
+        # the interval's arrivals and the gateway's refusals of them (a refusal ends a request at its arrival)
+        self.features.arrived, self.features.refused = arrived, rejected
         obs = self.features.read(fleet.gate, fleet.now, a)
         info = {"goodput_rps": good / self.interval_s, "goodput_frac": good / norm, "slo_missed": missed,
                 "rejections": rejected, "arrivals": arrived, "budget_scale": fleet.admission.budget_scale,

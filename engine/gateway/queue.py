@@ -175,12 +175,8 @@ class DrainAdmission:
         self.last_completion_s = now
 
     def rate(self, now: float) -> float:
-        """The drain rate in requests per second (0 while it is not trusted)."""
-        return self._rate(now)
-
-    def _rate(self, now: float) -> float:
-        """The drain rate, or 0 while it is not trusted: before ``MIN_COMPLETIONS`` completions, or
-        after a silence longer than its window (an idle hour's rate is not the next burst's)."""
+        """The drain rate in requests per second, or 0 while it is not trusted: before ``MIN_COMPLETIONS``
+        completions, or after a silence longer than its window (an idle hour's rate is not the next burst's)."""
         if self.completions < self.MIN_COMPLETIONS or now - self.last_completion_s > self.WINDOW_S:
             return 0.0
         return self.drain.rate(now)
@@ -205,7 +201,7 @@ class DrainAdmission:
     def predicted_wait_s(self, now: float, ahead: int) -> float:
         """The queue wait predicted for an arrival with ``ahead`` requests before it (0 while the rate is
         not trusted)."""
-        rate = self._rate(now)
+        rate = self.rate(now)
         return (ahead + 1) / rate if rate > 0.0 else 0.0
 
     def retry_after(self, now: float, ahead: int, replicas: int, room: bool) -> float | None:
@@ -215,7 +211,7 @@ class DrainAdmission:
         """
         if ahead == 0 and room:
             return None
-        rate = self._rate(now)
+        rate = self.rate(now)
         if rate <= 0.0:
             return None if ahead < replicas else self.ttft_slo_s
         wait = (ahead + 1) / rate + self.late_s

@@ -17,8 +17,11 @@ import uvicorn
 from click.testing import CliRunner
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidegate.engine.cli import main
+from tidegate.engine.core.stats import SlidingQuantile
 from tidegate.engine.gateway.app import create_gateway_app
 from tidegate.engine.gateway.features import FLEET_FEATURES, FLEET_OBS_DIM
 from tidegate.engine.gateway.fleet import GatewayConfig
@@ -92,6 +95,62 @@ def test_admission_admits_with_room_and_refuses_what_the_drain_rate_cannot_start
     assert a.retry_after(now, ahead=10, replicas=2, room=False) is None  # ~1.1 s of queue
     late = a.retry_after(now, ahead=40, replicas=2, room=False)  # ~4.1 s of queue
     assert late is not None and 1.5 < late < 3.0
+
+
+def test_admission_counts_the_first_byte_of_prompts_of_the_arrivals_size():
+    """A long prompt's first byte is mostly its own prefill: the queue a short prompt may wait behind is
+    refused to it, and a size class with too few first bytes yet is judged by all of them."""
+    a = DrainAdmission(ttft_slo_s=2.0)
+    for i in range(100):  # 10 completions a second
+        a.completed(i * 0.1)
+        a.first_byte(0.1, i * 0.1, prompt_tokens=100)
+        a.first_byte(1.5, i * 0.1, prompt_tokens=3000)
+    now = 10.0
+    assert a.first_byte_for(100) == 0.1 and a.first_byte_for(3000) == 1.5
+    assert a.first_byte_for(None) == 1.5  # of all sizes: the 90th percentile is a long prompt's
+    assert a.retry_after(now, ahead=10, replicas=2, room=False, prompt_tokens=120) is None  # 1.1 + 0.1 s
+    assert a.retry_after(now, ahead=10, replicas=2, room=False, prompt_tokens=2500) is not None  # 1.1 + 1.5 s
+    assert a.retry_after(now, ahead=10, replicas=2, room=False) is not None  # size not known: the pooled time
+    assert a.retry_after(now, ahead=0, replicas=2, room=True, prompt_tokens=3000) is None  # room, nothing ahead
+    for _ in range(DrainAdmission.MIN_COMPLETIONS - 1):
+        a.first_byte(0.01, now, prompt_tokens=20_000)
+    assert a.first_byte_for(20_000) == 1.5  # 15 first bytes of its class: the pooled time
+    a.first_byte(0.01, now, prompt_tokens=20_000)
+    assert a.first_byte_for(20_000) == 0.01
+
+
+def test_admissions_percentiles_span_the_drain_rates_window_not_a_count():
+    """At a fleet's hundreds of dispatches a second, 64 values span a fraction of a second: a short lull in
+    the first bytes must not read as the fleet's."""
+    a = DrainAdmission(ttft_slo_s=2.0)
+    for i in range(2000):  # 200 a second for 10 s; a fifth of them slow
+        a.first_byte(1.0 if i % 5 == 0 else 0.1, i * 0.005)
+    for i in range(64):  # then a third of a second of fast ones
+        a.first_byte(0.1, 10.0 + i * 0.005)
+    assert a.first_byte_s == 1.0
+    for i in range(100):  # ten seconds later the old ones are gone, but 64 are always kept
+        a.first_byte(0.2, 30.0 + i)
+    assert a.first_byte_s == 0.2
+
+
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=300),
+       values=st.lists(st.floats(-50.0, 50.0), min_size=300, max_size=300),
+       horizon=st.floats(0.5, 30.0), least=st.integers(1, 20), most=st.integers(20, 80))
+def test_a_sliding_quantile_is_that_of_its_window(gaps, values, horizon, least, most):
+    q = SlidingQuantile(0.9, horizon, min_samples=least, max_samples=most)
+    now, seen = 0.0, []
+    for gap, v in zip(gaps, values):
+        now += gap
+        q.add(v, now)
+        seen.append((now, v))
+        kept = [x for t, x in seen[-most:] if t >= now - horizon]
+        if len(kept) < least:
+            kept = [x for _, x in seen[-min(least, most):]]
+        ordered = sorted(kept)
+        assert len(q) == len(kept)
+        assert q.value == ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    assert SlidingQuantile(0.9, 1.0).value == 0.0
 
 
 def test_the_concurrency_limit_grows_while_tpot_holds_and_is_cut_when_it_does_not():
@@ -330,6 +389,9 @@ def test_streams_pass_through_and_a_burst_spreads_over_the_fleet(pair):
     try:
         status, events = _stream_text(g.url)
         assert status == 200 and events[-1] == "[DONE]" and len(events) == a.tokens + 1
+        # its first byte is counted in its prompt's size class (the prompt's characters over four)
+        _, first_bytes = next(iter(g.fleet.admission._first_byte_by.items()))
+        assert len(g.fleet.admission._first_byte_by) == 1 and len(first_bytes) == 1 and first_bytes.value > 0
         assert httpx.get(g.url + "/v1/models").json()["data"][0]["id"] == "m"
         r = httpx.post(g.url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

@@ -13,7 +13,7 @@ it writes into one reaches the figures the next step is made from.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 
 from tidegate.ctrl.base import QUEUE_STEPS, RATE_EVENTS, STEADY_RATE_EVENTS, Observation
@@ -138,6 +138,48 @@ class RecentQuantile:
         ordered = sorted(values)
         self._current = ordered[min(self._index * len(ordered) // self.window, len(ordered) - 1)]
         return self._current
+
+
+class SlidingQuantile:
+    """A quantile of the values of the last ``horizon_s``, and never of fewer than the last ``min_samples``
+    however old (at most ``max_samples``); exact, over a sorted copy (0 when none is kept).
+
+    Its span is one of time, not of count: a count of 64 spans a tenth of a second of a fleet's 500
+    completions a second, and a quantile over so short a span moves with every burst of them.
+
+    :param q: the quantile, in [0, 1].
+    """
+
+    __slots__ = ("q", "horizon_s", "min_samples", "max_samples", "_times", "_values", "_sorted")
+
+    def __init__(self, q: float, horizon_s: float, min_samples: int = 64, max_samples: int = 4096) -> None:
+        self.q = q
+        self.horizon_s = horizon_s
+        self.min_samples = min_samples
+        self.max_samples = max_samples
+        self._times: deque[float] = deque()
+        self._values: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    def add(self, value: float, now_s: float) -> None:
+        self._times.append(now_s)
+        self._values.append(value)
+        insort(self._sorted, value)
+        times, oldest = self._times, now_s - self.horizon_s
+        while len(times) > self.max_samples or (len(times) > self.min_samples and times[0] < oldest):
+            times.popleft()
+            ordered = self._sorted
+            del ordered[bisect_left(ordered, self._values.popleft())]
+
+    @property
+    def value(self) -> float:
+        ordered = self._sorted
+        if not ordered:
+            return 0.0
+        return ordered[min(len(ordered) - 1, int(self.q * len(ordered)))]
+
+    def __len__(self) -> int:
+        return len(self._sorted)
 
 
 class RecentOutputs:

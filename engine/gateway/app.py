@@ -41,6 +41,9 @@ log = logging.getLogger("tidegate.gateway")
 _FORWARDED = ("authorization", "content-type", "accept", "x-request-id", "openai-organization", "openai-project")
 #: the output tokens a request is charged for when it names no max_tokens
 _DEFAULT_OUTPUT_TOKENS = 256
+#: characters to a token, for a prompt's size before any replica has tokenized it (English text; a size class
+#: of the first byte's time spans a factor of two)
+_CHARS_PER_TOKEN = 4
 #: what a request's max_tokens and n count for at most in its tenant's charge (the replica judges the values)
 _MAX_CHARGED = 1 << 20
 
@@ -169,15 +172,16 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
     if not fleet.any_up():
         m.requests.labels("unavailable").inc()
         return error_response(503, "no replica is up", "unavailable", retry_after_s=c.health_interval_s)
-    retry_after = fleet.admit(priority, arrived)
+    prompt_tokens = len(prompt) / _CHARS_PER_TOKEN
+    retry_after = fleet.admit(priority, arrived, prompt_tokens)
     fleet.features.on_arrival(refused=retry_after is not None)
     if retry_after is not None:
         m.requests.labels("rejected").inc()
         return error_response(429, "the fleet is busy: the queue ahead would not start this request within the "
                                    f"TTFT SLO of {c.ttft_slo_s:g} s", "rate_limit_exceeded",
                               retry_after_s=retry_after)
-    item = Queued(priority, http.headers.get(c.tenant_header, ""), len(prompt) / 4 + charged, arrived,
-                  arrived + c.queue_ttl_s, prompt,
+    item = Queued(priority, http.headers.get(c.tenant_header, ""), prompt_tokens + charged, arrived,
+                  arrived + c.queue_ttl_s, prompt, prompt_tokens=prompt_tokens,
                   predicted_wait_s=fleet.gate.predicted_wait_s(priority, arrived))
     while True:
         item.ticket = asyncio.get_running_loop().create_future()
@@ -291,7 +295,7 @@ class _Relay:
                 if last is None:
                     self.first_s = now
                     view.first_byte(self.dispatched, now)
-                    fleet.admission.first_byte(now - self.dispatched)
+                    fleet.admission.first_byte(now - self.dispatched, now, self.item.prompt_tokens)
                     m.ttfb.observe(now - self.item.arrived_at)
                 else:
                     view.tokens_streamed(now, now - last, chunk.count(b"data: {"))

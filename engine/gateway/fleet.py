@@ -158,9 +158,9 @@ class Fleet:
     def in_flight(self) -> int:
         return sum(v.in_flight for v in self.views)
 
-    def admit(self, priority: int, now: float) -> float | None:
-        """None admits an arrival of ``priority``; else its Retry-After in seconds."""
-        return self.gate.admit(priority, now)
+    def admit(self, priority: int, now: float, prompt_tokens: float | None = None) -> float | None:
+        """None admits an arrival of ``priority`` (of about ``prompt_tokens``); else its Retry-After in seconds."""
+        return self.gate.admit(priority, now, prompt_tokens)
 
     def enqueue(self, item: Queued, front: bool = False) -> None:
         """Queue ``item`` and dispatch at once what can go (arrivals of one instant see each other)."""

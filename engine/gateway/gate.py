@@ -41,12 +41,12 @@ class Gate:
             return up
         return [v for v in up if v.room(now, self.scrape_interval_s)]
 
-    def admit(self, priority: int, now: float) -> float | None:
-        """None admits an arrival of ``priority``; else its Retry-After in seconds."""
+    def admit(self, priority: int, now: float, prompt_tokens: float | None = None) -> float | None:
+        """None admits an arrival of ``priority`` (of about ``prompt_tokens``); else its Retry-After in seconds."""
         if not self.admission_on:
             return None
         return self.admission.retry_after(now, self.queue.ahead(priority), sum(v.up for v in self.views),
-                                          bool(self.candidates(now)))
+                                          bool(self.candidates(now)), prompt_tokens)
 
     def predicted_wait_s(self, priority: int, now: float) -> float:
         """The queue wait admission predicts for an arrival of ``priority`` now."""
@@ -70,5 +70,5 @@ class Gate:
             view = self.router.pick(candidates, item.prompt, now)
             view.dispatched(now)
             if not item.retries:
-                self.admission.waited(item.predicted_wait_s, now - item.arrived_at)
+                self.admission.waited(item.predicted_wait_s, now - item.arrived_at, now)
             send(item, view)

@@ -166,7 +166,7 @@ class GatewayRanking:
         held = self._holding.pop(request_id, None)
         if held is not None:
             arrived, predicted, waited_then = held
-            self.admission.waited(predicted, now - arrived - waited_then)
+            self.admission.waited(predicted, now - arrived - waited_then, now)
         if self._ended_early.pop((request_id, key), None) is not None:
             return  # its end was heard first (a reply quicker than the routing's own bookkeeping)
         view = self.views.get(key)

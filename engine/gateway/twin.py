@@ -188,8 +188,8 @@ class FleetTwin:
         request = make_request(i, a)
         self.metrics.on_arrival(request)
         item = Queued(0, "", a.prompt_tokens + a.max_tokens, t, t + self.s.queue_ttl_s, prompt=_prefix_key(request),
-                      payload=request, predicted_wait_s=self.gate.predicted_wait_s(0, t))
-        if self.gate.admit(item.priority, t) is not None:
+                      payload=request, predicted_wait_s=self.gate.predicted_wait_s(0, t), prompt_tokens=a.prompt_tokens)
+        if self.gate.admit(item.priority, t, a.prompt_tokens) is not None:
             self.rejected += 1
             self._end(request, RequestState.REJECTED, t)
             return
@@ -231,7 +231,7 @@ class FleetTwin:
         if finished:
             self.admission.completed(t)
             if request.first_token_time_s is not None:
-                self.admission.first_byte(max(0.0, request.first_token_time_s - dispatched))
+                self.admission.first_byte(max(0.0, request.first_token_time_s - dispatched), t, request.prompt_len)
             self._count(request)
         elif request.state is RequestState.REJECTED and self.s.admission and unservable_reason(
                 request.prompt_len, request.max_tokens, self.cores[j].pool.capacity_tokens) is None:

@@ -1,6 +1,6 @@
 """A learned fleet admission policy against the gateway's own rule and fixed budgets, in the fleet twin.
 
-    python benchmarks/fleet_admission.py --run runs/fleet [--seeds 0,1,2] [--out docs/bench/fleet_admission]
+    python benchmarks/fleet_admission.py --run runs/fleet [--workers 2] [--out docs/bench/fleet_admission]
 
 ``--run`` is the folder of ``tidegate train --env fleet --seeds ...`` (a ``seed<N>/model.zip`` per training seed)
 or of one run (``model.zip``). Each run's final model is exported (``policy.onnx`` beside it) and evaluated,
@@ -22,6 +22,7 @@ import math
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--fixed", default="0,-0.5,0.5", help="fixed actions to compare (0: the gateway's own rule)")
     ap.add_argument("--families", default=None, help="default: the config's training and held-out families")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/fleet_admission"))
+    ap.add_argument("--workers", type=int, default=2, help="processes evaluating (family, arm) tasks at once")
     args = ap.parse_args()
 
     cfg = load_config(None, FLEET_ENV_ID)
@@ -65,25 +67,22 @@ def main() -> None:
     fixed = [float(x) for x in args.fixed.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
 
-    rows: list[dict] = []
     t0 = time.perf_counter()
     runs = runs_of(args.run)
-    for i, (name, model) in enumerate(runs.items()):
-        policy = export(model, model.with_name("policy.onnx"))
-        cells = len(families) * len(loads) * len(draws)
-        done = [0]
-
-        def progress(row: dict, name=name, cells=cells, done=done) -> None:
-            if row["arm"] == "learned":
-                done[0] += 1
-                print(f"\r{name}: {done[0]}/{cells} cells, {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr)
-        out = evaluate_fleet(str(policy), families, loads, draws, fixed=fixed if i == 0 else (),
-                             env_kwargs=env_kwargs, on_cell=progress)
-        print(file=sys.stderr)
-        for r in out:
-            if r["arm"] == "learned":
-                r["arm"] = f"learned:{name}"
-        rows.extend(out)
+    policies = {name: str(export(model, model.with_name("policy.onnx"))) for name, model in runs.items()}
+    # one task per family and arm: each seed's policy, and the fixed budgets once
+    tasks = [(None, f, fixed) for f in families] + [(name, f, ()) for name in policies for f in families]
+    rows: list[dict] = []
+    with ProcessPoolExecutor(args.workers) as pool:
+        futures = [pool.submit(evaluate_fleet, policies[name] if name else None, [f], loads, draws, fixed=fx,
+                               env_kwargs=env_kwargs) for name, f, fx in tasks]
+        for i, ((name, _, _), future) in enumerate(zip(tasks, futures)):
+            for r in future.result():
+                if r["arm"] == "learned":
+                    r["arm"] = f"learned:{name}"
+                rows.append(r)
+            print(f"\r{i + 1}/{len(tasks)} tasks, {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr)
+    print(file=sys.stderr)
     (args.out / "fleet_admission.json").write_text(json.dumps(rows, indent=1))
     report = tabulate(rows, families, held_out, loads, fixed, list(runs), time.perf_counter() - t0)
     (args.out / "fleet_admission.md").write_text(report)

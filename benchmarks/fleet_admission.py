@@ -29,7 +29,7 @@ import numpy as np
 
 from tidegate.env import FLEET_ENV_ID
 from tidegate.training.export import export
-from tidegate.training.fleet_eval import evaluate_fleet, geomean_ratio
+from tidegate.training.fleet_eval import evaluate_fleet, geomean_ratio, plot_ratios
 from tidegate.training.train import load_config
 
 RULE = "fixed:0"
@@ -126,13 +126,8 @@ def tabulate(rows, families, held_out, loads, fixed, seeds, wall_s) -> str:
 
 
 def plot(rows, families, loads, seeds, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     by = {(r["family"], r["load"], r["seed"], r["arm"]): r["goodput_rps"] for r in rows}
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    curves = {}
     for f in families:
         ys = []
         for ld in loads:
@@ -140,15 +135,9 @@ def plot(rows, families, loads, seeds, path: Path) -> None:
                       for (ff, ll, d, a) in by if ff == f and ll == ld and a == RULE and by[(f, ld, d, RULE)] > 0
                       for s in seeds if (f, ld, d, f"learned:{s}") in by]
             ys.append(float(np.exp(np.mean(np.log(ratios)))) if ratios else math.nan)
-        ax.plot(loads, ys, marker="o", label=f)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("load (x the fleet's fluid bound)")
-    ax.set_ylabel("goodput, learned / the gateway's rule")
-    ax.set_title("Fleet admission: the learned budget against the gateway's own rule")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        curves[f] = ys
+    plot_ratios(curves, loads, "goodput, learned / the gateway's rule",
+                "Fleet admission: the learned budget against the gateway's own rule", path)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from tidegate.engine.core.slo import met_slo
 from tidegate.engine.core.request import RequestState
 from tidegate.env import FLEET_ENV_ID
 from tidegate.env.fleet_env import FleetEnv
-from tidegate.training.fleet_eval import TEST_SEED_BASE
+from tidegate.training.fleet_eval import TEST_SEED_BASE, plot_ratios
 from tidegate.training.train import load_config
 
 #: the share of an episode's prompts counted as long: its longest tenth
@@ -138,27 +138,10 @@ def compare(args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report = "\n".join(lines) + "\n"
     (args.out / "gateway_rule.md").write_text(report)
-    plot(ratios, families, loads, args.out / "gateway_rule.png")
+    plot_ratios({f: [ratios.get((f, ld), math.nan) for ld in loads] for f in families}, loads,
+                "goodput, after / before", "The gateway's admission rule: after the change against before",
+                args.out / "gateway_rule.png")
     print(report)
-
-
-def plot(ratios, families, loads, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for f in families:
-        ax.plot(loads, [ratios.get((f, ld), math.nan) for ld in loads], marker="o", label=f)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("load (x the fleet's fluid bound)")
-    ax.set_ylabel("goodput, after / before")
-    ax.set_title("The gateway's admission rule: after the change against before")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main() -> None:

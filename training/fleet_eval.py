@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -74,3 +75,23 @@ def geomean_ratio(rows: list[dict], arm: str, base: str, min_loads: float = 0.0)
     if not ratios:
         return math.nan, math.nan, 0
     return float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-9))))), float(min(ratios)), len(ratios)
+
+
+def plot_ratios(curves: dict[str, list[float]], loads: Sequence[float], ylabel: str, title: str, path: Path) -> None:
+    """One line per family: a goodput ratio at each load (1 drawn grey), written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for family, ys in curves.items():
+        ax.plot(loads, ys, marker="o", label=family)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("load (x the fleet's fluid bound)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

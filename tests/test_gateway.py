@@ -117,6 +117,7 @@ def test_admission_counts_the_first_byte_of_prompts_of_the_arrivals_size():
     assert a.first_byte_for(20_000) == 1.5  # 15 first bytes of its class: the pooled time
     a.first_byte(0.01, now, prompt_tokens=20_000)
     assert a.first_byte_for(20_000) == 0.01
+    assert a.first_byte_by_size() == {"64-127": 0.1, "2048-4095": 1.5, "16384-32767": 0.01}
 
 
 def test_admissions_percentiles_span_the_drain_rates_window_not_a_count():
@@ -392,6 +393,8 @@ def test_streams_pass_through_and_a_burst_spreads_over_the_fleet(pair):
         # its first byte is counted in its prompt's size class (the prompt's characters over four)
         _, first_bytes = next(iter(g.fleet.admission._first_byte_by.items()))
         assert len(g.fleet.admission._first_byte_by) == 1 and len(first_bytes) == 1 and first_bytes.value > 0
+        text = httpx.get(g.url + "/metrics").text
+        assert 'tidegate:gateway_admission_first_byte_seconds{prompt_tokens="1-1"}' in text  # "hi": 0.5 tokens
         assert httpx.get(g.url + "/v1/models").json()["data"][0]["id"] == "m"
         r = httpx.post(g.url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

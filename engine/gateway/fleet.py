@@ -89,6 +89,11 @@ class GatewayMetrics:
                                   "multiple of what the TTFT SLO leaves (the admission policy's last decision).",
                                   registry=r)
         self.budget_scale.set(1.0)
+        self.drain_rate = Gauge("tidegate:gateway_drain_rate", "The fleet's measured completions a second that "
+                                "admission counts on (0 while it is not trusted).", registry=r)
+        self.first_byte = Gauge("tidegate:gateway_admission_first_byte_seconds", "The 90th percentile of the "
+                                "replicas' dispatch-to-first-byte that admission counts for a prompt of this size "
+                                "(estimated tokens).", ["prompt_tokens"], registry=r)
         self.policy_fallbacks = Counter("tidegate:gateway_policy_fallbacks_total", "Admission policy decisions that "
                                         "failed and fell back to the gateway's own rule.", registry=r)
 
@@ -247,6 +252,9 @@ class Fleet:
         m = self.metrics
         m.queue.set(len(self.queue))
         m.fail_open.set(1 if self.fail_open(now) else 0)
+        m.drain_rate.set(self.admission.rate(now))
+        for size, seconds in self.admission.first_byte_by_size().items():
+            m.first_byte.labels(size).set(seconds)
         for v in self.views:
             m.up.labels(v.name).set(1 if v.up else 0)
             m.stale.labels(v.name).set(1 if v.stale(now) else 0)

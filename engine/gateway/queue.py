@@ -214,6 +214,12 @@ class DrainAdmission:
                 return q.value
         return self._first_byte.value
 
+    def first_byte_by_size(self) -> dict[str, float]:
+        """The first byte's time admission counts for each size class it has seen, by the class's prompt tokens
+        (``"512-1023"``); a class with too few samples yet shows the pooled time it is judged by."""
+        return {f"{1 << (k - 1)}-{(1 << k) - 1}": self.first_byte_for(1 << (k - 1))
+                for k in sorted(self._first_byte_by)}
+
     def waited(self, predicted_s: float, waited_s: float, now: float) -> None:
         """A request left the queue at ``now`` after ``waited_s``; it was predicted to wait ``predicted_s``."""
         self._late.add(waited_s - predicted_s, now)

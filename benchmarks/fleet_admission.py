@@ -27,10 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tidegate.env import FLEET_ENV_ID
 from tidegate.training.export import export
-from tidegate.training.fleet_eval import evaluate_fleet, geomean_ratio, plot_ratios
-from tidegate.training.train import load_config
+from tidegate.training.fleet_eval import evaluate_fleet, fleet_config, geomean_ratio, plot_ratios
 
 RULE = "fixed:0"
 
@@ -56,12 +54,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="processes evaluating (family, arm) tasks at once")
     args = ap.parse_args()
 
-    cfg = load_config(None, FLEET_ENV_ID)
-    env_kwargs = {k: v for k, v in cfg["env_kwargs"].items()
-                  if k in ("replicas", "profile", "replica_controller", "router", "episode_requests", "episode_steps")}
-    trained = list(cfg["env_kwargs"]["families"])
-    held_out = list(cfg.get("held_out", []))
-    families = args.families.split(",") if args.families else trained + held_out
+    env_kwargs, families, held_out = fleet_config(args.families)
     loads = [float(x) for x in args.loads.split(",")]
     draws = [int(x) for x in args.draws.split(",")]
     fixed = [float(x) for x in args.fixed.split(",")]

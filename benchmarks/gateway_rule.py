@@ -30,50 +30,33 @@ import numpy as np
 
 from tidegate.engine.core.slo import met_slo
 from tidegate.engine.core.request import RequestState
-from tidegate.env import FLEET_ENV_ID
 from tidegate.env.fleet_env import FleetEnv
-from tidegate.training.fleet_eval import TEST_SEED_BASE, plot_ratios
-from tidegate.training.train import load_config
+from tidegate.training.fleet_eval import TEST_SEED_BASE, fleet_config, plot_ratios, run_episode
 
 #: the share of an episode's prompts counted as long: its longest tenth
 LONG_QUANTILE = 0.9
 
 
 def run_cell(env: FleetEnv, family: str, load: float, draw: int) -> dict:
-    """One whole episode at action 0 with every request's end recorded."""
-    env.reset(seed=TEST_SEED_BASE + draw, options={"load": load})
-    ends: list[tuple[int, bool, bool]] = []  # (prompt tokens, met both SLOs, refused)
-    counts = env.fleet.on_end
+    """One whole episode at action 0, with how each request's prompt fared."""
+    ends: list[tuple[int, bool]] = []  # (prompt tokens, met both SLOs)
     ttft, tpot = env.profile.ttft_slo_s, env.profile.tpot_slo_s
 
     def on_end(request) -> None:
-        refused = request.state is RequestState.REJECTED
-        good = request.state is RequestState.FINISHED and met_slo(request, ttft, tpot)
-        ends.append((request.prompt_len, good, refused))
-        counts(request)
+        ends.append((request.prompt_len, request.state is RequestState.FINISHED and met_slo(request, ttft, tpot)))
 
-    env.fleet.on_end = on_end
-    while True:
-        _, _, terminated, truncated, _ = env.step(np.zeros(1, dtype=np.float32))
-        if terminated or truncated:
-            break
-    prompts = np.array([p for p, _, _ in ends])
-    good = np.array([g for _, g, _ in ends])
+    out = run_episode(env, lambda _obs: 0.0, TEST_SEED_BASE + draw, {"load": load}, on_end=on_end)
+    prompts = np.array([p for p, _ in ends])
+    good = np.array([g for _, g in ends])
     long = prompts > np.quantile(prompts, LONG_QUANTILE)
-    span = env.interval_s * env.episode_steps
-    t = env.totals
-    return {"family": family, "load": load, "draw": draw, "requests": len(ends), "good": t["good"],
-            "missed": t["missed"], "rejected": t["rejected"], "goodput_rps": t["good"] / span,
+    return {"family": family, "load": load, "draw": draw, "requests": len(ends), "good": out["good"],
+            "missed": out["missed"], "rejected": out["rejected"], "goodput_rps": out["goodput_rps"],
             "good_prompt_tokens": int(prompts[good].sum()), "long": int(long.sum()),
             "long_good": int((long & good).sum())}
 
 
 def run(args) -> None:
-    cfg = load_config(None, FLEET_ENV_ID)
-    env_kwargs = {k: v for k, v in cfg["env_kwargs"].items()
-                  if k in ("replicas", "profile", "replica_controller", "router", "episode_requests", "episode_steps")}
-    families = args.families.split(",") if args.families else list(cfg["env_kwargs"]["families"]) + list(
-        cfg.get("held_out", []))
+    env_kwargs, families, _ = fleet_config(args.families)
     loads = [float(x) for x in args.loads.split(",")]
     draws = [int(x) for x in args.draws.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)

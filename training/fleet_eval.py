@@ -15,15 +15,45 @@ from pathlib import Path
 import numpy as np
 
 from tidegate.ctrl.policy import load_policy
+from tidegate.engine.core.request import Request
 from tidegate.env.fleet_env import FleetEnv
 
 #: test draws: seeds far from training's (``make_vec_env`` seeds from 0) and validation's (10,000 on)
 TEST_SEED_BASE = 20_000
 
 
-def run_episode(env: FleetEnv, act: Callable[[np.ndarray], float], seed: int, options: dict) -> dict:
-    """One whole episode with ``act`` choosing each interval's action from the observation: goodput and counts."""
+#: the fleet env's options the evaluations take from the config (the rest are training's)
+EVAL_ENV_KEYS = ("replicas", "profile", "replica_controller", "router", "episode_requests", "episode_steps")
+
+
+def fleet_config(families: str | None) -> tuple[dict, list[str], list[str]]:
+    """The config's fleet env options for evaluation, the families to evaluate (``families``, comma-separated,
+    or the config's training and held-out ones) and the held-out ones."""
+    from tidegate.env import FLEET_ENV_ID
+    from tidegate.training.train import load_config
+
+    cfg = load_config(None, FLEET_ENV_ID)
+    env_kwargs = {k: v for k, v in cfg["env_kwargs"].items() if k in EVAL_ENV_KEYS}
+    held_out = list(cfg.get("held_out", []))
+    chosen = families.split(",") if families else list(cfg["env_kwargs"]["families"]) + held_out
+    return env_kwargs, chosen, held_out
+
+
+def run_episode(env: FleetEnv, act: Callable[[np.ndarray], float], seed: int, options: dict,
+                on_end: Callable[[Request], None] | None = None) -> dict:
+    """One whole episode with ``act`` choosing each interval's action from the observation: goodput and counts.
+
+    :param on_end: also called with every request as it ends (before the env counts it)
+    """
     obs, info = env.reset(seed=seed, options=options)
+    if on_end is not None:
+        counts = env.fleet.on_end
+
+        def both(request: Request) -> None:
+            on_end(request)
+            counts(request)
+
+        env.fleet.on_end = both
     actions = []
     while True:
         a = float(act(obs))

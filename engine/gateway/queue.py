@@ -180,9 +180,13 @@ class DrainAdmission:
         self.drain = RateEstimator(self.WINDOW_S, min_events=self.MIN_COMPLETIONS)
         self.completions = 0
         self.last_completion_s = -math.inf
-        self._first_byte = SlidingQuantile(self.QUANTILE, self.WINDOW_S, min_samples=self.WINDOW)
-        self._late = SlidingQuantile(self.QUANTILE, self.WINDOW_S, min_samples=self.WINDOW)
+        self._first_byte = self._recent()
+        self._late = self._recent()
         self._first_byte_by: dict[int, SlidingQuantile] = {}
+
+    def _recent(self) -> SlidingQuantile:
+        """The ``QUANTILE`` of the values of the drain rate's window (at least the last ``WINDOW``)."""
+        return SlidingQuantile(self.QUANTILE, self.WINDOW_S, min_samples=self.WINDOW)
 
     def completed(self, now: float) -> None:
         self.drain.add(now)
@@ -203,7 +207,7 @@ class DrainAdmission:
             key = _size_class(prompt_tokens)
             q = self._first_byte_by.get(key)
             if q is None:
-                q = self._first_byte_by[key] = SlidingQuantile(self.QUANTILE, self.WINDOW_S, min_samples=self.WINDOW)
+                q = self._first_byte_by[key] = self._recent()
             q.add(seconds, now)
 
     def first_byte_for(self, prompt_tokens: float | None) -> float:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tidegate.engine.workloads.arrivals import WorkloadError
+from tidegate.training.cli import OptionError, parse_list
 from tidegate.training.export import export
 from tidegate.training.fleet_eval import evaluate_fleet, fleet_config, geomean_ratio, plot_ratios
 
@@ -54,10 +56,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="processes evaluating (family, arm) tasks at once")
     args = ap.parse_args()
 
-    env_kwargs, families, held_out = fleet_config(args.families)
-    loads = [float(x) for x in args.loads.split(",")]
-    draws = [int(x) for x in args.draws.split(",")]
-    fixed = [float(x) for x in args.fixed.split(",")]
+    try:
+        env_kwargs, families, held_out = fleet_config(args.families)
+        loads = parse_list(args.loads, "--loads", float, "numbers like 0.5,1.2")
+        draws = parse_list(args.draws, "--draws", int, "integers like 0,1,2")
+        fixed = parse_list(args.fixed, "--fixed", float, "actions like 0,-0.5,0.5")
+    except (OptionError, WorkloadError) as e:
+        sys.exit(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()

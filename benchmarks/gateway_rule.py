@@ -30,7 +30,9 @@ import numpy as np
 
 from tidegate.engine.core.slo import met_slo
 from tidegate.engine.core.request import RequestState
+from tidegate.engine.workloads.arrivals import WorkloadError
 from tidegate.env.fleet_env import FleetEnv
+from tidegate.training.cli import OptionError, parse_list
 from tidegate.training.fleet_eval import TEST_SEED_BASE, fleet_config, plot_ratios, run_episode
 
 #: the share of an episode's prompts counted as long: its longest tenth
@@ -57,8 +59,8 @@ def run_cell(env: FleetEnv, family: str, load: float, draw: int) -> dict:
 
 def run(args) -> None:
     env_kwargs, families, _ = fleet_config(args.families)
-    loads = [float(x) for x in args.loads.split(",")]
-    draws = [int(x) for x in args.draws.split(",")]
+    loads = parse_list(args.loads, "--loads", float, "numbers like 0.5,1.2")
+    draws = parse_list(args.draws, "--draws", int, "integers like 0,1,2")
     args.out.mkdir(parents=True, exist_ok=True)
     rows, t0, n = [], time.perf_counter(), len(families) * len(loads) * len(draws)
     for family in families:
@@ -71,9 +73,20 @@ def run(args) -> None:
     (args.out / "rule.json").write_text(json.dumps(rows, indent=1))
 
 
+def read_run(folder: Path) -> dict[tuple[str, float, int], dict]:
+    """A ``run`` folder's episodes by (family, load, draw); exits with one sentence where there is none."""
+    path = folder / "rule.json"
+    try:
+        rows = json.loads(path.read_text())
+        return {(r["family"], r["load"], r["draw"]): r for r in rows}
+    except OSError:
+        sys.exit(f"{path}: not found (make it with: gateway_rule.py run --out {folder})")
+    except (ValueError, TypeError, KeyError):
+        sys.exit(f"{path}: not a rule.json written by gateway_rule.py run")
+
+
 def compare(args) -> None:
-    before = {(r["family"], r["load"], r["draw"]): r for r in json.loads((args.before / "rule.json").read_text())}
-    after = {(r["family"], r["load"], r["draw"]): r for r in json.loads((args.after / "rule.json").read_text())}
+    before, after = read_run(args.before), read_run(args.after)
     keys = [k for k in before if k in after]
     if not keys:
         sys.exit("the two runs share no cell")
@@ -140,7 +153,10 @@ def main() -> None:
     c.add_argument("after", type=Path)
     c.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    run(args) if args.cmd == "run" else compare(args)
+    try:
+        run(args) if args.cmd == "run" else compare(args)
+    except (OptionError, WorkloadError) as e:
+        sys.exit(str(e))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,11 @@ EVAL_ENV_KEYS = ("replicas", "profile", "replica_controller", "router", "episode
 
 def fleet_config(families: str | None) -> tuple[dict, list[str], list[str]]:
     """The config's fleet env options for evaluation, the families to evaluate (``families``, comma-separated,
-    or the config's training and held-out ones) and the held-out ones."""
+    or the config's training and held-out ones) and the held-out ones.
+
+    :raises WorkloadError: a family is neither shipped nor a readable family YAML (one sentence naming it).
+    """
+    from tidegate.engine.workloads.families import load_family
     from tidegate.env import FLEET_ENV_ID
     from tidegate.training.train import load_config
 
@@ -36,6 +40,8 @@ def fleet_config(families: str | None) -> tuple[dict, list[str], list[str]]:
     env_kwargs = {k: v for k, v in cfg["env_kwargs"].items() if k in EVAL_ENV_KEYS}
     held_out = list(cfg.get("held_out", []))
     chosen = families.split(",") if families else list(cfg["env_kwargs"]["families"]) + held_out
+    for family in chosen:
+        load_family(family)  # before any episode runs: a typo fails in one line, not after minutes
     return env_kwargs, chosen, held_out
 
 

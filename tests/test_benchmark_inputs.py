@@ -1,0 +1,34 @@
+"""Bad input to the fleet benchmarks: one sentence and a non-zero exit before any episode runs, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["gateway_rule.py", "run", "--out", "{tmp}/o", "--families", "nope"], "unknown family 'nope'"),
+    (["gateway_rule.py", "run", "--out", "{tmp}/o", "--loads", "1,,2"], "--loads '1,,2' is not valid"),
+    (["gateway_rule.py", "run", "--out", "{tmp}/o", "--draws", "a"], "--draws 'a' is not valid"),
+    (["gateway_rule.py", "compare", "{tmp}/a", "{tmp}/b", "--out", "{tmp}/o"], "rule.json: not found"),
+    (["gateway_rule.py", "compare", "{tmp}/bad", "{tmp}/bad", "--out", "{tmp}/o"], "not a rule.json"),
+    (["fleet_admission.py", "--run", "{tmp}", "--families", "chat,nope"], "unknown family 'nope'"),
+    (["fleet_admission.py", "--run", "{tmp}", "--fixed", "0,x"], "--fixed '0,x' is not valid"),
+    (["fleet_admission.py", "--run", "{tmp}"], "no model.zip"),
+])
+def test_fleet_benchmark_bad_input(tmp_path, args, says):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "rule.json").write_text("{not json")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / argv[0]), *argv[1:]], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert says in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing written before the input was checked

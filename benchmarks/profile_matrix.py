@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draws", type=int, default=2)
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--loads", default="0.5,1.2,3.0")
+    ap.add_argument("--loads", default="0.5,0.8,1.2,2,3")
     ap.add_argument("--perturbed", type=int, default=2, help="perturbations of the A100 preset")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("docs/bench/profiles"))

@@ -352,13 +352,17 @@ class SloFlowController(Controller):
           relative error from the sampling error of W (``size_error``). The fluid bound is what
           no controller can serve more of, and the load is judged against it, not against the
           completions: at 0.7 x the bound, a backlog left by a burst drains by itself.
-        - *and*, once more than ``STEADY_RATE_EVENTS`` arrived, the recent arrival rate
-          (``Observation.arrival_rate_rps``, over ``RATE_EVENTS``) is below the same threshold with
-          ``RECENT_Z`` standard errors of its own count (``recent_rate``): the steady rate averages
-          over hundreds of arrivals, so a peak that lasts fewer (a diurnal peak on a slow replica,
-          at 1.3-1.7 x its bound for minutes while the steady rate read 0.8 x) would otherwise be
-          queued without refusal until it had passed. Before, the steady rate spans every arrival,
-          and the bound is least known.
+        - *and*, once more than ``RATE_EVENTS`` arrived, the recent arrival rate
+          (``Observation.arrival_rate_rps``, over ``RATE_EVENTS``) is below ``min_load`` x the bound with a
+          margin of ``RECENT_Z`` standard errors of its own count and ``CAPACITY_Z`` of the bound's, in root
+          sum of squares (``recent_rate``): the steady rate averages over hundreds of arrivals, so a peak
+          that lasts fewer (a diurnal peak on a slow replica, at 1.3-1.7 x its bound for minutes while the
+          steady rate read 0.8 x) would otherwise be queued without refusal until it had passed. The count's
+          error is tested anew at every arrival (hence three standard errors); the bound's is one error that
+          every test shares (hence two, as the steady test's). Before ``RATE_EVENTS`` arrivals the recent
+          rate spans every arrival, as the steady one does; from then on the steady one still spans every
+          arrival up to ``STEADY_RATE_EVENTS``, which on a replica that serves a few tenths of a request a
+          second is ten minutes.
         - *and* the steady rates (over ``STEADY_RATE_EVENTS`` events, once that many arrived)
           show arrivals at most ``1 + steady_overload`` x completions: the bound's sizes are
           estimates, too high while the longest requests of a heavy tail have not been sampled;
@@ -376,9 +380,10 @@ class SloFlowController(Controller):
         se = math.sqrt(1.0 / max(min(seen, STEADY_RATE_EVENTS), 1) + rse * rse)
         if not obs.offered_rate_rps / bound < self.min_load * (1.0 + CAPACITY_Z * se):
             return False
-        if self.recent_rate and seen > STEADY_RATE_EVENTS:  # before, the steady rate spans every arrival
-            se = math.sqrt(1.0 / RATE_EVENTS + rse * rse)
-            return obs.arrival_rate_rps / bound < self.min_load * (1.0 + RECENT_Z * se)
+        if self.recent_rate and seen > RATE_EVENTS:  # before, the recent rate spans every arrival, as the steady one
+            # the count's error is tested at every arrival (RECENT_Z), the bound's is one error shared by every test
+            margin = math.hypot(RECENT_Z / math.sqrt(RATE_EVENTS), CAPACITY_Z * rse)
+            return obs.arrival_rate_rps / bound < self.min_load * (1.0 + margin)
         return True
 
     def over_capacity(self, obs: Observation) -> bool:

@@ -16,12 +16,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tidegate.ctrl import build_controller
-from tidegate.ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Observation, Rejection, retry_after_s
+from tidegate.ctrl.base import (RATE_EVENTS, RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Observation, Rejection,
+                                retry_after_s)
 from tidegate.ctrl.learned import (ACTION_DIM, BACKOFF_AFTER_OVERRUNS, BACKOFF_MAX_INTERVALS, DEFAULT_POLICY,
                           LEARNED_MAX_WAITING, OBS_DIM, QUEUE_TIMEOUT_SLOS, action_to_residual, load_policy,
                           make_learned_controller, make_prior)
 from tidegate.ctrl.shield import ShieldedController
-from tidegate.ctrl.slo_flow import SloFlowController, predicted_ttft_s
+from tidegate.ctrl.slo_flow import CAPACITY_Z, RECENT_Z, SloFlowController, predicted_ttft_s
 from tidegate.ctrl.theory import fluid_lambda_max, shrunk_lambda_max, shrunk_lambda_max_interval
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
@@ -322,8 +323,29 @@ def test_the_capacity_witness_judges_the_recent_arrivals_too():
     assert c.under_capacity(overloaded_by_rates(0.7, completed_total=400, arrival_rate_rps=1.0 * lam))
     blind = build_controller("slo-flow:recent_rate=false", PROFILE)
     assert blind.under_capacity(peak) and blind.admit(peak, 1000, 100) is None
-    # before 256 arrivals the steady rate spans every arrival, and judges alone
-    assert c.under_capacity(overloaded_by_rates(0.7, completed_total=150, arrival_rate_rps=1.3 * lam))
+    # from 64 arrivals on, before the steady rate spans fewer than all of them: on a slow replica 256 arrivals
+    # are minutes, and a peak in them would be queued whole
+    assert not c.under_capacity(overloaded_by_rates(0.7, completed_total=150, arrival_rate_rps=1.3 * lam))
+    # before, the recent rate spans every arrival, as the steady one does, which judges alone
+    early = dict(completed_total=10, num_waiting=10, num_running=10)
+    assert c.under_capacity(overloaded_by_rates(0.7, arrival_rate_rps=1.3 * lam, **early))
+
+
+def test_the_recent_rates_margin_counts_the_bounds_error_once():
+    """The recent rate is tested at every arrival, so its count's error gets RECENT_Z standard errors; the bound's
+    error from the sizes is one error shared by every test, and gets CAPACITY_Z: the margin is their root sum of
+    squares, not RECENT_Z times both (which let a peak at 1.3-1.5 x the bound through on heavy-tailed sizes)."""
+    c = build_controller("slo-flow", PROFILE)
+    base = overloaded_by_rates(0.7, completed_total=400)
+    base.offered_kv_workload_se = 0.15 * base.offered_kv_workload
+    bound, rse = shrunk_lambda_max_interval(base, PROFILE, c.prior_output_tokens)
+    assert rse > 0.05
+    shared = c.min_load * (1.0 + math.hypot(RECENT_Z / math.sqrt(RATE_EVENTS), CAPACITY_Z * rse))
+    both = c.min_load * (1.0 + RECENT_Z * math.sqrt(1.0 / RATE_EVENTS + rse * rse))
+    base.arrival_rate_rps = 0.5 * (shared + both) * bound  # between the two thresholds
+    assert not c.under_capacity(base)
+    base.arrival_rate_rps = 0.98 * shared * bound
+    assert c.under_capacity(base)
 
 
 def test_the_capacity_witness_widens_its_margin_by_the_sampling_error_of_the_request_sizes():

@@ -63,10 +63,10 @@ def main() -> None:
         fixed = parse_list(args.fixed, "--fixed", float, "actions like 0,-0.5,0.5")
     except (OptionError, WorkloadError) as e:
         sys.exit(str(e))
+    runs = runs_of(args.run)
     args.out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
-    runs = runs_of(args.run)
     policies = {name: str(export(model, model.with_name("policy.onnx"))) for name, model in runs.items()}
     # one task per family and arm: each seed's policy, and the fixed budgets once
     tasks = [(None, f, fixed) for f in families] + [(name, f, ()) for name in policies for f in families]

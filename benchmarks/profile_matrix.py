@@ -7,9 +7,9 @@ Profiles: ``a100-llama2-7b`` and ``h200-llama3-8b`` (the roofline presets), ``ti
 model on this CPU), ``tiny-vllm-cpu`` (fitted from vLLM's steps), and two perturbations of the A100
 preset: its step-time coefficients and KV capacity each scaled by up to +-30% (``--perturbed``, fixed
 seeds; the policy trained on up to 30% around its two presets). Every shipped family at loads 0.5,
-1.2 and 3 x lambda_max. Writes ``matrix.md``, ``matrix.json``, the heatmaps and ``profiles.md`` (one
-line per profile: the worst and mean cells of learned and of slo-flow against the best heuristic) to
-``--out``.
+0.8, 1.2, 2 and 3 x lambda_max (``--loads``). Writes ``matrix.md``, ``matrix.json``, the heatmaps and
+``profiles.md`` (one line per profile: the worst and mean cells of learned and of slo-flow against the best
+heuristic) to ``--out``.
 """
 
 from __future__ import annotations

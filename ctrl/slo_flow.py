@@ -187,10 +187,10 @@ class SloFlowController(Controller):
         the capacity witness once ``STEADY_RATE_EVENTS`` arrived.
     :param size_error: the capacity witness's margin counts the sampling error of the traffic's
         mean KV workload besides that of the arrival rate.
-    :param recent_rate: once the steady rate spans fewer than all arrivals, the capacity witness also
-        judges the recent arrival rate (over ``RATE_EVENTS``), with ``RECENT_Z`` standard errors of
-        that count: the steady rate spans hundreds of arrivals, and a rise in the arrivals (a diurnal
-        peak, a ramp) stays under it for as long.
+    :param recent_rate: once more than ``RATE_EVENTS`` arrived (the recent rate spans fewer than all of them), the
+        capacity witness also judges the recent arrival rate (over ``RATE_EVENTS``), with a margin of ``RECENT_Z``
+        standard errors of that count and ``CAPACITY_Z`` of the bound's, in root sum of squares: the steady rate
+        spans hundreds of arrivals, and a rise in the arrivals (a diurnal peak, a ramp) stays under it for as long.
     :param occupied_pacing: the memory-safe activation rate divides by the larger of the completed
         requests' W and the KV token-steps held per completion (``Observation.occupied_kv_workload``):
         while long outputs still run, the completed requests are the short ones, and a rate paced
@@ -404,11 +404,11 @@ class SloFlowController(Controller):
     def over_busy_capacity(self, obs: Observation) -> bool:
         """The busy period's witness of overload (``busy_witness``): the current busy period's last ``RATE_EVENTS``
         arrivals at most (``Observation.busy_rate_rps``) came faster than the fluid bound (raised by ``RECENT_Z``
-        standard errors of its own, :meth:`under_capacity`) brings them, by more than ``RECENT_Z`` standard
-        errors of a Poisson count: the gaps after the window's first arrival, against the arrivals the bound
-        brings in the time they took, by Wilson and Hilferty's cube root of Poisson's upper tail. From
-        ``EARLY_ARRIVALS`` arrivals of the busy period to ``STEADY_RATE_EVENTS``: before, too few; after, the steady
-        rates span the busy period alone, and the other witnesses judge it.
+        standard errors of its own, ``ctrl.theory.shrunk_lambda_max_interval``) brings them, by more than
+        ``RECENT_Z`` standard errors of a Poisson count: the gaps after the window's first arrival, against the
+        arrivals the bound brings in the time they took, by Wilson and Hilferty's cube root of Poisson's upper
+        tail. From ``EARLY_ARRIVALS`` arrivals of the busy period to ``STEADY_RATE_EVENTS``: before, too few; after,
+        the steady rates span the busy period alone, and the other witnesses judge it.
 
         The other witnesses' rates span 64 and 256 arrivals and a 10-second average, so after an idle spell
         they read the spell for that long: on the twin of a vLLM CPU replica stepping from idle to 3 x its

@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (["gateway_rule.py", "run", "--out", "{tmp}/o", "--draws", "a"], "--draws 'a' is not valid"),
     (["gateway_rule.py", "compare", "{tmp}/a", "{tmp}/b", "--out", "{tmp}/o"], "rule.json: not found"),
     (["gateway_rule.py", "compare", "{tmp}/bad", "{tmp}/bad", "--out", "{tmp}/o"], "not a rule.json"),
-    (["fleet_admission.py", "--run", "{tmp}", "--families", "chat,nope"], "unknown family 'nope'"),
-    (["fleet_admission.py", "--run", "{tmp}", "--fixed", "0,x"], "--fixed '0,x' is not valid"),
-    (["fleet_admission.py", "--run", "{tmp}"], "no model.zip"),
+    (["fleet_admission.py", "--run", "{tmp}", "--out", "{tmp}/o", "--families", "chat,nope"], "unknown family 'nope'"),
+    (["fleet_admission.py", "--run", "{tmp}", "--out", "{tmp}/o", "--fixed", "0,x"], "--fixed '0,x' is not valid"),
+    (["fleet_admission.py", "--run", "{tmp}", "--out", "{tmp}/o"], "no model.zip"),
 ])
 def test_fleet_benchmark_bad_input(tmp_path, args, says):
     (tmp_path / "bad").mkdir()

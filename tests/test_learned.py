@@ -323,7 +323,7 @@ def test_the_capacity_witness_judges_the_recent_arrivals_too():
     assert c.under_capacity(overloaded_by_rates(0.7, completed_total=400, arrival_rate_rps=1.0 * lam))
     blind = build_controller("slo-flow:recent_rate=false", PROFILE)
     assert blind.under_capacity(peak) and blind.admit(peak, 1000, 100) is None
-    # from 64 arrivals on, before the steady rate spans fewer than all of them: on a slow replica 256 arrivals
+    # after 64 arrivals, before the steady rate spans fewer than all of them: on a slow replica 256 arrivals
     # are minutes, and a peak in them would be queued whole
     assert not c.under_capacity(overloaded_by_rates(0.7, completed_total=150, arrival_rate_rps=1.3 * lam))
     # before, the recent rate spans every arrival, as the steady one does, which judges alone

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidegate.engine.cli.support import fail
 from tidegate.engine.workloads.arrivals import WorkloadError
 from tidegate.training.cli import OptionError, parse_list
 from tidegate.training.export import export
@@ -41,7 +42,7 @@ def runs_of(folder: Path) -> dict[str, Path]:
         return {"seed0": folder / "model.zip"}
     found = {p.parent.name: p for p in sorted(folder.glob("seed*/model.zip"))}
     if not found:
-        sys.exit(f"{folder}: no model.zip in it or in its seed*/ folders")
+        fail(f"{folder}: no model.zip in it or in its seed*/ folders")
     return found
 
 
@@ -62,7 +63,7 @@ def main() -> None:
         draws = parse_list(args.draws, "--draws", int, "integers like 0,1,2")
         fixed = parse_list(args.fixed, "--fixed", float, "actions like 0,-0.5,0.5")
     except (OptionError, WorkloadError) as e:
-        sys.exit(str(e))
+        fail(str(e))
     runs = runs_of(args.run)
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from tidegate.engine.core.slo import met_slo
 from tidegate.engine.core.request import RequestState
+from tidegate.engine.cli.support import fail
 from tidegate.engine.workloads.arrivals import WorkloadError
 from tidegate.env.fleet_env import FleetEnv
 from tidegate.training.cli import OptionError, parse_list
@@ -80,16 +81,16 @@ def read_run(folder: Path) -> dict[tuple[str, float, int], dict]:
         rows = json.loads(path.read_text())
         return {(r["family"], r["load"], r["draw"]): r for r in rows}
     except OSError:
-        sys.exit(f"{path}: not found (make it with: gateway_rule.py run --out {folder})")
+        fail(f"{path}: not found (make it with: gateway_rule.py run --out {folder})")
     except (ValueError, TypeError, KeyError):
-        sys.exit(f"{path}: not a rule.json written by gateway_rule.py run")
+        fail(f"{path}: not a rule.json written by gateway_rule.py run")
 
 
 def compare(args) -> None:
     before, after = read_run(args.before), read_run(args.after)
     keys = [k for k in before if k in after]
     if not keys:
-        sys.exit("the two runs share no cell")
+        fail("the two runs share no cell")
     cells = defaultdict(list)
     for k in keys:
         cells[k[:2]].append(k)
@@ -156,7 +157,7 @@ def main() -> None:
     try:
         run(args) if args.cmd == "run" else compare(args)
     except (OptionError, WorkloadError) as e:
-        sys.exit(str(e))
+        fail(str(e))
 
 
 if __name__ == "__main__":

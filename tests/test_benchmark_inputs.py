@@ -1,4 +1,4 @@
-"""Bad input to the fleet benchmarks: one sentence and a non-zero exit before any episode runs, never a traceback."""
+"""Bad input to the fleet benchmarks: one sentence and exit code 2 before any episode runs, never a traceback."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_fleet_benchmark_bad_input(tmp_path, args, says):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / argv[0]), *argv[1:]], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert says in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import NoReturn
 
 import click
 
@@ -17,6 +18,12 @@ def _project_errors() -> tuple[type[Exception], ...]:
     return (ControllerSpecError, ProfileError, WorkloadError, ModelLoadError)
 
 
+def fail(message: str) -> NoReturn:
+    """End on a user error: ``error: message`` on stderr and exit code 2 (for scripts outside click as well)."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
 def friendly(*extra: type[Exception]):
     """Decorator: the project's user-input errors (and ``extra`` ones) become one
     ``error: ...`` line on stderr and exit code 2, never a traceback."""
@@ -26,8 +33,7 @@ def friendly(*extra: type[Exception]):
             try:
                 return fn(*args, **kwargs)
             except (*_project_errors(), *extra) as exc:
-                click.echo(f"error: {exc}", err=True)
-                sys.exit(2)
+                fail(str(exc))
         return wrapper
     return decorate
 

@@ -1,4 +1,4 @@
-"""Bad input to the fleet benchmarks: one sentence and exit code 2 before any episode runs, never a traceback."""
+"""Bad input to the fleet and gateway benchmarks: one sentence and exit code 2 before anything runs, no traceback."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
     (["fleet_admission.py", "--run", "{tmp}", "--out", "{tmp}/o", "--families", "chat,nope"], "unknown family 'nope'"),
     (["fleet_admission.py", "--run", "{tmp}", "--out", "{tmp}/o", "--fixed", "0,x"], "--fixed '0,x' is not valid"),
     (["fleet_admission.py", "--run", "{tmp}", "--out", "{tmp}/o"], "no model.zip"),
+    (["gateway_relay.py", "--out", "{tmp}/o", "--concurrency", "16,x"], "--concurrency '16,x' is not valid"),
+    (["gateway_relay.py", "--out", "{tmp}/o", "--concurrency", "0"], "--concurrency '0' is not valid"),
+    (["gateway_relay.py", "--out", "{tmp}/o", "--output-len", "0"], "--output-len must be at least 1"),
+    (["gateway_relay.py", "--out", "{tmp}/o", "--before", "{tmp}/bad"], "is not a run of this script"),
 ])
 def test_fleet_benchmark_bad_input(tmp_path, args, says):
     (tmp_path / "bad").mkdir()

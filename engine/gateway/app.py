@@ -16,21 +16,20 @@ prompt and ``max_tokens``). The faults:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
+import aiohttp
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tidegate.engine.gateway.fleet import Fleet, GatewayConfig
+from tidegate.engine.gateway.fleet import TRANSPORT_ERRORS, Fleet, GatewayConfig
 from tidegate.engine.gateway.queue import Queued
 from tidegate.engine.gateway.replicas import ReplicaView
 from tidegate.engine.serve.protocol import error_response
@@ -107,17 +106,23 @@ def _headers(http: HttpRequest) -> dict[str, str]:
     return {**{k: v for k, v in http.headers.items() if k.lower() in _FORWARDED}, "accept-encoding": "identity"}
 
 
+#: headers the client library would add that the client did not send (a body without a content type stays one)
+_NOT_ADDED = ("Content-Type",)
+
+
 async def _pass_through(fleet: Fleet, method: str, path: str, body: bytes, http: HttpRequest) -> Response:
     """A request outside admission (models, tokenize), to the least loaded replica that is up."""
     now = time.monotonic()
     for view in sorted((v for v in fleet.views if v.up), key=lambda v: v.load(now)):
         try:
             assert fleet.client is not None
-            r = await fleet.client.request(method, view.url + path, content=body, headers=_headers(http))
-        except httpx.HTTPError as exc:
+            async with fleet.client.request(method, view.url + path, data=body, headers=_headers(http),
+                                            skip_auto_headers=_NOT_ADDED) as r:
+                content = await r.read()
+        except TRANSPORT_ERRORS as exc:
             fleet.replica_failed(view, f"{path} failed ({type(exc).__name__})")
             continue
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return Response(content, status_code=r.status, media_type=r.headers.get("content-type"))
     return error_response(503, "no replica is up", "unavailable", retry_after_s=fleet.config.health_interval_s)
 
 
@@ -214,10 +219,10 @@ async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: Ht
     assert fleet.client is not None
     m = fleet.metrics
     dispatched = time.monotonic()
-    request = fleet.client.build_request("POST", view.url + path, content=raw, headers=_headers(http))
     try:
-        upstream = await fleet.client.send(request, stream=True)
-    except httpx.HTTPError as exc:
+        upstream = await fleet.client.request("POST", view.url + path, data=raw, headers=_headers(http),
+                                              skip_auto_headers=_NOT_ADDED)
+    except TRANSPORT_ERRORS as exc:
         view.ended(time.monotonic(), completed=False)
         fleet.replica_failed(view, f"a request to it failed ({type(exc).__name__})")
         m.retries.labels("unreachable").inc()
@@ -225,46 +230,43 @@ async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: Ht
     except BaseException:
         view.ended(time.monotonic(), completed=False)
         raise
-    if upstream.status_code in (429, 503) and fleet.config.admission:
+    if upstream.status in (429, 503) and fleet.config.admission:
         now = time.monotonic()
         view.ended(now, completed=False)
-        with contextlib.suppress(Exception):
-            await upstream.aclose()
+        upstream.close()
         view.refused(now)
         fleet.wake()
-        m.retries.labels(str(upstream.status_code)).inc()
+        m.retries.labels(str(upstream.status)).inc()
         return None
-    if upstream.status_code != 200 or not stream:
+    if upstream.status != 200 or not stream:
         return await _whole(fleet, view, upstream, item, dispatched)
     return _RelayedResponse(_Relay(fleet, view, upstream, item, dispatched),
                             upstream.headers.get("content-type", "text/event-stream"))
 
 
-async def _whole(fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item: Queued,
+async def _whole(fleet: Fleet, view: ReplicaView, upstream: aiohttp.ClientResponse, item: Queued,
                  dispatched: float) -> Response:
     """A non-streamed answer (or an error the replica gave), read whole and passed on."""
     m = fleet.metrics
     ok = False
     try:
-        content = await upstream.aread()
-        ok = upstream.status_code == 200
-    except httpx.HTTPError as exc:
-        if isinstance(exc, httpx.TransportError):
-            fleet.replica_failed(view, f"an answer from it broke off ({type(exc).__name__})")
+        content = await upstream.read()
+        ok = upstream.status == 200
+    except TRANSPORT_ERRORS as exc:
+        fleet.replica_failed(view, f"an answer from it broke off ({type(exc).__name__})")
         m.requests.labels("failed").inc()
         return error_response(502, f"the replica failed while it answered ({type(exc).__name__})", "replica_failed")
     finally:
         now = time.monotonic()
         view.ended(now, completed=ok, lifetime_s=now - dispatched)
         fleet.wake()
-        with contextlib.suppress(Exception):
-            await upstream.aclose()
+        upstream.release()
     if ok:
         fleet.admission.completed(now)
         m.ttfb.observe(now - item.arrived_at)
     fleet.features.on_end(good=ok)  # whole: no token timing to judge by
-    m.requests.labels("completed" if ok else f"replica_{upstream.status_code}").inc()
-    return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
+    m.requests.labels("completed" if ok else f"replica_{upstream.status}").inc()
+    return Response(content, status_code=upstream.status, media_type=upstream.headers.get("content-type"))
 
 
 class _Relay:
@@ -272,7 +274,7 @@ class _Relay:
     stream's own end or from the response's, whichever comes first (a stream the server never starts,
     for a client that left before its first byte, still ends)."""
 
-    def __init__(self, fleet: Fleet, view: ReplicaView, upstream: httpx.Response, item: Queued,
+    def __init__(self, fleet: Fleet, view: ReplicaView, upstream: aiohttp.ClientResponse, item: Queued,
                  dispatched: float) -> None:
         self.fleet, self.view, self.upstream, self.item, self.dispatched = fleet, view, upstream, item, dispatched
         self.outcome = "client_gone"
@@ -286,7 +288,7 @@ class _Relay:
         fleet, view, m = self.fleet, self.view, self.fleet.metrics
         last: float | None = None
         try:
-            async for chunk in self.upstream.aiter_raw():
+            async for chunk in self.upstream.content.iter_any():
                 if not chunk:
                     continue
                 now = time.monotonic()
@@ -305,7 +307,7 @@ class _Relay:
                     self.outcome = "completed"
                 yield chunk
             self.outcome = "completed"
-        except httpx.TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             if self.outcome == "completed":  # after [DONE]: the answer was whole
                 return
             self.outcome = "failed"
@@ -329,8 +331,10 @@ class _Relay:
             self.fleet.features.on_end(good=completed and self.met_slo())
         self.fleet.metrics.requests.labels(self.outcome).inc()
         self.fleet.wake()
-        with contextlib.suppress(Exception):
-            await self.upstream.aclose()
+        if completed:
+            self.upstream.release()  # read to its end: the connection goes back to the pool
+        else:
+            self.upstream.close()  # a client that left, or a broken stream: closed, so the replica cancels
 
 
     def met_slo(self) -> bool:

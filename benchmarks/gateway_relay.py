@@ -8,7 +8,9 @@ replica, its CPU per chunk decides how many replicas one gateway process can fro
 ``--gap-ms`` apart, and export vLLM's gauges; ``tidegate gateway`` (a process of its own, ``--no-admission``
 so that every request goes straight through) relays them to a client that keeps ``--concurrency`` streams
 open, for ``--requests-per-stream`` completions a stream at each level. The figure is the gateway process's
-CPU time (user + system) over the chunks it relayed, from the level's first request to its last byte.
+CPU time (user + system) over the chunks it relayed, from the level's first request to its last byte. Before
+the levels, ``--one-by-one`` one-token completions go one at a time to a replica and through the gateway in turn: the
+difference of their first bytes' medians is the latency the gateway adds to a request.
 
 Writes ``gateway_relay.json``, ``gateway_relay.md`` and ``gateway_relay.png`` into ``--out``; ``--before
 DIR`` adds the run in DIR (its ``gateway_relay.json``, for example of an earlier tree run with
@@ -62,13 +64,13 @@ def serve_replica(port: int, output_len: int, gap_s: float) -> None:
     async def health():
         return {}
 
-    async def stream():
+    async def stream(n: int):
         running[0] += 1
         try:
-            for i in range(output_len):
+            for i in range(n):
                 chunk = {"id": "cmpl-relay", "object": "text_completion", "created": 0, "model": "m",
                          "choices": [{"index": 0, "text": " tok", "logprobs": None,
-                                      "finish_reason": "length" if i == output_len - 1 else None}]}
+                                      "finish_reason": "length" if i == n - 1 else None}]}
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
                 await asyncio.sleep(gap_s)
             yield b"data: [DONE]\n\n"
@@ -76,8 +78,10 @@ def serve_replica(port: int, output_len: int, gap_s: float) -> None:
             running[0] -= 1
 
     @app.post("/v1/completions")
-    async def complete():
-        return StreamingResponse(stream(), media_type="text/event-stream")
+    async def complete(body: dict):
+        n = body.get("max_tokens")
+        return StreamingResponse(stream(n if isinstance(n, int) and n > 0 else output_len),
+                                 media_type="text/event-stream")
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
 
@@ -124,6 +128,24 @@ async def _drive(url: str, concurrency: int, requests: int, output_len: int) -> 
     return {"chunks": chunks, "completed": ok, "ttfb_p50_ms": 1e3 * statistics.median(ttfb) if ttfb else None}
 
 
+async def _one_by_one(urls: list[str], n: int) -> list[list[float]]:
+    """``n`` one-token completions to each of ``urls``, one at a time, the urls taking turns (so that a drift of
+    the machine falls on each alike): each one's seconds to its first byte."""
+    import aiohttp
+
+    body = {"model": "m", "prompt": "relay " * 16, "max_tokens": 1, "stream": True}
+    times: list[list[float]] = [[] for _ in urls]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for _ in range(n):
+            for i, url in enumerate(urls):
+                start = time.perf_counter()
+                async with session.post(url + "/v1/completions", json=body) as r:
+                    await r.content.readany()
+                    times[i].append(time.perf_counter() - start)
+                    await r.read()
+    return times
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc; clock ticks)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -151,6 +173,13 @@ def measure(args) -> dict:
         gurl = f"http://127.0.0.1:{gport}"
         _wait_http(gurl + "/ready")
         asyncio.run(_drive(gurl, 4, 8, args.output_len))  # warm: connections made, code paths run
+        log(f"{args.one_by_one} one-token completions one at a time, to a replica and through the gateway in turn")
+        direct, through = asyncio.run(_one_by_one([urls[0], gurl], args.one_by_one))
+        overhead = {"completions": args.one_by_one, "direct_p50_ms": 1e3 * statistics.median(direct),
+                    "gateway_p50_ms": 1e3 * statistics.median(through),
+                    "added_p50_ms": 1e3 * (statistics.median(through) - statistics.median(direct))}
+        log(f"  first byte p50 {overhead['direct_p50_ms']:.2f} ms direct, {overhead['gateway_p50_ms']:.2f} ms through "
+            "the gateway")
         levels = []
         for c in args.concurrency:
             n = c * args.requests_per_stream
@@ -174,7 +203,7 @@ def measure(args) -> dict:
                 p.kill()
     return {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "output_len": args.output_len,
-            "gap_ms": args.gap_ms, "levels": levels}
+            "gap_ms": args.gap_ms, "one_by_one": overhead, "levels": levels}
 
 
 def report(runs: list[dict], out: Path) -> None:
@@ -188,6 +217,14 @@ def report(runs: list[dict], out: Path) -> None:
             lines.append(f"| {run['label']} ({run['date']}) | {r['concurrency']} | {r['completed']} / {r['requests']} "
                          f"| {r['chunks']:,} | {r['us_per_chunk']:.0f} | {r['chunks_per_s']:,.0f} | "
                          f"{r['gateway_core_share']:.2f} | {ttfb} |")
+    lines += ["", "Completions one at a time, to a replica directly and through the gateway in turn (first byte):", "",
+              "| run | completions | direct p50 ms | through the gateway p50 ms | added ms |",
+              "|---|---:|---:|---:|---:|"]
+    for run in runs:
+        o = run.get("one_by_one")
+        if o:
+            lines.append(f"| {run['label']} | {o['completions']} | {o['direct_p50_ms']:.2f} "
+                         f"| {o['gateway_p50_ms']:.2f} | {o['added_p50_ms']:+.2f} |")
     (out / "gateway_relay.md").write_text("\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
@@ -233,13 +270,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests-per-stream", type=int, default=8, help="completions each stream sends, one by one")
     p.add_argument("--output-len", type=int, default=64, help="chunks per completion")
     p.add_argument("--gap-ms", type=float, default=20.0, help="the stand-in replicas' time between chunks")
+    p.add_argument("--one-by-one", type=int, default=200,
+                   help="completions sent one at a time, directly and through the gateway (its added latency)")
     p.add_argument("--label", default="this tree", help="the run's name in the table and the plot")
     p.add_argument("--before", type=Path, default=None, help="a folder with an earlier run's gateway_relay.json")
     p.add_argument("--out", type=Path, default=Path("docs/bench/gateway_relay"))
     args = p.parse_args(argv)
     args.concurrency = _levels(args.concurrency)
-    if args.requests_per_stream < 1 or args.output_len < 1 or not args.gap_ms >= 0:
-        fail("--requests-per-stream and --output-len must be at least 1, and --gap-ms at least 0")
+    if min(args.requests_per_stream, args.output_len, args.one_by_one) < 1 or not args.gap_ms >= 0:
+        fail("--requests-per-stream, --output-len and --one-by-one must be at least 1, and --gap-ms at least 0")
     before = None
     if args.before is not None:
         path = args.before / "gateway_relay.json"

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
     (["fleet_admission.py", "--run", "{tmp}", "--out", "{tmp}/o"], "no model.zip"),
     (["gateway_relay.py", "--out", "{tmp}/o", "--concurrency", "16,x"], "--concurrency '16,x' is not valid"),
     (["gateway_relay.py", "--out", "{tmp}/o", "--concurrency", "0"], "--concurrency '0' is not valid"),
-    (["gateway_relay.py", "--out", "{tmp}/o", "--output-len", "0"], "--output-len must be at least 1"),
+    (["gateway_relay.py", "--out", "{tmp}/o", "--output-len", "0"], "--output-len and --one-by-one must be at least 1"),
     (["gateway_relay.py", "--out", "{tmp}/o", "--before", "{tmp}/bad"], "is not a run of this script"),
 ])
 def test_fleet_benchmark_bad_input(tmp_path, args, says):

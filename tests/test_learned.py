@@ -331,6 +331,25 @@ def test_the_capacity_witness_judges_the_recent_arrivals_too():
     assert c.under_capacity(overloaded_by_rates(0.7, arrival_rate_rps=1.3 * lam, **early))
 
 
+def test_the_traffics_bound_follows_long_outputs_after_a_few_dozen_completions():
+    """Outputs of 350 tokens, 65 completed: the prior (128 tokens a request) is a guess, right for no traffic in
+    particular, so it holds a small share of the bound by then. With the weight of 32 completions it held a third
+    and the bound read a sixth too high: arrivals at 1.1 x the true bound read as under capacity."""
+    obs = overloaded_by_rates(1.1, completed_total=65)
+    obs.offered_output_tokens = obs.mean_output_tokens = 350.0
+    obs.offered_kv_workload = obs.decode_kv_workload = 2000.0 * 350 + 350 * 351 / 2
+    true = fluid_lambda_max(2350.0, obs.offered_kv_workload, PROFILE, PROFILE.kv_capacity_tokens, 350.0,
+                            PROFILE.max_num_seqs)
+    obs.offered_rate_rps = obs.arrival_rate_rps = 1.1 * true
+    c = build_controller("slo-flow", PROFILE)
+    assert c.traffic_bound(obs)[0] == pytest.approx(true, rel=0.1)
+    assert not c.under_capacity(obs)
+    heavy = build_controller("slo-flow:prior_weight=32", PROFILE)
+    assert heavy.traffic_bound(obs)[0] > 1.15 * true and heavy.under_capacity(obs)
+    with pytest.raises(ValueError, match="prior_weight > 0"):
+        build_controller("slo-flow:prior_weight=0", PROFILE)
+
+
 def test_the_recent_rates_margin_counts_the_bounds_error_once():
     """The recent rate is tested at every arrival, so its count's error gets RECENT_Z standard errors; the bound's
     error from the sizes is one error shared by every test, and gets CAPACITY_Z: the margin is their root sum of
@@ -338,7 +357,7 @@ def test_the_recent_rates_margin_counts_the_bounds_error_once():
     c = build_controller("slo-flow", PROFILE)
     base = overloaded_by_rates(0.7, completed_total=400)
     base.offered_kv_workload_se = 0.15 * base.offered_kv_workload
-    bound, rse = shrunk_lambda_max_interval(base, PROFILE, c.prior_output_tokens)
+    bound, rse = c.traffic_bound(base)
     assert rse > 0.05
     shared = c.min_load * (1.0 + math.hypot(RECENT_Z / math.sqrt(RATE_EVENTS), CAPACITY_Z * rse))
     both = c.min_load * (1.0 + RECENT_Z * math.sqrt(1.0 / RATE_EVENTS + rse * rse))
@@ -978,7 +997,7 @@ def test_the_busy_bound_is_the_fluid_bound_of_the_busy_periods_mix_with_its_erro
     that of their mean W; before any output can be expected (0), the traffic's so far."""
     c = SloFlowController(max_num_batched_tokens=2048, profile=PROFILE, ttft_slo_s=PROFILE.ttft_slo_s)
     obs = overloaded_obs(kv_capacity_tokens=PROFILE.kv_capacity_tokens)
-    assert c.busy_bound(obs) == shrunk_lambda_max_interval(obs, PROFILE)
+    assert c.busy_bound(obs) == c.traffic_bound(obs)
     w = 256 * 128 + 128 * 129 / 2
     obs.busy_prompt_tokens, obs.busy_output_tokens, obs.busy_kv_workload, obs.busy_kv_workload_se = 256, 128, w, 0.1 * w
     bound, rse = c.busy_bound(obs)
@@ -989,7 +1008,7 @@ def test_the_busy_bound_is_the_fluid_bound_of_the_busy_periods_mix_with_its_erro
     light.busy_output_tokens, light.busy_kv_workload = 1, 256 + 1
     assert c.busy_bound(light)[0] > 2 * bound  # one-token answers: a higher bound
     off = SloFlowController(max_num_batched_tokens=2048, profile=PROFILE, busy_mix=False)
-    assert off.busy_bound(obs) == shrunk_lambda_max_interval(obs, PROFILE)
+    assert off.busy_bound(obs) == off.traffic_bound(obs)
 
 
 def test_only_arrivals_predicted_to_miss_their_slo_are_refused_and_the_measured_error_counts():

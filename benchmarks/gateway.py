@@ -184,9 +184,23 @@ def arm_separate(args, out: Path, rates: list[float], duration_s: float, seed: i
             r.stop()
 
 
-def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, kill: bool = False) -> dict:
+def write_requests(path: Path, plan, outcomes, args) -> None:
+    """Every request's record: when it was sent, its status, its first token's time and time per output token."""
+    lines = ["sent_s,status,ttft_s,tpot_s,latency_s,met_slo"]
+    for p, o in zip(plan, outcomes):
+        tpot = (o.e2e_s - o.ttft_s) / len(o.itl_s) if o.itl_s and o.ttft_s is not None and o.e2e_s else None
+        met = (o.status == 200 and o.error is None and o.ttft_s is not None and o.ttft_s <= args.ttft_slo_ms / 1e3
+               and (tpot is None or tpot <= args.tpot_slo_ms / 1e3))
+        cells = [f"{p.at_s:.3f}", str(o.status), "" if o.ttft_s is None else f"{o.ttft_s:.4f}",
+                 "" if tpot is None else f"{tpot:.4f}", f"{o.latency_s:.4f}", str(int(met))]
+        lines.append(",".join(cells))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, kill: bool = False,
+              name: str = "fleet") -> dict:
     replicas = start_replicas(args, "ab", out)
-    gw = Gateway([r.url for r in replicas], gateway_args, out / "gateway.log")
+    gw = Gateway([r.url for r in replicas], gateway_args, out / f"gateway-{name}.log")
     try:
         gw.start(60)
         favoured(gw, args)
@@ -195,6 +209,9 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
             cpu0 = cpu_seconds(gw)
             outcomes, wall = drive(gw.url, rate, args.duration, args, seed)
             res = figures(outcomes, wall, args)
+            write_requests(out / f"requests-{name}.csv",
+                           plan_random(10**9, rate, 1.0, args.input_len, args.output_len, seed, args.duration),
+                           outcomes, args)
             res["gateway_cpu_share"] = (cpu_seconds(gw) - cpu0) / wall  # of one core
             res.update(probe())
         else:
@@ -305,10 +322,11 @@ def main() -> None:
         res["separate_goodput_sum"] = sum(r["goodput_rps"] for r in res["separate"].values())
     if "fleet" in arms:
         log(f"fleet behind the gateway ({args.router}) at {args.load}x")
-        res["gateway"] = arm_fleet(args, logs, args.load * fleet_cap, ["--router", args.router, *slo], seed=2)
+        res["gateway"] = arm_fleet(args, logs, args.load * fleet_cap, ["--router", args.router, *slo], seed=2,
+                                   name="gateway")
         log(f"fleet behind a plain round robin at {args.load}x")
-        res["round_robin"] = arm_fleet(args, logs, args.load * fleet_cap, ["--router", "round-robin",
-                                                                           "--no-admission"], seed=2)
+        res["round_robin"] = arm_fleet(args, logs, args.load * fleet_cap,
+                                       ["--router", "round-robin", "--no-admission"], seed=2, name="round-robin")
     if "light" in arms:
         log("light load: direct and through the gateway")
         res["light"] = arm_light(args, logs, 0.3 * cap["a"])

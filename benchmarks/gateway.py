@@ -236,7 +236,8 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
                        completed_after_kill=len(after))
         res["gateway_metrics"] = {line.split(" ")[0]: float(line.split(" ")[1])
                                   for line in httpx.get(gw.url + "/metrics").text.splitlines()
-                                  if line.startswith("tidegate:gateway_requests_total")}
+                                  if line.startswith(("tidegate:gateway_requests_total",
+                                                      "tidegate:gateway_retries_total"))}
         return res
     finally:
         gw.stop()

@@ -100,18 +100,6 @@ def probed(url: str, duration_s: float, out: Path):
     return finish
 
 
-def cpu_seconds(server: Server) -> float:
-    """CPU seconds the server's processes have used."""
-    total = 0.0
-    for p in server.tree():
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except Exception:
-            pass
-    return total
-
-
 def favoured(server: Server, args) -> Server:
     """The server's processes ``--client-nice`` steps less nice than this process (the clients'), as
     servers run on machines of their own: the clients here share the cores with them."""
@@ -206,13 +194,13 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
         favoured(gw, args)
         if not kill:
             probe = probed(gw.url, args.duration, out)
-            cpu0 = cpu_seconds(gw)
+            cpu0 = gw.cpu_seconds()
             outcomes, wall = drive(gw.url, rate, args.duration, args, seed)
             res = figures(outcomes, wall, args)
             write_requests(out / f"requests-{name}.csv",
                            plan_random(10**9, rate, 1.0, args.input_len, args.output_len, seed, args.duration),
                            outcomes, args)
-            res["gateway_cpu_share"] = (cpu_seconds(gw) - cpu0) / wall  # of one core
+            res["gateway_cpu_share"] = (gw.cpu_seconds() - cpu0) / wall  # of one core
             res.update(probe())
         else:
             victim = replicas[1]

@@ -24,24 +24,18 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from tidegate.engine.bench.overload.server import Server
 from tidegate.engine.cli.support import fail
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------- the stand-in replica
@@ -61,6 +55,7 @@ def serve_replica(port: int, output_len: int, gap_s: float) -> None:
                                  "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.1\n")
 
     @app.get("/health")
+    @app.get("/ready")
     async def health():
         return {}
 
@@ -86,17 +81,12 @@ def serve_replica(port: int, output_len: int, gap_s: float) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
 
 
-def _wait_http(url: str, timeout_s: float = 60.0) -> None:
-    import urllib.request
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"error: {url} did not answer within {timeout_s:g} s") from None
-            time.sleep(0.2)
+class _Process(Server):
+    """A process under test (a stand-in replica, the gateway), started and stopped as ``tidegate serve`` is."""
+
+    def __init__(self, cmd: list[str], log_path: Path) -> None:
+        super().__init__([], log_path)
+        self.cmd = [*cmd, "--port", str(self.port)]
 
 
 # ------------------------------------------------------------------------------- the client
@@ -146,32 +136,21 @@ async def _one_by_one(urls: list[str], n: int) -> list[list[float]]:
     return times
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc; clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(args) -> dict:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
+    logs = Path(tempfile.mkdtemp(prefix="tidegate-gateway-relay-"))  # the processes' logs, beside no summary
+    procs = [_Process([sys.executable, __file__, "replica", "--output-len", str(args.output_len), "--gap-ms",
+                       str(args.gap_ms)], logs / f"replica_{i}.log") for i in range(2)]
     try:
-        urls = []
-        for _ in range(2):
-            port = free_port()
-            procs.append(subprocess.Popen([sys.executable, __file__, "replica", "--port", str(port), "--output-len",
-                                           str(args.output_len), "--gap-ms", str(args.gap_ms)]))
-            urls.append(f"http://127.0.0.1:{port}")
-        for u in urls:
-            _wait_http(u + "/health")
-        gport = free_port()
-        gateway = subprocess.Popen([sys.executable, "-m", "tidegate", "gateway", "--port", str(gport), "--log-level",
-                                    "warning", "--no-admission", *[a for u in urls for a in ("--replica", u)]],
-                                   stdout=subprocess.DEVNULL)
+        for p in procs:
+            p.start(60)
+        urls = [p.url for p in procs]
+        gateway = _Process([sys.executable, "-m", "tidegate", "gateway", "--log-level", "warning", "--no-admission",
+                            *[a for u in urls for a in ("--replica", u)]], logs / "gateway.log")
         procs.append(gateway)
-        gurl = f"http://127.0.0.1:{gport}"
-        _wait_http(gurl + "/ready")
+        gateway.start(60)
+        gurl = gateway.url
         asyncio.run(_drive(gurl, 4, 8, args.output_len))  # warm: connections made, code paths run
         log(f"{args.one_by_one} one-token completions one at a time, to a replica and through the gateway in turn")
         direct, through = asyncio.run(_one_by_one([urls[0], gurl], args.one_by_one))
@@ -184,9 +163,9 @@ def measure(args) -> dict:
         for c in args.concurrency:
             n = c * args.requests_per_stream
             log(f"{c} streams at once, {n} completions of {args.output_len} chunks")
-            cpu0, t0 = _cpu_s(gateway.pid), time.perf_counter()
+            cpu0, t0 = gateway.cpu_seconds(), time.perf_counter()
             got = asyncio.run(_drive(gurl, c, n, args.output_len))
-            wall, cpu = time.perf_counter() - t0, _cpu_s(gateway.pid) - cpu0
+            wall, cpu = time.perf_counter() - t0, gateway.cpu_seconds() - cpu0
             row = {"concurrency": c, "requests": n, **got, "wall_s": wall, "gateway_cpu_s": cpu,
                    "us_per_chunk": 1e6 * cpu / max(got["chunks"], 1), "chunks_per_s": got["chunks"] / wall,
                    "gateway_core_share": cpu / wall}
@@ -195,12 +174,7 @@ def measure(args) -> dict:
             levels.append(row)
     finally:
         for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.stop()
     return {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "output_len": args.output_len,
             "gap_ms": args.gap_ms, "one_by_one": overhead, "levels": levels}

@@ -78,6 +78,17 @@ class Server:
             self.known.setdefault(p.pid, p)
         return procs
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) the server's processes have used."""
+        total = 0.0
+        for p in self.tree():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
     def rss_mib(self) -> float:
         total = 0
         for p in self.tree():

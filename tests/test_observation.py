@@ -329,3 +329,73 @@ def test_the_running_outputs_read_from_the_steady_lags_are_those_counted_one_by_
                 for r in sched.running]
         expected = (max(outs), min(outs)) if outs else (0, 0)
         assert running_outputs(sched.steady, sched.explicit, sched.steady.tick) == expected
+
+
+# ---------------------------------------------------------------------------- arrivals an engine has not seen yet
+def _idle_observation() -> Observation:
+    from tidegate.engine.core.stats import ObservationStats
+
+    stats = ObservationStats(65_408, 128, 5.0)
+    stats.observe(0.0, 0, 0, 0, 0, 0, 0, 0, 0)
+    return stats.snapshot()
+
+
+def test_the_arrivals_a_front_judged_join_the_engines_busy_period_as_its_own_stats_would_count_them():
+    from tidegate.engine.core.stats import FrontArrivals, ObservationStats
+
+    front, stats = FrontArrivals(), ObservationStats(65_408, 128, 5.0)
+    for i in range(10):  # ten arrivals 10 ms apart, the first into an empty engine
+        front.judged(0.01 * i)
+        stats.arrived(0.01 * i, 256, idle=i == 0)
+    engine = stats.observe(0.1, 1, 0, 10, 0, 2560, 0, 256, 0)
+    obs = _idle_observation()  # the engine's record before it saw any of them
+    obs.busy_prompt_tokens, obs.busy_kv_workload = 4.0, 10.0  # the last busy period's mix (a probe's)
+    front.count(obs, 10, 0.1)
+    assert obs.busy_arrivals == engine.busy_arrivals == 10
+    assert obs.busy_rate_rps == pytest.approx(engine.busy_rate_rps) == pytest.approx(9 / 0.1)
+    assert obs.busy_kv_workload == 0.0 and obs.busy_prompt_tokens == 0.0  # the traffic's bound judges them
+    # an engine at work: they join its busy period, and the rate spans its last 64 arrivals at most
+    busy = _idle_observation()
+    busy.num_running, busy.busy_arrivals, busy.busy_kv_workload = 3, 40, 10.0
+    for i in range(100):
+        front.judged(1.0 + 0.01 * i)
+    front.count(busy, 5, 2.0)
+    assert busy.busy_arrivals == 45 and busy.busy_kv_workload == 10.0
+    assert busy.busy_rate_rps == pytest.approx(44 / (2.0 - 1.55))
+    busy.busy_arrivals = 300
+    front.count(busy, 1, 2.0)  # past STEADY_RATE_EVENTS nothing reads it
+    assert busy.busy_rate_rps == 0.0
+    nothing = _idle_observation()
+    front.count(nothing, 0, 2.0)
+    assert nothing.as_dict() == _idle_observation().as_dict()
+
+
+def test_a_flood_between_two_engine_steps_is_refused_past_the_slo_by_the_http_side():
+    """tidegate serve's HTTP side judges arrivals on the engine's latest snapshot: forty arrivals of 1,024
+    tokens that land while the engine runs one step are refused once their predicted TTFT passes the SLO (the
+    busy period's witness sees them land), and those admitted are the first ones."""
+    from tidegate.ctrl import build_controller
+    from tidegate.ctrl.slo_flow import EARLY_ARRIVALS
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.serve import messages as m
+    from tidegate.engine.serve.config import ServeConfig
+    from tidegate.engine.serve.metrics import ServerMetrics
+    from tidegate.engine.serve.service import EngineService
+
+    service = EngineService(ServeConfig(), ServerMetrics("front"))
+    service.mirror = build_controller("slo-flow", load_profile("tiny-vllm-cpu"))
+    obs = _idle_observation()
+    service._snapshot = m.Snapshot(obs=tuple(getattr(obs, name) for name in Observation.FIELDS), taken_requests=0,
+                                   taken_tokens=0, admission_state=service.mirror.admission_state())
+    verdicts = []
+    for _ in range(40):
+        rejection = service.admission(1024, 128)
+        verdicts.append(rejection is None)
+        if rejection is None:
+            service._submitted = (service._submitted[0] + 1, service._submitted[1] + 1024)
+        else:
+            assert "predicted TTFT" in rejection.reason and rejection.retry_after_s > 0
+            service.record_rejection(1024, 128, rejection)
+    admitted = sum(verdicts)
+    # nothing is refused before the witness has EARLY_ARRIVALS arrivals to judge from
+    assert EARLY_ARRIVALS - 1 <= admitted < 40 and verdicts == [True] * admitted + [False] * (40 - admitted), verdicts

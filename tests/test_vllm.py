@@ -272,6 +272,27 @@ def test_the_api_process_takes_the_engines_refitted_profile(tmp_path):
     writer.close()
 
 
+def test_a_flood_between_two_engine_steps_is_refused_past_the_slo_in_the_api_process(tmp_path):
+    """Forty arrivals of 1,024 tokens that land while vLLM's engine runs one step (its record unchanged): the
+    busy period's witness counts them as they land, and those whose predicted TTFT passes the SLO get 429;
+    the refusals count as arrivals until the engine's next record (the first ones are admitted)."""
+    from tidegate.ctrl.slo_flow import EARLY_ARRIVALS
+
+    channel = str(tmp_path / "ch")
+    limits = dataclasses.replace(LIMITS, kv_capacity_tokens=65_408)
+    writer = EngineRecordWriter(channel, limits)
+    gate = AdmissionGate(PluginConfig(), channel)
+    stats = _observation_stats()
+    stats.observe(1.0, 4, 0, 0, 0, 0, 0, 0, 0)  # the engine is empty
+    writer.publish(stats.snapshot(), None, 4, EngineCounters())
+    verdicts = [gate.admit(1024, 128) is None for _ in range(40)]
+    admitted = sum(verdicts)
+    assert EARLY_ARRIVALS - 1 <= admitted < 40 and verdicts == [True] * admitted + [False] * (40 - admitted)
+    assert gate.refusals == {"predicted": 40 - admitted}
+    gate.close()
+    writer.close()
+
+
 def test_the_engine_record_carries_every_field_the_admission_state_and_the_counters(tmp_path):
     channel = str(tmp_path / "ch")
     reader = EngineRecordReader(channel)

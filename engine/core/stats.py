@@ -427,3 +427,44 @@ class ObservationStats:
         obs.ttft_recent_s += a * (ttft_s - obs.ttft_recent_s)
         if tpot_s is not None:
             obs.tpot_recent_s += a * (tpot_s - obs.tpot_recent_s)
+
+
+class FrontArrivals:
+    """The arrivals an admission front judged before its engine counted them, in the busy period's figures.
+
+    A server that decides arrivals in its HTTP process (``tidegate serve``, vLLM's API server with the
+    plugin) judges each on the engine's latest observation, and the engine counts an arrival only when it
+    next takes it in, after the step it is running: a prefill step of a second on a CPU replica. A burst
+    that lands within one step would be judged on a busy period that has not seen it, and the busy
+    period's witness of overload (``SloFlowController.over_busy_capacity``) would stay silent until the
+    whole burst was admitted. The engine's own stats count an arrival as it comes (``ObservationStats
+    .arrived``, before the controller's ``admit``); :meth:`count` makes the front's observation count the
+    arrivals in transit the same way, from the times the front judged them.
+    """
+
+    def __init__(self) -> None:
+        self._times: deque[float] = deque(maxlen=RATE_EVENTS)
+
+    def judged(self, now_s: float) -> None:
+        """An arrival is being judged at ``now_s`` (any clock, the same for every call)."""
+        self._times.append(now_s)
+
+    def count(self, obs: Observation, unseen: int, now_s: float) -> None:
+        """Count in ``obs``, as the engine published it (its queue without the arrivals in transit), the
+        ``unseen`` latest arrivals judged (the one being judged included): they join the engine's busy
+        period, or start one where the engine was empty, and the busy arrival rate spans the last
+        ``RATE_EVENTS`` of the period's arrivals at most up to ``now_s``, as ``ObservationStats`` counts them."""
+        if unseen <= 0:
+            return
+        idle = obs.num_running <= 0 and obs.num_waiting <= 0
+        if idle:  # a busy period starts with them: the last one's mix is not theirs (the traffic's bound judges)
+            obs.busy_prompt_tokens = obs.busy_output_tokens = obs.busy_kv_workload = obs.busy_kv_workload_se = 0.0
+        busy = (0 if idle else obs.busy_arrivals) + unseen
+        obs.busy_arrivals = busy
+        if busy >= STEADY_RATE_EVENTS:  # past them the steady rates span the busy period, and nothing reads it
+            obs.busy_rate_rps = 0.0
+            return
+        times = self._times
+        k = min(busy, len(times))
+        first = times[-k] if k else now_s
+        obs.busy_rate_rps = (k - 1) / (now_s - first) if k >= 2 and now_s > first else 0.0

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidegate.ctrl.base import Rejection
 from tidegate.engine.core.request import RequestState
+from tidegate.engine.core.stats import FrontArrivals
 from tidegate.engine.real.llm import check_prompt
 from tidegate.engine.serve.engine_proc import EngineLoop, apply_queue_timeout, engine_main, observation_of
 from tidegate.engine.serve.messages import (
@@ -140,6 +141,9 @@ class EngineService:
         self._stopping = False
         self._snapshot: Snapshot | None = None
         self._submitted = (0, 0)
+        # arrivals judged here (FrontArrivals), and refusals since the latest snapshot came
+        self._front = FrontArrivals()
+        self._refused_unseen = 0
         self._admit_errors = 0
         #: requests that ended finished (not cancelled, refused or failed) since the service started
         self.finished_total = 0
@@ -204,6 +208,7 @@ class EngineService:
             self._engine = engine
             self._submitted = (0, 0)
             self._snapshot = None
+            self._refused_unseen = 0
             self._alive = True
         threading.Thread(target=self._read, args=(engine,), name="tidegate-engine-read", daemon=True).start()
         threading.Thread(target=self._write, args=(engine,), name="tidegate-engine-write", daemon=True).start()
@@ -283,12 +288,16 @@ class EngineService:
 
     def admission(self, prompt_len: int, max_tokens: int) -> Rejection | None:
         """The controller's answer on the engine's latest snapshot, counting the requests handed
-        over since then as waiting."""
+        over since then as waiting, and those and the arrivals refused since then in its busy period."""
+        now = time.monotonic()
+        self._front.judged(now)
         snap = self._snapshot
         if snap is None:
             return None
         obs = observation_of(snap.obs)
-        obs.num_waiting += self._submitted[0] - snap.taken_requests
+        in_transit = self._submitted[0] - snap.taken_requests
+        self._front.count(obs, in_transit + self._refused_unseen + 1, now)
+        obs.num_waiting += in_transit
         obs.waiting_prompt_tokens += self._submitted[1] - snap.taken_tokens
         mirror = self.mirror
         try:
@@ -324,6 +333,7 @@ class EngineService:
         self.metrics.in_flight.set(self.in_flight)
 
     def record_rejection(self, prompt_len: int, max_tokens: int, rejection: Rejection) -> None:
+        self._refused_unseen += 1
         engine = self._engine
         if engine is not None and self._alive:
             engine.send(RecordRejection(prompt_len, max_tokens, rejection))
@@ -416,6 +426,7 @@ class EngineService:
                 stream.chunks.append(event)
                 touched.append(stream)
             self._snapshot = snap
+            self._refused_unseen = 0
         for sid in overflowed:
             engine.send(CancelRequest(sid))
         if touched:

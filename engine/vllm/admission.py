@@ -5,7 +5,9 @@ The engine publishes its latest Observation and the controller's admission state
 limits (read from the record), copies the admission state into it (and the step model the engine
 last refitted from its steps), and asks ``admit``. Requests
 that it admitted and that the engine has not seen yet count as waiting (tidegate's own server does
-the same), so a flood that arrives between two steps is not judged on an empty queue.
+the same), so a flood that arrives between two steps is not judged on an empty queue; they and the
+arrivals refused since the record was written join its busy period (``FrontArrivals``), so the busy
+period's witness of overload sees the flood as it lands, as the engine's own stats would.
 
 No record yet (start-up), a record the engine stopped updating while it had work, or an ``admit``
 that raises: the arrival is admitted (fail open) and counted by cause.
@@ -14,14 +16,17 @@ that raises: the arrival is admitted (fail open) and counted by cause.
 from __future__ import annotations
 
 import atexit
+import bisect
 import itertools
 import logging
 import os
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 from tidegate.ctrl.base import Controller, Rejection
+from tidegate.engine.core.stats import FrontArrivals
 from tidegate.engine.sim.online import OnlineProfile
 from tidegate.engine.vllm.channel import EngineRecord, EngineRecordReader, RefusalWriter, default_channel
 from tidegate.engine.vllm.config import PluginConfig, build_plugin_controller, replica_profile
@@ -65,6 +70,9 @@ class AdmissionGate:
         self._sizes: deque[int] = deque(maxlen=4096)
         self._offset = 0
         self._errors_logged: set[str] = set()
+        # the times of the arrivals judged here, and of those refused (wall clock: the record's is)
+        self._front = FrontArrivals()
+        self._refused_at: deque[float] = deque(maxlen=4096)
         atexit.register(self.close)
 
     def admit(self, prompt_tokens: int, max_tokens: int, requests: int = 1) -> Rejection | None:
@@ -88,6 +96,12 @@ class AdmissionGate:
             # what was admitted here and has not reached the engine yet waits too
             self._offset = max(self._offset, record.arrivals - self._net_admitted)
             in_transit = min(max(self._net_admitted + self._offset - record.arrivals, 0), len(self._sizes))
+            now = time.time()
+            for _ in range(requests):
+                self._front.judged(now)
+            # the engine counts the refusals it reads at its next step
+            refused = len(self._refused_at) - bisect.bisect_right(self._refused_at, record.published_wall_s)
+            self._front.count(obs, in_transit + refused + requests, now)
             obs.num_waiting += in_transit
             obs.waiting_prompt_tokens += sum(itertools.islice(reversed(self._sizes), in_transit))
             for _ in range(requests):
@@ -142,8 +156,10 @@ class AdmissionGate:
         self.refusals[label] = self.refusals.get(label, 0) + 1
         if self._refusals is None:
             self._refusals = RefusalWriter(self.channel)
+        now = time.time()
         for _ in range(requests):
             self._refusals.refused(prompt_tokens)
+            self._refused_at.append(now)
         return rejection
 
     def counters(self) -> tuple[dict[str, int], dict[str, int], Any]:

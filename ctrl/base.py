@@ -69,7 +69,8 @@ class Observation:
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
-        "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
+        "offered_kv_workload", "offered_kv_workload_se", "offered_prompt_se", "mean_step_time_s",
+        "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
         "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps", "busy_prompt_tokens",
         "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se", "slot_completion_rate_rps",
@@ -83,7 +84,8 @@ class Observation:
         "ttft_recent_s", "tpot_recent_s", "evictions_total", "evicted_last_step",
         "rejections_total", "completed_total", "mean_prompt_tokens", "offered_prompt_tokens", "mean_output_tokens",
         "lifetime_kv_workload", "occupied_kv_workload", "decode_kv_workload", "offered_output_tokens",
-        "offered_kv_workload", "offered_kv_workload_se", "mean_step_time_s", "running_prefill_tokens",
+        "offered_kv_workload", "offered_kv_workload_se", "offered_prompt_se", "mean_step_time_s",
+        "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
         "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps", "busy_prompt_tokens",
         "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se",
@@ -151,6 +153,10 @@ class Observation:
         #: completions): heavy-tailed traffic has a W mean no better than +-10-25% after
         #: hundreds of completions, and a judgement of the load must know that
         self.offered_kv_workload_se = 0.0
+        #: the standard error of the offered requests' mean prompt, from the completed ones weighted as
+        #: ``offered_kv_workload`` (0 before two completions): the compute side of the fluid bound, whose
+        #: prompts are as heavy-tailed as W
+        self.offered_prompt_se = 0.0
         self.mean_step_time_s = 0.0
         #: tokens of running requests still to prefill, prompt or re-prefilled output (after the last step)
         self.running_prefill_tokens = 0
@@ -357,7 +363,7 @@ class Observation:
         o.decode_kv_workload = self.decode_kv_workload
         o.offered_output_tokens = self.offered_output_tokens
         o.offered_kv_workload = self.offered_kv_workload
-        o.offered_kv_workload_se = self.offered_kv_workload_se
+        o.offered_kv_workload_se, o.offered_prompt_se = self.offered_kv_workload_se, self.offered_prompt_se
         o.mean_step_time_s = self.mean_step_time_s
         o.running_prefill_tokens = self.running_prefill_tokens
         o.running_prompt_tokens = self.running_prompt_tokens

@@ -288,12 +288,21 @@ def shrunk_lambda_max(obs: Observation, profile: ReplicaProfile, prior_output_to
 
 def shrunk_lambda_max_interval(obs: Observation, profile: ReplicaProfile, prior_output_tokens: int = 128,
                                prior_weight: float = 32.0) -> tuple[float, float]:
-    """:func:`shrunk_lambda_max` and its relative standard error from the sampling error of W
-    (``Observation.offered_kv_workload_se``, shrunk with the mean): the bound is 1 / (k W + b S),
-    so a standard error sigma of W moves it by the share of k W in the denominator times
-    sigma / W. S, a mean of lighter-tailed sizes, is taken as exact. 0 before two completions
-    (the prior's own error is unknown; the caller's other margins cover the start). The bound
-    counts the replica's running slots (``profile.max_num_seqs``, :func:`fluid_lambda_max`)."""
+    """:func:`shrunk_lambda_max` and its relative standard error from the sampling errors of the
+    traffic's means, each shrunk with its mean: of W (``Observation.offered_kv_workload_se``), the
+    memory's side of the bound, and of the prompt P (``Observation.offered_prompt_se``, the
+    completed requests' sample, weighted as W's), the compute's. The bound is ``1 / (k W + b S)``
+    with S = P + D: an error of W moves it by the share of k W in the denominator, one of P by the
+    share of its tokens' cost, and the two are added in quadrature (W grows with P, so their common
+    part counts twice: a margin, never a shortfall). D, a mean of lighter-tailed outputs, is taken
+    as exact. Where every prompt costs about the same and the memory binds, only W's error counts;
+    where compute binds on prompts of tens to ten thousands of tokens, a mean prompt over a few
+    hundred completions is good to +-10-15%, and a bound that took it as exact ran 15% under the
+    true one while it claimed 2-4% (arrivals at 0.7 x read as over capacity). 0 before two
+    completions (the prior's own error is unknown; the caller's other margins cover the start:
+    taken from the arrivals' prompts instead, the error widened the early witness's margin so far
+    that steps to 3 x at the start went unwitnessed on the vLLM-fitted profile). The bound counts
+    the replica's running slots (``profile.max_num_seqs``, :func:`fluid_lambda_max`)."""
     p = obs.offered_prompt_tokens
     if not p > 0:
         return lambda_max_estimate(obs, profile, prior_output_tokens), 0.0
@@ -301,11 +310,14 @@ def shrunk_lambda_max_interval(obs: Observation, profile: ReplicaProfile, prior_
     m = obs.kv_capacity_tokens or profile.kv_capacity_tokens
     slots = profile.max_num_seqs
     bound = fluid_lambda_max(p + d, w, profile, m, d, slots)
-    se = share * max(obs.offered_kv_workload_se, 0.0)
-    if not (se > 0 and w > 0):
+    if not (bound > 0 and w > 0):
         return bound, 0.0
-    # the denominator is linear in W: the bound at W + se is lower by the relative error
-    return bound, bound / fluid_lambda_max(p + d, w + se, profile, m, d, slots) - 1.0
+    # the denominator is linear in W and in S: the bound at the mean plus its error is lower by the relative error
+    se_w = share * max(obs.offered_kv_workload_se, 0.0)
+    se_p = share * max(obs.offered_prompt_se, 0.0)
+    rse_w = bound / fluid_lambda_max(p + d, w + se_w, profile, m, d, slots) - 1.0 if se_w > 0 else 0.0
+    rse_p = bound / fluid_lambda_max(p + se_p + d, w, profile, m, d, slots) - 1.0 if se_p > 0 else 0.0
+    return bound, math.hypot(rse_w, rse_p)
 
 
 def shrunk_moments(obs: Observation, prior_output_tokens: int = 128, prior_weight: float = 32.0

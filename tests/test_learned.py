@@ -383,14 +383,15 @@ def test_the_capacity_witness_widens_its_margin_by_the_sampling_error_of_the_req
 
 
 @settings(max_examples=200, deadline=None)
-@example(done=1, offered=0.0, prompt=0.0, out=0.0, w=5e-324, head=0, se=0.0)  # a W of almost nothing
+@example(done=1, offered=0.0, prompt=0.0, out=0.0, w=5e-324, head=0, se=0.0, prompt_se=0.0)  # a W of almost nothing
 @given(done=st.integers(0, 10_000), offered=st.floats(0, 1e6), prompt=st.floats(0, 1e6), out=st.floats(0, 1e4),
-       w=st.floats(0, 1e10), head=st.integers(0, 10**6), se=st.floats(0, 1e10))
-def test_the_shrunk_bound_is_finite_and_positive_cold_or_not(done, offered, prompt, out, w, head, se):
+       w=st.floats(0, 1e10), head=st.integers(0, 10**6), se=st.floats(0, 1e10), prompt_se=st.floats(0, 1e6))
+def test_the_shrunk_bound_is_finite_and_positive_cold_or_not(done, offered, prompt, out, w, head, se, prompt_se):
     obs = Observation(kv_capacity_tokens=PROFILE.kv_capacity_tokens)
     obs.completed_total, obs.offered_prompt_tokens, obs.mean_prompt_tokens = done, offered, prompt
     obs.mean_output_tokens, obs.lifetime_kv_workload, obs.head_prompt_tokens = out, w, head
     obs.offered_output_tokens, obs.offered_kv_workload, obs.offered_kv_workload_se = out, w, se
+    obs.offered_prompt_se = prompt_se
     lam, error = shrunk_lambda_max_interval(obs, PROFILE)
     assert 0 < lam < math.inf and lam == shrunk_lambda_max(obs, PROFILE)
     assert 0.0 <= error < math.inf
@@ -415,6 +416,11 @@ def test_the_shrunk_bound_starts_from_the_offered_prompts_and_ends_at_the_offere
     bound, error = shrunk_lambda_max_interval(obs, PROFILE)
     wider = fluid_lambda_max(3050.0, 1.1 * obs.offered_kv_workload, PROFILE, PROFILE.kv_capacity_tokens, 50.0)
     assert error == pytest.approx(done / wider - 1.0, rel=0.01) and 0 < error < 0.1
+    # and the prompt's error adds the prompt tokens' share in quadrature
+    obs.offered_prompt_se = 0.1 * obs.offered_prompt_tokens
+    longer = fluid_lambda_max(3350.0, obs.offered_kv_workload, PROFILE, PROFILE.kv_capacity_tokens, 50.0)
+    both = shrunk_lambda_max_interval(obs, PROFILE)[1]
+    assert both == pytest.approx(math.hypot(error, done / longer - 1.0), rel=0.01) and both > error
 
 
 def test_the_shipped_policy_keeps_up_with_greedy_on_the_slot_model():

@@ -43,6 +43,7 @@ def test_the_standard_error_of_equal_weights_is_the_textbook_one():
         est.completed(int(a), int(b))
     works = p * d + d * (d + 1) / 2
     assert est.kv_workload_se == pytest.approx(works.std(ddof=1) / math.sqrt(len(works)), rel=1e-6)
+    assert est.prompt_se == pytest.approx(p.std(ddof=1) / math.sqrt(len(p)), rel=1e-6)
 
 
 def test_refusing_the_largest_prompts_does_not_make_the_traffic_look_smaller():
@@ -99,7 +100,7 @@ def test_the_engine_reports_the_offered_sizes_beside_the_completed_ones():
     assert obs.lifetime_kv_workload < 0.8 * obs.offered_kv_workload
     assert obs.offered_kv_workload == pytest.approx((work(2000, 20) + work(100, 5)) / 2, rel=0.1)
     assert obs.offered_output_tokens == pytest.approx(12.5, rel=0.1)
-    assert obs.offered_kv_workload_se > 0
+    assert obs.offered_kv_workload_se > 0 and obs.offered_prompt_se > 0
 
 
 def test_kv_token_steps_per_completion_are_the_lifetime_workload_of_requests_run_alone():
@@ -203,3 +204,4 @@ def test_an_arrivals_output_is_expected_from_the_completions_of_its_prompts_size
         assert est.output_for(p) == pytest.approx(want, rel=1e-9)
     empty = next(b for b in range(1, 24) if all(q.bit_length() != b + 1 for q, _ in pairs))
     assert est.output_for(2 ** empty) == pytest.approx(est.output_tokens)
+

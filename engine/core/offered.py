@@ -31,7 +31,7 @@ class OfferedSizes:
     """
 
     __slots__ = ("alpha", "_offered", "_admitted", "_stamp", "_arrivals", "_w", "_wd", "_ww", "_www", "_w2",
-                 "_bin_n", "_bin_d")
+                 "_wp", "_wpp", "_bin_n", "_bin_d")
 
     def __init__(self, alpha: float = 0.01) -> None:
         self.alpha = alpha
@@ -44,6 +44,8 @@ class OfferedSizes:
         self._ww = 0.0  # ... times W
         self._www = 0.0  # ... times W^2
         self._w2 = 0.0  # sum of squared decayed weights (for the effective sample size)
+        self._wp = 0.0  # ... times the prompt P
+        self._wpp = 0.0  # ... times P^2
         self._bin_n = [0.0] * PROMPT_BINS  # completions per prompt bin, decayed per completion of the bin
         self._bin_d = [0.0] * PROMPT_BINS  # ... times their output
 
@@ -89,6 +91,8 @@ class OfferedSizes:
         self._ww = self._ww * keep + w * work
         self._www = self._www * keep + w * work * work
         self._w2 = self._w2 * keep * keep + w * w
+        self._wp = self._wp * keep + w * prompt_tokens
+        self._wpp = self._wpp * keep + w * prompt_tokens * prompt_tokens
 
     @property
     def output_tokens(self) -> float:
@@ -114,10 +118,19 @@ class OfferedSizes:
         """The standard error of :attr:`kv_workload`: the weighted standard deviation over the
         square root of the effective number of completions less one (``(sum w)^2 / sum w^2``, the
         unbiased weighted variance); 0 before the effective number reaches 1.5."""
+        return self._se(self._ww, self._www)
+
+    @property
+    def prompt_se(self) -> float:
+        """The standard error of the offered requests' mean prompt, from the completed ones weighted alike (as
+        :attr:`kv_workload_se` of W)."""
+        return self._se(self._wp, self._wpp)
+
+    def _se(self, first: float, second: float) -> float:
         if not self._w > 0:
             return 0.0
         effective = self._w * self._w / self._w2
         if effective < 1.5:
             return 0.0
-        mean = self._ww / self._w
-        return math.sqrt(max(self._www / self._w - mean * mean, 0.0) / (effective - 1.0))
+        mean = first / self._w
+        return math.sqrt(max(second / self._w - mean * mean, 0.0) / (effective - 1.0))

@@ -424,6 +424,7 @@ class ObservationStats:
         obs.offered_output_tokens = sizes.output_tokens
         obs.offered_kv_workload = sizes.kv_workload
         obs.offered_kv_workload_se = sizes.kv_workload_se
+        obs.offered_prompt_se = sizes.prompt_se
         obs.ttft_recent_s += a * (ttft_s - obs.ttft_recent_s)
         if tpot_s is not None:
             obs.tpot_recent_s += a * (tpot_s - obs.tpot_recent_s)

@@ -101,7 +101,8 @@ class _Cursor:
 
 
 #: the vllm backend's options (``VllmReplica``'s, and the learned controller's time budget in vLLM)
-VLLM_OPTIONS = frozenset({"time_budget_s", "kv_cache_gib", "vllm_python", "vllm_args", "work_dir", "log", "replica"})
+VLLM_OPTIONS = frozenset({"time_budget_s", "kv_cache_gib", "vllm_python", "vllm_args", "work_dir", "log", "max_open",
+                          "replica"})
 #: how long, by default, the learned controller inside vLLM waits for the env's action
 VLLM_TIME_BUDGET_S = 0.02
 
@@ -167,9 +168,10 @@ class ServingEnv(gym.Env):
     :param seed: seed of the episode draws (``reset(seed=...)`` overrides it).
     :param vllm_options: the vLLM backend's ``VllmReplica`` options: ``time_budget_s`` (how long the
         controller in vLLM waits for each action, default 0.02), ``kv_cache_gib``, ``vllm_python``,
-        ``vllm_args``, ``work_dir``, ``log``; or ``replica``: a ``VllmReplica`` started (or launched)
-        beforehand, for several envs in turn without restarting vLLM. Call :meth:`close` to stop the
-        server the env started.
+        ``vllm_args``, ``work_dir``, ``log``, ``max_open`` (the clients' streams open at once; an
+        arrival past them is dropped, a miss, counted in ``info["requests_dropped"]``); or ``replica``:
+        a ``VllmReplica`` started (or launched) beforehand, for several envs in turn without
+        restarting vLLM. Call :meth:`close` to stop the server the env started.
     """
 
     metadata = {"render_modes": []}
@@ -459,6 +461,7 @@ class ServingEnv(gym.Env):
             "rejections": rejected, "evictions": evictions, "kv_usage": usage, "interval_s": dt,
             "shield_interventions": interventions, "shield_intervention_rate": interventions / self.control_interval,
             "load": self.load, "policy_call": self._call, "requests_sent": replica.sent,
+            "requests_dropped": replica.dropped,
         }
         obs = np.clip(np.nan_to_num(x, nan=0.0), -OBS_CLIP, OBS_CLIP).astype(np.float32)
         return self._end_of_step(obs, reward, info)

@@ -28,7 +28,7 @@ import numpy as np
 
 from tidegate.engine.bench.overload.clients import _client
 from tidegate.engine.bench.vllm.arms import MIDDLEWARE, SCHEDULER_CLS
-from tidegate.engine.bench.vllm.clients import body, send
+from tidegate.engine.bench.vllm.clients import body, dropped_record, send
 from tidegate.engine.bench.vllm.model import model_folder, prompt_token_ids
 from tidegate.engine.bench.vllm.server import VLLM_PYTHON, ServerError, VllmServer
 from tidegate.engine.core.profile import Profile
@@ -47,6 +47,8 @@ IDLE_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 3600.0
 #: how often a waiting env looks at the engine's half of the action channel
 POLL_S = 1e-3
+#: the env's clients: streams open at once at most (an arrival past them is dropped, a miss)
+MAX_OPEN = 512
 
 
 class VllmReplicaError(ValueError):
@@ -69,15 +71,24 @@ class VllmReplica:
     :param wait: wait for vLLM and warm it up here; False: only launch it, and :meth:`ready` (which
         ``ServingEnv`` calls) waits. Several replicas launched side by side start in about half the time
         they take one after another.
+    :param max_open: the clients' streams open at once at most, each on a connection of its own. An
+        arrival that finds them all open is not sent: it ends ``dropped`` (a miss), as a client pool's
+        would. Past a few hundred arrivals a second vLLM's API process (one Python thread) answers
+        slower than they come, even with 429s, and an unbounded sender only grows its own backlog,
+        starving the server it shares the CPUs with of the time to answer it: at 64 x the tiny
+        model's bound on two cores, 30,000 streams waited on the client's side and vLLM's engine
+        went two minutes without a request.
     """
 
     def __init__(self, model: str, profile: Profile, control_interval: int, shield_mode: str, time_budget_s: float,
                  kv_cache_gib: float = 1.0, vllm_python: str | Path | None = None, vllm_args: tuple[str, ...] = (),
                  work_dir: str | Path | None = None, log: Callable[[str], None] | None = None,
-                 wait: bool = True) -> None:
+                 wait: bool = True, max_open: int = MAX_OPEN) -> None:
         python = Path(vllm_python) if vllm_python else VLLM_PYTHON
         if not python.exists():
             raise VllmReplicaError(f"no vLLM python at {python}: run `make vllm-setup` or give vllm_python.")
+        if max_open < 1:
+            raise VllmReplicaError(f"max_open must be at least 1, got {max_open}")
         self.dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="tidegate-env-vllm-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         folder = model_folder(model, self.dir / "models")
@@ -105,6 +116,9 @@ class VllmReplica:
         self._tasks: set[asyncio.Future] = set()
         self._sender: asyncio.Future | None = None
         self.sent = 0
+        #: arrivals not sent because ``max_open`` streams were open
+        self.dropped = 0
+        self.max_open = max_open
         self._closed = False
         atexit.register(self.close)  # the server runs in a session of its own: never left behind
         self._log = log
@@ -170,7 +184,7 @@ class VllmReplica:
 
     async def _send_all(self, next_arrival: Callable[[], tuple[float, int, int]], seed: int) -> None:
         rng = random.Random(seed)
-        client = _client(1024)
+        client = _client(self.max_open)
         tasks: set[asyncio.Future] = set()
         self._tasks = tasks
         t0 = time.monotonic()
@@ -182,6 +196,10 @@ class VllmReplica:
                 delay = t0 + at_s - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                if len(tasks) >= self.max_open:  # every client waits on a stream: this arrival is a miss
+                    self.dropped += 1
+                    self._ended.append(dropped_record())
+                    continue
                 task = asyncio.ensure_future(send(client, self.server.url, self._body(rng, prompt, output),
                                                   time.monotonic() + REQUEST_TIMEOUT_S))
                 tasks.add(task)

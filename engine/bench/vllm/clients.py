@@ -40,6 +40,14 @@ def _record(scheduled_s: float | None) -> dict:
             "end_s": None, "outcome": "", "error": None, "done": False}
 
 
+def dropped_record() -> dict:
+    """The record of an arrival a client never sent (every connection of its pool held a stream): outcome
+    ``dropped``, at once."""
+    rec = _record(None)
+    rec["outcome"], rec["end_s"] = "dropped", rec["start_s"]
+    return rec
+
+
 def _chunk(rec: dict, data: str) -> None:
     # Substring tests, not a JSON parse per token: the load processes share the CPUs with the server.
     # Only an error event and the final usage chunk are parsed.

@@ -946,6 +946,11 @@ class TestEnv:
         assert tight["dropped"] == loose["dropped"] == 0 and max(tight["most_open"], loose["most_open"]) > 0
         env.close()  # a replica the env was given is its owner's to stop
         assert replica.server.proc.poll() is None
+        # the streams cut at the episode's end left vLLM with nothing, and its engine said so to the API process
+        # (vLLM schedules one more step to hand its workers the finished requests), which judges the next
+        # arrivals on an idle engine, not on the queue of its last step with requests
+        idle = replica.record().observation
+        assert (idle.num_running, idle.num_waiting, idle.waiting_prompt_tokens) == (0, 0, 0)
         # the env's clients hold max_open streams at most: an arrival that finds them all open is a miss
         replica.max_open = 2
         try:

@@ -78,6 +78,9 @@ class AdmissionGate:
     def admit(self, prompt_tokens: int, max_tokens: int, requests: int = 1) -> Rejection | None:
         """The twin controller's answer on an arrival of ``requests`` engine requests (``n`` choices
         or several prompts) of ``prompt_tokens`` and ``max_tokens`` each; None admits them."""
+        now = time.time()
+        for _ in range(requests):  # every arrival judged here, as tidegate serve's front counts them
+            self._front.judged(now)
         record = self._reader.read()
         if record is None:
             self._open("no_observation", requests, prompt_tokens)
@@ -96,9 +99,6 @@ class AdmissionGate:
             # what was admitted here and has not reached the engine yet waits too
             self._offset = max(self._offset, record.arrivals - self._net_admitted)
             in_transit = min(max(self._net_admitted + self._offset - record.arrivals, 0), len(self._sizes))
-            now = time.time()
-            for _ in range(requests):
-                self._front.judged(now)
             # the engine counts the refusals it reads at its next step
             refused = len(self._refused_at) - bisect.bisect_right(self._refused_at, record.published_wall_s)
             self._front.count(obs, in_transit + refused + requests, now)

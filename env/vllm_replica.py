@@ -26,9 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from tidegate.engine.bench.overload.clients import _client
 from tidegate.engine.bench.vllm.arms import MIDDLEWARE, SCHEDULER_CLS
-from tidegate.engine.bench.vllm.clients import body, dropped_record, send
+from tidegate.engine.bench.vllm.clients import body, dropped_record, send, session
 from tidegate.engine.bench.vllm.model import model_folder, prompt_token_ids
 from tidegate.engine.bench.vllm.server import VLLM_PYTHON, ServerError, VllmServer
 from tidegate.engine.core.profile import Profile
@@ -169,7 +168,7 @@ class VllmReplica:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _send_now(self, rng: random.Random, prompt: int, output: int) -> dict:
-        async with _client(1) as client:
+        async with session(1) as client:
             return await send(client, self.server.url, self._body(rng, prompt, output), time.monotonic() + 60.0)
 
     def _body(self, rng: random.Random, prompt: int, output: int) -> dict:
@@ -184,7 +183,7 @@ class VllmReplica:
 
     async def _send_all(self, next_arrival: Callable[[], tuple[float, int, int]], seed: int) -> None:
         rng = random.Random(seed)
-        client = _client(self.max_open)
+        client = session(self.max_open)
         tasks: set[asyncio.Future] = set()
         self._tasks = tasks
         t0 = time.monotonic()
@@ -210,7 +209,7 @@ class VllmReplica:
                 task.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-            await client.aclose()
+            await client.close()
 
     def _done(self, task: asyncio.Future, tasks: set[asyncio.Future]) -> None:
         tasks.discard(task)

@@ -910,13 +910,15 @@ class TestEnv:
         replica = launched["env"]
         # the load is a multiple of the shipped profile's lambda_max, fitted on one CPU: a CPU several times
         # faster is not overloaded at 2x (43 sent, 39 served, none refused at 4x on an AVX-512 one), so the
-        # load doubles until the tight episode refuses, which any overload makes it do (an episode is 160 of
-        # vLLM's steps on the wall clock: 15-50 requests at 2-8x on that CPU, too few at times to overload it).
+        # load doubles until the tight episode refuses, which any overload makes it do once its queue has time
+        # to grow: an episode of 16 env steps (160 of vLLM's steps on the wall clock) sent 15-50 requests at
+        # 2-8x on that CPU, and at 16x 42 requests in under a second, all admitted, all running at once and two
+        # of them served: too few steps to overload it. An episode here is 48 env steps.
         # Not past 16x: at 64x (450 arrivals a second) vLLM's API process answered 60 a second on this one
         loads = (2.0, 4.0, 8.0, 16.0)
         for load in loads:
             env = ServingEnv(backend="vllm", trace="splitwise_conv", length_scale=0.1, profile="tiny-vllm-cpu",
-                             episode_steps=16, load_range=(load, load), seed=0, vllm_options={"replica": replica})
+                             episode_steps=48, load_range=(load, load), seed=0, vllm_options={"replica": replica})
             # the profile took vLLM's limits: 1 GiB of KV for this model, its block size
             assert env.profile.name == "tiny-vllm-cpu" and env.profile.block_size == 128
             assert env.profile.kv_capacity_tokens > 100_000

@@ -45,9 +45,8 @@ from typing import Callable
 import numpy as np
 
 from tidegate.ctrl import build_controller
-from tidegate.engine.bench.overload.clients import _client
 from tidegate.engine.bench.vllm.arms import plugin_args
-from tidegate.engine.bench.vllm.clients import send
+from tidegate.engine.bench.vllm.clients import send, session
 from tidegate.engine.bench.vllm.model import model_folder, prompt_token_ids
 from tidegate.engine.bench.vllm.phases import step_log_lines
 from tidegate.engine.bench.vllm.server import VLLM_PYTHON, ServerError, VllmServer
@@ -98,7 +97,7 @@ async def _replay(url: str, model_name: str, arrivals, prompts: list[list[int]],
                   log: Callable[[str], None] | None, label: str) -> tuple[float, list[dict]]:
     """Each arrival sent at its time as a streamed completion; the replay's start (monotonic) and a
     record per request (``engine.bench.vllm.clients.send``), in arrival order."""
-    client = _client(max(len(arrivals), 1))
+    client = session(max(len(arrivals), 1))
     t0 = time.monotonic()
     deadline = t0 + arrivals[-1].arrival_time_s + DRAIN_S
     tasks: list[asyncio.Task] = []
@@ -126,7 +125,7 @@ async def _replay(url: str, model_name: str, arrivals, prompts: list[list[int]],
                 next_log = time.monotonic() + LOG_EVERY_S
         return t0, [t.result() for t in tasks]
     finally:
-        await client.aclose()
+        await client.close()
 
 
 def real_requests(arrivals, t0: float, records: list[dict]) -> list[Request]:

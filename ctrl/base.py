@@ -11,6 +11,8 @@ from typing import ClassVar, Protocol
 from mypy_extensions import mypyc_attr
 
 UNLIMITED = 1 << 60
+#: the most advanced running requests whose outputs an Observation carries (``Observation.leading_outputs``)
+LEADING_OUTPUTS = 16
 #: events the steady rate estimates span at least (``Observation.offered_rate_rps`` and
 #: ``served_rate_rps``): a Poisson rate within about 6%
 STEADY_RATE_EVENTS = 256
@@ -87,8 +89,8 @@ class Observation:
         "offered_kv_workload", "offered_kv_workload_se", "offered_prompt_se", "mean_step_time_s",
         "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
-        "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps", "busy_prompt_tokens",
-        "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se",
+        "most_output_tokens", "short_output_tokens", "leading_outputs", "busy_arrivals", "busy_rate_rps",
+        "busy_prompt_tokens", "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -194,6 +196,12 @@ class Observation:
         #: prefilling says nothing of its output: both would make this the shortest output of all (a probe's
         #: one token every 0.5 s left nothing else among the last 64 after an idle spell, and no bound)
         self.short_output_tokens = 0
+        #: the outputs so far of the ``LEADING_OUTPUTS`` most advanced running requests at most, most first (filled
+        #: where ``most_output_tokens`` is): the k-th slot to free is not likely to free before the k-th of them has
+        #: decoded ``short_output_tokens``. Requests admitted together (a burst, and its echo a lifetime later)
+        #: complete together, and an arrival that needs one of their slots waits for the wave, however fast the
+        #: completions before it came (not in ``FIELDS``: a tuple)
+        self.leading_outputs: tuple[int, ...] = ()
         #: arrivals since the current busy period began (the latest arrival that found nothing running or
         #: waiting), that one included; 0 before the first arrival
         self.busy_arrivals = 0
@@ -370,7 +378,9 @@ class Observation:
         o.ttft_error_p95_s = self.ttft_error_p95_s
         o.ttft_rel_error_p95 = self.ttft_rel_error_p95
         o.last_completion_s = self.last_completion_s
-        o.most_output_tokens, o.short_output_tokens = self.most_output_tokens, self.short_output_tokens
+        o.most_output_tokens, o.short_output_tokens, o.leading_outputs = (self.most_output_tokens,
+                                                                          self.short_output_tokens,
+                                                                          self.leading_outputs)
         o.busy_arrivals, o.busy_rate_rps, o.busy_prompt_tokens, o.busy_output_tokens, o.busy_kv_workload, \
             o.busy_kv_workload_se = (self.busy_arrivals, self.busy_rate_rps, self.busy_prompt_tokens,
                                      self.busy_output_tokens, self.busy_kv_workload, self.busy_kv_workload_se)

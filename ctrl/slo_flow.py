@@ -111,7 +111,9 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
       is not promised one in the middle of a wave's gap. Nor is the first slot expected free before the
       most advanced running request has decoded the short end of the recent outputs longer than any running
       request has yet (``Observation.short_output_tokens``): where all running requests are young (a wave
-      that has just started), the rate of the completions before them says nothing of when theirs begin;
+      that has just started), the rate of the completions before them says nothing of when theirs begin.
+      Nor the k-th slot before the k-th most advanced has (``Observation.leading_outputs``; the last of them
+      for any k beyond): a few old requests among a young wave free their slots soon, the wave's later;
     - **prefill**: the prompt tokens still to prefill of the running requests, of the queue ahead and
       its own, at the step's token budget less one token for each running request's decode.
 
@@ -149,7 +151,8 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
             else:
                 rate = done
             queue_steps = ahead / max(rate, 1e-9)
-        short = obs.num_waiting + 1 - max(running_cap - obs.num_running, 0.0)  # slots it waits for
+        # slots it waits for: the running requests past the cap (one it was lowered to) end before any starts
+        short = obs.num_waiting + 1 - (running_cap - obs.num_running)
         if short > 0:
             if obs.last_completion_s >= 0.0:
                 # completions come in waves where requests started together (a burst, the start): after a
@@ -158,9 +161,15 @@ def predicted_ttft_s(obs: Observation, prompt_tokens: int, token_budget: float, 
                 if silence * done > 1.0:
                     done = 1.0 / silence
             # nor before the most advanced running request reaches the short end of the outputs they can
-            # still have: the first slot frees then at the earliest, the rest at the rate
+            # still have: the first slot frees then at the earliest, the rest at the rate; and the k-th slot
+            # not before the k-th most advanced reaches it (a wave started together ends together)
             first = max(obs.short_output_tokens - obs.most_output_tokens, 0)
-            queue_steps = max(queue_steps, short / max(done, 1e-9), first + max(short - 1.0, 0.0) / max(done, 1e-9))
+            wave = first + max(short - 1.0, 0.0) / max(done, 1e-9)
+            lead = obs.leading_outputs
+            k = math.ceil(short)
+            if lead and k <= obs.num_running:
+                wave = max(wave, obs.short_output_tokens - lead[min(k, len(lead)) - 1])
+            queue_steps = max(queue_steps, short / max(done, 1e-9), wave)
     return max((max(queue_steps, prefill_steps) + 1.0) * step_s, bound)
 
 
@@ -302,6 +311,7 @@ class SloFlowController(Controller):
         self.aimd.reset()
         self._credit = 0.0
         self._decision.token_budget = self.max_budget
+        self._decision.running_cap = self.max_num_seqs
 
     def set_residual(self, activation_scale: float = 1.0, token_scale: float = 1.0,
                      reject_scale: float = 1.0) -> None:
@@ -516,11 +526,22 @@ class SloFlowController(Controller):
         d = self._decision
         d.token_budget = max(1, min(self.max_budget, int(self.aimd.update(obs) * self.token_scale)))
         if self.tpot_cap:
-            d.running_cap = self.max_num_seqs
             if self.reject_delay_s(obs) < math.inf:  # overload: what runs past the cap would miss its TPOT
                 assert self.profile is not None
-                cap = tpot_running_cap(obs, self.profile, self.tpot_slo_s, self.prior_output_tokens)
-                d.running_cap = int(min(self.max_num_seqs, cap))
+                cap = int(min(self.max_num_seqs, tpot_running_cap(obs, self.profile, self.tpot_slo_s,
+                                                                  self.prior_output_tokens)))
+                # lowered in overload, it strands none of the requests admitted into a free slot of the cap
+                # before (one would wait behind a wave of running requests for their lifetime: 5-17 s in the twin
+                # of a vLLM CPU replica at 3 x, where the cap moves by a slot or two with its estimates): where the
+                # cap before held every running and waiting request, it falls to the new one as they end. Where
+                # requests queued past it, they were promised a wait for slots, and where overload begins the
+                # cap applies at once: what runs past it would miss its TPOT
+                held, holding = d.running_cap, obs.num_running + obs.num_waiting
+                if holding <= held < self.max_num_seqs:
+                    cap = max(cap, holding)
+                d.running_cap = cap
+            else:
+                d.running_cap = self.max_num_seqs
         pace = stable_activation_rate if self.stable_rate else safe_activation_rate
         rate = self.activation_scale * pace(obs, self.target_usage, self.prior_output_tokens,
                                             occupied=self.occupied_pacing)

@@ -93,7 +93,8 @@ def test_residuals_scale_the_heuristic_knobs():
     assert action_to_residual((0.0, 0.0, 0.7)) == (1.0, 1.0, 1.0)
     assert action_to_residual((float("nan"), 5.0, "x")) == (1.0, 2.0, 1.0)
     obs = Observation(kv_capacity_tokens=100_000)
-    obs.num_waiting, obs.num_running, obs.mean_step_time_s, obs.completion_rate_rps = 3, 50, 0.05, 5.0
+    # (20 running: under the TPOT cap the overload applies, 21 here; past it an arrival waits for them to end)
+    obs.num_waiting, obs.num_running, obs.mean_step_time_s, obs.completion_rate_rps = 3, 20, 0.05, 5.0
     obs.waiting_prompt_tokens, obs.head_prompt_tokens, obs.arrival_rate_rps = 15_000, 5_000, 10.0  # 2x overload
     obs.offered_rate_rps, obs.served_rate_rps = 10.0, 5.0  # ... over the steady rates too
     obs.now_s, obs.completed_total = 100.0, 100  # ... with requests waiting since the start
@@ -916,6 +917,62 @@ def test_a_wave_of_young_running_requests_frees_no_slot_before_the_short_outputs
     # each later slot at the rate: the fifth waits for the first and four more completions
     fifth = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=280, num_waiting=4)
     assert predicted_ttft_s(fifth, 100, 2048, running_cap=20) >= (20 + 4 / (5.0 * 0.05)) * 0.05
+
+
+def test_the_kth_slot_frees_no_sooner_than_the_kth_most_advanced_running_request_ends():
+    """Three old requests among a young wave fill the cap (outputs of 300 tokens, completions at 5/s): the
+    first three slots free within a few steps, the fourth only when the wave's oldest has decoded 300 - 40
+    steps of 0.05 s. The fourth arrival in line is promised that, not the rate's next completion, and in
+    overload it is refused; the third is admitted."""
+    c = SloFlowController(max_num_batched_tokens=2048)
+    c.set_admission_state((1.0, 2048, 20))
+    lead = (298, 297, 296, 40, 39, 38, 37)
+    third = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=298,
+                           leading_outputs=lead, num_waiting=2)
+    assert predicted_ttft_s(third, 100, 2048, running_cap=20) < 1.0 and c.admit(third, 100, 100) is None
+    fourth = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=298,
+                            leading_outputs=lead, num_waiting=3)
+    assert predicted_ttft_s(fourth, 100, 2048, running_cap=20) >= (300 - 40) * 0.05
+    assert isinstance(c.admit(fourth, 100, 100), Rejection)
+    # past the outputs the Observation carries, the last of them bounds the rest: the 12th waits as long
+    twelfth = overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=298,
+                             leading_outputs=lead, num_waiting=11)
+    assert predicted_ttft_s(twelfth, 100, 2048, running_cap=20) >= (300 - 37) * 0.05
+    # without the outputs (an engine that fills none), the rate's prediction stands
+    assert predicted_ttft_s(overloaded_obs(last_completion_s=99.95, short_output_tokens=300, most_output_tokens=298,
+                                           num_waiting=3), 100, 2048, running_cap=20) < 1.0
+
+
+def test_running_requests_past_a_lowered_cap_end_before_an_arrival_starts():
+    """24 run under a cap lowered to 20: an arrival waits for five completions, not none."""
+    over = overloaded_obs(num_running=24)
+    assert predicted_ttft_s(over, 100, 2048, running_cap=20) >= 5 / (5.0 * 0.05) * 0.05
+    assert predicted_ttft_s(over, 100, 2048, running_cap=30) < 0.2
+
+
+def test_a_lowered_tpot_cap_strands_no_admitted_request():
+    """In overload the running cap follows the TPOT cap, but lowered where the cap before held every running
+    and waiting request, it keeps their slots and falls as they end: an arrival admitted into the free slot of
+    a cap that then moved by one with its estimates starts at the next step. Past a queue longer than the cap
+    before, and where overload begins, the TPOT cap applies at once (what runs past it would miss its TPOT)."""
+    c = SloFlowController(max_num_batched_tokens=2048, profile=PROFILE, ttft_slo_s=PROFILE.ttft_slo_s)
+    obs = overloaded_obs(kv_capacity_tokens=PROFILE.kv_capacity_tokens, completed_total=1000, num_running=2,
+                         offered_prompt_tokens=2000.0, mean_prompt_tokens=2000.0, mean_output_tokens=500.0)
+    obs.offered_rate_rps, obs.served_rate_rps = 10.0, 5.0
+    assert c.reject_delay_s(obs) < math.inf  # overload
+    tpot = c.decide(obs).running_cap
+    assert tpot < c.max_num_seqs and c.decide(obs).running_cap == tpot
+    obs.num_running, obs.num_waiting = tpot, 1  # a request admitted into the slot of a cap one higher
+    c._decision.running_cap = tpot + 1
+    assert c.decide(obs).running_cap == tpot + 1  # it starts
+    obs.num_running, obs.num_waiting = tpot, 0  # one ended: the cap falls with them
+    assert c.decide(obs).running_cap == tpot
+    obs.num_waiting = 5  # a queue past the cap before: its requests were promised a wait for slots
+    c._decision.running_cap = tpot + 3
+    assert c.decide(obs).running_cap == tpot
+    c.reset()  # overload begins with more running than the cap: it applies at once
+    obs.num_running, obs.num_waiting = tpot + 10, 0
+    assert c.decide(obs).running_cap == tpot
 
 
 def test_arrivals_above_the_bound_in_a_busy_period_witness_overload_where_the_rates_read_an_idle_spell():

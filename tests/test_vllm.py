@@ -28,7 +28,7 @@ import pytest
 
 import numpy as np
 
-from tidegate.ctrl.base import Decision, Observation
+from tidegate.ctrl.base import LEADING_OUTPUTS, Decision, Observation
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.vllm.channel import (
     EngineCounters, EngineRecordReader, EngineRecordWriter, RefusalReader, RefusalWriter,
@@ -236,6 +236,7 @@ def test_the_observer_reads_vllms_queues_and_its_running_requests_outputs():
     obs = observer.observe(3, Queue([request(30, 0, 0)]), Queue([request(200, 64, 0)]), running, 0.25)
     assert (obs.num_waiting, obs.num_running, obs.waiting_prompt_tokens) == (2, 3, 30 + 136)
     assert (obs.head_prompt_tokens, obs.running_prompt_tokens, obs.most_output_tokens) == (200, 220, 40)
+    assert obs.leading_outputs == (40, 10, 0)  # the most advanced first
     assert obs.short_output_tokens == 0  # nothing completed yet
     for out in (1, 1, 1, 5, 128, 128):
         observer.stats.completed(observer.now(), 10, out, 0.1, 0.05)
@@ -304,10 +305,12 @@ def test_the_engine_record_carries_every_field_the_admission_state_and_the_count
     counters.decided(3e-6)
     counters.fallbacks["controller.decide raised RuntimeError"] = 2
     obs = stats.snapshot()
+    obs.leading_outputs = tuple(range(40, 0, -1))  # more than the record holds: the most advanced are kept
     writer.publish(obs, (0.5, 1024), 7, counters)
     record = reader.read()
     assert record.limits == LIMITS and record.arrivals == 7 and record.admission_state == (0.5, 1024)
     assert record.observation.as_dict() == obs.as_dict()  # rates settled, ints stay ints
+    assert record.observation.leading_outputs == tuple(range(40, 40 - LEADING_OUTPUTS, -1))
     assert type(record.observation.step_index) is int and record.age_s < 60
     assert record.counters == counters and sum(record.counters.decide_buckets) == 1
     counters.profile_fits, counters.fitted = 3, load_profile("tiny-vllm-cpu")

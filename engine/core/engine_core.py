@@ -26,7 +26,9 @@ import math
 from collections import deque
 from typing import Callable
 
-from tidegate.ctrl.base import UNLIMITED, Controller, Decision, Observation, Rejection, ReplicaProfile, retry_after_s
+from tidegate.ctrl.base import (
+    LEADING_OUTPUTS, UNLIMITED, Controller, Decision, Observation, Rejection, ReplicaProfile, retry_after_s,
+)
 from tidegate.ctrl.slo_flow import predicted_ttft_s
 from tidegate.engine.core.block_pool import BlockPool
 from tidegate.engine.core.clock import Clock
@@ -36,7 +38,7 @@ from tidegate.engine.core.metrics import EngineMetrics
 from tidegate.engine.core.request import Request, RequestState, unservable_reason
 from tidegate.engine.core.scheduler import Scheduler, count_error
 from tidegate.engine.core.stats import ObservationStats
-from tidegate.engine.core.steady_decodes import running_outputs
+from tidegate.engine.core.steady_decodes import leading_outputs, running_outputs
 
 #: ``recompute``: an evicted request keeps its tokens and re-prefills them (vLLM); ``reset``: its
 #: progress is discarded (the paper's model)
@@ -350,18 +352,21 @@ class EngineCore:
         sched = self.scheduler
         waiting, running = sched.waiting, sched.running
         most = short = 0
+        leading: tuple[int, ...] = ()
         if slots and len(waiting) + len(running) >= self._running_cap:
-            most, short = self.slot_outputs(sched.steady.tick)
+            most, short, leading = self.slot_outputs(sched.steady.tick)
         return self.stats.observe(now, self.step_index, self.pool.used_tokens, len(waiting), len(running),
                                   sched.waiting_prompt_tokens, sched.running_prompt_tokens,
-                                  waiting[0].prompt_len if waiting else 0, sched.evicted_last_step, most, short)
+                                  waiting[0].prompt_len if waiting else 0, sched.evicted_last_step, most, short,
+                                  leading)
 
-    def slot_outputs(self, tick: int) -> tuple[int, int]:
-        """``Observation.most_output_tokens`` and ``short_output_tokens``: the steady decodes' outputs
-        from their lags at decode ``tick``, not a pass over them."""
+    def slot_outputs(self, tick: int) -> tuple[int, int, tuple[int, ...]]:
+        """``Observation.most_output_tokens``, ``short_output_tokens`` and ``leading_outputs``: the steady
+        decodes' outputs from their lags at decode ``tick``, not a pass over them."""
         sched = self.scheduler
         most, least = running_outputs(sched.steady, sched.explicit, tick)
-        return most, self.stats.outputs.short_above(least)
+        leading = leading_outputs(sched.steady, sched.explicit, tick, LEADING_OUTPUTS)
+        return most, self.stats.outputs.short_above(least), leading
 
     # ------------------------------------------------------------------ the decision
     def _decide(self) -> Decision:

@@ -246,7 +246,8 @@ class ObservationStats:
     # ------------------------------------------------------------------ the state now
     def observe(self, now_s: float, step_index: int, kv_used_tokens: int, num_waiting: int, num_running: int,
                 waiting_prompt_tokens: int, running_prompt_tokens: int, head_prompt_tokens: int,
-                evicted_last_step: int, most_output_tokens: int = 0, short_output_tokens: int = 0) -> Observation:
+                evicted_last_step: int, most_output_tokens: int = 0, short_output_tokens: int = 0,
+                leading_outputs: tuple[int, ...] = ()) -> Observation:
         """Bring the figures up to ``now_s`` with the engine's state; returns :attr:`current`.
 
         :param kv_used_tokens: KV tokens held now.
@@ -256,6 +257,7 @@ class ObservationStats:
         :param evicted_last_step: requests the last step evicted.
         :param most_output_tokens: the most output tokens so far of any running request.
         :param short_output_tokens: ``outputs.short_above`` the least output of a running request.
+        :param leading_outputs: the outputs of the ``LEADING_OUTPUTS`` most advanced running requests, most first.
         """
         obs = self.current
         obs.now_s = now_s
@@ -268,6 +270,7 @@ class ObservationStats:
         obs.head_prompt_tokens = head_prompt_tokens
         obs.most_output_tokens = most_output_tokens
         obs.short_output_tokens = short_output_tokens
+        obs.leading_outputs = leading_outputs
         # the busy period's arrivals are the last ``busy_arrivals`` the arrival rate keeps; past its first
         # STEADY_RATE_EVENTS the steady rates span it alone, and nothing reads it (a step's cost saved)
         busy = obs.busy_arrivals

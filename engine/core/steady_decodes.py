@@ -15,7 +15,7 @@ runs whole stretches of steady steps from it.
 
 from __future__ import annotations
 
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, nlargest, nsmallest
 from typing import Iterable
 
 from tidegate.ctrl.base import UNLIMITED
@@ -179,3 +179,21 @@ def running_outputs(steady: SteadyDecodes, explicit: list[Request], tick: int) -
         if 0 < out < least:
             least = out
     return most, least if least < UNLIMITED else 0
+
+
+def leading_outputs(steady: SteadyDecodes, explicit: list[Request], tick: int, k: int) -> tuple[int, ...]:
+    """The outputs of the ``k`` most advanced running requests at most, most first: the steady decodes'
+    from the least lags of their heap (``outputs`` must have been called at ``tick``: it keeps the heap),
+    the others' (``explicit``) one by one."""
+    outs = [r.num_output_tokens for r in explicit]
+    if steady.count:
+        low = steady._low_lags
+        want = min(k, steady.count)
+        found: list[int] = []
+        for n in (2 * want + 8, len(low)):  # stale entries (requests that left) may sit among the least lags
+            found = [tick - lag for lag, seq, r in nsmallest(n, low)
+                     if r.decode_lag == lag and r.activation_seq == seq and r.state is _RUNNING]
+            if len(found) >= want:
+                break
+        outs.extend(found[:want])
+    return tuple(nlargest(k, outs))

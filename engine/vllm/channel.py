@@ -5,8 +5,8 @@ child) in ``/dev/shm`` (or the temporary folder), or at the ``channel`` setting'
 
 - ``<channel>.obs``, written by the engine after every step (:class:`EngineRecordWriter`), read by
   the API process at each arrival (:class:`EngineRecordReader`): the replica's limits, the latest
-  Observation (every field of ``Observation.FIELDS``, rates settled), the controller's
-  ``admission_state()``, the arrivals the engine has seen, the engine's counters (decisions,
+  Observation (every field of ``Observation.FIELDS``, rates settled, and its ``leading_outputs``), the
+  controller's ``admission_state()``, the arrivals the engine has seen, the engine's counters (decisions,
   decision times, shield interventions, fallbacks by cause, guard switches, step-model refits) and
   the step model last refitted from the replica's steps (``engine.sim.online``). A seqlock guards it:
   the writer makes the sequence number odd, writes, makes it even again; a reader that sees it odd
@@ -32,17 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidegate.ctrl.base import Observation
+from tidegate.ctrl.base import LEADING_OUTPUTS, Observation
 from tidegate.engine.vllm.config import ReplicaLimits
 
 #: the upper bounds of the decision-time histogram's buckets, seconds (tidegate serve's)
 DECISION_BUCKETS = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2)
-_MAGIC = b"TGVLLM02"
+_MAGIC = b"TGVLLM03"
 _SEQ = struct.Struct("<Q")
 _FIELDS = Observation.FIELDS
 # the fields an Observation holds as ints (the record holds every field as a double: exact below 2**53)
 _INT_FIELDS = frozenset(name for name in _FIELDS if isinstance(getattr(Observation(), name), int))
-_FIXED = struct.Struct("<4qdqqd" + "q" * (len(DECISION_BUCKETS) + 1) + "5q" + "d" * len(_FIELDS) + "I")
+# the Observation's scalars, then its ``leading_outputs`` (a count and LEADING_OUTPUTS slots), then the blob's length
+_FIXED = struct.Struct("<4qdqqd" + "q" * (len(DECISION_BUCKETS) + 1) + "5q" + "d" * len(_FIELDS)
+                       + "q" * (LEADING_OUTPUTS + 1) + "I")
+_NO_LEADING = (0,) * LEADING_OUTPUTS
 _FIXED_AT = 16
 _BLOB_AT = _FIXED_AT + _FIXED.size
 _BLOB_MAX = 16384
@@ -166,6 +169,7 @@ class EngineRecordWriter:
         """Write the record (reading ``obs``'s rates settles them)."""
         mm, seq = self._mm, self._seq
         values = [getattr(obs, name) for name in _FIELDS]
+        leading = obs.leading_outputs[:LEADING_OUTPUTS]
         fallbacks = counters.fallbacks
         key = (admission_state, sum(fallbacks.values()), len(fallbacks), counters.profile_fits)
         blob = None
@@ -181,7 +185,7 @@ class EngineRecordWriter:
         _FIXED.pack_into(mm, _FIXED_AT, *self._limits, time.time(), arrivals, counters.decisions,
                          counters.decide_s_sum, *counters.decide_buckets, counters.interventions,
                          counters.guard_switches, counters.guarded, counters.degraded, counters.profile_fits,
-                         *values, self._blob_len)
+                         *values, len(leading), *leading, *_NO_LEADING[len(leading):], self._blob_len)
         self._seq = seq + 2
         _SEQ.pack_into(mm, 8, seq + 2)
 
@@ -227,8 +231,10 @@ class EngineRecordReader:
         buckets = list(fixed[8:8 + nb])
         interventions, switches, guarded, degraded, fits = fixed[8 + nb:13 + nb]
         obs = Observation()
-        for name, value in zip(_FIELDS, fixed[13 + nb:-1]):
+        at = 13 + nb + len(_FIELDS)
+        for name, value in zip(_FIELDS, fixed[13 + nb:at]):
             setattr(obs, name, int(value) if name in _INT_FIELDS else value)
+        obs.leading_outputs = tuple(fixed[at + 1:at + 1 + fixed[at]])
         if blob != self._blob:
             self._blob, self._blob_value = blob, pickle.loads(blob)
         state, fallbacks, fitted = self._blob_value

@@ -10,12 +10,13 @@ the same figures whichever engine it runs in. It reads vLLM's ``Request`` object
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from tidegate.ctrl.base import Observation, ReplicaProfile
+from tidegate.ctrl.base import LEADING_OUTPUTS, Observation, ReplicaProfile
 from tidegate.ctrl.slo_flow import predicted_ttft_s
 from tidegate.engine.core.request import Request, RequestState
 from tidegate.engine.core.stats import ObservationStats
@@ -95,16 +96,18 @@ class VllmObserver:
                 queued += r.num_tokens - r.num_computed_tokens
         head = holding.peek_request() if holding else waiting.peek_request() if waiting else None
         prompts = most = least = 0
+        outs = []
         for r in running:
             prompts += r.num_prompt_tokens
             out = r.num_output_tokens
+            outs.append(out)
             most = max(most, out)
             if out and (out < least or not least):  # the least of those with a token (as the engine's)
                 least = out
         stats = self.stats
         stats.observe(now, step_index, kv_used, len(waiting) + len(holding), len(running), queued, prompts,
                       head.num_prompt_tokens if head is not None else 0, self.evicted_last_step, most,
-                      stats.outputs.short_above(least))
+                      stats.outputs.short_above(least), tuple(heapq.nlargest(LEADING_OUTPUTS, outs)))
         stats.step_started(kv_used)
         return stats.snapshot()
 

@@ -290,9 +290,9 @@ def test_the_short_outputs_are_the_tenth_percentile_of_recent_outputs_longer_tha
     assert core.scheduler.running[0].request_id == "0" and core.observe().most_output_tokens == 13  # 13 steps ago
     # and the outputs of the most advanced, most first, as the running requests hold them
     core.scheduler.steady.sync(core.scheduler.running)
-    assert core.observe().leading_outputs == tuple(sorted((r.num_output_tokens for r in core.scheduler.running),
-                                                           reverse=True))
-    assert core.observe().leading_outputs[0] == 13 and len(core.observe().leading_outputs) == 3
+    assert core.observe().leading_outputs == (13,)  # the first slot to free is the one an arrival needs
+    assert core.slot_outputs(core.scheduler.steady.tick)[2] == tuple(sorted(
+        (r.num_output_tokens for r in core.scheduler.running), reverse=True))
     assert core.observe().short_output_tokens == 0  # nothing has completed yet
     while len(core.scheduler.running) > 1:
         core.step()
@@ -410,8 +410,9 @@ def test_a_flood_between_two_engine_steps_is_refused_past_the_slo_by_the_http_si
        st.integers(1, 24))
 def test_the_leading_outputs_are_the_most_advanced_running_requests(requests, cap):
     """Wherever an arrival would wait for a slot, ``leading_outputs`` holds the outputs of the most advanced
-    running requests (``LEADING_OUTPUTS`` at most), most first, whatever started, ended or was counted in
-    aggregate in between: the steady decodes' from their heap of lags, stale entries skipped."""
+    running requests up to the one whose slot it needs (``LEADING_OUTPUTS`` at most), most first, whatever
+    started, ended or was counted in aggregate in between: the steady decodes' from their heap of lags, stale
+    entries skipped."""
     from tidegate.ctrl.base import LEADING_OUTPUTS
     from tidegate.ctrl.greedy import GreedyController
 
@@ -422,9 +423,11 @@ def test_the_leading_outputs_are_the_most_advanced_running_requests(requests, ca
             core.step()
             obs = core.observe()
             sched = core.scheduler
-            if len(sched.waiting) + len(sched.running) < core._running_cap:
+            held = len(sched.waiting) + len(sched.running)
+            if held < core._running_cap:
                 assert obs.leading_outputs == ()  # a slot is free: not read
                 continue
             sched.steady.sync(sched.running)
-            outs = sorted((r.num_output_tokens for r in sched.running), reverse=True)[:LEADING_OUTPUTS]
+            need = min(held + 1 - core._running_cap, LEADING_OUTPUTS)
+            outs = sorted((r.num_output_tokens for r in sched.running), reverse=True)[:need]
             assert obs.leading_outputs == tuple(outs) and outs  # the cap is full: something runs

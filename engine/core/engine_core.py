@@ -353,19 +353,22 @@ class EngineCore:
         waiting, running = sched.waiting, sched.running
         most = short = 0
         leading: tuple[int, ...] = ()
-        if slots and len(waiting) + len(running) >= self._running_cap:
-            most, short, leading = self.slot_outputs(sched.steady.tick)
+        held = len(waiting) + len(running)
+        if slots and held >= self._running_cap:
+            # an arrival now needs the (held + 1 - cap)-th slot to free: the outputs up to that one
+            most, short, leading = self.slot_outputs(sched.steady.tick, int(held + 1 - self._running_cap))
         return self.stats.observe(now, self.step_index, self.pool.used_tokens, len(waiting), len(running),
                                   sched.waiting_prompt_tokens, sched.running_prompt_tokens,
                                   waiting[0].prompt_len if waiting else 0, sched.evicted_last_step, most, short,
                                   leading)
 
-    def slot_outputs(self, tick: int) -> tuple[int, int, tuple[int, ...]]:
-        """``Observation.most_output_tokens``, ``short_output_tokens`` and ``leading_outputs``: the steady
-        decodes' outputs from their lags at decode ``tick``, not a pass over them."""
+    def slot_outputs(self, tick: int, slots: int = LEADING_OUTPUTS) -> tuple[int, int, tuple[int, ...]]:
+        """``Observation.most_output_tokens``, ``short_output_tokens`` and ``leading_outputs`` (the first
+        ``slots`` of them at most: an arrival that needs the k-th slot reads the k-th): the steady decodes'
+        outputs from their lags at decode ``tick``, not a pass over them."""
         sched = self.scheduler
         most, least = running_outputs(sched.steady, sched.explicit, tick)
-        leading = leading_outputs(sched.steady, sched.explicit, tick, LEADING_OUTPUTS)
+        leading = leading_outputs(sched.steady, sched.explicit, tick, max(min(slots, LEADING_OUTPUTS), 1))
         return most, self.stats.outputs.short_above(least), leading
 
     # ------------------------------------------------------------------ the decision

@@ -15,7 +15,7 @@ runs whole stretches of steady steps from it.
 
 from __future__ import annotations
 
-from heapq import heapify, heappop, heappush, nlargest, nsmallest
+from heapq import heapify, heappop, heappush, nlargest
 from typing import Iterable
 
 from tidegate.ctrl.base import UNLIMITED
@@ -184,16 +184,20 @@ def running_outputs(steady: SteadyDecodes, explicit: list[Request], tick: int) -
 def leading_outputs(steady: SteadyDecodes, explicit: list[Request], tick: int, k: int) -> tuple[int, ...]:
     """The outputs of the ``k`` most advanced running requests at most, most first: the steady decodes'
     from the least lags of their heap (``outputs`` must have been called at ``tick``: it keeps the heap),
-    the others' (``explicit``) one by one."""
+    walked from its root so that only the entries it returns and the stale ones among them are read, the
+    others' (``explicit``) one by one."""
     outs = [r.num_output_tokens for r in explicit]
-    if steady.count:
-        low = steady._low_lags
+    low = steady._low_lags
+    if steady.count and low:
         want = min(k, steady.count)
-        found: list[int] = []
-        for n in (2 * want + 8, len(low)):  # stale entries (requests that left) may sit among the least lags
-            found = [tick - lag for lag, seq, r in nsmallest(n, low)
-                     if r.decode_lag == lag and r.activation_seq == seq and r.state is _RUNNING]
-            if len(found) >= want:
-                break
-        outs.extend(found[:want])
+        found = 0
+        frontier = [(low[0], 0)]
+        while frontier and found < want:
+            (lag, seq, r), i = heappop(frontier)
+            if r.decode_lag == lag and r.activation_seq == seq and r.state is _RUNNING:
+                outs.append(tick - lag)
+                found += 1
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < len(low):
+                    heappush(frontier, (low[j], j))
     return tuple(nlargest(k, outs))

@@ -15,6 +15,7 @@ import random
 import signal
 import string
 import time
+from collections.abc import AsyncIterable
 
 import httpx
 
@@ -33,14 +34,15 @@ def error_type(payload: bytes | str) -> str | None:
         return None
 
 
-async def sse_data(resp: httpx.Response):
-    """The ``data:`` payloads of a stream of server-sent events, decoded (the last one ``[DONE]`` when the
-    server ended the stream with it).
+async def sse_data(chunks: AsyncIterable[bytes]):
+    """The ``data:`` payloads of a stream of server-sent events read as byte ``chunks`` (httpx's
+    ``aiter_bytes()``, aiohttp's ``content.iter_any()``), decoded (the last one ``[DONE]`` when the server
+    ended the stream with it).
 
-    Events are split on ``\n`` alone: httpx's ``aiter_lines`` also splits on U+0085 and U+2028, which a
-    random model's text holds inside one JSON event."""
+    Events are split on ``\n`` alone: httpx's ``aiter_lines`` and ``str.splitlines`` also split on U+0085
+    and U+2028, which a random model's text holds inside one JSON event."""
     pending = b""
-    async for part in resp.aiter_bytes():
+    async for part in chunks:
         pending += part
         *lines, pending = pending.split(b"\n")
         for raw in lines:
@@ -55,7 +57,7 @@ async def _read_stream(resp: httpx.Response, rec: dict) -> None:
         rec["outcome"] = "http"
         rec["error"] = error_type(await resp.aread())
         return
-    async for data in sse_data(resp):
+    async for data in sse_data(resp.aiter_bytes()):
         if data == "[DONE]":
             rec["done"] = True
             break

@@ -11,11 +11,9 @@ the requested length; ``ignore_eos`` and ``min_tokens`` fix the output length. A
   early), ``http`` (a status other than 200), ``transport_error``, or ``cut`` (still open when the client
   stopped waiting: the end of arrivals plus the drain).
 
-The clients are aiohttp's (:func:`session`). Events are split on ``\n`` alone: a random model's text
-holds characters (U+0085, U+2028) that ``str.splitlines`` takes for line ends, inside one JSON event.
-
-Arrivals are those of :func:`tidegate.engine.bench.overload.clients.open_loop`; error types are read
-the same way.
+The clients are aiohttp's (:func:`session`). Arrivals are those of
+:func:`tidegate.engine.bench.overload.clients.open_loop`; events and error types are read the same way
+(``sse_data``, which splits events on ``\n`` alone).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import time
 import aiohttp
 
 from tidegate.engine.bench.overload import clients as overload_clients
-from tidegate.engine.bench.overload.clients import error_type
+from tidegate.engine.bench.overload.clients import error_type, sse_data
 from tidegate.engine.bench.vllm.model import random_prompt
 
 
@@ -84,20 +82,12 @@ async def _read(resp: aiohttp.ClientResponse, rec: dict) -> None:
         rec["outcome"] = "http"
         rec["error"] = error_type(await resp.read())
         return
-    pending = b""
-    async for part in resp.content.iter_any():
-        pending += part
-        *lines, pending = pending.split(b"\n")
-        for raw in lines:
-            if not raw.startswith(b"data:"):
-                continue
-            data = raw[5:].strip().decode(errors="replace")
-            if data == "[DONE]":
-                rec["done"] = True
-                rec["outcome"] = "error_event" if rec["error"] else "completed"
-                return
-            _chunk(rec, data)
-    rec["outcome"] = "error_event" if rec["error"] else "closed"
+    async for data in sse_data(resp.content.iter_any()):
+        if data == "[DONE]":
+            rec["done"] = True
+            break
+        _chunk(rec, data)
+    rec["outcome"] = "error_event" if rec["error"] else ("completed" if rec["done"] else "closed")
 
 
 async def send(client: aiohttp.ClientSession, url: str, body: dict, deadline_s: float,

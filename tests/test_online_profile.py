@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 
 import numpy as np
@@ -47,7 +48,7 @@ def test_the_core_fit_recovers_the_replicas_costs():
 
 
 def test_it_reads_as_the_prior_until_enough_steps_then_as_the_replica():
-    live = OnlineProfile(PRIOR, window_steps=512, refit_steps=64, min_steps=128)
+    live = OnlineProfile(PRIOR, window_steps=512, refit_steps=64, min_steps=128, window_s=math.inf, refit_s=math.inf)
     rows = served_steps(TRUE, 400)
     changed = [live.step(*row) for row in rows[:127]]
     assert not any(changed) and live.fits == 0 and live.current is PRIOR
@@ -65,13 +66,14 @@ def test_it_reads_as_the_prior_until_enough_steps_then_as_the_replica():
 
 
 def test_the_first_fit_comes_once_there_are_enough_steps_then_one_every_refit_steps():
-    live = OnlineProfile(PRIOR, refit_steps=256, min_steps=128)
+    live = OnlineProfile(PRIOR, refit_steps=256, min_steps=128, refit_s=math.inf)
     fitted_at = [i + 1 for i, row in enumerate(served_steps(TRUE, 700)) if live.step(*row)]
     assert fitted_at == [128, 384, 640]
 
 
 def test_untimed_steps_are_not_counted_and_the_window_forgets_the_old_machine():
-    live = OnlineProfile(PRIOR, window_steps=256, refit_steps=256, min_steps=256)
+    live = OnlineProfile(PRIOR, window_steps=256, refit_steps=256, min_steps=256, window_s=math.inf,
+                         refit_s=math.inf)
     assert not live.step(0, 0, 0.01, 0, 0) and not live.step(10, 100, 0.0, 10, 0)
     for row in served_steps(PRIOR, 256, seed=1):
         live.step(*row)
@@ -79,6 +81,40 @@ def test_untimed_steps_are_not_counted_and_the_window_forgets_the_old_machine():
     for row in served_steps(TRUE, 256, seed=2):  # the replica slowed down: the window holds only the new steps
         live.step(*row)
     assert live.fits == 2 and live.per_token_s == pytest.approx(TRUE.per_token_s, rel=0.15)
+
+
+def test_a_fit_reads_the_last_minute_of_serving_however_many_steps_came_before():
+    # a CPU replica's light load is thousands of short steps, its full batches a few hundred long ones: the
+    # window is serving time, so a minute of the slow regime is fitted on its own steps
+    live = OnlineProfile(PRIOR, window_steps=4096, refit_steps=256, min_steps=128, window_s=60.0, refit_s=5.0)
+    for row in served_steps(PRIOR, 3800, seed=3):
+        live.step(*row)
+    slow = served_steps(TRUE, 2000, seed=4)
+    served, taken = 0.0, 0
+    for row in slow:
+        live.step(*row)
+        served, taken = served + row[2], taken + 1
+        if served > 70.0:  # a fit after the last fast step left the window
+            break
+    assert taken < 1500  # far fewer steps than the fast regime left in a window of steps
+    assert live.per_token_s == pytest.approx(TRUE.per_token_s, rel=0.15)
+    assert live.per_decode_token_s == pytest.approx(TRUE.per_decode_token_s, rel=0.15)
+    assert len(live.window()) <= taken
+    # a regime of long steps refits every few seconds of serving, not every refit_steps steps
+    fits = live.fits
+    served = 0.0
+    for row in slow[taken:]:
+        live.step(*row)
+        served += row[2]
+        if served > 5.0 * 4 + 1.0:
+            break
+    assert live.fits - fits >= 4
+    # and the fewest a fit reads is min_steps, however long they took
+    assert len(OnlineProfile(PRIOR, min_steps=128, window_s=1e-3).window()) == 0
+    tiny = OnlineProfile(PRIOR, min_steps=128, window_s=1e-3)
+    for row in slow[:300]:
+        tiny.step(*row)
+    assert len(tiny.window()) == 128 and tiny.fits >= 1
 
 
 def test_a_controller_built_on_it_sees_each_refit():
@@ -107,5 +143,7 @@ def test_a_controller_built_on_it_sees_each_refit():
 def test_its_settings_are_checked():
     with pytest.raises(ValueError, match="min_steps"):
         OnlineProfile(PRIOR, window_steps=64, min_steps=128)
+    with pytest.raises(ValueError, match="window_s"):
+        OnlineProfile(PRIOR, window_s=0.0)
     with pytest.raises(AttributeError):
         _ = OnlineProfile(PRIOR).no_such_field

@@ -7,7 +7,9 @@ machine or engine can be off many times over (docs/PROFILES.md, "Refitted while 
 :class:`OnlineProfile` starts from such a prior and keeps it true to the replica: it holds the
 last ``window_steps`` timed steps and refits the model's core (``engine.sim.fit.fit_core``:
 base, prefill token, decode token, KV token and prefill chunk costs) every ``refit_steps`` steps
-once ``min_steps`` are there. The KV size, batch limits and SLOs stay the prior's. A fitted
+once ``min_steps`` are there, or every ``refit_s`` seconds of serving where that comes first; a fit reads
+the steps of the last ``window_s`` seconds of serving alone (``min_steps`` at least). The KV size, batch limits
+and SLOs stay the prior's. A fitted
 profile has no optional terms and no noise: the line fitted on relative error is near the mean
 step, the step the bound wants.
 
@@ -24,6 +26,12 @@ Worst cases, each bounded by a rule that does not read the profile:
 - If it errs low, the bound errs high, as the prior's did; the steady-rate test (arrivals over
   hundreds of events outpacing completions) still overrules the capacity witness once a backlog
   builds.
+- The window is measured in serving time, not in steps: the line is a poor model of a CPU's steps across
+  regimes (the cost of a decode beside 85 running requests is some thirty times what a fit over light load
+  says), and a minute of full batches is a few hundred steps where a minute of light load is thousands.
+  A minute and a half into a 1.5 x overload of a vLLM CPU replica, a window of 4,096 steps still held 3,600
+  of the light load before it, and the bound read 4.4 requests a second where the replica served 3.8 (5.4 at
+  40 s); over a time window it read 3.8 (4.1): the fit is the regime the replica is in.
 - A fit that fails (too few timed steps, a profile it cannot build) keeps the profile it had.
 """
 
@@ -41,15 +49,17 @@ class OnlineProfile:
     """A profile whose step-time model is refitted from the replica's timed steps.
 
     :param prior: the profile used until the first fit; its KV size, batch limits and SLOs stay.
-    :param window_steps: the most recent steps each fit uses.
+    :param window_steps: the most recent steps each fit uses at most.
     :param refit_steps: steps between fits.
-    :param min_steps: timed steps needed before the first fit.
+    :param min_steps: timed steps needed before the first fit, and the fewest each fit uses.
+    :param window_s: seconds of serving (the timed steps' durations summed) whose steps each fit uses.
+    :param refit_s: seconds of serving between fits, where fewer than ``refit_steps`` steps take that long.
     """
 
     def __init__(self, prior: Profile, window_steps: int = 4096, refit_steps: int = 256,
-                 min_steps: int = 128) -> None:
-        if not (8 <= min_steps <= window_steps and refit_steps >= 1):
-            raise ValueError("need 8 <= min_steps <= window_steps and refit_steps >= 1")
+                 min_steps: int = 128, window_s: float = 60.0, refit_s: float = 5.0) -> None:
+        if not (8 <= min_steps <= window_steps and refit_steps >= 1 and window_s > 0 and refit_s > 0):
+            raise ValueError("need 8 <= min_steps <= window_steps, refit_steps >= 1, window_s > 0 and refit_s > 0")
         self.prior = prior
         self.current = prior
         #: fits made (or adopted) so far
@@ -59,9 +69,14 @@ class OnlineProfile:
         self.window_steps = window_steps
         self.refit_steps = refit_steps
         self.min_steps = min_steps
-        self._rows = np.zeros((window_steps, 5))
+        self.window_s = window_s
+        self.refit_s = refit_s
+        # each row: the step's (tokens, KV read, seconds, decodes, prefill chunks) and the serving time at its end
+        self._rows = np.zeros((window_steps, 6))
         self._seen = 0
         self._since = 0
+        self._served_s = 0.0
+        self._since_s = 0.0
 
     def __getattr__(self, name: str) -> Any:
         # only names the object itself lacks come here: they are the current profile's (``current``
@@ -75,17 +90,31 @@ class OnlineProfile:
         tokens and its prefill chunks. True when it triggered a fit that changed the profile."""
         if not (seconds > 0 and tokens > 0):
             return False
-        self._rows[self._seen % self.window_steps] = (tokens, kv_tokens_read, seconds, decode_tokens, prefills)
+        self._served_s += seconds
+        self._rows[self._seen % self.window_steps] = (tokens, kv_tokens_read, seconds, decode_tokens, prefills,
+                                                      self._served_s)
         self._seen += 1
         self._since += 1
-        if self._seen < self.min_steps or (self._since < self.refit_steps and self.last_fit is not None):
+        self._since_s += seconds
+        if self._seen < self.min_steps or (self._since < self.refit_steps and self._since_s < self.refit_s
+                                           and self.last_fit is not None):
             return False
-        self._since = 0
+        self._since, self._since_s = 0, 0.0
         return self.refit()
+
+    def window(self) -> np.ndarray:
+        """The rows the next fit reads: those of the last ``window_s`` seconds of serving, the ``min_steps`` most
+        recent at least (of the ``window_steps`` held)."""
+        rows = self._rows[:min(self._seen, self.window_steps)]
+        ends = rows[:, 5]
+        start = self._served_s - self.window_s
+        if len(rows) > self.min_steps:
+            start = min(start, float(np.partition(ends, len(rows) - self.min_steps)[len(rows) - self.min_steps]))
+        return rows[ends >= start, :5]
 
     def refit(self) -> bool:
         """Fit the core to the window's steps now; True when the profile changed."""
-        fit = fit_core(self._rows[:min(self._seen, self.window_steps)])
+        fit = fit_core(self.window())
         if fit is None:
             return False
         try:

@@ -43,9 +43,11 @@ Five rules, each with a worst case that can be argued on its own:
   so a step in load after an idle spell reads as the idle spell for that many arrivals; the **busy period's
   witness** is the early one for every start (:meth:`SloFlowController.over_busy_capacity`): the arrivals
   since the engine was last empty, above the fluid bound by three standard errors. The **queue
-  witness** (``queue_witness``, off by default) needs no rate: with requests waiting, an arrival is
-  refused when the predicted start of the work ahead of it alone, without its own prefill, the error
-  margin or the residual, is past the threshold. It is off because it also refuses at light load where
+  witness** needs no rate: with requests waiting, an arrival is refused when the predicted start of the
+  work ahead of it alone, without its own prefill, the error margin or the residual, is past the
+  threshold. By default (``loaded_queue_witness``) it judges only where the capacity witness cannot say
+  the load is under capacity: a steady overload of a tenth of the bound passes the rate witness's margin,
+  and its queue grows in bursts. Everywhere (``queue_witness``) it would also refuse at light load where
   long prompts queue, and without overload nothing is refused.
 - **Running cap** (with a profile, ``tpot_cap``): in overload, the running requests are capped at the most
   whose mean step still meets the TPOT SLO with ``TPOT_Z`` standard errors of the batch's per-token cost to
@@ -238,6 +240,13 @@ class SloFlowController(Controller):
         of the 270 requests that missed their TTFT arrived in the step's first 15 s; 108 with the witness).
         Off by default: on the A100 preset's long-context and multi-class traffic at 0.5-0.7 x lambda_max it
         refused up to 31 of 800 requests a draw (goodput -0.4% to +5.3%), where nothing is to be refused.
+    :param loaded_queue_witness: with a ``profile``, once ``EVIDENCE_ARRIVALS`` arrived, the queue witness judges where
+        the capacity witness cannot say the load is under capacity (:meth:`under_capacity`), as it judges everywhere
+        with ``queue_witness``: the
+        offered rate near or past the bound, but arrivals outpacing completions by less than ``overload_margin``
+        over 64 events, which a steady overload by a tenth of the bound does (on vLLM's CPU build at 1.12 x what
+        it served within the SLOs, a burst queued 13 requests for 3.5 s before the rate witness fired, and 8
+        first tokens were late). Where the load reads as under capacity, as light load does, it does not judge.
     :param prior_weight: the completions' worth of the prior (``prior_output_tokens`` as every request's output)
         that the traffic's size moments are shrunk towards (:meth:`traffic_bound`). The prior is a guess about
         the outputs, right for no traffic in particular: it pulls the bound up where the outputs are longer and
@@ -268,7 +277,7 @@ class SloFlowController(Controller):
                  tpot_cap: bool = True, stable_rate: bool = True, recent_rate: bool = True, prefill_bound: bool = True,
                  relative_error: bool = True, busy_witness: bool = True, busy_mix: bool = True,
                  queue_witness: bool = False, prior_weight: float = 8.0, max_waiting: int | None = None,
-                 queue_timeout_s: float | None = None) -> None:
+                 queue_timeout_s: float | None = None, loaded_queue_witness: bool = True) -> None:
         super().__init__(max_waiting=max_waiting, queue_timeout_s=queue_timeout_s)
         if not (ttft_slo_s > 0 and tpot_slo_s > 0 and reject_above > 0 and overload_margin >= 0
                 and overload_power >= 0 and min_load >= 0 and steady_overload >= 0 and prior_weight > 0):
@@ -302,6 +311,7 @@ class SloFlowController(Controller):
         self.busy_witness = busy_witness and profile is not None
         self.busy_mix = busy_mix
         self.queue_witness = queue_witness
+        self.loaded_queue_witness = loaded_queue_witness and self.min_load > 0
         self._decision = Decision(0, max_num_batched_tokens, max_num_seqs,
                                   late_after_s=float(ttft_slo_s) if late_last else None)
         self.reset()
@@ -505,9 +515,12 @@ class SloFlowController(Controller):
             return rejection
         limit = self.reject_delay_s(obs)
         if not limit < math.inf:
-            if self.queue_witness and obs.num_waiting > 0:
+            if obs.num_waiting > 0 and (self.queue_witness or (
+                    self.loaded_queue_witness and arrivals_seen(obs) >= EVIDENCE_ARRIVALS
+                    and not self.under_capacity(obs))):
                 # the queue witness: the work ahead alone, by the prediction alone (no error margin, no
-                # residual: a policy cannot make it refuse), starts this arrival past the threshold
+                # residual: a policy cannot make it refuse), starts this arrival past the threshold; by
+                # default only where the load does not read as under capacity
                 threshold = self.reject_above * self.ttft_slo_s
                 ahead = self.predict_ttft_s(obs, 0)
                 if ahead > threshold:

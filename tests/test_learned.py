@@ -311,6 +311,29 @@ def test_the_capacity_witness_overrules_overload_witnesses_that_noise_can_fire()
     assert isinstance(loose.admit(overloaded_by_rates(0.7), 1000, 100), Rejection)
 
 
+def test_a_queue_predicted_late_is_refused_where_the_load_does_not_read_as_under_capacity():
+    """Arrivals at 1.1 x completions (within the rate witness's margin) and at the fluid bound over the steady rates:
+    no rate witness fires, and a queue predicted past the SLO grows with the overload. The queue witness refuses
+    there by default; where the steady rate reads under capacity, or with it off, nothing is refused."""
+    c = build_controller("slo-flow", PROFILE)
+    loaded = overloaded_by_rates(1.05, completed_total=400)
+    loaded.arrival_rate_rps = 1.1 * loaded.completion_rate_rps
+    assert c.reject_delay_s(loaded) == math.inf and not c.under_capacity(loaded)
+    refusal = c.admit(loaded, 1000, 100)
+    assert isinstance(refusal, Rejection) and "queue ahead" in refusal.reason
+    light = overloaded_by_rates(0.7, completed_total=400)
+    light.arrival_rate_rps = 1.1 * light.completion_rate_rps
+    assert c.under_capacity(light) and c.admit(light, 1000, 100) is None
+    assert build_controller("slo-flow:loaded_queue_witness=false", PROFILE).admit(loaded, 1000, 100) is None
+    # a short queue, predicted within the SLO, is not refused however loaded the replica
+    short = overloaded_by_rates(1.05, completed_total=400, num_waiting=1, waiting_prompt_tokens=100,
+                                head_prompt_tokens=100)
+    short.arrival_rate_rps = 1.1 * short.completion_rate_rps
+    assert c.predict_ttft_s(short, 0) < 2.0 and c.admit(short, 1000, 100) is None
+    # without a profile there is no capacity witness, and the queue witness stays off
+    assert SloFlowController(ttft_slo_s=2.0).admit(loaded, 1000, 100) is None
+
+
 def test_the_capacity_witness_judges_the_recent_arrivals_too():
     """A peak: the steady rate (hundreds of arrivals) reads 0.7 x the fluid bound while the last 64
     arrivals came at 1.3 x it, beyond three standard errors of their count; the peak is overload.
@@ -460,7 +483,10 @@ def test_without_overload_nothing_is_refused_however_long_the_queue(waiting, don
     obs = Observation(kv_capacity_tokens=100_000)
     obs.num_waiting, obs.num_running, obs.mean_step_time_s, obs.waiting_prompt_tokens = waiting, 10, 0.05, queued
     obs.completion_rate_rps, obs.arrival_rate_rps = done, done * ratio
-    assert build_controller("slo-flow", PROFILE).admit(obs, 1000, 100) is None
+    assert build_controller("slo-flow:loaded_queue_witness=false", PROFILE).admit(obs, 1000, 100) is None
+    # the queue witness judges, by default, only where the load does not read as under capacity
+    c = build_controller("slo-flow", PROFILE)
+    assert c.admit(obs, 1000, 100) is None or not c.under_capacity(obs)
 
 
 def test_rates_over_few_events_span_enough_of_them():

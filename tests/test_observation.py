@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tidegate.ctrl.base import Controller, Decision, Observation
@@ -408,6 +408,7 @@ def test_a_flood_between_two_engine_steps_is_refused_past_the_slo_by_the_http_si
 
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 60), st.integers(0, 3)), min_size=1, max_size=60),
        st.integers(1, 24))
+@example([(1, 1, 0), (1, 1, 1)], 1)  # the running request ends with its prefill: the queue alone fills the cap
 def test_the_leading_outputs_are_the_most_advanced_running_requests(requests, cap):
     """Wherever an arrival would wait for a slot, ``leading_outputs`` holds the outputs of the most advanced
     running requests up to the one whose slot it needs (``LEADING_OUTPUTS`` at most), most first, whatever
@@ -430,4 +431,6 @@ def test_the_leading_outputs_are_the_most_advanced_running_requests(requests, ca
             sched.steady.sync(sched.running)
             need = min(held + 1 - core._running_cap, LEADING_OUTPUTS)
             outs = sorted((r.num_output_tokens for r in sched.running), reverse=True)[:need]
-            assert obs.leading_outputs == tuple(outs) and outs  # the cap is full: something runs
+            # the cap is full; where the queue alone fills it (the last running request ended with its prefill),
+            # nothing runs and there is nothing to read: the next step starts the queue's head
+            assert obs.leading_outputs == tuple(outs)

@@ -95,19 +95,19 @@ class VllmObserver:
             for r in queue:
                 queued += r.num_tokens - r.num_computed_tokens
         head = holding.peek_request() if holding else waiting.peek_request() if waiting else None
-        prompts = most = least = 0
+        prompts = least = 0
         outs = []
         for r in running:
             prompts += r.num_prompt_tokens
             out = r.num_output_tokens
             outs.append(out)
-            most = max(most, out)
             if out and (out < least or not least):  # the least of those with a token (as the engine's)
                 least = out
+        leading = tuple(heapq.nlargest(LEADING_OUTPUTS, outs))  # the most advanced first
         stats = self.stats
         stats.observe(now, step_index, kv_used, len(waiting) + len(holding), len(running), queued, prompts,
-                      head.num_prompt_tokens if head is not None else 0, self.evicted_last_step, most,
-                      stats.outputs.short_above(least), tuple(heapq.nlargest(LEADING_OUTPUTS, outs)))
+                      head.num_prompt_tokens if head is not None else 0, self.evicted_last_step,
+                      leading[0] if leading else 0, stats.outputs.short_above(least), leading)
         stats.step_started(kv_used)
         return stats.snapshot()
 

@@ -482,6 +482,28 @@ def test_slo_flow_keeps_up_with_three_classes_near_the_memorys_bound():
     assert slo_flow >= 0.97 * greedy
 
 
+def test_before_any_completion_the_output_prior_is_no_longer_than_any_arrival_may_run():
+    """The slot model at 0.7 and 0.9 of the memory's bound, outputs of 20 tokens: before the first completion the
+    bound and the pacing take the prior output (128 tokens), which read the load as over capacity and refused
+    arrivals of the start. No output runs past its ``max_tokens``: where every arrival asks for at most 20, the
+    prior is 20, and nothing is refused. Where they may run to 128 or more, the prior stays 128."""
+    from tidegate.ctrl.theory import lifetime_kv_workload
+    from tidegate.engine.workloads import Arrival
+
+    slot = load_profile("slot")
+    w = lifetime_kv_workload(20, 20)
+    for load in (0.7, 0.9):
+        per_slot = load * slot.kv_capacity_tokens / w
+        runs = {}
+        for max_tokens in (20, 128, 1000):
+            arrivals = [Arrival(i / per_slot, 20, 20, max_tokens, 0) for i in range(int(200 * per_slot))]
+            runs[max_tokens] = simulate(arrivals, slot, build_controller("slo-flow", slot)).summary
+        greedy = simulate(arrivals, slot, build_controller("greedy", slot)).summary
+        assert runs[20]["rejected"] == 0 and runs[20]["goodput_rps"] == pytest.approx(greedy["goodput_rps"]), load
+        assert runs[128]["rejected"] > 10, load
+        assert (runs[1000]["rejected"], runs[1000]["goodput_rps"]) == (runs[128]["rejected"], runs[128]["goodput_rps"])
+
+
 def test_slo_flow_keeps_up_with_a_load_the_memory_serves_where_the_safe_rate_alone_queues_without_end():
     """Dong & Cao's slot model (a step is one time unit, prefill costs memory, not time), one class at 0.95 and
     0.99 of the memory's stability bound M / w: rho M / w (rho 0.9) is slower than the arrivals, and the queue

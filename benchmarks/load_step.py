@@ -92,6 +92,8 @@ def measure(result, starts: list[float], phases: list[tuple[float, float]], prof
                      "goodput_rps": float(np.sum(~late & (tpot <= tpot_slo))) / seconds,
                      "late": int(late.sum()), "late_early": int((late & early).sum()),
                      "ttft_p99_s": float(np.quantile(ttft, 0.99)) if len(ttft) else 0.0,
+                     "tpot_p99_s": float(np.quantile(tpot, 0.99)) if len(tpot) else 0.0,
+                     "late_tpot": int((tpot > tpot_slo).sum()),
                      "refused": sum(r.state is RequestState.REJECTED for r in mine),
                      "points": [(round(r.arrival_time_s, 3), round(float(t), 3)) for r, t in zip(served, ttft)]})
     return rows
@@ -164,21 +166,26 @@ def main() -> None:
              + f"; {args.draws} draws. Sums over the draws; TTFT p99 of the served "
              "requests, mean and worst over draws.", "",
              f"| spec | phase | requests | served | refused | goodput req/s (mean) | late TTFT | of them in the first "
-             f"{args.early_s:g} s | TTFT p99 s, mean / worst |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             f"{args.early_s:g} s | TTFT p99 s, mean / worst | TPOT over the SLO | TPOT p99 ms, mean / worst |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     summary: dict[str, list[dict]] = {}
     for spec, draws in runs.items():
         summary[spec] = []
         for i, (rate, seconds) in enumerate(args.phase):
             cells = [d[i] for d in draws]
             row = {"rate_rps": rate, "seconds": seconds,
-                   **{k: sum(c[k] for c in cells) for k in ("requests", "served", "refused", "late", "late_early")},
+                   **{k: sum(c[k] for c in cells)
+                      for k in ("requests", "served", "refused", "late", "late_early", "late_tpot")},
                    "goodput_rps": float(np.mean([c["goodput_rps"] for c in cells])),
                    "ttft_p99_s_mean": float(np.mean([c["ttft_p99_s"] for c in cells])),
-                   "ttft_p99_s_worst": float(max(c["ttft_p99_s"] for c in cells))}
+                   "ttft_p99_s_worst": float(max(c["ttft_p99_s"] for c in cells)),
+                   "tpot_p99_s_mean": float(np.mean([c["tpot_p99_s"] for c in cells])),
+                   "tpot_p99_s_worst": float(max(c["tpot_p99_s"] for c in cells))}
             summary[spec].append(row)
             lines.append(f"| `{spec}` | {rate:g} req/s | {row['requests']} | {row['served']} | {row['refused']} | "
                          f"{row['goodput_rps']:.3f} | {row['late']} | {row['late_early']} | "
-                         f"{row['ttft_p99_s_mean']:.2f} / {row['ttft_p99_s_worst']:.2f} |")
+                         f"{row['ttft_p99_s_mean']:.2f} / {row['ttft_p99_s_worst']:.2f} | {row['late_tpot']} | "
+                         f"{1e3 * row['tpot_p99_s_mean']:.0f} / {1e3 * row['tpot_p99_s_worst']:.0f} |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load_step.md").write_text("\n".join(lines) + "\n")
     (args.out / "load_step.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

@@ -75,7 +75,8 @@ class Observation:
         "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
         "most_output_tokens", "short_output_tokens", "busy_arrivals", "busy_rate_rps", "busy_prompt_tokens",
-        "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se", "slot_completion_rate_rps",
+        "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se", "busy_unsized_share",
+        "busy_unsized_prompt_tokens", "slot_completion_rate_rps",
     )
     __slots__ = (
         "now_s", "step_index", "kv_used_tokens", "kv_capacity_tokens", "block_size",
@@ -90,7 +91,8 @@ class Observation:
         "running_prefill_tokens",
         "running_prompt_tokens", "ttft_error_p95_s", "ttft_rel_error_p95", "last_completion_s",
         "most_output_tokens", "short_output_tokens", "leading_outputs", "busy_arrivals", "busy_rate_rps",
-        "busy_prompt_tokens", "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se",
+        "busy_prompt_tokens", "busy_output_tokens", "busy_kv_workload", "busy_kv_workload_se", "busy_unsized_share",
+        "busy_unsized_prompt_tokens",
     )
 
     def __init__(self, kv_capacity_tokens: int = 0, block_size: int = 16) -> None:
@@ -221,6 +223,12 @@ class Observation:
         self.busy_kv_workload = 0.0
         #: the standard error of ``busy_kv_workload`` as the mean of the busy period's arrivals' W (0 before two)
         self.busy_kv_workload_se = 0.0
+        #: the share of the busy period's arrivals (its first ``STEADY_RATE_EVENTS``) of a prompt size no
+        #: completion of which is remembered, and their mean prompt: no output can be expected of them from
+        #: the traffic (the ``busy_*`` means above leave them out), and a controller takes its own prior. The
+        #: offered requests' mean output, which an engine could take instead, is another size's: after an idle
+        #: spell of one-token probes it read one token for the long answers of a first step in load
+        self.busy_unsized_share = self.busy_unsized_prompt_tokens = 0.0
 
     # The five rates are computed when first read, not at every step: most controllers read none
     # of them, and the estimates are a tenth of a simulated step. ``defer_rates`` hands the
@@ -382,8 +390,10 @@ class Observation:
                                                                           self.short_output_tokens,
                                                                           self.leading_outputs)
         o.busy_arrivals, o.busy_rate_rps, o.busy_prompt_tokens, o.busy_output_tokens, o.busy_kv_workload, \
-            o.busy_kv_workload_se = (self.busy_arrivals, self.busy_rate_rps, self.busy_prompt_tokens,
-                                     self.busy_output_tokens, self.busy_kv_workload, self.busy_kv_workload_se)
+            o.busy_kv_workload_se, o.busy_unsized_share, o.busy_unsized_prompt_tokens = (
+                self.busy_arrivals, self.busy_rate_rps, self.busy_prompt_tokens, self.busy_output_tokens,
+                self.busy_kv_workload, self.busy_kv_workload_se, self.busy_unsized_share,
+                self.busy_unsized_prompt_tokens)
         return o
 
 

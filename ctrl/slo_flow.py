@@ -502,13 +502,19 @@ class SloFlowController(Controller):
 
         :param traffic: the traffic's bound, where the caller has it already (returned as it is in its place)."""
         assert self.profile is not None
-        w = obs.busy_kv_workload
-        if not (self.busy_mix and w > 0.0):
+        w, share = obs.busy_kv_workload, obs.busy_unsized_share
+        if not (self.busy_mix and (w > 0.0 or share > 0.0)):
             return traffic or self.traffic_bound(obs)
-        d = obs.busy_output_tokens
+        p, d, se = obs.busy_prompt_tokens, obs.busy_output_tokens, obs.busy_kv_workload_se
+        if share > 0.0:  # arrivals of sizes none completed of: the prior's output (its error is not known)
+            d0 = float(self.output_prior(obs))
+            unsized_p = obs.busy_unsized_prompt_tokens
+            p, d = (1.0 - share) * p + share * unsized_p, (1.0 - share) * d + share * d0
+            w = (1.0 - share) * w + share * (unsized_p * d0 + d0 * (d0 + 1.0) / 2.0)
+            se *= 1.0 - share
         m = obs.kv_capacity_tokens or self.profile.kv_capacity_tokens
-        bound = fluid_lambda_max(obs.busy_prompt_tokens + d, w, self.profile, m, d, self.profile.max_num_seqs)
-        return bound, obs.busy_kv_workload_se / w
+        bound = fluid_lambda_max(p + d, w, self.profile, m, d, self.profile.max_num_seqs)
+        return bound, se / w
 
     def predict_ttft_s(self, obs: Observation, prompt_tokens: int) -> float:
         """:func:`predicted_ttft_s` with this controller's token budget and rho."""

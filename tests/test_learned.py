@@ -1098,6 +1098,14 @@ def test_the_busy_bound_is_the_fluid_bound_of_the_busy_periods_mix_with_its_erro
     assert c.busy_bound(light)[0] > 2 * bound  # one-token answers: a higher bound
     off = SloFlowController(max_num_batched_tokens=2048, profile=PROFILE, busy_mix=False)
     assert off.busy_bound(obs) == off.traffic_bound(obs)
+    # arrivals of sizes none completed of take the prior's output (128 tokens; no error is known of it)
+    unsized = copy.copy(light)
+    unsized.busy_unsized_share, unsized.busy_unsized_prompt_tokens = 1.0, 256.0
+    assert c.busy_bound(unsized) == (pytest.approx(bound), 0.0)
+    unsized.busy_unsized_share = 0.5
+    half = fluid_lambda_max(256 + (1 + 128) / 2, (257 + w) / 2, PROFILE, PROFILE.kv_capacity_tokens, (1 + 128) / 2,
+                            PROFILE.max_num_seqs)
+    assert c.busy_bound(unsized) == (pytest.approx(half), pytest.approx(0.05 * w / ((257 + w) / 2)))
 
 
 def test_only_arrivals_predicted_to_miss_their_slo_are_refused_and_the_measured_error_counts():

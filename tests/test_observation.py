@@ -215,6 +215,30 @@ def test_the_busy_period_reports_the_mix_of_its_own_arrivals():
     assert stats.current.busy_output_tokens == 1 and stats.snapshot().busy_kv_workload == w_probe
 
 
+def test_arrivals_of_a_size_none_completed_of_are_counted_apart_from_the_busy_periods_mix():
+    """After a spell of one-token answers to two-token prompts, the first 256-token prompts have no completion of
+    their size: their output is not the offered requests' mean (another size's, one token), so they are counted
+    apart (their share and mean prompt, for the controller's prior) and the mix holds the arrivals of known sizes."""
+    from tidegate.engine.core.stats import ObservationStats
+
+    stats = ObservationStats(kv_capacity_tokens=100_000)
+    for i in range(100):
+        stats.arrived(float(i), 2, idle=True)
+        stats.completed(i + 0.1, 2, 1, 0.05, None)
+    for i in range(3):
+        stats.arrived(200.0 + i, 256 + 64 * i, idle=i == 0)
+    obs = stats.current
+    assert (obs.busy_unsized_share, obs.busy_unsized_prompt_tokens) == (1.0, 320.0)
+    assert obs.busy_kv_workload == 0.0 and obs.busy_output_tokens == 0.0
+    stats.arrived(203.5, 2, idle=False)  # a probe: its size is known
+    obs = stats.snapshot()
+    assert obs.busy_unsized_share == 0.75 and (obs.busy_output_tokens, obs.busy_kv_workload) == (1.0, 3.0)
+    stats.completed(204.0, 256, 128, 0.5, 0.1)
+    stats.arrived(300.0, 256, idle=True)  # a new busy period, its size known now
+    obs = stats.current
+    assert obs.busy_unsized_share == 0.0 and obs.busy_output_tokens == 128.0
+
+
 def test_the_busy_period_counts_its_arrivals_and_their_rate_from_its_start():
     """An arrival into an empty engine starts a busy period: ``busy_arrivals`` counts from it, and ``busy_rate_rps``
     is the gaps between the period's last 64 arrivals at most over the time from the first of them to now, so an

@@ -99,14 +99,16 @@ class OfferedSizes:
         """Mean output length of the offered requests (0 before any completion)."""
         return self._wd / self._w if self._w > 0 else 0.0
 
-    def output_for(self, prompt_tokens: int) -> float:
+    def output_for(self, prompt_tokens: int, fallback: bool = True) -> float:
         """The output expected of an arrival with this prompt: the mean output of the recent completions of
         its prompt's size (its bin's last hundred or so), else of the offered requests (0 before any
-        completion). Within a bin admission does not depend on the output, so the bin's completions are
-        its arrivals' sample."""
+        completion; with ``fallback`` False, 0 where none of its size completed). Within a bin admission
+        does not depend on the output, so the bin's completions are its arrivals' sample."""
         k = self._bin(prompt_tokens)
         n = self._bin_n[k]
-        return self._bin_d[k] / n if n > 0 else self.output_tokens
+        if n > 0:
+            return self._bin_d[k] / n
+        return self.output_tokens if fallback else 0.0
 
     @property
     def kv_workload(self) -> float:

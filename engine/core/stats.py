@@ -237,6 +237,8 @@ class ObservationStats:
         self.offered_sizes = OfferedSizes(WORKLOAD_ALPHA)
         # the busy period's arrivals with an expected output: their count and sums of prompt, output, W and W^2
         self._busy_sums: list[float] = [0, 0.0, 0.0, 0.0, 0.0]
+        # the busy period's arrivals of a prompt size none completed of: their count and prompt sum
+        self._busy_unsized: list[float] = [0, 0.0]
         self.kv_steps = 0.0  # KV tokens in use summed over steps, decayed per completion
         self.kv_completions = 0.0  # completions, decayed alike (Little's law on the KV)
         #: KV tokens read by decodes summed over steps, decayed alike (the simulator's fast path adds
@@ -330,10 +332,13 @@ class ObservationStats:
             obs.last_completion_s = now_s
             obs.busy_arrivals = 0
             self._busy_sums = [0, 0.0, 0.0, 0.0, 0.0]
+            self._busy_unsized = [0, 0.0]
+            obs.busy_unsized_share = obs.busy_unsized_prompt_tokens = 0.0
         obs.busy_arrivals += 1
         if obs.busy_arrivals > STEADY_RATE_EVENTS:  # the mix of its first arrivals: past them nothing reads it
             return
-        d = self.offered_sizes.output_for(prompt_len)
+        d = self.offered_sizes.output_for(prompt_len, fallback=False)
+        unsized = self._busy_unsized
         if d > 0.0:  # the busy period's mix, of the arrivals whose output can be expected
             sums = self._busy_sums
             w = prompt_len * d + d * (d + 1.0) / 2.0
@@ -346,8 +351,13 @@ class ObservationStats:
             mean = sums[3] / n
             obs.busy_prompt_tokens, obs.busy_output_tokens, obs.busy_kv_workload = sums[1] / n, sums[2] / n, mean
             obs.busy_kv_workload_se = (math.sqrt(max(sums[4] / n - mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0)
-        elif idle:
-            obs.busy_prompt_tokens = obs.busy_output_tokens = obs.busy_kv_workload = obs.busy_kv_workload_se = 0.0
+        else:  # no completion of its size says what it will answer: the controller's prior does
+            unsized[0] += 1
+            unsized[1] += prompt_len
+            obs.busy_unsized_prompt_tokens = unsized[1] / unsized[0]
+            if idle:
+                obs.busy_prompt_tokens = obs.busy_output_tokens = obs.busy_kv_workload = obs.busy_kv_workload_se = 0.0
+        obs.busy_unsized_share = unsized[0] / (unsized[0] + self._busy_sums[0])
 
     def admitted(self, prompt_len: int, accepted: bool) -> None:
         """The admission's verdict on an arrival that could fit (``accepted``: it was queued)."""
@@ -463,6 +473,7 @@ class FrontArrivals:
         idle = obs.num_running <= 0 and obs.num_waiting <= 0
         if idle:  # a busy period starts with them: the last one's mix is not theirs (the traffic's bound judges)
             obs.busy_prompt_tokens = obs.busy_output_tokens = obs.busy_kv_workload = obs.busy_kv_workload_se = 0.0
+            obs.busy_unsized_share = obs.busy_unsized_prompt_tokens = 0.0
         busy = (0 if idle else obs.busy_arrivals) + unseen
         obs.busy_arrivals = busy
         if busy >= STEADY_RATE_EVENTS:  # past them the steady rates span the busy period, and nothing reads it

@@ -549,24 +549,27 @@ class SloFlowController(Controller):
         if rejection is not None or self.nothing_ahead(obs):
             return rejection
         limit = self.reject_delay_s(obs)
-        # the backlog witness: work ahead where the load does not read as under capacity (no rate fired)
-        if not limit < math.inf and self.backlog_witness and self.loaded_queue_witness and (
-                obs.num_waiting > 0 or obs.running_prefill_tokens > self._decision.token_budget) \
-                and arrivals_seen(obs) >= EVIDENCE_ARRIVALS and not self.under_capacity(obs):
-            limit = self.reject_above * self.ttft_slo_s  # no residual: a policy cannot make it refuse
         if not limit < math.inf:
-            if obs.num_waiting > 0 and (self.queue_witness or (
-                    self.loaded_queue_witness and arrivals_seen(obs) >= EVIDENCE_ARRIVALS
-                    and not self.under_capacity(obs))):
-                # the queue witness: the work ahead alone, by the prediction alone (no error margin, no
-                # residual: a policy cannot make it refuse), starts this arrival past the threshold; by
-                # default only where the load does not read as under capacity
-                threshold = self.reject_above * self.ttft_slo_s
-                ahead = self.predict_ttft_s(obs, 0)
-                if ahead > threshold:
-                    return Rejection(f"queue ahead predicted to take {ahead:.3g} s, past {threshold:.3g} s",
-                                     retry_after_s(obs))
-            return None
+            # no rate witnessed overload: work ahead (requests waiting; with the backlog witness, prefill left to the
+            # running requests past one step too) where the load does not read as under capacity is judged on
+            waiting = obs.num_waiting > 0
+            ahead = waiting or (self.backlog_witness and obs.running_prefill_tokens > self._decision.token_budget)
+            loaded = (self.loaded_queue_witness and ahead and arrivals_seen(obs) >= EVIDENCE_ARRIVALS
+                      and not self.under_capacity(obs))
+            if loaded and self.backlog_witness:
+                # the backlog witness: judged as in overload below (no residual: a policy cannot make it refuse)
+                limit = self.reject_above * self.ttft_slo_s
+            else:
+                if waiting and (self.queue_witness or loaded):
+                    # the queue witness: the work ahead alone, by the prediction alone (no error margin, no
+                    # residual: a policy cannot make it refuse), starts this arrival past the threshold; by
+                    # default only where the load does not read as under capacity
+                    threshold = self.reject_above * self.ttft_slo_s
+                    queue = self.predict_ttft_s(obs, 0)
+                    if queue > threshold:
+                        return Rejection(f"queue ahead predicted to take {queue:.3g} s, past {threshold:.3g} s",
+                                         retry_after_s(obs))
+                return None
         predicted = self.predict_ttft_s(obs, prompt_tokens)
         delay = predicted + max(obs.ttft_error_p95_s, 0.0)
         if self.relative_error:

@@ -225,6 +225,8 @@ class ShieldedController(Controller):
         self._credit = 0.0
         self._bucket = self.eviction_burst
         self._evictions_seen = 0
+        #: the largest ``max_tokens`` of the arrivals judged since the reset (``output_prior``)
+        self._longest_allowed = 0
         #: evictions the bucket was refilled with since the reset (soft mode's bound: docs/SAFETY.md)
         self.refilled = 0.0
         try:
@@ -266,12 +268,24 @@ class ShieldedController(Controller):
         return self.interventions / self.decisions if self.decisions else 0.0
 
     # ------------------------------------------------------------------ the safe set
+    def output_prior(self, obs: Observation) -> int:
+        """The output length w_hat and the burst assume before the first completion: ``prior_output_tokens``,
+        or the largest ``max_tokens`` of the arrivals judged since the reset where that is less. No output runs
+        past its ``max_tokens``, so the smaller still overstates every request's output (the reasoning of
+        ``SloFlowController.output_prior``); the prior alone made the shield pace Dong & Cao's slot model (20-token
+        outputs) six times slower than its arrivals until the first completion, and the queue that built up then
+        started at once into the memory the running requests were about to take."""
+        longest = self._longest_allowed
+        if obs.completed_total > 0 or not longest > 0 or longest >= self.prior_output_tokens:
+            return self.prior_output_tokens
+        return longest
+
     def safe_budget(self, obs: Observation) -> float:
         """rho * M / w_hat activations per step: steady KV demand rho * M (Little's law on KV); with
         ``stable_rate``, Algorithm 1's M / w_hat where the steady arrivals ask between rho M and M."""
         if self.stable_rate:
-            return stable_activation_rate(obs, self.target_usage, self.prior_output_tokens)
-        return safe_activation_rate(obs, self.target_usage, self.prior_output_tokens)
+            return stable_activation_rate(obs, self.target_usage, self.output_prior(obs))
+        return safe_activation_rate(obs, self.target_usage, self.output_prior(obs))
 
     def eviction_refill(self, obs: Observation) -> float:
         """Evictions the bucket refills this step: ``eviction_budget_per_step``, or with ``eviction_cost``
@@ -328,6 +342,8 @@ class ShieldedController(Controller):
 
     # ------------------------------------------------------------------ Controller
     def admit(self, obs: Observation, prompt_tokens: int, max_tokens: int) -> Rejection | None:
+        if type(max_tokens) is int and max_tokens > self._longest_allowed:
+            self._longest_allowed = max_tokens
         if self.max_waiting is not None and obs.num_waiting >= self.max_waiting:
             self.rejections += 1
             return Rejection(f"queue is full ({obs.num_waiting} waiting)", retry_after_s(obs))
@@ -456,7 +472,7 @@ class ShieldedController(Controller):
         runs and something waits (liveness)."""
         allowance = self._credit + safe
         allowed = int(allowance) if allowance < UNLIMITED else UNLIMITED
-        burst = headroom_activations(obs, BURST_USAGE * self.target_usage, self.prior_output_tokens)
+        burst = headroom_activations(obs, BURST_USAGE * self.target_usage, self.output_prior(obs))
         if burst > allowed:
             allowed = burst
         if proposed is None or not proposed >= 1:  # also NaN

@@ -146,6 +146,13 @@ LONG = "x" * 3000
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": [1, 2, 99999]}, "outside the vocabulary"),
     ({"model": "tiny", "prompt": "hi", "seed": 2**70}, "seed must be a 64-bit integer"),
+    # a field of several forms: the rule the nearest form broke, or the forms it may take
+    ({"model": "tiny", "prompt": []}, "prompt: List should have at least 1 item"),
+    ({"model": "tiny", "prompt": [5, -1]}, "prompt.1 must be at least 0, got -1"),
+    ({"model": "tiny", "prompt": [[1], []]}, "prompt.1: List should have at least 1 item"),
+    ({"model": "tiny", "prompt": 5}, "prompt must be one of: str, list[str], list[int], list[list[int]]"),
+    ({"model": "tiny", "prompt": "hi", "stop": ["a"] * 1000}, "stop: List should have at most"),
+    ({"model": "tiny", "prompt": "hi", "stop": [1]}, "stop must be one of: str, list[str]"),
 ])
 def test_bad_input_gets_a_400_with_an_error_body(server, body, fragment):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -159,6 +166,9 @@ def test_chat_bad_input(server):
     assert r.status_code == 400
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard"}]})
     assert r.status_code == 400
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user",
+                                                                                          "content": 5}]})
+    assert r.status_code == 400 and "messages.0.content must be one of: str, list[" in r.json()["error"]["message"]
 
 
 def test_disconnect_mid_stream_frees_blocks(server):

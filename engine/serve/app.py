@@ -92,7 +92,7 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 async def _invalid_request(request: HttpRequest, exc: RequestValidationError):
     """A body that fails its schema: 400 with the first error, in OpenAI's error body."""
-    message, param = validation_message(exc.errors()[0] if exc.errors() else {})
+    message, param = validation_message(exc.errors())
     return error_response(400, message, param=param)
 
 

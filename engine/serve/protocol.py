@@ -507,13 +507,56 @@ def error_body(message: str, type_: str = "invalid_request_error", code: int | s
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def validation_message(err: dict) -> tuple[str, str | None]:
-    """``(message, parameter)`` of the first error of a body that fails its schema."""
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+#: the names pydantic gives a union's branches in an error's location (``prompt.list[constrained-int].0``)
+_BRANCH_NAMES = ("str", "int", "float", "bool", "none")
+_BRANCH_PREFIXES = ("constrained-", "list[", "dict[", "tuple[", "set[", "function-", "literal[")
+
+
+def _is_branch(part) -> bool:
+    return isinstance(part, str) and (part in _BRANCH_NAMES or part.startswith(_BRANCH_PREFIXES))
+
+
+def validation_message(errors) -> tuple[str, str | None]:
+    """``(message, parameter)`` of a body that fails its schema: its first field's error, or where that field
+    takes one of several forms (a union: ``prompt`` is a text, texts, token ids or lists of them), the error of
+    the form that came nearest (a rule it broke, not a type it is not), its location without the form's name; the
+    forms it may take where it is none of them."""
+    errors = list(errors)
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
     if err.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    loc = [p for p in err.get("loc", ()) if p != "body"]
     if not loc:
         return err.get("msg", "invalid request"), None
+    cut = _branch_at(loc)
+    forms = []
+    if cut:
+        for e in errors:
+            at = [p for p in e.get("loc", ()) if p != "body"]
+            if _branch_at(at) == cut and at[:cut] == loc[:cut]:
+                forms.append((e, at))
+    if len(forms) > 1:
+        where = ".".join(str(p) for p in loc[:cut])
+        broken = [(e, at) for e, at in forms if not str(e.get("type", "")).endswith("_type")]
+        if not broken:
+            names = dict.fromkeys(str(at[cut]).replace("constrained-", "") for _, at in forms)
+            return f"{where} must be one of: {', '.join(names)}", str(loc[0])
+        err, at = max(broken, key=lambda pair: len(pair[1]))
+        loc = [*loc[:cut], *at[cut + 1:]]
+    return _described(err, [str(p) for p in loc])
+
+
+def _branch_at(loc: list) -> int:
+    """Where the name of a union's branch stands in an error's location (0: nowhere)."""
+    for i, part in enumerate(loc):
+        if i and _is_branch(part):
+            return i
+    return 0
+
+
+def _described(err: dict, loc: list[str]) -> tuple[str, str | None]:
     param, where = loc[0], ".".join(loc)
     kind, ctx, got = err.get("type"), err.get("ctx") or {}, err.get("input")
     if kind == "extra_forbidden" and len(loc) == 1:

@@ -219,12 +219,17 @@ class FleetTwin:
         if not core.has_unfinished and core.clock.now() < t:
             core.clock.advance_to(t)
         request: Request = item.payload
+        # the replica's clock starts at its own receipt, as a real replica's does: what it measures (its TTFT and
+        # the errors of its predictions, its queue timeout) holds no time spent in the gateway; the fleet's figures
+        # count from the gateway's arrival again when the reply comes back
+        request.arrival_time_s = t
         if core.add_request(request) is not None:  # the replica's own controller refused it
             self.refused_by_replica[j] += 1
             self.push(t + self.s.network_s, _REPLY, (j, request))
 
     def _reply(self, t: float, j: int, request: Request) -> None:
         view = self.views[j]
+        request.arrival_time_s = self.arrivals[int(request.request_id)].arrival_time_s
         dispatched = self.dispatched_at.pop(request.request_id, t)
         finished = request.state is RequestState.FINISHED
         view.ended(t, completed=finished, lifetime_s=t - dispatched)

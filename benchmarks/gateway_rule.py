@@ -4,11 +4,12 @@
     python benchmarks/gateway_rule.py compare DIR_BEFORE DIR_AFTER --out DIR
 
 ``run`` serves whole episodes of the fleet env (the config's fleet: 4 replicas of the A100 preset that
-schedule as vLLM does, behind the predicted-delay router, 128 s of arrivals, then the drain) at action 0,
-the gateway's own rule, for every family of the config (training and held-out) at each load (a multiple of
-the fleet's fluid bound), on test draws that neither training nor validation saw. Each episode records
-goodput, SLO misses, refusals, the prompt tokens of the requests that met both SLOs, and how the longest
-tenth of the episode's prompts fared. It writes ``rule.json``.
+schedule as vLLM does, or as ``--replica-controller`` says, behind the predicted-delay router, 128 s of
+arrivals, then the drain) at action 0, the gateway's own rule, for every family of the config (training and
+held-out) at each load (a multiple of the fleet's fluid bound), on test draws that neither training nor
+validation saw. Each episode records goodput, SLO misses, refusals, the prompt tokens of the requests that met
+both SLOs, and how the longest tenth of the episode's prompts fared.
+It writes ``rule.json``.
 
 ``compare`` pairs two such runs (the same cells; say, the tree before a change on ``PYTHONPATH`` and the
 tree after) and writes ``gateway_rule.md`` (goodput after / before per cell, geometric means, misses and
@@ -60,6 +61,8 @@ def run_cell(env: FleetEnv, family: str, load: float, draw: int) -> dict:
 
 def run(args) -> None:
     env_kwargs, families, _ = fleet_config(args.families)
+    if args.replica_controller:
+        env_kwargs["replica_controller"] = args.replica_controller
     loads = parse_list(args.loads, "--loads", float, "numbers like 0.5,1.2")
     draws = parse_list(args.draws, "--draws", int, "integers like 0,1,2")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -149,6 +152,8 @@ def main() -> None:
     r.add_argument("--loads", default="0.5,0.8,1.2,2,3")
     r.add_argument("--draws", default="0,1,2", help="test draws per (family, load)")
     r.add_argument("--families", default=None, help="default: the config's training and held-out families")
+    r.add_argument("--replica-controller", default=None,
+                   help="each replica's own controller (default: the config's, greedy: vLLM's scheduling)")
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
@@ -156,7 +161,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         run(args) if args.cmd == "run" else compare(args)
-    except (OptionError, WorkloadError) as e:
+    except (OptionError, WorkloadError, ValueError) as e:
         fail(str(e))
 
 

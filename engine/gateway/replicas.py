@@ -72,8 +72,10 @@ class ReplicaView:
     #: the time per output token the replica's running requests should see (None: no concurrency limit)
     tpot_slo_s: float | None = None
     #: the most of the gateway's requests the replica may hold: additive increase while the streams'
-    #: time per token meets the SLO (+1 a completion until the first cut, as TCP's slow start; then
-    #: +1/limit), cut by a fifth of what was in flight when it does not, at most once a request lifetime
+    #: time per token meets the SLO and the replica queued nothing at its last scrape (+1 a completion
+    #: until the first cut, as TCP's slow start; then +1/limit), cut by a fifth of what was in flight when
+    #: the time per token does not, at most once a request lifetime, and to what the replica runs and the
+    #: queue it may hold (``queue_allowed``) when two scrapes in a row find it queueing more than that
     limit: float = 4.0
     slow_start: bool = True
     #: seconds per token between the streams' chunks, exponentially weighted, and the lowest it has been
@@ -84,6 +86,8 @@ class ReplicaView:
     #: seconds a completed request took, exponentially weighted
     lifetime_s: float = 1.0
     last_cut: float = -math.inf
+    #: scrapes in a row that found the replica queueing more than ``queue_allowed``
+    queued_scrapes: int = 0
     #: the last scrape's gauges (None: never scraped, or the replica exports no queue gauge)
     waiting: float | None = None
     running: float | None = None
@@ -156,8 +160,12 @@ class ReplicaView:
             return False
         if self.stale(now) or not self.waiting:
             return True  # it queued nothing at the last word: the limit alone bounds what it holds
-        allowed = max(1.0, math.ceil(self.completion_rate(now) * 2 * scrape_period_s))
-        return self.queued(now) < allowed
+        return self.queued(now) < self.queue_allowed(now, scrape_period_s)
+
+    def queue_allowed(self, now: float, scrape_period_s: float) -> float:
+        """What the replica may queue: what it starts before the next scrape can say more (its measured rate of
+        completions over two scrape periods), and at least one request."""
+        return max(1.0, math.ceil(self.completion_rate(now) * 2 * scrape_period_s))
 
     def refusing(self, now: float) -> bool:
         """The replica refused a request after its last scrape began, and not longer ago than its
@@ -190,10 +198,18 @@ class ReplicaView:
 
     # ------------------------------------------------------------------------------- events
     def scraped(self, sent_at: float, gauges: dict[str, float]) -> None:
+        period = sent_at - self.scraped_at if self.scraped_at is not None else None
         self.scraped_at = sent_at
         self.waiting = gauges.get("waiting")
         self.running = gauges.get("running")
         self.kv_usage = gauges.get("kv_usage")
+        if self.waiting and self.running is not None and self.tpot_slo_s is not None and period is not None:
+            allowed = self.queue_allowed(sent_at, period)
+            self.queued_scrapes = self.queued_scrapes + 1 if self.waiting > allowed else 0
+            if self.queued_scrapes >= 2:
+                self.limit = max(1.0, min(self.limit, self.running + allowed))
+        else:
+            self.queued_scrapes = 0
         while self.dispatches and self.dispatches[0] < sent_at - 60.0:
             self.dispatches.popleft()
 
@@ -218,7 +234,8 @@ class ReplicaView:
                 self.lifetime_s = 0.9 * self.lifetime_s + 0.1 * lifetime_s
             target = self.tpot_target()
             # a limit of one grows back whatever the time per token: one at a time is no cure for a slow replica
-            if binding and (target is None or self.tpot_s is None or self.tpot_s <= target or self.limit < 2.0):
+            if binding and not self.waiting and (target is None or self.tpot_s is None or self.tpot_s <= target
+                                                 or self.limit < 2.0):
                 self.limit += 1.0 if self.slow_start else 1.0 / self.limit
 
     def refused(self, now: float) -> None:

@@ -19,6 +19,10 @@ and TPOT <= ``--tpot-slo-ms``.
 5. kill: the fleet at 1 x its capacity; replica B's processes are killed at half time. Its open
    streams must end (an error event and ``[DONE]``) within 2 s, and the rest keep serving.
 
+``--rounds N`` runs the separate and fleet arms N times, interleaved (each round in the reverse order of the
+last), and reports each round's ratios and their geometric mean: on a VM whose speed drifts within the hour, a
+ratio of arms minutes apart is steadier than one run of each.
+
 The servers and an idle probe (one small completion every 100 ms, in a process of its own: the loaded
 client's event loop lags behind thousands of streams) run ``--client-nice`` steps less nice than the
 clients, which share this machine's cores with them. Writes ``gateway.json``, ``gateway.md`` and
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -285,8 +290,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--client-nice", type=int, default=5,
                    help="the servers (and the idle probe) run this many steps less nice than the clients")
     p.add_argument("--arms", default="capacity,separate,fleet,light,kill,ray")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the separate and fleet arms this many times over, interleaved (the ratios per round)")
     p.add_argument("--out", type=Path, default=Path("docs/bench/gateway"))
-    return p.parse_args()
+    args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
 
 
 def main() -> None:
@@ -304,18 +314,32 @@ def main() -> None:
     fleet_cap = sum(cap.values())
     log(f"capacity a {cap['a']:.2f}, b {cap['b']:.2f}, fleet {fleet_cap:.2f} req/s")
     slo = ["--ttft-slo-s", str(args.ttft_slo_ms / 1000), "--tpot-slo-s", str(args.tpot_slo_ms / 1000)]
-    if "separate" in arms:
-        log(f"separate: each replica at {args.load}x its own capacity, all at once")
-        runs = arm_separate(args, logs, [args.load * cap["a"], args.load * cap["b"]], args.duration, seed=2)
-        res["separate"] = {n: figures(o, w, args) for n, (o, w) in zip("ab", runs)}
-        res["separate_goodput_sum"] = sum(r["goodput_rps"] for r in res["separate"].values())
-    if "fleet" in arms:
-        log(f"fleet behind the gateway ({args.router}) at {args.load}x")
-        res["gateway"] = arm_fleet(args, logs, args.load * fleet_cap, ["--router", args.router, *slo], seed=2,
-                                   name="gateway")
-        log(f"fleet behind a plain round robin at {args.load}x")
-        res["round_robin"] = arm_fleet(args, logs, args.load * fleet_cap,
-                                       ["--router", "round-robin", "--no-admission"], seed=2, name="round-robin")
+    rounds = []
+    for k in range(args.rounds):
+        # the arms of a round one after the other, in the reverse order every other round: a VM whose speed drifts
+        # within the hour favours no arm, and each round's ratios pair arms minutes apart on the same arrivals
+        one: dict = {}
+        order = [a for a in ("separate", "fleet") if a in arms]
+        for arm in (order if k % 2 == 0 else order[::-1]):
+            if arm == "separate":
+                log(f"round {k + 1}: separate, each replica at {args.load}x its own capacity, all at once")
+                runs = arm_separate(args, logs, [args.load * cap["a"], args.load * cap["b"]], args.duration, seed=2)
+                one["separate"] = {n: figures(o, w, args) for n, (o, w) in zip("ab", runs)}
+                one["separate_goodput_sum"] = sum(r["goodput_rps"] for r in one["separate"].values())
+            else:
+                fleets = [("gateway", ["--router", args.router, *slo]),
+                          ("round_robin", ["--router", "round-robin", "--no-admission"])]
+                for name, gateway_args in (fleets if k % 2 == 0 else fleets[::-1]):
+                    log(f"round {k + 1}: the fleet behind {name.replace('_', ' ')} at {args.load}x")
+                    one[name] = arm_fleet(args, logs, args.load * fleet_cap, gateway_args, seed=2,
+                                          name=name.replace("_", "-"))
+        rounds.append(one)
+    if rounds and rounds[0]:
+        res.update(rounds[0])  # the table's arms: the first round's
+        if args.rounds > 1:
+            res["rounds"] = [{"separate_goodput_sum": r.get("separate_goodput_sum"),
+                              "gateway": r.get("gateway", {}).get("goodput_rps"),
+                              "round_robin": r.get("round_robin", {}).get("goodput_rps")} for r in rounds]
     if "light" in arms:
         log("light load: direct and through the gateway")
         res["light"] = arm_light(args, logs, 0.3 * cap["a"])
@@ -353,6 +377,26 @@ def write_report(res: dict, out: Path) -> None:
         lines += ["", f"Gateway goodput: **{g / max(res['round_robin']['goodput_rps'], 1e-12):.2f}x** round robin's, "
                       f"**{g / res['separate_goodput_sum']:.2f}x** the replicas' separate goodputs summed "
                       f"({res['separate_goodput_sum']:.2f} req/s)."]
+    if res.get("rounds"):
+        lines += ["", "| round | separate, summed | gateway | round robin | gateway / round robin "
+                      "| gateway / separate |", "|---:|---:|---:|---:|---:|---:|"]
+        vs_rr, vs_sep = [], []
+        for i, r in enumerate(res["rounds"], 1):
+            g, rr, sep = r["gateway"], r["round_robin"], r["separate_goodput_sum"]
+            a = g / rr if g is not None and rr else float("nan")
+            b = g / sep if g is not None and sep else float("nan")
+            vs_rr.append(a)
+            vs_sep.append(b)
+            cells = ["" if x is None else f"{x:.2f}" for x in (sep, g, rr)]
+            lines.append(f"| {i} | {' | '.join(cells)} | {a:.2f}x | {b:.2f}x |")
+
+        def gmean(xs):
+            xs = [x for x in xs if x > 0]
+            return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+        lines += ["", f"Over {len(res['rounds'])} rounds (geometric mean of the rounds' ratios): the gateway "
+                      f"**{gmean(vs_rr):.2f}x** round robin's goodput, **{gmean(vs_sep):.2f}x** the replicas' "
+                      "separate goodputs summed."]
     if res.get("gateway", {}).get("gateway_cpu_share") is not None:
         lines += ["", f"The gateway's process used {res['gateway']['gateway_cpu_share']:.0%} of a core at the overload "
                       f"(the machine has {os.cpu_count()}, shared with the replicas and the clients)."]

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -391,8 +391,8 @@ def write_report(res: dict, out: Path) -> None:
             lines.append(f"| {i} | {' | '.join(cells)} | {a:.2f}x | {b:.2f}x |")
 
         def gmean(xs):
-            xs = [x for x in xs if x > 0]
-            return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+            xs = [x for x in xs if x > 0]  # NaN is not: a round without the arm
+            return statistics.geometric_mean(xs) if xs else float("nan")
 
         lines += ["", f"Over {len(res['rounds'])} rounds (geometric mean of the rounds' ratios): the gateway "
                       f"**{gmean(vs_rr):.2f}x** round robin's goodput, **{gmean(vs_sep):.2f}x** the replicas' "

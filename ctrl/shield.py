@@ -38,7 +38,9 @@ from typing import ClassVar
 from tidegate.ctrl.base import (
     RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, UNLIMITED, Controller, Decision, Observation, Rejection, retry_after_s,
 )
-from tidegate.ctrl.theory import BURST_USAGE, headroom_activations, safe_activation_rate, stable_activation_rate
+from tidegate.ctrl.theory import (
+    BURST_USAGE, headroom_activations, prior_output, safe_activation_rate, stable_activation_rate,
+)
 
 MODES = ("strict", "soft")
 
@@ -272,13 +274,10 @@ class ShieldedController(Controller):
         """The output length w_hat and the burst assume before the first completion: ``prior_output_tokens``,
         or the largest ``max_tokens`` of the arrivals judged since the reset where that is less. No output runs
         past its ``max_tokens``, so the smaller still overstates every request's output (the reasoning of
-        ``SloFlowController.output_prior``); the prior alone made the shield pace Dong & Cao's slot model (20-token
-        outputs) six times slower than its arrivals until the first completion, and the queue that built up then
-        started at once into the memory the running requests were about to take."""
-        longest = self._longest_allowed
-        if obs.completed_total > 0 or not longest > 0 or longest >= self.prior_output_tokens:
-            return self.prior_output_tokens
-        return longest
+        ``SloFlowController.output_prior``, ``ctrl.theory.prior_output``); the prior alone made the shield pace Dong &
+        Cao's slot model (20-token outputs) six times slower than its arrivals until the first completion, and the
+        queue that built up then started at once into the memory the running requests were about to take."""
+        return prior_output(obs, self.prior_output_tokens, self._longest_allowed)
 
     def safe_budget(self, obs: Observation) -> float:
         """rho * M / w_hat activations per step: steady KV demand rho * M (Little's law on KV); with

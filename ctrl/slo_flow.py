@@ -72,8 +72,8 @@ from tidegate.ctrl.base import (
     ReplicaProfile, retry_after_s,
 )
 from tidegate.ctrl.theory import (
-    BURST_USAGE, STEADY_OVERLOAD, arrivals_seen, fluid_lambda_max, headroom_activations, safe_activation_rate,
-    shrunk_lambda_max_interval, prefill_time_s, stable_activation_rate, tpot_running_cap,
+    BURST_USAGE, STEADY_OVERLOAD, arrivals_seen, fluid_lambda_max, headroom_activations, prior_output,
+    safe_activation_rate, shrunk_lambda_max_interval, prefill_time_s, stable_activation_rate, tpot_running_cap,
 )
 
 #: nothing is refused before this many arrivals: the engine's rate estimates span 64 events, and
@@ -346,10 +346,7 @@ class SloFlowController(Controller):
         shrunk towards ``prior_output_tokens`` itself (``prior_weight``): a margin while few outputs are known
         (with the prior at the outputs' own 64 tokens, a step to 3 x after an idle spell had 2-5 fewer of ~95
         requests within the SLOs in six draws out of six)."""
-        longest = self._longest_allowed
-        if obs.completed_total > 0 or not longest > 0:
-            return self.prior_output_tokens
-        return min(self.prior_output_tokens, longest)
+        return prior_output(obs, self.prior_output_tokens, self._longest_allowed)
 
     def set_residual(self, activation_scale: float = 1.0, token_scale: float = 1.0,
                      reject_scale: float = 1.0) -> None:

@@ -34,6 +34,16 @@ def estimated_kv_workload(obs: Observation, prior_output_tokens: int) -> float:
     return float(lifetime_kv_workload(l, prior_output_tokens))
 
 
+def prior_output(obs: Observation, prior_output_tokens: int, longest_allowed: int) -> int:
+    """The output length assumed before the first completion: ``prior_output_tokens``, or the largest
+    ``max_tokens`` of the arrivals judged so far (``longest_allowed``, 0 before any) where that is less. No output
+    runs past its ``max_tokens``, so the smaller still overstates every request's output. The largest, not the
+    mean: a spell of one-token probes must not make the requests that follow it look short."""
+    if obs.completed_total > 0 or not longest_allowed > 0:
+        return prior_output_tokens
+    return min(prior_output_tokens, longest_allowed)
+
+
 #: a burst of activations may fill the KV up to this fraction of rho M at once (requests of the mean
 #: size, counted at their peak); above it, only the memory-safe rate: a burst at light load starts
 #: at once, as under a greedy scheduler, while an overloaded replica, whose KV sits near rho M, is

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tidegate.engine.bench.loadgen import plan_random, run, run_load, summarize
 from tidegate.engine.bench.overload.server import Server
@@ -168,10 +169,22 @@ def drive_each(urls: list[str], rates: list[float], duration_s: float, args, see
     return run(all_at_once())
 
 
-def arm_separate(args, out: Path, rates: list[float], duration_s: float, seed: int) -> list[tuple[list, float]]:
+def preempted(replicas: list[Server]) -> list[float]:
+    """Each replica's count of requests it preempted (evicted from its KV cache, to run again) so far."""
+    counts = []
+    for r in replicas:
+        samples = [s.value for f in text_string_to_metric_families(httpx.get(r.url + "/metrics").text)
+                   for s in f.samples if s.name == "tidegate:num_preemptions_total"]
+        counts.append(sum(samples) if samples else float("nan"))
+    return counts
+
+
+def arm_separate(args, out: Path, rates: list[float], duration_s: float,
+                 seed: int) -> tuple[list[tuple[list, float]], list[float]]:
+    """Each replica driven by a client of its own: the runs, and each replica's preemptions."""
     replicas = start_replicas(args, "ab", out)
     try:
-        return drive_each([r.url for r in replicas], rates, duration_s, args, seed)
+        return drive_each([r.url for r in replicas], rates, duration_s, args, seed), preempted(replicas)
     finally:
         for r in replicas:
             r.stop()
@@ -227,6 +240,7 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
             after = [o for p, o in zip(plan, outcomes) if p.at_s > kill_s + 2 and o.status == 200 and o.error is None]
             res.update(streams_broken=len(broken), slowest_end_after_kill_s=max(broken, default=0.0),
                        completed_after_kill=len(after))
+        res["preemptions"] = sum(preempted(replicas))
         res["gateway_metrics"] = {line.split(" ")[0]: float(line.split(" ")[1])
                                   for line in httpx.get(gw.url + "/metrics").text.splitlines()
                                   if line.startswith(("tidegate:gateway_requests_total",
@@ -308,7 +322,7 @@ def main() -> None:
     res: dict = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
                  "args": {k: str(v) for k, v in vars(args).items()}}
     log("capacity of each replica, both flooded at once")
-    runs = arm_separate(args, logs, [args.flood_rps, args.flood_rps], args.capacity_s, seed=1)
+    runs, _ = arm_separate(args, logs, [args.flood_rps, args.flood_rps], args.capacity_s, seed=1)
     cap = {n: summarize(o, w)["throughput_rps"] for n, (o, w) in zip("ab", runs)}
     res["capacity_rps"] = cap
     fleet_cap = sum(cap.values())
@@ -323,8 +337,10 @@ def main() -> None:
         for arm in (order if k % 2 == 0 else order[::-1]):
             if arm == "separate":
                 log(f"round {k + 1}: separate, each replica at {args.load}x its own capacity, all at once")
-                runs = arm_separate(args, logs, [args.load * cap["a"], args.load * cap["b"]], args.duration, seed=2)
-                one["separate"] = {n: figures(o, w, args) for n, (o, w) in zip("ab", runs)}
+                runs, counts = arm_separate(args, logs, [args.load * cap["a"], args.load * cap["b"]], args.duration,
+                                            seed=2)
+                one["separate"] = {n: {**figures(o, w, args), "preemptions": c}
+                                   for n, (o, w), c in zip("ab", runs, counts)}
                 one["separate_goodput_sum"] = sum(r["goodput_rps"] for r in one["separate"].values())
             else:
                 fleets = [("gateway", ["--router", args.router, *slo]),
@@ -364,14 +380,14 @@ def write_report(res: dict, out: Path) -> None:
     lines = [f"# Two replicas behind the gateway ({res['date']}, {res['machine']})", "",
              f"Capacity (req/s): {json.dumps(res['capacity_rps'])}", "",
              "| arm | goodput req/s | served | 429 | 503 | 5xx | stream errors | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-             "| 429 p99 ms: client / idle probe |", "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+             "| 429 p99 ms: client / idle probe | preempted |", "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|"]
     for name, r in rows:
         if r:
             lines.append(f"| {name} | {r['goodput_rps']:.2f} | {r['completed']}/{r['sent']} | {r['rejected_429']} | "
                          f"{r['unavailable_503']} | {r['server_errors_5xx']} | {r['stream_errors']} | "
                          f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.0f} / "
                          f"{r['tpot_p99_ms']:.0f} | {r['reject_latency_p99_ms']:.0f} / "
-                         f"{r.get('probe_429_p99_ms', float('nan')):.0f} |")
+                         f"{r.get('probe_429_p99_ms', float('nan')):.0f} | {r.get('preemptions', float('nan')):.0f} |")
     if res.get("gateway") and res.get("round_robin") and res.get("separate_goodput_sum"):
         g = res["gateway"]["goodput_rps"]
         lines += ["", f"Gateway goodput: **{g / max(res['round_robin']['goodput_rps'], 1e-12):.2f}x** round robin's, "

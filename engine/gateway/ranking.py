@@ -24,7 +24,7 @@ from tidegate.engine.gateway.replicas import ReplicaView
 from tidegate.engine.gateway.routers import make_router
 
 #: the gauges a report may carry, by the gateway's names
-_GAUGES = ("waiting", "running", "kv_usage")
+_GAUGES = ("waiting", "running", "kv_usage", "preemptions")
 #: seconds past twice the TTFT SLO after which a waiting request not seen again is forgotten
 _FORGET_AFTER_S = 5.0
 #: ends heard before their routing that are remembered, the oldest forgotten first

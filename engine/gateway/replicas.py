@@ -24,6 +24,8 @@ GAUGE_NAMES = {
     "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "tidegate:num_requests_running"),
     "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
                  "tidegate:kv_cache_usage_perc"),
+    # a counter: requests the replica preempted (evicted from its KV, to run again) since it started
+    "preemptions": ("vllm:num_preemptions_total", "tidegate:num_preemptions_total"),
 }
 _NAME_TO_GAUGE = {name: gauge for gauge, names in GAUGE_NAMES.items() for name in names}
 
@@ -37,10 +39,12 @@ def parse_gauges(text: str) -> dict[str, float]:
     wanted = "\n".join(line for line in text.splitlines() if _mentions_gauge(line))
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(wanted):
-        gauge = _NAME_TO_GAUGE.get(family.name)
+        # the parser names a counter's family without its ``_total`` and keeps the suffix on its samples
+        name = family.name + "_total" if family.type == "counter" else family.name
+        gauge = _NAME_TO_GAUGE.get(name)
         if gauge is None:
             continue
-        values = [s.value for s in family.samples if s.name == family.name and math.isfinite(s.value)]
+        values = [s.value for s in family.samples if s.name == name and math.isfinite(s.value)]
         if values and gauge not in out:  # the first name of a gauge found wins (vLLM's newer KV name)
             out[gauge] = float(sum(values))
     return out
@@ -72,10 +76,12 @@ class ReplicaView:
     #: the time per output token the replica's running requests should see (None: no concurrency limit)
     tpot_slo_s: float | None = None
     #: the most of the gateway's requests the replica may hold: additive increase while the streams'
-    #: time per token meets the SLO and the replica queued nothing at its last scrape (+1 a completion
-    #: until the first cut, as TCP's slow start; then +1/limit), cut by a fifth of what was in flight when
-    #: the time per token does not, at most once a request lifetime, and to what the replica runs and the
-    #: queue it may hold (``queue_allowed``) when two scrapes in a row find it queueing more than that
+    #: time per token meets the SLO and the replica neither queued nor preempted at its last scrape (+1 a
+    #: completion until the first cut, as TCP's slow start; then +1/limit), cut by a fifth of what was in
+    #: flight when the time per token does not or a scrape finds the replica preempted requests (it holds
+    #: more than its KV cache runs: a loss, in TCP's terms), at most once a request lifetime, and to what
+    #: the replica runs and the queue it may hold (``queue_allowed``) when two scrapes in a row find it
+    #: queueing more than that
     limit: float = 4.0
     slow_start: bool = True
     #: seconds per token between the streams' chunks, exponentially weighted, and the lowest it has been
@@ -92,6 +98,9 @@ class ReplicaView:
     waiting: float | None = None
     running: float | None = None
     kv_usage: float | None = None
+    #: the replica's preemption counter at the last scrape, and whether it had grown since the scrape before
+    preemptions: float | None = None
+    preempting: bool = False
     #: when the scrape whose gauges these are was sent
     scraped_at: float | None = None
     #: False after a connection failure or a failed health check, until a health check passes
@@ -190,9 +199,16 @@ class ReplicaView:
         if self.tpot_samples >= self.FLOOR_AFTER:
             self.tpot_floor_s = min(self.tpot_floor_s, self.tpot_s)
         target = self.tpot_target()
-        if target is not None and self.tpot_s > target and self.in_flight > 1 \
-                and now - self.last_cut > self.lifetime_s:
-            self.limit = max(1.0, min(self.limit, self.in_flight) * 0.8)
+        if target is not None and self.tpot_s > target:
+            self.cut(now)
+
+    def cut(self, now: float, by: float = math.inf) -> None:
+        """Cut the limit to what is in flight less a fifth of it, or less ``by`` when that is fewer, unless a
+        cut came less than a request lifetime ago (what is in flight then still holds what the last cut let
+        through) or one request is."""
+        if self.in_flight > 1 and now - self.last_cut > self.lifetime_s:
+            held = min(self.limit, self.in_flight)
+            self.limit = max(1.0, held - min(by, 0.2 * held))
             self.slow_start = False
             self.last_cut = now
 
@@ -203,6 +219,12 @@ class ReplicaView:
         self.waiting = gauges.get("waiting")
         self.running = gauges.get("running")
         self.kv_usage = gauges.get("kv_usage")
+        count = gauges.get("preemptions")
+        preempted = count - self.preemptions if count is not None and self.preemptions is not None else 0.0
+        self.preempting = preempted > 0
+        self.preemptions = count
+        if self.preempting and self.tpot_slo_s is not None:
+            self.cut(sent_at, preempted)
         if self.waiting and self.running is not None and self.tpot_slo_s is not None and period is not None:
             allowed = self.queue_allowed(sent_at, period)
             self.queued_scrapes = self.queued_scrapes + 1 if self.waiting > allowed else 0
@@ -234,8 +256,8 @@ class ReplicaView:
                 self.lifetime_s = 0.9 * self.lifetime_s + 0.1 * lifetime_s
             target = self.tpot_target()
             # a limit of one grows back whatever the time per token: one at a time is no cure for a slow replica
-            if binding and not self.waiting and (target is None or self.tpot_s is None or self.tpot_s <= target
-                                                 or self.limit < 2.0):
+            meets = target is None or self.tpot_s is None or self.tpot_s <= target or self.limit < 2.0
+            if binding and not self.waiting and not self.preempting and meets:
                 self.limit += 1.0 if self.slow_start else 1.0 / self.limit
 
     def refused(self, now: float) -> None:

@@ -198,7 +198,9 @@ class FleetTwin:
 
     def _scrape(self, t: float) -> None:
         for core, view in zip(self.cores, self.views):
-            view.scraped(t, {"waiting": float(len(core.waiting)), "running": float(len(core.running))})
+            view.scraped(t, {"waiting": float(len(core.waiting)), "running": float(len(core.running)),
+                             "kv_usage": core.pool.used_tokens / core.pool.capacity_tokens,
+                             "preemptions": float(core.metrics.evictions)})
         self._dispatch(t)
         if self.pending:
             self.push(t + self.s.scrape_interval_s, _SCRAPE)

@@ -256,13 +256,14 @@ class EngineService:
 
     def load_gauges(self) -> dict[str, float]:
         """The load gauges ``/metrics`` exports (``num_requests_waiting``, ``num_requests_running``,
-        ``kv_cache_usage_perc``) as of the latest tick, by the gateway's names, and the requests finished
-        whole so far; empty before the first tick."""
+        ``kv_cache_usage_perc``, ``num_preemptions_total``) as of the latest tick, by the gateway's names, and
+        the requests finished whole so far; empty before the first tick."""
         snap, info = self._snapshot, self.info
         if snap is None or info is None:
             return {}
         return {"waiting": float(snap.waiting), "running": float(snap.running),
-                "kv_usage": snap.kv_used_tokens / info.kv_capacity_tokens, "finished": float(self.finished_total)}
+                "kv_usage": snap.kv_used_tokens / info.kv_capacity_tokens, "preemptions": float(snap.evictions),
+                "finished": float(self.finished_total)}
 
     @property
     def degraded(self) -> bool:

@@ -687,6 +687,7 @@ class TestPassThrough:
             # vLLM's own gauges, as the gateway scraped them
             assert replica["waiting"] is not None and replica["running"] is not None
             assert replica["kv_usage"] is not None
+            assert replica["preemptions"] == 0.0  # its count of preempted requests: the limit's loss signal
         finally:
             g.close()
 

@@ -276,7 +276,7 @@ class Fleet:
             "admission_budget_scale": self.admission.budget_scale,
             "replicas": [{"url": v.url, "up": v.up, "down_reason": v.down_reason or None, "stale": v.stale(now),
                           "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
-                          "kv_usage": v.kv_usage, "completed": v.completed_total,
+                          "kv_usage": v.kv_usage, "preemptions": v.preemptions, "completed": v.completed_total,
                           "limit": round(v.limit, 2) if self.config.admission else None,
                           "tpot_s": v.tpot_s} for v in self.views],
         }

@@ -12,7 +12,8 @@ and TPOT <= ``--tpot-slo-ms``.
    ``--capacity-s``); a replica's served rate is its capacity, the fleet's is the sum. The replicas
    share this machine's cores in every arm, so each is measured as it runs in the fleet.
 2. separate: each replica driven directly at ``--load`` x its own capacity, both at once (a split of
-   the load that knows each replica's capacity); the goodputs summed.
+   the load that knows each replica's capacity); the goodputs summed. The idle probe (below) sends
+   replica a what it sends the fleet in the fleet arms.
 3. fleet: the pair behind the gateway at ``--load`` x the fleet's capacity, with the gateway's
    admission and router (``--router``), and as a plain round robin (``--no-admission``).
 4. light load: replica A at 0.3 x its capacity, directly and through the gateway (the overhead).
@@ -38,6 +39,7 @@ import platform
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tidegate.engine.bench.loadgen import plan_random, run, run_load, summarize
 from tidegate.engine.bench.overload.server import Server
+from tidegate.engine.gateway.replicas import parse_gauges
 
 
 def log(msg: str) -> None:
@@ -169,22 +172,71 @@ def drive_each(urls: list[str], rates: list[float], duration_s: float, args, see
     return run(all_at_once())
 
 
+class GaugeSampler:
+    """Each replica's requests running and waiting, read from its ``/metrics`` every ``period_s`` while an arm runs
+    (on a thread of its own): what the replicas held, to set beside what they served."""
+
+    def __init__(self, urls: list[str], period_s: float = 0.5) -> None:
+        self.urls, self.period_s = urls, period_s
+        self.samples: list[list[dict[str, float]]] = [[] for _ in urls]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GaugeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.wait(self.period_s):
+                for url, samples in zip(self.urls, self.samples):
+                    try:
+                        samples.append(parse_gauges(client.get(url + "/metrics").text))
+                    except httpx.HTTPError:
+                        pass
+
+    def means(self) -> list[dict[str, float]]:
+        """Each replica's mean running and waiting over its samples (NaN without any)."""
+        out = []
+        for samples in self.samples:
+            row = {}
+            for gauge in ("running", "waiting"):
+                values = [x[gauge] for x in samples if gauge in x]
+                row[gauge] = statistics.fmean(values) if values else float("nan")
+            out.append(row)
+        return out
+
+
 def preempted(replicas: list[Server]) -> list[float]:
     """Each replica's count of requests it preempted (evicted from its KV cache, to run again) so far."""
     counts = []
     for r in replicas:
-        samples = [s.value for f in text_string_to_metric_families(httpx.get(r.url + "/metrics").text)
+        try:
+            text = httpx.get(r.url + "/metrics").text
+        except httpx.HTTPError:  # a replica the kill arm killed
+            counts.append(float("nan"))
+            continue
+        samples = [s.value for f in text_string_to_metric_families(text)
                    for s in f.samples if s.name == "tidegate:num_preemptions_total"]
         counts.append(sum(samples) if samples else float("nan"))
     return counts
 
 
-def arm_separate(args, out: Path, rates: list[float], duration_s: float,
-                 seed: int) -> tuple[list[tuple[list, float]], list[float]]:
-    """Each replica driven by a client of its own: the runs, and each replica's preemptions."""
+def arm_separate(args, out: Path, rates: list[float], duration_s: float, seed: int,
+                 probe: bool = False) -> tuple[list[tuple[list, float]], list[float], list[dict[str, float]], dict]:
+    """Each replica driven by a client of its own: the runs, each replica's preemptions, what it held (its mean
+    requests running and waiting), and with ``probe`` the idle probe's figures: the probe then sends replica a
+    what it sends the fleet in the fleet arms, so the arms compared carry the same requests."""
     replicas = start_replicas(args, "ab", out)
     try:
-        return drive_each([r.url for r in replicas], rates, duration_s, args, seed), preempted(replicas)
+        finish = probed(replicas[0].url, duration_s, out) if probe else None
+        with GaugeSampler([r.url for r in replicas]) as sampler:
+            runs = drive_each([r.url for r in replicas], rates, duration_s, args, seed)
+        return runs, preempted(replicas), sampler.means(), finish() if finish is not None else {}
     finally:
         for r in replicas:
             r.stop()
@@ -213,12 +265,15 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
         if not kill:
             probe = probed(gw.url, args.duration, out)
             cpu0 = gw.cpu_seconds()
-            outcomes, wall = drive(gw.url, rate, args.duration, args, seed)
+            with GaugeSampler([r.url for r in replicas]) as sampler:
+                outcomes, wall = drive(gw.url, rate, args.duration, args, seed)
+            res_held = sampler.means()
             res = figures(outcomes, wall, args)
             write_requests(out / f"requests-{name}.csv",
                            plan_random(10**9, rate, 1.0, args.input_len, args.output_len, seed, args.duration),
                            outcomes, args)
             res["gateway_cpu_share"] = (gw.cpu_seconds() - cpu0) / wall  # of one core
+            res["held"] = res_held
             res.update(probe())
         else:
             victim = replicas[1]
@@ -241,6 +296,7 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
             res.update(streams_broken=len(broken), slowest_end_after_kill_s=max(broken, default=0.0),
                        completed_after_kill=len(after))
         res["preemptions"] = sum(preempted(replicas))
+        res["served_by_replica"] = [r["completed"] for r in httpx.get(gw.url + "/health").json()["replicas"]]
         res["gateway_metrics"] = {line.split(" ")[0]: float(line.split(" ")[1])
                                   for line in httpx.get(gw.url + "/metrics").text.splitlines()
                                   if line.startswith(("tidegate:gateway_requests_total",
@@ -322,7 +378,7 @@ def main() -> None:
     res: dict = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
                  "args": {k: str(v) for k, v in vars(args).items()}}
     log("capacity of each replica, both flooded at once")
-    runs, _ = arm_separate(args, logs, [args.flood_rps, args.flood_rps], args.capacity_s, seed=1)
+    runs, _, _, _ = arm_separate(args, logs, [args.flood_rps, args.flood_rps], args.capacity_s, seed=1)
     cap = {n: summarize(o, w)["throughput_rps"] for n, (o, w) in zip("ab", runs)}
     res["capacity_rps"] = cap
     fleet_cap = sum(cap.values())
@@ -337,10 +393,11 @@ def main() -> None:
         for arm in (order if k % 2 == 0 else order[::-1]):
             if arm == "separate":
                 log(f"round {k + 1}: separate, each replica at {args.load}x its own capacity, all at once")
-                runs, counts = arm_separate(args, logs, [args.load * cap["a"], args.load * cap["b"]], args.duration,
-                                            seed=2)
-                one["separate"] = {n: {**figures(o, w, args), "preemptions": c}
-                                   for n, (o, w), c in zip("ab", runs, counts)}
+                runs, counts, held, probe = arm_separate(args, logs, [args.load * cap["a"], args.load * cap["b"]],
+                                                         args.duration, seed=2, probe=True)
+                one["separate"] = {n: {**figures(o, w, args), "preemptions": c, "held": [h]}
+                                   for n, (o, w), c, h in zip("ab", runs, counts, held)}
+                one["separate"]["a"].update(probe)
                 one["separate_goodput_sum"] = sum(r["goodput_rps"] for r in one["separate"].values())
             else:
                 fleets = [("gateway", ["--router", args.router, *slo]),
@@ -413,6 +470,15 @@ def write_report(res: dict, out: Path) -> None:
         lines += ["", f"Over {len(res['rounds'])} rounds (geometric mean of the rounds' ratios): the gateway "
                       f"**{gmean(vs_rr):.2f}x** round robin's goodput, **{gmean(vs_sep):.2f}x** the replicas' "
                       "separate goodputs summed."]
+    by_replica = [(name, r["served_by_replica"]) for name, r in rows if r and r.get("served_by_replica")]
+    if by_replica:
+        lines += ["", "Served by each replica through the gateway (a, b; the idle probe's requests among them): "
+                      + "; ".join(f"{name}: {' and '.join(str(n) for n in ns)}" for name, ns in by_replica) + "."]
+    held = [(name, r["held"]) for name, r in rows if r and r.get("held")]
+    if held:
+        lines += ["", "What the replicas held while each arm ran (mean of their gauges every 0.5 s; a, then b): "
+                      + "; ".join(f"{name}: " + ", ".join(f"{h['running']:.1f} running and {h['waiting']:.1f} waiting"
+                                                          for h in hs) for name, hs in held) + "."]
     if res.get("gateway", {}).get("gateway_cpu_share") is not None:
         lines += ["", f"The gateway's process used {res['gateway']['gateway_cpu_share']:.0%} of a core at the overload "
                       f"(the machine has {os.cpu_count()}, shared with the replicas and the clients)."]

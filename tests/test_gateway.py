@@ -363,7 +363,7 @@ class Scripted:
         self.refuse = False
         self.die_after: int | None = None
         self.healthy = True
-        self.waiting = 0
+        self.waiting = self.preemptions = 0
         self.served = self.cancelled = self.requests = 0
         app = FastAPI()
 
@@ -371,7 +371,9 @@ class Scripted:
         async def metrics():
             return PlainTextResponse("# TYPE vllm:num_requests_waiting gauge\n"
                                      f"vllm:num_requests_waiting{{model_name=\"m\"}} {self.waiting}\n"
-                                     "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n")
+                                     "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+                                     "# TYPE vllm:num_preemptions_total counter\n"
+                                     f"vllm:num_preemptions_total {self.preemptions}\n")
 
         @app.get("/health")
         async def health():
@@ -501,6 +503,10 @@ def test_streams_pass_through_and_a_burst_spreads_over_the_fleet(pair):
                     in httpx.get(g.url + "/metrics").text)
         text = httpx.get(g.url + "/metrics").text
         assert "tidegate:gateway_replica_up" in text and "tidegate:gateway_fail_open 0.0" in text
+        assert f'tidegate:gateway_replica_preemptions{{replica="127.0.0.1:{a.port}"}} 0.0' in text
+        assert f'tidegate:gateway_replica_limit{{replica="127.0.0.1:{a.port}"}}' in text
+        a.preemptions = 3  # the replica preempts: the gateway reads its counter at the next scrape
+        _eventually(lambda: g.health()["replicas"][0]["preemptions"] == 3.0)
     finally:
         g.close()
 

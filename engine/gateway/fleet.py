@@ -87,6 +87,10 @@ class GatewayMetrics:
                              registry=r)
         self.running = Gauge("tidegate:gateway_replica_running", "The replica's running requests, as last scraped.",
                              labels, registry=r)
+        self.preemptions = Gauge("tidegate:gateway_replica_preemptions", "The replica's count of preempted requests, "
+                                 "as last scraped (its concurrency limit's loss signal).", labels, registry=r)
+        self.limit = Gauge("tidegate:gateway_replica_limit", "The most of the gateway's requests the replica may "
+                           "hold (its concurrency limit; NaN without admission).", labels, registry=r)
         self.budget_scale = Gauge("tidegate:gateway_admission_budget_scale", "The queue wait admission allows, as a "
                                   "multiple of what the TTFT SLO leaves (the admission policy's last decision).",
                                   registry=r)
@@ -267,6 +271,8 @@ class Fleet:
             m.in_flight.labels(v.name).set(v.in_flight)
             m.waiting.labels(v.name).set(v.waiting if v.waiting is not None else float("nan"))
             m.running.labels(v.name).set(v.running if v.running is not None else float("nan"))
+            m.preemptions.labels(v.name).set(v.preemptions if v.preemptions is not None else float("nan"))
+            m.limit.labels(v.name).set(v.limit if self.config.admission else float("nan"))
 
     def status(self) -> dict:
         now = time.monotonic()

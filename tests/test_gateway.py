@@ -236,6 +236,45 @@ def test_a_replica_that_preempts_has_its_limit_cut_by_what_it_preempted():
     assert not v.preempting and v.limit > cut  # it stopped preempting: it grows again
 
 
+_VIEW_EVENTS = st.one_of(
+    st.tuples(st.just("scrape"), st.floats(0.0, 40.0), st.floats(0.0, 80.0), st.integers(0, 6)),
+    st.tuples(st.just("dispatch")), st.tuples(st.just("end"), st.booleans()),
+    st.tuples(st.just("chunk"), st.floats(0.0, 2.0), st.integers(1, 4)), st.tuples(st.just("restart")))
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=st.lists(st.tuples(st.floats(0.0, 0.5), _VIEW_EVENTS), max_size=200))
+def test_the_concurrency_limit_stays_a_count_of_at_least_one_and_a_restart_is_no_preemption(events):
+    """Whatever a replica reports and streams, the limit is finite and at least one, the gateway's count of its
+    requests never negative, and a preemption counter that starts again from zero (a restarted replica) cuts
+    nothing."""
+    v = ReplicaView("http://r", tpot_slo_s=0.1)
+    now, counter, scraped = 0.0, 0, False
+    for gap, event in events:
+        now += gap
+        kind = event[0]
+        if kind == "scrape":
+            _, waiting, running, more = event
+            counter += more
+            v.scraped(now, {"waiting": waiting, "running": running, "preemptions": float(counter)})
+            assert v.preempting == (more > 0 and scraped)  # the first scrape's count is no news
+            scraped = True
+        elif kind == "restart":
+            counter = 0
+            before = v.limit
+            v.scraped(now, {"waiting": 0.0, "running": 0.0, "preemptions": 0.0})
+            assert v.limit == before and not v.preempting
+            scraped = True
+        elif kind == "dispatch":
+            v.dispatched(now)
+        elif kind == "end":
+            v.ended(now, completed=event[1], lifetime_s=1.0)
+        else:
+            v.tokens_streamed(now, event[1], event[2])
+        assert math.isfinite(v.limit) and v.limit >= 1.0
+        assert v.in_flight >= 0
+
+
 def test_in_the_twin_the_gateway_keeps_replicas_that_schedule_as_vllm_from_preempting():
     from dataclasses import replace
 

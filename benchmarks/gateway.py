@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tidegate.engine.bench.loadgen import plan_random, run, run_load, summarize
 from tidegate.engine.bench.overload.server import Server
@@ -220,9 +219,7 @@ def preempted(replicas: list[Server]) -> list[float]:
         except httpx.HTTPError:  # a replica the kill arm killed
             counts.append(float("nan"))
             continue
-        samples = [s.value for f in text_string_to_metric_families(text)
-                   for s in f.samples if s.name == "tidegate:num_preemptions_total"]
-        counts.append(sum(samples) if samples else float("nan"))
+        counts.append(parse_gauges(text).get("preemptions", float("nan")))
     return counts
 
 
@@ -267,13 +264,12 @@ def arm_fleet(args, out: Path, rate: float, gateway_args: list[str], seed: int, 
             cpu0 = gw.cpu_seconds()
             with GaugeSampler([r.url for r in replicas]) as sampler:
                 outcomes, wall = drive(gw.url, rate, args.duration, args, seed)
-            res_held = sampler.means()
             res = figures(outcomes, wall, args)
             write_requests(out / f"requests-{name}.csv",
                            plan_random(10**9, rate, 1.0, args.input_len, args.output_len, seed, args.duration),
                            outcomes, args)
             res["gateway_cpu_share"] = (gw.cpu_seconds() - cpu0) / wall  # of one core
-            res["held"] = res_held
+            res["held"] = sampler.means()
             res.update(probe())
         else:
             victim = replicas[1]

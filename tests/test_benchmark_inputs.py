@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (["gateway_relay.py", "--out", "{tmp}/o", "--concurrency", "0"], "--concurrency '0' is not valid"),
     (["gateway_relay.py", "--out", "{tmp}/o", "--output-len", "0"], "--output-len and --one-by-one must be at least 1"),
     (["gateway_relay.py", "--out", "{tmp}/o", "--before", "{tmp}/bad"], "is not a run of this script"),
+    (["gateway_pair.py", "--out", "{tmp}/o", "--loads", "1,x"], "--loads '1,x' is not valid"),
+    (["gateway_pair.py", "--out", "{tmp}/o", "--loads", "0,1"], "every load must be above 0"),
+    (["gateway_pair.py", "--out", "{tmp}/o", "--replica-controller", "nope"], "unknown controller 'nope'"),
 ])
 def test_fleet_benchmark_bad_input(tmp_path, args, says):
     (tmp_path / "bad").mkdir()

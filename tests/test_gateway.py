@@ -15,7 +15,7 @@ import openai
 import pytest
 import uvicorn
 from click.testing import CliRunner
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -404,6 +404,10 @@ class Scripted:
         self.healthy = True
         self.waiting = self.preemptions = 0
         self.served = self.cancelled = self.requests = 0
+        #: a whole (non-streamed) answer comes after this long, unless the client leaves first
+        self.whole_delay_s = 0.0
+        #: the /metrics page's extra lines
+        self.extra_metrics = ""
         app = FastAPI()
 
         @app.get("/metrics")
@@ -412,7 +416,7 @@ class Scripted:
                                      f"vllm:num_requests_waiting{{model_name=\"m\"}} {self.waiting}\n"
                                      "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
                                      "# TYPE vllm:num_preemptions_total counter\n"
-                                     f"vllm:num_preemptions_total {self.preemptions}\n")
+                                     f"vllm:num_preemptions_total {self.preemptions}\n" + self.extra_metrics)
 
         @app.get("/health")
         async def health():
@@ -423,11 +427,17 @@ class Scripted:
             return {"object": "list", "data": [{"id": "m", "object": "model"}]}
 
         @app.post("/v1/completions")
-        async def complete(body: dict):
+        async def complete(body: dict, http: Request):
             self.requests += 1
             if self.refuse:
                 return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"Retry-After": "1"})
             if not body.get("stream"):
+                deadline = time.monotonic() + self.whole_delay_s
+                while time.monotonic() < deadline:
+                    if await http.is_disconnected():
+                        self.cancelled += 1
+                        return JSONResponse({}, status_code=499)
+                    await asyncio.sleep(0.01)
                 self.served += 1
                 return {"choices": [{"text": "x" * self.tokens}]}
             return StreamingResponse(self._stream(), media_type="text/event-stream")
@@ -603,6 +613,71 @@ def test_a_client_that_leaves_cancels_its_upstream_request(pair):
         while sum(v["in_flight"] for v in g.health()["replicas"]):
             assert time.time() < deadline
             time.sleep(0.05)
+    finally:
+        g.close()
+
+
+def _leave_after(url: str, seconds: float, body: dict) -> None:
+    """A client that gives up on its answer after ``seconds``."""
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, timeout=seconds)
+
+
+def test_a_client_that_leaves_while_its_request_waits_is_noticed_in_the_queue_and_at_the_replica(pair):
+    """A non-streamed answer's client that leaves: the replica's request is closed (it cancels), and one that
+    leaves while its request waits in the gateway queue is taken out of it, never sent."""
+    a, b = pair
+    a.whole_delay_s = b.whole_delay_s = 30.0
+    g = Gateway([a.url, b.url])
+    try:
+        _leave_after(g.url, 0.5, {"model": "m", "prompt": "hi"})
+        _eventually(lambda: a.cancelled + b.cancelled == 1)
+        _eventually(lambda: sum(v["in_flight"] for v in g.health()["replicas"]) == 0)
+        for v in g.fleet.views:
+            v.limit, v.slow_start, v.tpot_slo_s = 1.0, False, None  # one request each at a time, and it stays there
+        a.whole_delay_s = b.whole_delay_s = 2.0
+
+        async def hold_both_then_leave():
+            async with httpx.AsyncClient(timeout=20) as c:
+                held = [asyncio.ensure_future(c.post(g.url + "/v1/completions", json={"model": "m", "prompt": "hi"}))
+                        for _ in range(2)]
+                await asyncio.sleep(0.3)
+                with pytest.raises(httpx.TimeoutException):
+                    await c.post(g.url + "/v1/completions", json={"model": "m", "prompt": "late"}, timeout=0.3)
+                assert g.health()["queue"] in (0, 1)
+                return await asyncio.gather(*held)
+
+        sent_before = a.requests + b.requests
+        assert [r.status_code for r in asyncio.run(hold_both_then_leave())] == [200, 200]
+        _eventually(lambda: g.health()["queue"] == 0)
+        time.sleep(0.3)
+        assert a.requests + b.requests == sent_before + 2  # the third never reached a replica
+        assert 'tidegate:gateway_requests_total{outcome="client_gone"} 2.0' in httpx.get(g.url + "/metrics").text
+    finally:
+        g.close()
+
+
+def test_a_body_over_the_limit_gets_413_on_every_route_and_nonsense_gauges_are_no_figures(pair):
+    a, b = pair
+    g = Gateway([a.url, b.url], max_request_bytes=1000)
+    try:
+        def chunked():
+            yield b'{"prompt": "'
+            for _ in range(100):
+                yield b"x" * 100
+
+        for path in ("/tokenize", "/v1/completions"):
+            r = httpx.post(g.url + path, content=chunked(), headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "limit" in r.json()["error"]["message"], path
+        a.extra_metrics = ('# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 1e308\n'
+                           'vllm:kv_cache_usage_perc{engine="1"} 1e308\n')
+        b.waiting = -5
+        time.sleep(0.2)
+        health = httpx.get(g.url + "/health")
+        assert health.status_code == 200
+        views = {r["url"]: r for r in health.json()["replicas"]}
+        assert views[a.url]["kv_usage"] is None  # two label sets summing past a float's range: no figure
+        assert views[b.url]["waiting"] == 0.0  # a count is never below zero
     finally:
         g.close()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from tidegate.engine.real.llm import LLM
@@ -373,3 +375,35 @@ def test_prompt_logprobs_are_computed_once_when_a_prefill_starts_over(llm):
     prefill(len(prompt) - 6)
     assert r.prompt_logprobs[:11] == first and len(r.prompt_logprobs) == len(prompt)
     _assert_entries_match(r.prompt_logprobs[1:], _hf_logits(llm.model, prompt)[:-1], 3)
+
+
+def _visible_by_rescanning(text: str, stops: list[str], min_chars: int) -> tuple[str, bool]:
+    """What a stream may show of ``text``, searched whole every time: the first stop string ending after
+    ``min_chars`` cuts it; else a suffix that may still grow into a stop string is held back."""
+    hits = [(at, s) for s in stops if (at := text.find(s, max(0, min_chars - len(s) + 1))) >= 0]
+    if hits:
+        return text[:min(hits)[0]], True
+    hold = max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+               default=0)
+    return text[:len(text) - hold], False
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text("abc", max_size=60), st.lists(st.text("abc", min_size=1, max_size=6), min_size=1, max_size=4),
+       st.integers(0, 10))
+def test_a_stream_searches_only_its_new_text_and_shows_what_a_whole_search_shows(text, stops, min_tokens):
+    """The stream searches each stop string only where the text grew since its last search, and holds back only
+    prefixes ending in the text's last character: token by token, it shows what searching the whole text shows."""
+    from tidegate.engine.real.llm import _Stream
+
+    stream = _Stream(ByteTokenizer(), None, SamplingParams(stop=stops, min_tokens=min_tokens), frozenset())
+    for i, byte in enumerate(text.encode()):
+        stream.push(byte + 3)
+        shown, hit = stream.visible()
+        min_chars = min_tokens if i + 1 >= min_tokens else None
+        if min_chars is None:  # before min_tokens no stop string counts: only the hold applies
+            assert shown == _visible_by_rescanning(text[:i + 1], stops, len(text) + 1)[0]
+            continue
+        assert (shown, hit) == _visible_by_rescanning(text[:i + 1], stops, min_chars)
+        if hit:
+            break

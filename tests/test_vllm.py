@@ -295,6 +295,53 @@ def test_a_flood_between_two_engine_steps_is_refused_past_the_slo_in_the_api_pro
     writer.close()
 
 
+def test_an_arrival_of_a_million_choices_is_judged_as_a_bounded_count(tmp_path):
+    """A client's ``n`` is vLLM's to judge: the API process judges at most MOST_JUDGED engine requests for it, so
+    the arrival costs the event loop no more than that many."""
+    from tidegate.engine.vllm.admission import MOST_JUDGED
+
+    channel = str(tmp_path / "ch")
+    writer = EngineRecordWriter(channel, LIMITS)
+    gate = AdmissionGate(PluginConfig(controller="greedy"), channel)
+    writer.publish(_observation_stats().snapshot(), None, 4, EngineCounters())
+    assert gate.admit(16, 16, 10**9) is None
+    assert gate.admitted == MOST_JUDGED
+    gate.close()
+    writer.close()
+
+
+class _CountingTokenizer:
+    """Characters as tokens, and what it was asked."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+        self.template_kwargs: list[dict] = []
+
+    def __call__(self, text: str, **_kwargs) -> dict:
+        self.lengths.append(len(text))
+        return {"input_ids": list(range(len(text)))}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs) -> str:
+        self.template_kwargs.append(kwargs)
+        return "".join(m["content"] for m in messages)
+
+
+def test_the_middleware_counts_a_huge_prompt_by_a_bounded_prefix_and_runs_no_clients_template():
+    from tidegate.engine.vllm.middleware import PromptCounter
+
+    tokenizer = _CountingTokenizer()
+    counter = PromptCounter(tokenizer, max_model_len=100)
+    assert counter.completion("x" * 50) == (50, 1)
+    huge = "x" * 10_000_000
+    tokens, prompts = counter.completion(huge)
+    assert prompts == 1 and tokens > 100  # past the context, as vLLM will find it
+    assert max(tokenizer.lengths) <= 101 * 16  # the rest estimated, not tokenized on vLLM's event loop
+    body = {"messages": [{"role": "user", "content": "hello"}],
+            "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}{% endfor %}", "flag": True}}
+    assert counter.chat(body) == 5
+    assert tokenizer.template_kwargs == [{"flag": True}]  # the client's template never reaches the tokenizer
+
+
 def test_the_engine_record_carries_every_field_the_admission_state_and_the_counters(tmp_path):
     channel = str(tmp_path / "ch")
     reader = EngineRecordReader(channel)

@@ -230,6 +230,35 @@ def test_bad_words_never_appear(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
 
 
+def test_a_body_of_a_million_bad_items_is_one_error_and_the_lists_are_bounded(server):
+    """Each list's items are checked up to the first that fails (FastAPI would build a dict for each error), and the
+    lists whose every id or word is copied into each engine request, or checked at every token, are bounded."""
+    from pydantic import ValidationError
+
+    from tidegate.engine.serve.protocol import (MAX_LOGPROB_TOKEN_IDS, MAX_STOP_STRINGS, MAX_TOKEN_IDS_AN_ARRIVAL,
+                                                ChatBody, CompletionBody)
+
+    for body, model in (({"prompt": [-1] * 200_000}, CompletionBody), ({"prompt": [[-1]] * 200_000}, CompletionBody),
+                        ({"prompt": "x", "stop_token_ids": ["a"] * 200_000}, CompletionBody),
+                        ({"messages": [{"role": "nobody"}] * 200_000}, ChatBody)):
+        with pytest.raises(ValidationError) as caught:
+            model.model_validate(body)
+        assert caught.value.error_count() <= 8, body.keys()
+    r = post(server, "/v1/completions", {"prompt": [-1] * 200_000})
+    assert r.status_code == 400 and len(r.content) < 4096
+    refused = {"bad_words": {"prompt": "x", "bad_words": ["a"] * (MAX_STOP_STRINGS + 1)},
+               "logprob_token_ids": {"prompt": "x", "logprobs": 1,
+                                     "logprob_token_ids": list(range(MAX_LOGPROB_TOKEN_IDS + 1))},
+               # an arrival of 64 prompts x 16 choices, each engine request with its own copy of the list
+               "stop_token_ids": {"prompt": ["x"] * MAX_PROMPTS, "n": 16, "temperature": 1.0,
+                                  "stop_token_ids": [5] * (MAX_TOKEN_IDS_AN_ARRIVAL // 1000)}}
+    for param, body in refused.items():
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+    # the same list on one engine request is served
+    assert complete(server, "x", max_tokens=2, stop_token_ids=[5] * (MAX_TOKEN_IDS_AN_ARRIVAL // 1000))["choices"]
+
+
 def test_skip_special_tokens_hides_or_shows_them(server):
     # only BOS may be generated: its text is "<s>", shown only when special tokens are not skipped
     body = {"max_tokens": 3, "allowed_token_ids": [BOS_TOKEN_ID], "return_token_ids": True, **GREEDY}

@@ -10,7 +10,12 @@ prompt and ``max_tokens``). The faults:
   reached is marked down and health-checked back in;
 - a replica that fails after the stream started: the stream ends with an error event and
   ``[DONE]``; it is never sent again, because the client has seen tokens;
-- a client that goes away: its upstream request is closed, and the replica cancels it.
+- a client that goes away: its upstream request is closed, and the replica cancels it; one that goes
+  away while its request waits in the queue or for a whole (non-streamed) answer is noticed there too,
+  so no replica generates for nobody.
+
+A body over ``--max-request-bytes`` gets 413 as soon as its length says so (or its bytes pass it), on
+every route.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tidegate.engine.gateway.fleet import TRANSPORT_ERRORS, Fleet, GatewayConfig
 from tidegate.engine.gateway.queue import Queued
 from tidegate.engine.gateway.replicas import ReplicaView
+from tidegate.engine.serve.operator import BodySizeLimit
 from tidegate.engine.serve.protocol import error_response
 
 log = logging.getLogger("tidegate.gateway")
@@ -60,6 +66,7 @@ def create_gateway_app(config: GatewayConfig) -> FastAPI:
             await fleet.stop()
 
     app = FastAPI(title="tidegate gateway", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     app.state.fleet = fleet
 
     @app.get("/health")
@@ -157,9 +164,7 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
     c = fleet.config
     m = fleet.metrics
     arrived = time.monotonic()
-    raw = await http.body()
-    if len(raw) > c.max_request_bytes:
-        return error_response(413, f"the body is larger than {c.max_request_bytes} bytes")
+    raw = await http.body()  # at most max_request_bytes (BodySizeLimit)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
@@ -170,7 +175,7 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
     header = http.headers.get(c.priority_header)
     if priority is None and header is not None:
         try:
-            priority = int(header)
+            priority = max(-_MAX_CHARGED, min(int(header), _MAX_CHARGED))  # as the body's
         except ValueError:
             return error_response(400, f"the {c.priority_header} header must be an integer", param=c.priority_header)
     priority = priority or 0
@@ -188,23 +193,36 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
     item = Queued(priority, http.headers.get(c.tenant_header, ""), prompt_tokens + charged, arrived,
                   arrived + c.queue_ttl_s, prompt, prompt_tokens=prompt_tokens,
                   predicted_wait_s=fleet.gate.predicted_wait_s(priority, arrived))
+    gone = asyncio.ensure_future(_client_gone(http))
+    try:
+        return await _queued(fleet, path, http, raw, item, stream, gone)
+    finally:
+        gone.cancel()
+
+
+async def _queued(fleet: Fleet, path: str, http: HttpRequest, raw: bytes, item: Queued, stream: bool,
+                  gone: asyncio.Future) -> Response:
+    """An admitted request: its wait in the queue for a replica with room, and the replica's answer."""
+    c = fleet.config
+    m = fleet.metrics
     while True:
         item.ticket = asyncio.get_running_loop().create_future()
         fleet.enqueue(item, front=item.retries > 0)
         try:
-            view = await item.ticket
+            await asyncio.wait((item.ticket, gone), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            if item.ticket.done() and not item.ticket.cancelled() and item.ticket.result() is not None:
-                item.ticket.result().ended(time.monotonic(), completed=False)  # dispatched as it went
-            item.ticket.cancel()
-            m.requests.labels("client_gone").inc()
+            _abandon(fleet, item)
             raise
+        if gone.done():
+            _abandon(fleet, item)
+            return _nobody()
+        view = item.ticket.result()
         if view is None:
             m.requests.labels("expired").inc()
             fleet.features.on_end(good=False)
             return error_response(503, f"waited {c.queue_ttl_s:g} s (the gateway queue's TTL) for a replica with room",
                                   "unavailable", retry_after_s=c.health_interval_s)
-        answer = await _send(fleet, view, path, raw, http, item, stream)
+        answer = await _send(fleet, view, path, raw, http, item, stream, gone)
         if answer is not None:
             return answer
         if not fleet.any_up():  # the last replica went down under it: nothing to wait for
@@ -213,21 +231,52 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
         item.retries += 1
 
 
+def _abandon(fleet: Fleet, item: Queued) -> None:
+    """Its client left while the request waited: it leaves the queue, or ends where it was dispatched as it went."""
+    ticket = item.ticket
+    if ticket.done() and not ticket.cancelled() and ticket.result() is not None:
+        ticket.result().ended(time.monotonic(), completed=False)
+        fleet.wake()
+    ticket.cancel()
+    fleet.metrics.requests.labels("client_gone").inc()
+
+
+async def _client_gone(http: HttpRequest) -> None:
+    """Returns when the client has gone away (its body is read: what it sends next is its disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _nobody() -> Response:
+    """The answer to a client that left (nobody reads it; 499 as nginx logs such a request)."""
+    return Response(status_code=499)
+
+
 async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: HttpRequest, item: Queued,
-                stream: bool) -> Response | None:
+                stream: bool, gone: asyncio.Future) -> Response | None:
     """The replica's answer, streamed through; None when the request must go to another replica."""
     assert fleet.client is not None
     m = fleet.metrics
     dispatched = time.monotonic()
+    # the replica's headers may come with its whole answer: a client that leaves meanwhile closes the request
+    requesting = asyncio.ensure_future(fleet.client.request("POST", view.url + path, data=raw, headers=_headers(http),
+                                                            skip_auto_headers=_NOT_ADDED))
     try:
-        upstream = await fleet.client.request("POST", view.url + path, data=raw, headers=_headers(http),
-                                              skip_auto_headers=_NOT_ADDED)
+        await asyncio.wait((requesting, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not requesting.done():
+            requesting.cancel()
+            view.ended(time.monotonic(), completed=False)
+            fleet.wake()
+            m.requests.labels("client_gone").inc()
+            return _nobody()
+        upstream = requesting.result()
     except TRANSPORT_ERRORS as exc:
         view.ended(time.monotonic(), completed=False)
         fleet.replica_failed(view, f"a request to it failed ({type(exc).__name__})")
         m.retries.labels("unreachable").inc()
         return None
     except BaseException:
+        requesting.cancel()
         view.ended(time.monotonic(), completed=False)
         raise
     if upstream.status in (429, 503) and fleet.config.admission:
@@ -239,28 +288,41 @@ async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: Ht
         m.retries.labels(str(upstream.status)).inc()
         return None
     if upstream.status != 200 or not stream:
-        return await _whole(fleet, view, upstream, item, dispatched)
+        return await _whole(fleet, view, upstream, item, dispatched, gone)
     return _RelayedResponse(_Relay(fleet, view, upstream, item, dispatched),
                             upstream.headers.get("content-type", "text/event-stream"))
 
 
 async def _whole(fleet: Fleet, view: ReplicaView, upstream: aiohttp.ClientResponse, item: Queued,
-                 dispatched: float) -> Response:
-    """A non-streamed answer (or an error the replica gave), read whole and passed on."""
+                 dispatched: float, gone: asyncio.Future) -> Response:
+    """A non-streamed answer (or an error the replica gave), read whole and passed on; a client that leaves
+    first has the replica's answer closed, so the replica cancels it."""
     m = fleet.metrics
-    ok = False
+    ok = left = False
+    reading = asyncio.ensure_future(upstream.read())
     try:
-        content = await upstream.read()
+        await asyncio.wait((reading, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not reading.done():
+            left = True
+            reading.cancel()
+            upstream.close()
+            m.requests.labels("client_gone").inc()
+            return _nobody()
+        content = reading.result()
         ok = upstream.status == 200
     except TRANSPORT_ERRORS as exc:
         fleet.replica_failed(view, f"an answer from it broke off ({type(exc).__name__})")
         m.requests.labels("failed").inc()
         return error_response(502, f"the replica failed while it answered ({type(exc).__name__})", "replica_failed")
     finally:
+        if not reading.done():
+            reading.cancel()
+            upstream.close()
         now = time.monotonic()
         view.ended(now, completed=ok, lifetime_s=now - dispatched)
         fleet.wake()
-        upstream.release()
+        if not left:
+            upstream.release()
     if ok:
         fleet.admission.completed(now)
         m.ttfb.observe(now - item.arrived_at)

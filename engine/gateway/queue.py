@@ -73,8 +73,8 @@ class _Level:
     def push(self, item: Queued, front: bool) -> None:
         q = self.tenants.get(item.tenant)
         if q is None:
-            # a tenant that comes back starts level with the busiest-served tenant still waiting
-            floor = min((self.served[t] for t in self.tenants), default=0.0)
+            # a tenant that comes back starts level with the least-served tenant still waiting
+            floor = self._floor()
             self.served[item.tenant] = max(self.served.get(item.tenant, 0.0), floor)
             q = self.tenants[item.tenant] = deque()
         (q.appendleft if front else q.append)(item)
@@ -86,7 +86,15 @@ class _Level:
         self.served[tenant] += item.cost
         if not q:
             del self.tenants[tenant]
+            if len(self.served) > 2 * len(self.tenants) + 64:
+                # a tenant not waiting whose count is at most the floor would come back at the floor anyway:
+                # forgotten, so a client that names a new tenant each request does not grow this without bound
+                floor = self._floor()
+                self.served = {t: v for t, v in self.served.items() if t in self.tenants or v > floor}
         return item
+
+    def _floor(self) -> float:
+        return min((self.served[t] for t in self.tenants), default=0.0)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.tenants.values())

@@ -45,8 +45,11 @@ def parse_gauges(text: str) -> dict[str, float]:
         if gauge is None:
             continue
         values = [s.value for s in family.samples if s.name == name and math.isfinite(s.value)]
-        if values and gauge not in out:  # the first name of a gauge found wins (vLLM's newer KV name)
-            out[gauge] = float(sum(values))
+        total = float(sum(values))
+        # the first name of a gauge found wins (vLLM's newer KV name); a count is never below zero, and a sum past
+        # a float's range (a replica's nonsense) is no figure at all
+        if values and gauge not in out and math.isfinite(total):
+            out[gauge] = max(0.0, total)
     return out
 
 

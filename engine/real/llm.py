@@ -94,7 +94,7 @@ class _Stream:
     """
 
     __slots__ = ("detok", "callback", "sent", "stops", "stop_ids", "include_stop", "min_tokens", "min_chars",
-                 "num_tokens")
+                 "num_tokens", "scanned", "prefix_ends")
 
     def __init__(self, tokenizer, callback: DeltaCallback | None, sampling: SamplingParams,
                  stop_ids: frozenset[int]) -> None:
@@ -102,6 +102,11 @@ class _Stream:
         self.callback = callback
         self.sent = 0      # characters of text already handed out
         self.stops = list(sampling.stop)
+        #: the text's characters searched for a stop string already (the text only grows): a token costs the same
+        #: however long the output has grown
+        self.scanned = 0
+        #: per stop string, the lengths of its proper prefixes by their last character, longest first
+        self.prefix_ends = [_prefix_ends(s) for s in self.stops]
         self.include_stop = sampling.include_stop_str_in_output
         self.stop_ids = frozenset() if self.include_stop else stop_ids
         self.min_tokens = sampling.min_tokens
@@ -119,16 +124,29 @@ class _Stream:
         """Text that may be shown now, and whether a stop string has been reached."""
         text = self.detok.text
         if self.min_chars is not None:
-            cut = _stop_cut(text, self.stops, self.min_chars, self.include_stop)
+            # a stop string found now ends in the text added since the last search
+            cut = _stop_cut(text, self.stops, max(self.min_chars, self.scanned), self.include_stop)
             if cut is not None:
                 return text[:cut], True
+            self.scanned = len(text)
         hold = 0  # a suffix that may still grow into a stop string
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
+        if text:
+            for s, ends in zip(self.stops, self.prefix_ends):
+                for k in ends.get(text[-1], ()):  # only prefixes ending in the last character can end the text
+                    if k <= hold:
+                        break
+                    if k <= len(text) and text.endswith(s[:k]):
+                        hold = k
+                        break
         return text[:len(text) - hold], False
+
+
+def _prefix_ends(stop: str) -> dict[str, list[int]]:
+    """The lengths ``k`` of ``stop``'s proper prefixes ``stop[:k]``, keyed by their last character, longest first."""
+    ends: dict[str, list[int]] = {}
+    for k in range(len(stop) - 1, 0, -1):
+        ends.setdefault(stop[k - 1], []).append(k)
+    return ends
 
 
 def _stop_cut(text: str, stops: list[str], min_chars: int, include: bool) -> int | None:

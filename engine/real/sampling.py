@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 #: the most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's limit, vLLM's default)
 MAX_LOGPROBS = 20
-#: the most token ids ``logprob_token_ids`` may name: each is one entry of every token's logprobs
-MAX_LOGPROB_TOKEN_IDS = 1024
+#: the most token ids ``logprob_token_ids`` may name: each is one entry of every token's logprobs (vLLM's bound)
+MAX_LOGPROB_TOKEN_IDS = 128
 #: the largest ``logit_bias`` magnitude (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
 

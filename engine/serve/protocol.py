@@ -27,15 +27,25 @@ MAX_CHOICES = 16
 MAX_PROMPTS = 64
 #: The most alternatives per token (``logprobs``, ``top_logprobs``), as vLLM's default ``max_logprobs``.
 MAX_LOGPROBS = 20
+#: The most ids ``logprob_token_ids`` may name, as vLLM's bound.
+MAX_LOGPROB_TOKEN_IDS = 128
 #: the most stop strings a request may give, and the longest one: every generated token of every
 #: choice is checked against each of them inside the engine's step, so an unbounded list would let
 #: one request slow every other request's tokens (OpenAI takes 4; vLLM sets no bound)
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
+#: the most ids ``stop_token_ids`` or ``allowed_token_ids`` may list (a vocabulary's size: no list needs more)
+MAX_TOKEN_ID_LIST = 1 << 18
+#: the most ids those lists may name over every engine request of one arrival (each choice of each prompt is
+#: an engine request that carries its own copy)
+MAX_TOKEN_IDS_AN_ARRIVAL = 1 << 20
 #: A logprob of -inf on the wire (JSON has no infinity), as vLLM writes it.
 _MIN_LOGPROB = -9999.0
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
+#: a list's items are checked up to the first that fails: a body of millions of bad items is one error, not
+#: millions (each of which FastAPI would turn into a dict)
+_FAIL_FAST = Field(fail_fast=True)
 _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
@@ -50,7 +60,9 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # OpenAI's padding of chunks; nothing to obfuscate here
 
 
-_Ids = list[Annotated[int, Field(ge=0)]]
+_Ids = Annotated[list[Annotated[int, Field(ge=0)]], _FAIL_FAST]
+_Words = Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+                   Field(max_length=MAX_STOP_STRINGS, fail_fast=True)]
 
 
 class SamplingBody(BaseModel):
@@ -66,9 +78,7 @@ class SamplingBody(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
-           | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)]
-           | None) = None
+    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | _Words | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, le=MAX_CHOICES)
@@ -81,14 +91,15 @@ class SamplingBody(BaseModel):
     # vLLM asks only > 0; the bounds keep logits / penalty finite in float32 (a 1e-300 is 0 there)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     min_tokens: int | None = Field(0, ge=0)
-    stop_token_ids: _Ids | None = None
+    stop_token_ids: Annotated[_Ids, Field(max_length=MAX_TOKEN_ID_LIST)] | None = None
     include_stop_str_in_output: bool | None = False
     ignore_eos: bool | None = False
-    allowed_token_ids: Annotated[_Ids, Field(min_length=1)] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: Annotated[_Ids, Field(min_length=1, max_length=MAX_TOKEN_ID_LIST)] | None = None
+    #: bounded as ``stop`` is: each word is tokenized, and every generated token is checked against them
+    bad_words: _Words | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     #: with logprobs: these ids' logprobs at each token, in place of the most likely ones
-    logprob_token_ids: _Ids | None = None
+    logprob_token_ids: Annotated[_Ids, Field(max_length=MAX_LOGPROB_TOKEN_IDS)] | None = None
     skip_special_tokens: bool | None = True
     #: changes the text of slow (Python) tokenizers only; this server's are fast or bytes, as vLLM's v1
     spaces_between_special_tokens: bool | None = True
@@ -168,8 +179,8 @@ class SamplingBody(BaseModel):
 
 class CompletionBody(SamplingBody):
     #: one prompt (a text or token ids) or a batch of them (texts or token-id lists)
-    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[_Ids, Field(min_length=1)]
-             | Annotated[list[Annotated[_Ids, Field(min_length=1)]], Field(min_length=1)])
+    prompt: (str | Annotated[list[str], Field(min_length=1, fail_fast=True)] | Annotated[_Ids, Field(min_length=1)]
+             | Annotated[list[Annotated[_Ids, Field(min_length=1)]], Field(min_length=1, fail_fast=True)])
     max_tokens: int | None = Field(16, ge=1)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     echo: bool | None = False
@@ -194,10 +205,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], _FAIL_FAST] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], _FAIL_FAST] | None = None
 
     def text_parts_only(self) -> bool:
         """Whether the content is text (a string, or only ``{"type": "text", "text": ...}`` parts)."""
@@ -218,18 +229,18 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(SamplingBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    modalities: list[Literal["text"]] | None = None
+    modalities: Annotated[list[Literal["text"]], _FAIL_FAST] | None = None
     #: the answer begins with the last message's content when that message is the assistant's (vLLM)
     echo: bool | None = False
     # what the chat template is given
     add_generation_prompt: bool | None = True
     #: the last (assistant) message is left open, and the answer goes on from it
     continue_final_message: bool | None = False
-    documents: list[dict[str, str]] | None = None
+    documents: Annotated[list[dict[str, str]], _FAIL_FAST] | None = None
     #: a template for this request only (as vLLM: taken when the server trusts request templates)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

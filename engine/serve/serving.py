@@ -31,6 +31,7 @@ from tidegate.engine.serve.arrival import (
 from tidegate.engine.serve.chat import chat_prompt
 from tidegate.engine.serve.protocol import (
     MAX_PROMPTS,
+    MAX_TOKEN_IDS_AN_ARRIVAL,
     ChatBody,
     ChatMessage,
     CompletionBody,
@@ -40,6 +41,7 @@ from tidegate.engine.serve.protocol import (
 from tidegate.engine.serve.service import EngineService, EngineUnavailable, Stream
 
 if TYPE_CHECKING:
+    from tidegate.engine.real.sampling import SamplingParams
     from tidegate.engine.serve.config import ServeConfig
 
 
@@ -204,7 +206,11 @@ class OpenAIServing:
         (``best_of`` of them per prompt), or (None, response) otherwise."""
         try:
             self._check_open()
-            checked = [self._check_request(body, ids, ask) for ids, _ in prompts]
+            _check_id_lists(body, len(prompts) * ask.best_of)
+            vocab = self.service.info.vocab_size if self.service.info is not None else 0
+            # one tokenization of bad_words and one copy of the id lists per arrival, not per prompt
+            sampling = sampling_params(body, ask, vocab, self.tokenizer)
+            checked = [self._check_request(body, ids, ask, sampling) for ids, _ in prompts]
         except Refused as refused:
             return None, refused.response
         event = asyncio.Event()
@@ -234,7 +240,7 @@ class OpenAIServing:
             self.metrics.rejected("engine_down")
             raise Refused(error_response(503, "the engine is restarting", "unavailable", retry_after_s=5))
 
-    def _check_request(self, body: SamplingBody, prompt_ids: list[int], ask: Ask):
+    def _check_request(self, body: SamplingBody, prompt_ids: list[int], ask: Ask, sampling: SamplingParams):
         """(max_tokens, sampling parameters) of a request this server can serve; raises :class:`Refused`
         (400) otherwise. A request that sets no ``max_tokens`` gets the default, within the context."""
         if body.model is not None and body.model != self.model_name:
@@ -251,7 +257,6 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(str(exc).rstrip("."), "max_tokens" if "max_tokens" in str(exc) else None) from None
         vocab = self.service.info.vocab_size if self.service.info is not None else 0
-        sampling = sampling_params(body, ask, vocab, self.tokenizer)
         verify = getattr(sampling, "verify", None)  # what depends on the model and on max_tokens
         if verify is not None:
             try:
@@ -273,6 +278,16 @@ class OpenAIServing:
             self.service.record_rejection(prompt_len, max_tokens, rejection)
             raise Refused(error_response(429, rejection.reason, "rate_limited",
                                          retry_after_s=rejection.retry_after_s))
+
+
+def _check_id_lists(body: SamplingBody, engine_requests: int) -> None:
+    """Refuses (400) id lists that, copied into each of an arrival's engine requests, would name more than
+    ``MAX_TOKEN_IDS_AN_ARRIVAL`` ids in all."""
+    ids = len(body.stop_token_ids or ()) + len(body.allowed_token_ids or ())
+    if ids * engine_requests > MAX_TOKEN_IDS_AN_ARRIVAL:
+        raise bad_request(f"stop_token_ids and allowed_token_ids name {ids} ids for each of {engine_requests} engine "
+                          f"requests (prompts x best_of or n); at most {MAX_TOKEN_IDS_AN_ARRIVAL} in all are served",
+                          "allowed_token_ids" if body.allowed_token_ids else "stop_token_ids")
 
 
 #: the request parameters that the engine's check of a request (``SamplingParams.verify``) may name

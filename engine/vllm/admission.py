@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: a record older than this while the engine had requests means the engine stopped stepping
 STALE_AFTER_S = 10.0
+#: the most engine requests (``n`` choices times prompts) one arrival is judged as; vLLM decides whether it serves more
+MOST_JUDGED = 1024
 
 
 def reason_label(rejection: Rejection) -> str:
@@ -77,7 +79,9 @@ class AdmissionGate:
 
     def admit(self, prompt_tokens: int, max_tokens: int, requests: int = 1) -> Rejection | None:
         """The twin controller's answer on an arrival of ``requests`` engine requests (``n`` choices
-        or several prompts) of ``prompt_tokens`` and ``max_tokens`` each; None admits them."""
+        or several prompts) of ``prompt_tokens`` and ``max_tokens`` each; None admits them. An arrival of more
+        than ``MOST_JUDGED`` is judged as that many (its cost here would grow with a client's ``n``)."""
+        requests = min(requests, MOST_JUDGED)
         now = time.time()
         for _ in range(requests):  # every arrival judged here, as tidegate serve's front counts them
             self._front.judged(now)

@@ -33,6 +33,15 @@ Send = Callable[[Message], Awaitable[None]]
 
 #: the endpoints whose arrivals are decided, and whether their body is a chat
 ENDPOINTS = {"/v1/completions": False, "/v1/chat/completions": True}
+#: a prompt text is tokenized up to this many characters for each token of the context; the rest is estimated
+#: at four characters a token (a prompt that long is past the context for any text of tokens shorter than this,
+#: and the tokenizer runs on vLLM's event loop, which a prompt of megabytes would hold for seconds)
+_CHARS_TOKENIZED_PER_CONTEXT_TOKEN = 16
+#: what a request's ``chat_template_kwargs`` may not hand the tokenizer here: the template itself (a client's template
+#: would run on vLLM's event loop; vLLM takes one only from a server that trusts request templates) and the
+#: arguments set here (``tidegate serve`` keeps the same out, engine/serve/chat.py)
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "continue_final_message",
+                                       "chat_template", "tokenize", "return_dict", "return_tensors"})
 #: max_tokens of a completion request that sets none (vLLM's CompletionRequest default, OpenAI's too); a chat
 #: request that sets none gets the model's generation config's, else the rest of the context, as in vLLM
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -44,9 +53,10 @@ class PromptCounter:
     :param tokenizer: a Hugging Face tokenizer (None: the estimate only).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.estimated = 0
+        self.max_chars = (max_model_len + 1) * _CHARS_TOKENIZED_PER_CONTEXT_TOKEN if max_model_len else None
 
     def completion(self, prompt: Any) -> tuple[int, int]:
         """(the longest prompt's tokens, how many prompts) of a completion request's ``prompt``."""
@@ -59,10 +69,13 @@ class PromptCounter:
         messages = body.get("messages")
         if self.tokenizer is not None and isinstance(messages, list):
             try:
+                kwargs = body.get("chat_template_kwargs")
+                variables = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS} \
+                    if isinstance(kwargs, dict) else {}
                 text = self.tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True),
-                    **(body.get("chat_template_kwargs") or {}))
-                return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                    **variables)
+                return self._tokens(text, add_special_tokens=False)
             except Exception:
                 pass
         self.estimated += 1
@@ -75,11 +88,17 @@ class PromptCounter:
             return len(prompt)  # token ids
         if isinstance(prompt, str) and self.tokenizer is not None:
             try:
-                return len(self.tokenizer(prompt)["input_ids"])
+                return self._tokens(prompt)
             except Exception:
                 pass
         self.estimated += 1
         return _estimate(prompt)
+
+
+    def _tokens(self, text: str, **kwargs: Any) -> int:
+        """The tokens of ``text``: counted up to ``max_chars``, the rest estimated."""
+        head, rest = (text, "") if self.max_chars is None else (text[:self.max_chars], text[self.max_chars:])
+        return len(self.tokenizer(head, **kwargs)["input_ids"]) + (_estimate(rest) if rest else 0)
 
 
 def _estimate(content: Any) -> int:
@@ -179,8 +198,8 @@ class AdmissionMiddleware:
             register_metrics(None, _model_name(model_config))
             return
         self.gate = AdmissionGate(config)
-        self.counter = PromptCounter(_load_tokenizer(model_config))
         self.max_model_len = int(model_config.max_model_len)
+        self.counter = PromptCounter(_load_tokenizer(model_config), self.max_model_len)
         try:
             self.default_max_tokens = model_config.get_diff_sampling_param().get("max_tokens")
         except Exception:

@@ -180,6 +180,73 @@ def test_the_concurrency_limit_grows_while_tpot_holds_and_is_cut_when_it_does_no
     assert v.limit == cut  # at most one cut a request lifetime
 
 
+def test_in_slow_start_each_stream_that_starts_grows_the_limit_while_half_of_it_is_used():
+    """TCP's slow start grows the window by each acknowledgement while at least half of it is in use (RFC 7661): a
+    stream's first byte says the replica took the request, so the limit doubles in about a time to first token."""
+    v = ReplicaView("http://r", tpot_slo_s=0.1)
+    v.scraped(0.0, {"waiting": 0.0, "running": 0.0})
+    for _ in range(ReplicaView.FLOOR_AFTER):  # the replica shows what it can do: 50 ms a token
+        v.tokens_streamed(0.0, 0.05, 1)
+    start = v.limit
+    for _ in range(int(start) // 2):
+        v.dispatched(0.0)
+    v.first_byte(0.0, 0.05)
+    assert v.limit == start + 1  # half of it in use
+    v.first_byte(0.0, 0.06)
+    assert v.limit == start + 1  # less than half of it in use: no growth
+    for _ in range(int(start)):
+        v.dispatched(0.1)
+    v.scraped(0.2, {"waiting": 2.0, "running": 4.0})
+    v.first_byte(0.1, 0.25)
+    assert v.limit == start + 1  # the replica queued at its last scrape
+    v.scraped(0.3, {"waiting": 0.0, "running": 6.0})
+    v.first_byte(0.3, 0.35)
+    assert v.limit == start + 2
+    for i in range(30):
+        v.tokens_streamed(0.4 + i * 0.01, 0.5, 1)  # 500 ms a token: cut, slow start over
+    assert not v.slow_start
+    cut = v.limit
+    v.first_byte(0.5, 1.0)
+    assert v.limit == cut  # past slow start the limit grows by completions alone
+
+    w = ReplicaView("http://w", tpot_slo_s=0.1)
+    for _ in range(3):
+        w.dispatched(0.0)
+    w.ended(0.1, completed=False)
+    w.refused(0.1)  # the replica refused one: a loss, as TCP's
+    assert not w.slow_start and not w.room(0.2, 0.1)  # slow start over; nothing more until its next scrape
+    x = ReplicaView("http://x", tpot_slo_s=0.1)
+    for _ in range(4):
+        x.dispatched(0.0)
+    x.first_byte(0.0, 0.05)
+    grown = x.limit
+    x.first_byte(0.0, 0.5)  # ten times the usual time to first byte: the replica is busy
+    assert x.limit == grown
+
+
+def test_a_fleet_that_starts_under_light_load_refuses_little_while_its_limits_ramp_up():
+    """Two A100 replicas, 600 Poisson arrivals at 0.5 and 0.7 x their bound from a cold start: the limits start at
+    four requests a replica and grew by one a completion, and the queue holds one a replica until the drain rate is
+    measured, so a fleet restarted under steady traffic refused 64 and 176 of them; growing by each first byte,
+    none at 0.5 x and 16 at 0.7 x (all before its first completion, where every stream a replica holds has started
+    and the limit waits for one to end)."""
+    from tidegate.ctrl import build_controller
+    from tidegate.ctrl.theory import capacity
+    from tidegate.engine.core.profile import load_profile
+    from tidegate.engine.gateway.twin import simulate_fleet
+    from tidegate.engine.workloads.arrivals import Arrival
+
+    a100 = load_profile("a100-llama2-7b")
+    bound = 2 * capacity([256], [128], a100).lambda_max_rps
+    rng = np.random.default_rng(0)
+    for load in (0.5, 0.7):
+        times = np.cumsum(rng.exponential(1.0 / (load * bound), 600))
+        arrivals = [Arrival(float(t), 256, 128, 128) for t in times]
+        s = simulate_fleet(arrivals, [a100, a100], [build_controller("greedy", a100, arrivals) for _ in range(2)])
+        assert s["gateway"]["rejected"] <= (0 if load < 0.6 else 0.03 * len(arrivals)), load
+        assert s["completed"] + s["gateway"]["rejected"] == len(arrivals)
+
+
 def test_the_concurrency_limit_holds_to_what_the_replica_runs_while_it_queues():
     """Requests queued inside a replica cannot move to the one that frees first: the limit does not grow while the
     replica queued at its last scrape, and a queue past what it starts before the next scrape, seen twice in a row,

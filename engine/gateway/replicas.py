@@ -80,7 +80,8 @@ class ReplicaView:
     tpot_slo_s: float | None = None
     #: the most of the gateway's requests the replica may hold: additive increase while the streams'
     #: time per token meets the SLO and the replica neither queued nor preempted at its last scrape (+1 a
-    #: completion until the first cut, as TCP's slow start; then +1/limit), cut by a fifth of what was in
+    #: completion and +1 a stream that starts until the first cut or refusal, as TCP's slow start; then
+    #: +1/limit a completion), cut by a fifth of what was in
     #: flight when the time per token does not, and by the requests preempted (at most that fifth) when a
     #: scrape finds the replica preempted since the one before (it holds more than its KV cache runs: a loss,
     #: in TCP's terms), either at most once a request lifetime (``cut``), and to what the replica runs and
@@ -244,8 +245,27 @@ class ReplicaView:
         self.dispatches.append(now)
 
     def first_byte(self, dispatched_at: float, now: float) -> None:
+        """A request dispatched here at ``dispatched_at`` streamed its first byte: the replica started it. In slow
+        start that is TCP's acknowledgement: the limit grows by one while at least half of it is in use (RFC 7661),
+        the replica neither queued nor preempted at its last scrape, and the first byte came within twice the
+        usual time (one that came later says the replica is busy, as a longer round trip says to a delay-based
+        TCP). The limit then doubles in about a time to first token instead of a request's lifetime: a fleet that
+        starts under steady traffic otherwise holds a few requests a replica for the whole first lifetime, and
+        refuses what waits past them."""
         sample = now - dispatched_at
+        usual = self.ttft_s
         self.ttft_s = sample if self.ttft_s is None else 0.8 * self.ttft_s + 0.2 * sample
+        if (self.slow_start and 2 * self.in_flight >= self.limit and (usual is None or sample <= 2.0 * usual)
+                and self._may_grow()):
+            self.limit += 1.0
+
+    def _may_grow(self) -> bool:
+        """The limit may grow: the replica neither queued nor preempted at its last scrape, and its streams' time per
+        token holds (a limit of one grows back whatever the time per token: one at a time is no cure for a slow
+        replica)."""
+        target = self.tpot_target()
+        meets = target is None or self.tpot_s is None or self.tpot_s <= target or self.limit < 2.0
+        return not self.waiting and not self.preempting and meets
 
     def ended(self, now: float, completed: bool, lifetime_s: float | None = None) -> None:
         """A request dispatched here ended: ``completed`` when the replica answered it whole, after
@@ -257,14 +277,16 @@ class ReplicaView:
             self.completions.add(now)
             if lifetime_s is not None:
                 self.lifetime_s = 0.9 * self.lifetime_s + 0.1 * lifetime_s
-            target = self.tpot_target()
-            # a limit of one grows back whatever the time per token: one at a time is no cure for a slow replica
-            meets = target is None or self.tpot_s is None or self.tpot_s <= target or self.limit < 2.0
-            if binding and not self.waiting and not self.preempting and meets:
+            if binding and self._may_grow():
                 self.limit += 1.0 if self.slow_start else 1.0 / self.limit
 
     def refused(self, now: float) -> None:
+        """The replica refused a request (429 or 503; it was ended here first): it takes nothing until its next
+        scrape, and slow start ends, as at TCP's loss (the limit stays: a replica that admits by its own rule
+        refuses one request while it has room for another, and the limit held at what it held when it refused
+        lost a tenth of the goodput on long prompts in the twin)."""
         self.refused_at = now
+        self.slow_start = False
 
     def mark_down(self, reason: str) -> None:
         self.up = False

@@ -97,6 +97,8 @@ class FleetTwin:
         self.heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self.dispatched_at: dict[str, float] = {}
+        #: each replica's requests not yet started, whose first byte its view hears of (with admission on)
+        self.starting: list[list[Request]] = [[] for _ in self.cores]
         self.rejected = self.expired = self.resent = 0
         self.refused_by_replica = [0] * len(self.cores)
         self.pending = 0  # arrivals not yet ended
@@ -180,6 +182,16 @@ class FleetTwin:
         end = core.clock.now()
         if core.running and end > start:
             view.tokens_streamed(end, (end - start) / steps, 1)
+        starting = self.starting[j]
+        if starting:
+            waiting = []
+            for r in starting:
+                first = r.first_token_time_s
+                if first is None and not r.state.is_terminal:
+                    waiting.append(r)
+                elif first is not None and r.request_id in self.dispatched_at:
+                    view.first_byte(self.dispatched_at[r.request_id], first + self.s.network_s)
+            self.starting[j] = waiting
         for r in ended:
             self.push(end + self.s.network_s, _REPLY, (j, r))
 
@@ -225,6 +237,8 @@ class FleetTwin:
         # the errors of its predictions, its queue timeout) holds no time spent in the gateway; the fleet's figures
         # count from the gateway's arrival again when the reply comes back
         request.arrival_time_s = t
+        if self.s.admission:
+            self.starting[j].append(request)
         if core.add_request(request) is not None:  # the replica's own controller refused it
             self.refused_by_replica[j] += 1
             self.push(t + self.s.network_s, _REPLY, (j, request))

@@ -14,8 +14,8 @@ prompt and ``max_tokens``). The faults:
   away while its request waits in the queue or for a whole (non-streamed) answer is noticed there too,
   so no replica generates for nobody.
 
-A body over ``--max-request-bytes`` gets 413 as soon as its length says so (or its bytes pass it), on
-every route.
+A body over ``GatewayConfig.max_request_bytes`` (32 MiB) gets 413 as soon as its length says so (or its
+bytes pass it), on every route.
 """
 
 from __future__ import annotations

@@ -88,3 +88,21 @@ def test_the_docs_hold_no_raw_run_records():
         pytest.skip("not a git checkout")
     raw = [f for f in listed.stdout.split() if f.endswith((".csv", ".jsonl", ".log", ".parquet"))]
     assert not raw, raw
+
+
+def test_every_plot_and_record_in_the_docs_is_shown_or_named():
+    """A plot or record under docs/bench that no page links or names is a run nobody reads: its command writes it
+    again (git history keeps the old ones)."""
+    listed = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [f for f in listed.stdout.split() if (ROOT / f).is_file()]
+    pages = [ROOT / f for f in files if f.endswith(".md")]
+    linked = {(page.parent / m.group(1)).resolve() for page in pages
+              for m in re.finditer(r"\]\(([^)#\s]+)", page.read_text(errors="ignore")) if "://" not in m.group(1)}
+    text = "\n".join((ROOT / f).read_text(errors="ignore") for f in files
+                     if f.endswith((".md", ".py", ".yaml", ".toml", ".sh")))
+    orphans = [f for f in files if f.startswith("docs/bench/") and f.endswith((".png", ".json"))
+               and not linked.intersection([(ROOT / f).resolve(), *(ROOT / f).resolve().parents])  # or its folder
+               and f.removeprefix("docs/") not in text]
+    assert not orphans, orphans

@@ -81,11 +81,11 @@ class ReplicaView:
     #: the most of the gateway's requests the replica may hold: additive increase while the streams'
     #: time per token meets the SLO and the replica neither queued nor preempted at its last scrape (+1 a
     #: completion and +1 a stream that starts until the first cut or refusal, as TCP's slow start; then
-    #: +1/limit a completion), cut by a fifth of what was in
-    #: flight when the time per token does not, and by the requests preempted (at most that fifth) when a
-    #: scrape finds the replica preempted since the one before (it holds more than its KV cache runs: a loss,
-    #: in TCP's terms), either at most once a request lifetime (``cut``), and to what the replica runs and
-    #: the queue it may hold (``queue_allowed``) when two scrapes in a row find it queueing more than that
+    #: +1/limit a completion), cut by a fifth of what was in flight when the time per token does not, and by
+    #: the requests preempted (at most that fifth) when a scrape finds the replica preempted since the one
+    #: before (it holds more than its KV cache runs: a loss, in TCP's terms), either at most once a request
+    #: lifetime (``cut``), and to what the replica runs and the queue it may hold (``queue_allowed``) when
+    #: two scrapes in a row find it queueing more than that
     limit: float = 4.0
     slow_start: bool = True
     #: seconds per token between the streams' chunks, exponentially weighted, and the lowest it has been

@@ -237,11 +237,11 @@ class FleetTwin:
         # the errors of its predictions, its queue timeout) holds no time spent in the gateway; the fleet's figures
         # count from the gateway's arrival again when the reply comes back
         request.arrival_time_s = t
-        if self.s.admission:
-            self.starting[j].append(request)
         if core.add_request(request) is not None:  # the replica's own controller refused it
             self.refused_by_replica[j] += 1
             self.push(t + self.s.network_s, _REPLY, (j, request))
+        elif self.s.admission:
+            self.starting[j].append(request)
 
     def _reply(self, t: float, j: int, request: Request) -> None:
         view = self.views[j]

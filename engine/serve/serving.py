@@ -206,17 +206,14 @@ class OpenAIServing:
         (``best_of`` of them per prompt), or (None, response) otherwise."""
         try:
             self._check_open()
-            _check_id_lists(body, len(prompts) * ask.best_of)
-            vocab = self.service.info.vocab_size if self.service.info is not None else 0
-            # one tokenization of bad_words and one copy of the id lists per arrival, not per prompt
-            sampling = sampling_params(body, ask, vocab, self.tokenizer)
-            checked = [self._check_request(body, ids, ask, sampling) for ids, _ in prompts]
+            sampling = self._sampling(body, ask, len(prompts) * ask.best_of)
+            limits = [self._max_tokens(body, ids, ask) for ids, _ in prompts]
         except Refused as refused:
             return None, refused.response
         event = asyncio.Event()
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
-        for p, ((ids, echo), (max_tokens, sampling)) in enumerate(zip(prompts, checked)):
+        for p, ((ids, echo), max_tokens) in enumerate(zip(prompts, limits)):
             for i in range(ask.best_of):
                 try:
                     self._check_admission(len(ids), max_tokens)
@@ -240,12 +237,27 @@ class OpenAIServing:
             self.metrics.rejected("engine_down")
             raise Refused(error_response(503, "the engine is restarting", "unavailable", retry_after_s=5))
 
-    def _check_request(self, body: SamplingBody, prompt_ids: list[int], ask: Ask, sampling: SamplingParams):
-        """(max_tokens, sampling parameters) of a request this server can serve; raises :class:`Refused`
-        (400) otherwise. A request that sets no ``max_tokens`` gets the default, within the context."""
+    def _sampling(self, body: SamplingBody, ask: Ask, engine_requests: int) -> SamplingParams:
+        """The sampling parameters of an arrival of ``engine_requests`` engine requests that this server can serve,
+        checked once for all its prompts (``bad_words`` tokenized once, the id lists checked against the vocabulary
+        once); raises :class:`Refused` (400) otherwise."""
         if body.model is not None and body.model != self.model_name:
             raise Refused(error_response(400, f"the model {body.model!r} is not served here; use "
                                               f"{self.model_name!r}", "invalid_request_error", "model"))
+        _check_id_lists(body, engine_requests)
+        vocab = self.service.info.vocab_size if self.service.info is not None else 0
+        sampling = sampling_params(body, ask, vocab, self.tokenizer)
+        verify = getattr(sampling, "verify", None)  # what depends on the model
+        if verify is not None:
+            try:
+                verify(vocab)
+            except ValueError as exc:
+                raise bad_request(str(exc).rstrip("."), named_param(str(exc), _CHECKED_PARAMS)) from None
+        return sampling
+
+    def _max_tokens(self, body: SamplingBody, prompt_ids: list[int], ask: Ask) -> int:
+        """The ``max_tokens`` of one prompt's engine requests; raises :class:`Refused` (400) when the prompt and it do
+        not fit. A request that sets no ``max_tokens`` gets the default, within the context."""
         context = self.service.max_model_len or (len(prompt_ids) + self.config.default_max_tokens)
         max_tokens = ask.max_tokens
         if max_tokens is None:
@@ -256,14 +268,7 @@ class OpenAIServing:
             self.service.check_request(prompt_ids, max_tokens)
         except ValueError as exc:
             raise bad_request(str(exc).rstrip("."), "max_tokens" if "max_tokens" in str(exc) else None) from None
-        vocab = self.service.info.vocab_size if self.service.info is not None else 0
-        verify = getattr(sampling, "verify", None)  # what depends on the model and on max_tokens
-        if verify is not None:
-            try:
-                verify(vocab, max_tokens)
-            except ValueError as exc:
-                raise bad_request(str(exc).rstrip("."), named_param(str(exc), _CHECKED_PARAMS)) from None
-        return max_tokens, sampling
+        return max_tokens
 
     def _check_admission(self, prompt_len: int, max_tokens: int) -> None:
         """Raises :class:`Refused` (429) when the server is at its in-flight limit or the controller refuses."""

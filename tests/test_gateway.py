@@ -26,7 +26,7 @@ from tidegate.engine.gateway.app import create_gateway_app
 from tidegate.engine.gateway.features import FLEET_FEATURES, FLEET_OBS_DIM
 from tidegate.engine.gateway.fleet import GatewayConfig
 from tidegate.engine.gateway.queue import DrainAdmission, GatewayQueue, Queued
-from tidegate.engine.gateway.replicas import ReplicaView, parse_gauges
+from tidegate.engine.gateway.replicas import OUTLIER_MIN_ANSWERS, OUTLIER_WINDOW, ReplicaView, outlier, parse_gauges
 from tidegate.engine.gateway.routers import PredictedDelay, PrefixAffinity, RoundRobin
 from tests.test_server import Running, free_port, tiny  # noqa: F401 (a fixture)
 
@@ -467,6 +467,8 @@ class Scripted:
     def __init__(self) -> None:
         self.tokens, self.gap_s = 5, 0.01
         self.refuse = False
+        #: every completion is answered with this status (a replica that fails fast)
+        self.fail_status: int | None = None
         self.die_after: int | None = None
         self.healthy = True
         self.waiting = self.preemptions = 0
@@ -498,6 +500,8 @@ class Scripted:
             self.requests += 1
             if self.refuse:
                 return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"Retry-After": "1"})
+            if self.fail_status is not None:
+                return JSONResponse({"error": {"message": "it broke"}}, status_code=self.fail_status)
             if not body.get("stream"):
                 deadline = time.monotonic() + self.whole_delay_s
                 while time.monotonic() < deadline:
@@ -625,6 +629,91 @@ def test_streams_pass_through_and_a_burst_spreads_over_the_fleet(pair):
         _eventually(lambda: g.health()["replicas"][0]["preemptions"] == 3.0)
     finally:
         g.close()
+
+
+def test_a_replica_that_answers_server_errors_is_ejected_and_errors_everywhere_eject_nothing(pair):
+    a, b = pair
+    g = Gateway([a.url, b.url], router="round-robin", ejection_s=2.0)
+    try:
+        a.fail_status = 500  # a fails fast: without ejection it takes every other request
+        codes = [_stream_text(g.url)[0] for _ in range(30)]
+        assert codes.count(500) == 10 and a.requests == 10  # ejected at its tenth answer
+        assert codes[20:] == [200] * 10
+        health = g.health()["replicas"][0]
+        assert not health["up"] and "10 of its last 10 requests with a server error (the other replicas up 0 of " \
+            in health["down_reason"]
+        assert 0 < health["ejected_for_s"] <= 2.0
+        assert 'tidegate:gateway_replica_ejections_total{replica="127.0.0.1:%d"} 1.0' % a.port \
+            in httpx.get(g.url + "/metrics").text
+        a.fail_status = None
+        _eventually(lambda: g.health()["replicas"][0]["up"], 5.0)  # its time over, /health brings it back
+        assert g.health()["replicas"][0]["ejected_for_s"] is None
+        # requests that fail on every replica (a poison prompt) raise both shares alike: nobody is ejected
+        a.fail_status = b.fail_status = 502
+        assert [_stream_text(g.url)[0] for _ in range(40)] == [502] * 40
+        assert all(r["up"] for r in g.health()["replicas"])
+        b.fail_status = None  # 503 is a replica's "busy", 4xx the request's fault: neither counts against a
+        a.fail_status = 400
+        for _ in range(30):
+            _stream_text(g.url)
+        assert all(r["up"] for r in g.health()["replicas"])
+    finally:
+        g.close()
+
+
+def test_outlier_ejection_compares_like_periods_keeps_a_replica_up_and_at_most_half_the_fleet_out():
+    views = [ReplicaView(f"http://r{i}") for i in range(4)]
+    t = 0.0
+    for _ in range(OUTLIER_MIN_ANSWERS - 1):
+        t += 1.0
+        views[0].answered(500, t)
+    assert outlier(views[0], views) is None  # too few answers to judge
+    t += 1.0
+    views[0].answered(500, t)
+    assert outlier(views[0], views) is not None  # nobody else answered: a replica that fails fast draws the traffic
+    for _ in range(OUTLIER_MIN_ANSWERS):
+        for v, status in zip(views, (500, 200, 200, 200), strict=True):
+            t += 1.0
+            v.answered(status, t)
+    assert outlier(views[0], views) is not None
+    views[1].mark_down("ejected")
+    assert outlier(views[0], views) is not None  # two of four out at most
+    views[2].mark_down("ejected")
+    assert outlier(views[0], views) is None
+    views[1].mark_up()
+    assert views[1].server_errors() == (0, 0)  # judged afresh on its return
+    for _ in range(OUTLIER_MIN_ANSWERS):
+        for v, status in zip(views[:2], (500, 500), strict=True):
+            t += 1.0
+            v.answered(status, t)
+    # views[0]'s last 20 answers span views[1]'s 10 errors and views[3]'s 10 good ones: 10 of 20 is not under half
+    assert views[0].server_errors() == (OUTLIER_WINDOW, OUTLIER_WINDOW) and outlier(views[0], views) is None
+    for v in views[1:]:
+        v.mark_down("gone")
+    assert outlier(views[0], views) is None  # the last replica up stays up
+    # a replica back from ejection (its answers forgotten) beside one whose window still holds older good answers:
+    # requests that fail on both since its return eject nothing
+    back, steady = ReplicaView("http://back"), ReplicaView("http://steady")
+    for _ in range(OUTLIER_WINDOW):
+        t += 1.0
+        steady.answered(200, t)
+    for _ in range(OUTLIER_MIN_ANSWERS):
+        t += 1.0
+        back.answered(502, t)
+        steady.answered(502, t + 0.5)
+    assert steady.server_errors() == (OUTLIER_MIN_ANSWERS, OUTLIER_WINDOW)
+    assert outlier(back, [back, steady]) is None
+    lone = ReplicaView("http://only")
+    for _ in range(OUTLIER_WINDOW):
+        lone.answered(500, t)
+    assert outlier(lone, [lone]) is None
+    assert lone.eject(0.0, "x", 30.0) == 30.0 and lone.eject(0.0, "x", 30.0) == 60.0
+    for _ in range(OUTLIER_WINDOW):
+        lone.answered(503, t)  # busy: counts for nothing
+    assert lone.server_errors() == (OUTLIER_WINDOW, OUTLIER_WINDOW)
+    for _ in range(OUTLIER_WINDOW):
+        lone.answered(200, t)
+    assert lone.ejections == 0  # a whole window answered well: the next ejection starts short
 
 
 def test_a_refusing_replica_is_routed_around_and_a_dead_one_health_checked_back(pair):

@@ -66,6 +66,9 @@ def _check_url(url: str) -> str:
               help="How often a replica that is down is checked on /health.")
 @click.option("--read-timeout-s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="The longest a replica may stay silent on a request before it is taken for gone.")
+@click.option("--ejection-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="How long a replica that answers with server errors while the others do not is taken out "
+                   "(times its ejections in a row, ten at most; 0: never).")
 @click.option("--tenant-header", default="x-gateway-inference-fairness-id", show_default=True,
               help="The header naming a request's tenant; tenants share the queue by tokens.")
 @click.option("--priority-header", default="x-gateway-inference-priority", show_default=True,
@@ -81,8 +84,8 @@ def _check_url(url: str) -> str:
               show_default=True)
 @friendly(_GatewayError)
 def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, queue_ttl_s, scrape_interval_s,
-            stale_after_s, health_interval_s, read_timeout_s, tenant_header, priority_header, admission_policy,
-            policy_interval_s, host, port, log_level):
+            stale_after_s, health_interval_s, read_timeout_s, ejection_s, tenant_header, priority_header,
+            admission_policy, policy_interval_s, host, port, log_level):
     """Admission, queueing, priorities and routing in front of many replicas of any engine."""
     import logging
 
@@ -109,6 +112,7 @@ def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, que
                            queue_ttl_s=queue_ttl_s,
                            scrape_interval_s=scrape_interval_s, stale_after_s=stale_after_s,
                            health_interval_s=health_interval_s, read_timeout_s=read_timeout_s,
+                           ejection_s=ejection_s,
                            tenant_header=tenant_header.lower(),
                            priority_header=priority_header.lower(), admission_policy=admission_policy,
                            policy_interval_s=policy_interval_s, host=host, port=port)

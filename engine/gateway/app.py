@@ -279,6 +279,7 @@ async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: Ht
         requesting.cancel()
         view.ended(time.monotonic(), completed=False)
         raise
+    fleet.answered(view, upstream.status)
     if upstream.status in (429, 503) and fleet.config.admission:
         now = time.monotonic()
         view.ended(now, completed=False)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tidegate.engine.gateway.features import FleetFeatures, budget_scale, load_fleet_policy
 from tidegate.engine.gateway.gate import Gate
 from tidegate.engine.gateway.queue import Queued
-from tidegate.engine.gateway.replicas import ReplicaView, parse_gauges
+from tidegate.engine.gateway.replicas import ReplicaView, outlier, parse_gauges
 
 log = logging.getLogger("tidegate.gateway")
 
@@ -48,6 +48,9 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     #: the longest a replica may stay silent on a request (a host that vanishes sends no reset)
     read_timeout_s: float = 600.0
+    #: how long a replica whose answers are server errors while the others' are not is taken out, times its
+    #: ejections in a row (0: never; ``replicas.outlier`` says when)
+    ejection_s: float = 30.0
     tenant_header: str = "x-gateway-inference-fairness-id"
     priority_header: str = "x-gateway-inference-priority"
     max_request_bytes: int = 32 << 20
@@ -100,6 +103,9 @@ class GatewayMetrics:
         self.first_byte = Gauge("tidegate:gateway_admission_first_byte_seconds", "The 90th percentile of the "
                                 "replicas' dispatch-to-first-byte that admission counts for a prompt of this size "
                                 "(estimated tokens).", ["prompt_tokens"], registry=r)
+        self.ejections = Counter("tidegate:gateway_replica_ejections_total", "Times the replica was taken out "
+                                 "for answering with server errors while the other replicas did not.", labels,
+                                 registry=r)
         self.policy_fallbacks = Counter("tidegate:gateway_policy_fallbacks_total", "Admission policy decisions that "
                                         "failed and fell back to the gateway's own rule.", registry=r)
 
@@ -231,7 +237,9 @@ class Fleet:
         while True:
             sent = time.monotonic()
             try:
-                if view.up:
+                if not view.up and sent < view.ejected_until:
+                    pass  # ejected: no health check brings it back before its time is over
+                elif view.up:
                     async with self.client.get(view.url + "/metrics",
                                                timeout=aiohttp.ClientTimeout(total=c.stale_after_s)) as r:
                         if r.status == 200:
@@ -250,6 +258,18 @@ class Fleet:
             self.wake()
             elapsed = time.monotonic() - sent
             await asyncio.sleep(max(0.0, (c.scrape_interval_s if view.up else c.health_interval_s) - elapsed))
+
+    def answered(self, view: ReplicaView, status: int) -> None:
+        """The replica answered with ``status``; a replica whose answers are server errors where the others' are not
+        is ejected (``replicas.outlier``): a replica that fails fast looks idle and would draw the traffic."""
+        view.answered(status, time.monotonic())
+        if status < 500 or self.config.ejection_s <= 0 or not view.up:
+            return
+        why = outlier(view, self.views)
+        if why is not None:
+            seconds = view.eject(time.monotonic(), why, self.config.ejection_s)
+            self.metrics.ejections.labels(view.name).inc()
+            log.warning("replica %s is ejected for %g s: %s", view.url, seconds, why)
 
     def replica_failed(self, view: ReplicaView, why: str) -> None:
         if view.up:
@@ -284,6 +304,7 @@ class Fleet:
                           "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
                           "kv_usage": v.kv_usage, "preemptions": v.preemptions, "completed": v.completed_total,
                           "limit": round(v.limit, 2) if self.config.admission else None,
+                          "ejected_for_s": round(v.ejected_until - now, 1) if v.ejected_until > now else None,
                           "tpot_s": v.tpot_s} for v in self.views],
         }
 

@@ -28,6 +28,9 @@ GAUGE_NAMES = {
     "preemptions": ("vllm:num_preemptions_total", "tidegate:num_preemptions_total"),
 }
 _NAME_TO_GAUGE = {name: gauge for gauge, names in GAUGE_NAMES.items() for name in names}
+#: the answers outlier ejection remembers of a replica, and the fewest it judges by
+OUTLIER_WINDOW = 20
+OUTLIER_MIN_ANSWERS = 10
 
 
 def parse_gauges(text: str) -> dict[str, float]:
@@ -119,10 +122,17 @@ class ReplicaView:
     completions: RateEstimator = field(default_factory=lambda: RateEstimator(10.0, min_events=16))
     #: seconds from dispatch to the replica's first streamed byte, exponentially weighted
     ttft_s: float | None = None
+    #: the replica's last answers, when and whether a server error (5xx other than 503, its "busy"); what outlier
+    #: ejection judges it by
+    answers: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=OUTLIER_WINDOW))
+    #: times the replica was ejected since it last answered a whole window well, and when the last ejection ends
+    ejections: int = 0
+    ejected_until: float = -math.inf
     #: totals for the gateway's metrics
     dispatched_total: int = 0
     completed_total: int = 0
     failed_total: int = 0
+    ejected_total: int = 0
 
     #: chunks weighed before the lowest time per token counts as a floor
     FLOOR_AFTER = 20
@@ -288,6 +298,36 @@ class ReplicaView:
         self.refused_at = now
         self.slow_start = False
 
+    def answered(self, status: int, now: float) -> None:
+        """The replica answered a request with ``status`` (its headers; a stream that breaks off later marks it down
+        by itself). A 4xx is the request's fault and counts as a good answer; 503, as 429, says the replica is busy
+        and counts for nothing."""
+        if status == 503:
+            return
+        self.answers.append((now, status >= 500))
+        if self.ejections and len(self.answers) == self.answers.maxlen and not self.server_errors()[0]:
+            self.ejections = 0  # a whole window answered well since its return: the next ejection starts short
+
+    def server_errors(self, since: float = -math.inf) -> tuple[int, int]:
+        """Server errors among the replica's remembered answers from ``since`` on, and those answers."""
+        errors = answers = 0
+        for t, failed in reversed(self.answers):
+            if t < since:
+                break
+            answers += 1
+            errors += failed
+        return errors, answers
+
+    def eject(self, now: float, reason: str, base_s: float) -> float:
+        """Take the replica out for ``base_s`` times the ejections in a row (ten at most), as Envoy's outlier
+        detection does; it comes back when that time is over and a health check passes. Returns the seconds."""
+        self.ejections += 1
+        self.ejected_total += 1
+        seconds = base_s * min(self.ejections, 10)
+        self.ejected_until = now + seconds
+        self.mark_down(reason)
+        return seconds
+
     def mark_down(self, reason: str) -> None:
         self.up = False
         self.down_reason = reason
@@ -297,3 +337,32 @@ class ReplicaView:
         self.up = True
         self.down_reason = ""
         self.refused_at = None
+        self.answers.clear()  # judged afresh: the errors that took it out are not held against it twice
+
+
+def outlier(view: ReplicaView, views: list[ReplicaView], most_ejected: float = 0.5) -> str | None:
+    """Why ``view`` should be ejected, or None: half or more of its last answers (``OUTLIER_MIN_ANSWERS`` at least)
+    were server errors, while the other replicas' answers since the first of those failed at under half its share
+    (or there were none: a replica that fails fast draws the traffic).
+
+    The comparison is what keeps requests that fail everywhere (a prompt that crashes every replica, a client's
+    attack) from taking replicas out: they raise every replica's share alike. Another replica must stay up, and at
+    most ``most_ejected`` of the fleet (one replica at least) is down at once, so the worst a client who steers its
+    failing requests at one replica (by a shared prefix, say) can do is keep that share out for the ejection time.
+    """
+    errors, answers = view.server_errors()
+    if answers < OUTLIER_MIN_ANSWERS or 2 * errors < answers:
+        return None
+    others = [v for v in views if v is not view]
+    if not any(v.up for v in others):
+        return None
+    if sum(not v.up for v in others) + 1 > max(1, int(most_ejected * len(views))):
+        return None
+    since = view.answers[0][0]
+    their = [v.server_errors(since) for v in others if v.up]
+    their_errors, their_answers = sum(e for e, _ in their), sum(n for _, n in their)
+    if their_answers and 2 * their_errors * answers >= errors * their_answers:
+        return None
+    return (f"it answered {errors} of its last {answers} requests with a server error (the other replicas up "
+            f"{their_errors} of {their_answers} meanwhile)")
+

@@ -37,7 +37,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tidegate.engine.gateway.fleet import TRANSPORT_ERRORS, Fleet, GatewayConfig
 from tidegate.engine.gateway.queue import Queued
 from tidegate.engine.gateway.replicas import ReplicaView
-from tidegate.engine.serve.operator import BodySizeLimit
+from tidegate.engine.serve.operator import BodyLimits
 from tidegate.engine.serve.protocol import error_response
 
 log = logging.getLogger("tidegate.gateway")
@@ -66,7 +66,7 @@ def create_gateway_app(config: GatewayConfig) -> FastAPI:
             await fleet.stop()
 
     app = FastAPI(title="tidegate gateway", lifespan=lifespan)
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes)
     app.state.fleet = fleet
 
     @app.get("/health")
@@ -164,7 +164,7 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
     c = fleet.config
     m = fleet.metrics
     arrived = time.monotonic()
-    raw = await http.body()  # at most max_request_bytes (BodySizeLimit)
+    raw = await http.body()  # at most max_request_bytes (BodyLimits)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from tidegate.engine.serve.config import ServeConfig
+from tidegate.engine.serve.connections import http_protocol
 from tidegate.engine.serve.metrics import ServerMetrics
 from tidegate.engine.serve.service import EngineService
 
@@ -177,7 +178,7 @@ class GracefulServer:
         self.server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
                                              log_level=_uvicorn_log_level(config.log_level),
                                              access_log=config.access_log, timeout_graceful_shutdown=5,
-                                             timeout_keep_alive=KEEP_ALIVE_S))
+                                             timeout_keep_alive=KEEP_ALIVE_S, http=http_protocol()))
         if config.access_log:  # its lines are at info, whatever uvicorn's own level
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
 

@@ -8,6 +8,7 @@ routes' disconnect checks pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import uuid
 from http import HTTPStatus
@@ -40,7 +41,7 @@ def install_operator(app: FastAPI, config: ServeConfig) -> None:
     """
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, body_errors(app.exception_handlers.get(RequestValidationError)))
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyAuth, api_key=config.api_key)
     app.add_middleware(RequestId)  # outermost: every answer, refusals by the others included, carries it
@@ -107,17 +108,31 @@ class _TooLarge(Exception):
     """The body grew past the limit while it was read."""
 
 
-class BodySizeLimit:
-    """413 for a request body over ``max_bytes``: at once when its ``Content-Length`` says so, else as
-    soon as the bytes read pass the limit (a chunked body), whatever the route then tries to answer."""
+class _TooSlow(Exception):
+    """The body did not arrive whole in time."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+#: seconds a request's whole body may take to arrive (32 MiB at half a megabyte a second)
+BODY_TIMEOUT_S = 60.0
+
+
+class BodyLimits:
+    """413 for a request body over ``max_bytes``: at once when its ``Content-Length`` says so, else as
+    soon as the bytes read pass the limit (a chunked body); 408 for one that is not whole ``timeout_s``
+    after the route began to read it (a client that trickles its body holds a connection and a task no
+    longer); whatever the route then tries to answer."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
-    def _refusal(self) -> Response:
-        response = error_response(413, f"the request body is larger than this server's limit of "
-                                       f"{self.max_bytes} bytes")
+    def _refusal(self, slow: bool = False) -> Response:
+        if slow:
+            response = error_response(408, f"the request body did not arrive whole within {self.timeout_s:g} s")
+        else:
+            response = error_response(413, f"the request body is larger than this server's limit of "
+                                           f"{self.max_bytes} bytes")
         response.headers["Connection"] = "close"  # the rest of the body is never read
         return response
 
@@ -130,39 +145,53 @@ class BodySizeLimit:
             await self._refusal()(scope, receive, send)
             return
         received = 0
-        too_large = False
+        too_large = too_slow = False
         started = False
-        replaced = False  # the route's answer, swallowed for the 413
+        replaced = False  # the route's answer, swallowed for the 413 or 408
+        whole = False
+        deadline: float | None = None
 
         async def counted_receive() -> Message:
-            nonlocal received, too_large
-            message = await receive()
+            nonlocal received, too_large, too_slow, whole, deadline
+            if whole:  # after the body: the route waits for the client's disconnect, as long as it likes
+                return await receive()
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                too_slow = True
+                raise _TooSlow from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     too_large = True
                     raise _TooLarge
+                whole = not message.get("more_body", False)
+            else:
+                whole = True
             return message
 
         async def guarded_send(message: Message) -> None:
             nonlocal started, replaced
             if replaced:
                 return
-            if too_large and not started:  # the route answered a body cut short (FastAPI: a 400); it is a 413
+            if (too_large or too_slow) and not started:  # the route answered a body cut short (FastAPI: a 400)
                 replaced = started = True
-                await self._refusal()(scope, receive, send)
+                await self._refusal(slow=too_slow)(scope, receive, send)
                 return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, counted_receive, guarded_send)
-        except _TooLarge:
+        except (_TooLarge, _TooSlow):
             if replaced:
                 return
             if started:
                 raise
-            await self._refusal()(scope, receive, send)
+            await self._refusal(slow=too_slow)(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------------- error bodies

@@ -128,6 +128,11 @@ def test_models_health_ready_and_metrics(server):
         assert name in families, name
     ttft = {s.name: s.value for s in families["tidegate:time_to_first_token_seconds"].samples}
     assert ttft["tidegate:time_to_first_token_seconds_count"] >= 1
+    # ?name[]=...: those series alone, as the gateway asks ten times a second
+    few = httpx.get(server.url + "/metrics", params=[("name[]", "tidegate:num_requests_waiting"),
+                                                     ("name[]", "tidegate:num_preemptions_total")]).text
+    assert {f.name for f in text_string_to_metric_families(few)} == {"tidegate:num_requests_waiting",
+                                                                     "tidegate:num_preemptions"}
 
 
 LONG = "x" * 3000

@@ -735,6 +735,11 @@ class TestPassThrough:
             assert replica["waiting"] is not None and replica["running"] is not None
             assert replica["kv_usage"] is not None
             assert replica["preemptions"] == 0.0  # its count of preempted requests: the limit's loss signal
+            # the gateway asks for those series alone; vLLM 0.32 answers its whole page, which reads the same
+            from tidegate.engine.gateway.replicas import METRICS_QUERY, parse_gauges
+
+            page = httpx.get(server.url + "/metrics" + METRICS_QUERY, timeout=30).text
+            assert set(parse_gauges(page)) == {"waiting", "running", "kv_usage", "preemptions"}
         finally:
             g.close()
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tidegate.engine.gateway.features import FleetFeatures, budget_scale, load_fleet_policy
 from tidegate.engine.gateway.gate import Gate
 from tidegate.engine.gateway.queue import Queued
-from tidegate.engine.gateway.replicas import ReplicaView, outlier, parse_gauges
+from tidegate.engine.gateway.replicas import METRICS_QUERY, ReplicaView, outlier, parse_gauges
 
 log = logging.getLogger("tidegate.gateway")
 
@@ -240,7 +240,7 @@ class Fleet:
                 if not view.up and sent < view.ejected_until:
                     pass  # ejected: no health check brings it back before its time is over
                 elif view.up:
-                    async with self.client.get(view.url + "/metrics",
+                    async with self.client.get(view.url + "/metrics" + METRICS_QUERY,
                                                timeout=aiohttp.ClientTimeout(total=c.stale_after_s)) as r:
                         if r.status == 200:
                             view.scraped(sent, parse_gauges(await r.text()))

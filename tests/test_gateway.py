@@ -48,6 +48,14 @@ def test_gauges_of_every_engine_are_read_and_summed_over_label_sets():
     tide = "# TYPE tidegate:num_requests_waiting gauge\ntidegate:num_requests_waiting{model_name=\"tiny\"} 1\n"
     assert parse_gauges(tide) == {"waiting": 1.0}
     assert parse_gauges("# TYPE other gauge\nother 1\n") == {}
+    tgi = ("# TYPE tgi_queue_size gauge\ntgi_queue_size 6\n# TYPE tgi_batch_current_size gauge\n"
+           "tgi_batch_current_size 12\n# TYPE tgi_batch_current_max_tokens gauge\ntgi_batch_current_max_tokens 9000\n")
+    assert parse_gauges(tgi) == {"waiting": 6.0, "running": 12.0}
+    llama = ("# HELP llamacpp:requests_processing Number of requests processing.\n# TYPE llamacpp:requests_processing "
+             "gauge\nllamacpp:requests_processing 4\n# TYPE llamacpp:requests_deferred gauge\n"
+             "llamacpp:requests_deferred 46\n# TYPE llamacpp:kv_cache_usage_ratio gauge\n"
+             "llamacpp:kv_cache_usage_ratio 0.8\n")
+    assert parse_gauges(llama) == {"waiting": 46.0, "running": 4.0, "kv_usage": 0.8}
     # the preemption counters, as vLLM's and tidegate's pages write them (the parser strips a counter's _total)
     counters = ('# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.\n'
                 '# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{engine="0"} 7.0\n'

@@ -1,7 +1,8 @@
 """What the gateway knows of each replica: its gauges, their age, its requests in flight, its health.
 
-A replica is any OpenAI-compatible server that exports the load gauges of vLLM, SGLang or tidegate
-on ``/metrics`` (both generations of vLLM's KV gauge). The gauges are scraped on a short period and
+A replica is any OpenAI-compatible server that exports the load gauges of vLLM, SGLang, tidegate,
+Hugging Face TGI or llama.cpp's server on ``/metrics`` (both generations of vLLM's KV gauge; TGI exports
+no KV gauge, llama.cpp's only in some builds). The gauges are scraped on a short period and
 are only as fresh as their scrape: a view older than ``stale_after_s`` is stale, and the gateway
 then judges that replica by what it counts itself (its requests in flight there). Dispatches made
 since a scrape began are counted on top of the scraped queue, so a burst that arrives between two
@@ -20,10 +21,12 @@ from tidegate.engine.core.stats import RateEstimator
 
 #: gauge -> (the engine's metric names, newest first)
 GAUGE_NAMES = {
-    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "tidegate:num_requests_waiting"),
-    "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "tidegate:num_requests_running"),
+    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "tidegate:num_requests_waiting",
+                "tgi_queue_size", "llamacpp:requests_deferred"),
+    "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "tidegate:num_requests_running",
+                "tgi_batch_current_size", "llamacpp:requests_processing"),
     "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
-                 "tidegate:kv_cache_usage_perc"),
+                 "tidegate:kv_cache_usage_perc", "llamacpp:kv_cache_usage_ratio"),
     # a counter: requests the replica preempted (evicted from its KV, to run again) since it started
     "preemptions": ("vllm:num_preemptions_total", "tidegate:num_preemptions_total"),
 }

@@ -724,6 +724,30 @@ def test_outlier_ejection_compares_like_periods_keeps_a_replica_up_and_at_most_h
     assert lone.ejections == 0  # a whole window answered well: the next ejection starts short
 
 
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 6), events=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(
+    [200, 200, 400, 500, 502, 503, "down", "up"])), max_size=300))
+def test_outlier_ejection_never_takes_out_the_last_replica_up_nor_more_than_half(n, events):
+    views = [ReplicaView(f"http://r{i}") for i in range(n)]
+    t = 0.0
+    for i, what in events:
+        v = views[i % n]
+        t += 0.01
+        if what == "down":
+            v.mark_down("its /metrics failed")
+        elif what == "up":
+            v.mark_up()
+        else:
+            assert isinstance(what, int)
+            v.answered(what, t)
+            if v.up and outlier(v, views) is not None:
+                down_before = sum(not w.up for w in views)
+                v.eject(t, "outlier", 30.0)
+                assert down_before + 1 <= max(1, n // 2) and any(w.up for w in views)
+                errors, answers = views[i % n].server_errors()
+                assert answers >= OUTLIER_MIN_ANSWERS and 2 * errors >= answers
+
+
 def test_a_refusing_replica_is_routed_around_and_a_dead_one_health_checked_back(pair):
     a, b = pair
     g = Gateway([a.url, b.url], router="round-robin")

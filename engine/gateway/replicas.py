@@ -33,8 +33,8 @@ GAUGE_NAMES = {
 _NAME_TO_GAUGE = {name: gauge for gauge, names in GAUGE_NAMES.items() for name in names}
 #: the query that asks a replica's ``/metrics`` for these series alone, as prometheus_client's exposition app and
 #: ``tidegate serve`` answer it (its whole page costs the replica 3 ms of CPU a read, these 0.35 ms:
-#: ``benchmarks/scrape_cost.py``); a server
-#: that does not (vLLM 0.32 serves the page through an instrumentator's route) answers the whole page, read the same
+#: ``benchmarks/scrape_cost.py``); a server that does not (vLLM 0.32 serves the page through an instrumentator's
+#: route) answers the whole page, read the same
 METRICS_QUERY = "?" + "&".join(f"name[]={name}" for name in _NAME_TO_GAUGE)
 #: the answers outlier ejection remembers of a replica, and the fewest it judges by
 OUTLIER_WINDOW = 20

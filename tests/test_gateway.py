@@ -26,7 +26,8 @@ from tidegate.engine.gateway.app import create_gateway_app
 from tidegate.engine.gateway.features import FLEET_FEATURES, FLEET_OBS_DIM
 from tidegate.engine.gateway.fleet import GatewayConfig
 from tidegate.engine.gateway.queue import DrainAdmission, GatewayQueue, Queued
-from tidegate.engine.gateway.replicas import OUTLIER_MIN_ANSWERS, OUTLIER_WINDOW, ReplicaView, outlier, parse_gauges
+from tidegate.engine.gateway.replicas import (OUTLIER_MIN_ANSWERS, OUTLIER_PERIOD_S, ReplicaView, outlier,
+                                               parse_gauges)
 from tidegate.engine.gateway.routers import PredictedDelay, PrefixAffinity, RoundRobin
 from tests.test_server import Running, free_port, tiny  # noqa: F401 (a fixture)
 
@@ -485,10 +486,17 @@ class Scripted:
         self.whole_delay_s = 0.0
         #: the /metrics page's extra lines
         self.extra_metrics = ""
+        #: scrapes that asked for some series alone (name[]=...), and whether they get an empty page
+        self.filtered_scrapes = 0
+        self.empty_when_filtered = False
         app = FastAPI()
 
         @app.get("/metrics")
-        async def metrics():
+        async def metrics(http: Request):
+            if "name[]" in http.query_params:
+                self.filtered_scrapes += 1
+                if self.empty_when_filtered:
+                    return PlainTextResponse("")
             return PlainTextResponse("# TYPE vllm:num_requests_waiting gauge\n"
                                      f"vllm:num_requests_waiting{{model_name=\"m\"}} {self.waiting}\n"
                                      "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
@@ -641,30 +649,76 @@ def test_streams_pass_through_and_a_burst_spreads_over_the_fleet(pair):
 
 def test_a_replica_that_answers_server_errors_is_ejected_and_errors_everywhere_eject_nothing(pair):
     a, b = pair
-    g = Gateway([a.url, b.url], router="round-robin", ejection_s=2.0)
+    g = Gateway([a.url, b.url], router="round-robin", ejection_s=5.0)
     try:
-        a.fail_status = 500  # a fails fast: without ejection it takes every other request
+        a.fail_status = 500  # a fails fast, and round robin sends it every other request
         codes = [_stream_text(g.url)[0] for _ in range(30)]
         assert codes.count(500) == 10 and a.requests == 10  # ejected at its tenth answer
         assert codes[20:] == [200] * 10
         health = g.health()["replicas"][0]
         assert not health["up"] and "10 of its last 10 requests with a server error (the other replicas up 0 of " \
             in health["down_reason"]
-        assert 0 < health["ejected_for_s"] <= 2.0
+        assert 0 < health["ejected_for_s"] <= 5.0
         assert 'tidegate:gateway_replica_ejections_total{replica="127.0.0.1:%d"} 1.0' % a.port \
             in httpx.get(g.url + "/metrics").text
         a.fail_status = None
-        _eventually(lambda: g.health()["replicas"][0]["up"], 5.0)  # its time over, /health brings it back
+        _eventually(lambda: g.health()["replicas"][0]["up"], 8.0)  # its time over, /health brings it back
         assert g.health()["replicas"][0]["ejected_for_s"] is None
         # requests that fail on every replica (a poison prompt) raise both shares alike: nobody is ejected
         a.fail_status = b.fail_status = 502
         assert [_stream_text(g.url)[0] for _ in range(40)] == [502] * 40
         assert all(r["up"] for r in g.health()["replicas"])
-        b.fail_status = None  # 503 is a replica's "busy", 4xx the request's fault: neither counts against a
-        a.fail_status = 400
-        for _ in range(30):
-            _stream_text(g.url)
+        b.fail_status = None  # 503 and 429 are a replica's "busy", 4xx the request's fault: none counts against a
+        for status in (400, 429, 503):
+            a.fail_status = status
+            for _ in range(12):
+                _stream_text(g.url)
         assert all(r["up"] for r in g.health()["replicas"])
+    finally:
+        g.close()
+
+
+def test_by_load_a_replica_that_fails_fast_draws_no_traffic_and_errors_everywhere_eject_nothing(pair):
+    a, b = pair
+    g = Gateway([a.url, b.url])  # predicted delay, the default: a fast failure would look like an idle replica
+    try:
+        a.fail_status = 500
+        codes = [_stream_text(g.url)[0] for _ in range(30)]
+        assert codes.count(500) <= 2 and codes[-20:] == [200] * 20  # its errors count as load
+        a.fail_status = b.fail_status = 500  # a poison prompt, sent again and again
+        assert [_stream_text(g.url)[0] for _ in range(40)] == [500] * 40
+        assert all(r["up"] for r in g.health()["replicas"]) and a.requests + b.requests >= 70
+        assert a.requests >= 10 and b.requests >= 10  # spread, each judged against the other
+    finally:
+        g.close()
+
+
+def test_an_ejected_replica_is_checked_at_once_when_the_rest_of_the_fleet_goes_down(pair):
+    a, b = pair
+    g = Gateway([a.url, b.url], router="round-robin", ejection_s=300.0)
+    try:
+        a.fail_status = 500
+        for _ in range(22):
+            _stream_text(g.url)
+        assert not g.health()["replicas"][0]["up"]
+        a.fail_status = None
+        b.close()  # the last replica up goes: the ejected one is health-checked now, not in five minutes
+        _eventually(lambda: g.health()["replicas"][0]["up"], 5.0)
+        assert _stream_text(g.url)[0] == 200
+    finally:
+        g.close()
+
+
+def test_a_replica_whose_filtered_page_is_empty_is_read_whole(pair):
+    a, b = pair
+    a.empty_when_filtered = True  # a multiprocess collector: asked for some names, it answers none
+    a.waiting = 3
+    g = Gateway([a.url, b.url])
+    try:
+        _eventually(lambda: g.health()["replicas"][0]["waiting"] == 3.0)
+        assert g.fleet.views[0].metrics_query == "" and a.filtered_scrapes == 1
+        _eventually(lambda: b.filtered_scrapes >= 5)  # a replica that answers the query keeps being asked it
+        assert g.fleet.views[1].metrics_query != ""
     finally:
         g.close()
 
@@ -672,67 +726,70 @@ def test_a_replica_that_answers_server_errors_is_ejected_and_errors_everywhere_e
 def test_outlier_ejection_compares_like_periods_keeps_a_replica_up_and_at_most_half_the_fleet_out():
     views = [ReplicaView(f"http://r{i}") for i in range(4)]
     t = 0.0
-    for _ in range(OUTLIER_MIN_ANSWERS - 1):
-        t += 1.0
+    for _ in range(OUTLIER_MIN_ANSWERS):
+        t += 0.1
         views[0].answered(500, t)
-    assert outlier(views[0], views) is None  # too few answers to judge
-    t += 1.0
-    views[0].answered(500, t)
-    assert outlier(views[0], views) is not None  # nobody else answered: a replica that fails fast draws the traffic
+    assert outlier(views[0], views, t) is None  # nobody else answered: nothing to compare with
+    for _ in range(OUTLIER_MIN_ANSWERS // 2 - 1):
+        t += 0.1
+        views[3].answered(200, t)
+    assert outlier(views[0], views, t) is None  # too few of the others' answers
+    t += 0.1
+    views[3].answered(200, t)
+    assert outlier(views[0], views, t) is not None
     for _ in range(OUTLIER_MIN_ANSWERS):
         for v, status in zip(views, (500, 200, 200, 200), strict=True):
-            t += 1.0
+            t += 0.1
             v.answered(status, t)
-    assert outlier(views[0], views) is not None
     views[1].mark_down("ejected")
-    assert outlier(views[0], views) is not None  # two of four out at most
+    assert outlier(views[0], views, t) is not None  # two of four out at most
     views[2].mark_down("ejected")
-    assert outlier(views[0], views) is None
+    assert outlier(views[0], views, t) is None
     views[1].mark_up()
-    assert views[1].server_errors() == (0, 0)  # judged afresh on its return
+    assert views[1].server_errors(t) == (0, 0)  # judged afresh on its return
     for _ in range(OUTLIER_MIN_ANSWERS):
-        for v, status in zip(views[:2], (500, 500), strict=True):
-            t += 1.0
-            v.answered(status, t)
-    # views[0]'s last 20 answers span views[1]'s 10 errors and views[3]'s 10 good ones: 10 of 20 is not under half
-    assert views[0].server_errors() == (OUTLIER_WINDOW, OUTLIER_WINDOW) and outlier(views[0], views) is None
+        t += 0.1
+        views[1].answered(500, t)
+    # over views[0]'s period the others up answered views[1]'s 10 errors and views[3]'s good ones: not under half
+    assert outlier(views[0], views, t) is None
     for v in views[1:]:
         v.mark_down("gone")
-    assert outlier(views[0], views) is None  # the last replica up stays up
-    # a replica back from ejection (its answers forgotten) beside one whose window still holds older good answers:
-    # requests that fail on both since its return eject nothing
-    back, steady = ReplicaView("http://back"), ReplicaView("http://steady")
-    for _ in range(OUTLIER_WINDOW):
-        t += 1.0
-        steady.answered(200, t)
+    assert outlier(views[0], views, t) is None  # the last replica up stays up
+    # answers older than the period are forgotten: an incident's errors do not eject a quiet replica later
+    quiet, busy = ReplicaView("http://quiet"), ReplicaView("http://busy")
+    for _ in range(OUTLIER_MIN_ANSWERS + 2):
+        t += 0.1
+        quiet.answered(502, t)
+        busy.answered(502, t)
+    t += OUTLIER_PERIOD_S + 1.0
+    for _ in range(60):
+        t += 0.01
+        busy.answered(200, t)
+    for _ in range(OUTLIER_MIN_ANSWERS - 1):
+        quiet.answered(200, t)
+    quiet.answered(500, t)
+    assert quiet.server_errors(t) == (1, OUTLIER_MIN_ANSWERS) and outlier(quiet, [quiet, busy], t) is None
+    assert busy.recent_errors(t) == 0 and busy.load(t) == 0.0
+    busy.answered(500, t)
+    assert busy.load(t) == 1.0  # a recent server error counts as load
+    assert busy.load(t + OUTLIER_PERIOD_S + 1) == 0.0
+    assert busy.eject(0.0, "x", 30.0) == 30.0 and busy.eject(0.0, "x", 30.0) == 60.0
+    busy.mark_up()
     for _ in range(OUTLIER_MIN_ANSWERS):
-        t += 1.0
-        back.answered(502, t)
-        steady.answered(502, t + 0.5)
-    assert steady.server_errors() == (OUTLIER_MIN_ANSWERS, OUTLIER_WINDOW)
-    assert outlier(back, [back, steady]) is None
-    lone = ReplicaView("http://only")
-    for _ in range(OUTLIER_WINDOW):
-        lone.answered(500, t)
-    assert outlier(lone, [lone]) is None
-    assert lone.eject(0.0, "x", 30.0) == 30.0 and lone.eject(0.0, "x", 30.0) == 60.0
-    for _ in range(OUTLIER_WINDOW):
-        lone.answered(503, t)  # busy: counts for nothing
-    assert lone.server_errors() == (OUTLIER_WINDOW, OUTLIER_WINDOW)
-    for _ in range(OUTLIER_WINDOW):
-        lone.answered(200, t)
-    assert lone.ejections == 0  # a whole window answered well: the next ejection starts short
+        busy.answered(200, t)
+    assert busy.ejections == 0  # answered well since its return: the next ejection starts short
 
 
-@settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, 6), events=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(
-    [200, 200, 400, 500, 502, 503, "down", "up"])), max_size=300))
-def test_outlier_ejection_never_takes_out_the_last_replica_up_nor_more_than_half(n, events):
+_ANSWERS = st.lists(st.tuples(st.integers(0, 5), st.sampled_from([200, 200, 400, 429, 500, 502, 503, "down", "up"]),
+                              st.floats(0.0, 5.0)), max_size=300)
+
+
+def _replay(n: int, events, check) -> None:
     views = [ReplicaView(f"http://r{i}") for i in range(n)]
     t = 0.0
-    for i, what in events:
+    for i, what, gap in events:
         v = views[i % n]
-        t += 0.01
+        t += gap
         if what == "down":
             v.mark_down("its /metrics failed")
         elif what == "up":
@@ -740,12 +797,32 @@ def test_outlier_ejection_never_takes_out_the_last_replica_up_nor_more_than_half
         else:
             assert isinstance(what, int)
             v.answered(what, t)
-            if v.up and outlier(v, views) is not None:
-                down_before = sum(not w.up for w in views)
+            if v.up and outlier(v, views, t) is not None:
+                check(views, v, t)
                 v.eject(t, "outlier", 30.0)
-                assert down_before + 1 <= max(1, n // 2) and any(w.up for w in views)
-                errors, answers = views[i % n].server_errors()
-                assert answers >= OUTLIER_MIN_ANSWERS and 2 * errors >= answers
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 6), events=_ANSWERS)
+def test_outlier_ejection_never_takes_out_the_last_replica_up_nor_more_than_half(n, events):
+    def check(views, v, t):
+        assert sum(not w.up for w in views) + 1 <= max(1, n // 2) and sum(w.up for w in views) >= 2
+        errors, answers = v.server_errors(t)
+        assert answers >= OUTLIER_MIN_ANSWERS and 2 * errors >= answers
+
+    _replay(n, events, check)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 6), events=_ANSWERS)
+def test_requests_that_fail_on_every_replica_eject_none(n, events):
+    # every answer a server error (or busy, or a client's 4xx is never given): whatever the routing, nothing is out
+    poisoned = [(i, what if what in ("down", "up", 429, 503) else 500, gap) for i, what, gap in events]
+
+    def check(views, v, t):
+        raise AssertionError(f"{v.url} ejected though every replica failed every request")
+
+    _replay(n, poisoned, check)
 
 
 def test_a_refusing_replica_is_routed_around_and_a_dead_one_health_checked_back(pair):

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tidegate.engine.gateway.features import FleetFeatures, budget_scale, load_fleet_policy
 from tidegate.engine.gateway.gate import Gate
 from tidegate.engine.gateway.queue import Queued
-from tidegate.engine.gateway.replicas import METRICS_QUERY, ReplicaView, outlier, parse_gauges
+from tidegate.engine.gateway.replicas import ReplicaView, outlier, parse_gauges
 
 log = logging.getLogger("tidegate.gateway")
 
@@ -237,13 +237,19 @@ class Fleet:
         while True:
             sent = time.monotonic()
             try:
-                if not view.up and sent < view.ejected_until:
-                    pass  # ejected: no health check brings it back before its time is over
+                if not view.up and sent < view.ejected_until and 2 * sum(v.up for v in self.views) >= len(self.views):
+                    pass  # ejected: no health check before its time is over, unless under half the fleet is up
                 elif view.up:
-                    async with self.client.get(view.url + "/metrics" + METRICS_QUERY,
+                    async with self.client.get(view.url + "/metrics" + view.metrics_query,
                                                timeout=aiohttp.ClientTimeout(total=c.stale_after_s)) as r:
                         if r.status == 200:
-                            view.scraped(sent, parse_gauges(await r.text()))
+                            gauges = parse_gauges(await r.text())
+                            if not gauges and view.metrics_query:
+                                # a page built by a collector without names (prometheus_client's multiprocess
+                                # mode: SGLang's, vLLM's with PROMETHEUS_MULTIPROC_DIR) filters to nothing
+                                view.metrics_query = ""
+                                continue
+                            view.scraped(sent, gauges)
                 else:
                     async with self.client.get(view.url + "/health",
                                                timeout=aiohttp.ClientTimeout(total=c.health_interval_s)) as r:
@@ -262,12 +268,13 @@ class Fleet:
     def answered(self, view: ReplicaView, status: int) -> None:
         """The replica answered with ``status``; a replica whose answers are server errors where the others' are not
         is ejected (``replicas.outlier``): a replica that fails fast looks idle and would draw the traffic."""
-        view.answered(status, time.monotonic())
+        now = time.monotonic()
+        view.answered(status, now)
         if status < 500 or self.config.ejection_s <= 0 or not view.up:
             return
-        why = outlier(view, self.views)
+        why = outlier(view, self.views, now)
         if why is not None:
-            seconds = view.eject(time.monotonic(), why, self.config.ejection_s)
+            seconds = view.eject(now, why, self.config.ejection_s)
             self.metrics.ejections.labels(view.name).inc()
             log.warning("replica %s is ejected for %g s: %s", view.url, seconds, why)
 

@@ -36,8 +36,10 @@ _NAME_TO_GAUGE = {name: gauge for gauge, names in GAUGE_NAMES.items() for name i
 #: ``benchmarks/scrape_cost.py``); a server that does not (vLLM 0.32 serves the page through an instrumentator's
 #: route) answers the whole page, read the same
 METRICS_QUERY = "?" + "&".join(f"name[]={name}" for name in _NAME_TO_GAUGE)
-#: the answers outlier ejection remembers of a replica, and the fewest it judges by
-OUTLIER_WINDOW = 20
+#: outlier ejection judges a replica by its last ``OUTLIER_MIN_ANSWERS`` answers of the last ``OUTLIER_PERIOD_S``
+#: (``OUTLIER_MEMORY`` kept at most), against the other replicas' answers over the same time
+OUTLIER_PERIOD_S = 10.0
+OUTLIER_MEMORY = 1024
 OUTLIER_MIN_ANSWERS = 10
 
 
@@ -130,12 +132,15 @@ class ReplicaView:
     completions: RateEstimator = field(default_factory=lambda: RateEstimator(10.0, min_events=16))
     #: seconds from dispatch to the replica's first streamed byte, exponentially weighted
     ttft_s: float | None = None
-    #: the replica's last answers, when and whether a server error (5xx other than 503, its "busy"); what outlier
-    #: ejection judges it by
-    answers: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=OUTLIER_WINDOW))
+    #: the replica's answers of the last ``OUTLIER_PERIOD_S``, when and whether a server error (5xx but 503, its
+    #: "busy"), and how many of them are; what outlier ejection judges it by
+    answers: deque[tuple[float, bool]] = field(default_factory=deque)
+    answer_errors: int = 0
     #: times the replica was ejected since it last answered a whole window well, and when the last ejection ends
     ejections: int = 0
     ejected_until: float = -math.inf
+    #: what the gauges are asked for with (``METRICS_QUERY``; empty once the replica answered it with none)
+    metrics_query: str = METRICS_QUERY
     #: totals for the gateway's metrics
     dispatched_total: int = 0
     completed_total: int = 0
@@ -172,10 +177,13 @@ class ReplicaView:
         return (self.waiting or 0.0) + self.pending()
 
     def load(self, now: float) -> float:
-        """Requests held by the replica: running and queued, and never fewer than the gateway has there."""
+        """Requests held by the replica: running and queued, and never fewer than the gateway has there; and one more
+        for each server error it answered lately (a replica that fails fast looks idle: without this, routers by load
+        send it every request, the others answer none, and nothing tells a broken replica from failing requests)."""
+        errors = float(self.recent_errors(now))
         if self.stale(now):
-            return float(self.in_flight)
-        return max(float(self.in_flight), (self.running or 0.0) + self.queued(now))
+            return float(self.in_flight) + errors
+        return max(float(self.in_flight), (self.running or 0.0) + self.queued(now)) + errors
 
     def completion_rate(self, now: float) -> float:
         return self.completions.rate(now)
@@ -308,19 +316,37 @@ class ReplicaView:
 
     def answered(self, status: int, now: float) -> None:
         """The replica answered a request with ``status`` (its headers; a stream that breaks off later marks it down
-        by itself). A 4xx is the request's fault and counts as a good answer; 503, as 429, says the replica is busy
-        and counts for nothing."""
-        if status == 503:
+        by itself). A 4xx is the request's fault and counts as a good answer; 429 and 503 say the replica is busy
+        and count for nothing."""
+        if status in (429, 503):
             return
-        self.answers.append((now, status >= 500))
-        if self.ejections and len(self.answers) == self.answers.maxlen and not self.server_errors()[0]:
-            self.ejections = 0  # a whole window answered well since its return: the next ejection starts short
+        self._forget(now)
+        if len(self.answers) >= OUTLIER_MEMORY:
+            self.answer_errors -= self.answers.popleft()[1]
+        failed = status >= 500
+        self.answers.append((now, failed))
+        self.answer_errors += failed
+        if self.ejections and not self.answer_errors and len(self.answers) >= OUTLIER_MIN_ANSWERS:
+            self.ejections = 0  # answered well for a while since its return: the next ejection starts short
 
-    def server_errors(self, since: float = -math.inf) -> tuple[int, int]:
-        """Server errors among the replica's remembered answers from ``since`` on, and those answers."""
+    def _forget(self, now: float) -> None:
+        while self.answers and self.answers[0][0] < now - OUTLIER_PERIOD_S:
+            self.answer_errors -= self.answers.popleft()[1]
+
+    def recent_errors(self, now: float) -> int:
+        """Server errors among the replica's answers of the last ``OUTLIER_PERIOD_S``."""
+        self._forget(now)
+        return self.answer_errors
+
+    def server_errors(self, now: float, since: float = -math.inf, most: int | None = None) -> tuple[int, int]:
+        """Server errors among the replica's answers of the last ``OUTLIER_PERIOD_S`` from ``since`` on (the ``most``
+        latest of them), and those answers."""
+        self._forget(now)
+        if most is None and (not self.answers or self.answers[0][0] >= since):
+            return self.answer_errors, len(self.answers)
         errors = answers = 0
         for t, failed in reversed(self.answers):
-            if t < since:
+            if t < since or answers == most:
                 break
             answers += 1
             errors += failed
@@ -346,19 +372,24 @@ class ReplicaView:
         self.down_reason = ""
         self.refused_at = None
         self.answers.clear()  # judged afresh: the errors that took it out are not held against it twice
+        self.answer_errors = 0
 
 
-def outlier(view: ReplicaView, views: list[ReplicaView], most_ejected: float = 0.5) -> str | None:
-    """Why ``view`` should be ejected, or None: half or more of its last answers (``OUTLIER_MIN_ANSWERS`` at least)
-    were server errors, while the other replicas' answers since the first of those failed at under half its share
-    (or there were none: a replica that fails fast draws the traffic).
+def outlier(view: ReplicaView, views: list[ReplicaView], now: float, most_ejected: float = 0.5) -> str | None:
+    """Why ``view`` should be ejected, or None: half or more of its last ``OUTLIER_MIN_ANSWERS`` answers (within
+    ``OUTLIER_PERIOD_S``) were server errors, while the other replicas that are up answered half that many or more
+    since the first of them and failed at under half its share, each judged by its own latest answers of that time
+    (at most as many).
 
     The comparison is what keeps requests that fail everywhere (a prompt that crashes every replica, a client's
-    attack) from taking replicas out: they raise every replica's share alike. Another replica must stay up, and at
-    most ``most_ejected`` of the fleet (one replica at least) is down at once, so the worst a client who steers its
-    failing requests at one replica (by a shared prefix, say) can do is keep that share out for the ejection time.
+    attack) from taking replicas out: they raise every replica's share alike, over the same time. Without the
+    others' answers there is nothing to compare with, and nothing is ejected: a replica that fails fast counts its
+    errors as load (``ReplicaView.load``), so the routers send the next requests elsewhere and the others' answers
+    come. Another replica must stay up, and at most ``most_ejected`` of the fleet (one replica at least) is down at
+    once, so the worst a client who steers its failing requests at one replica (by a shared prefix, say) can do is
+    keep that share out for the ejection time.
     """
-    errors, answers = view.server_errors()
+    errors, answers = view.server_errors(now, most=OUTLIER_MIN_ANSWERS)
     if answers < OUTLIER_MIN_ANSWERS or 2 * errors < answers:
         return None
     others = [v for v in views if v is not view]
@@ -366,11 +397,10 @@ def outlier(view: ReplicaView, views: list[ReplicaView], most_ejected: float = 0
         return None
     if sum(not v.up for v in others) + 1 > max(1, int(most_ejected * len(views))):
         return None
-    since = view.answers[0][0]
-    their = [v.server_errors(since) for v in others if v.up]
+    since = view.answers[-answers][0]
+    their = [v.server_errors(now, since, most=OUTLIER_MIN_ANSWERS) for v in others if v.up]
     their_errors, their_answers = sum(e for e, _ in their), sum(n for _, n in their)
-    if their_answers and 2 * their_errors * answers >= errors * their_answers:
+    if 2 * their_answers < OUTLIER_MIN_ANSWERS or 2 * their_errors * answers >= errors * their_answers:
         return None
     return (f"it answered {errors} of its last {answers} requests with a server error (the other replicas up "
-            f"{their_errors} of {their_answers} meanwhile)")
-
+            f"{their_errors} of their last {their_answers} meanwhile)")

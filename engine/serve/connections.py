@@ -20,7 +20,8 @@ HEAD_TIMEOUT_S = 60.0
 
 
 def http_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class with the head timer; pass it as ``uvicorn.Config(http=...)``."""
+    """uvicorn's HTTP protocol class with the head timer; pass it as ``uvicorn.Config(http=..., ws="none")`` (a
+    connection upgraded to a websocket would keep the timer, and these servers have no websocket routes)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:  # no httptools: uvicorn's pure-Python h11 protocol
@@ -60,7 +61,7 @@ def http_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[asyncio.Protoc
         def _head_timed_out(self) -> None:
             self._head_timer = None
             if self.cycle is self._head_cycle and not self.transport.is_closing():
-                self.logger.info("closed a connection whose request head took over %g s", head_timeout_s)
+                self.logger.debug("closed a connection whose request head took over %g s", head_timeout_s)
                 self.transport.close()
 
     return HeadTimeout

@@ -178,7 +178,7 @@ class GracefulServer:
         self.server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
                                              log_level=_uvicorn_log_level(config.log_level),
                                              access_log=config.access_log, timeout_graceful_shutdown=5,
-                                             timeout_keep_alive=KEEP_ALIVE_S, http=http_protocol()))
+                                             timeout_keep_alive=KEEP_ALIVE_S, http=http_protocol(), ws="none"))
         if config.access_log:  # its lines are at info, whatever uvicorn's own level
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
 

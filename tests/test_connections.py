@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from tidegate.engine.serve.connections import http_protocol
 from tidegate.engine.serve.operator import BodyLimits
@@ -32,6 +35,17 @@ def server():
     @app.post("/echo")
     async def echo(http: Request):
         return {"bytes": len(await http.body())}
+
+    @app.post("/stream")
+    async def stream(http: Request):
+        size = len(await http.body())
+
+        async def chunks():
+            for i in range(6):  # 1.2 s in all: three times the head's and the body's time
+                yield f"{size}:{i};".encode()
+                await asyncio.sleep(HEAD_S / 2)
+
+        return StreamingResponse(chunks(), media_type="text/plain")
 
     app.add_middleware(BodyLimits, max_bytes=1 << 20, timeout_s=BODY_S)
     port = free_port()
@@ -128,3 +142,10 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_one_that_does_is_read(
     c.sendall(b"67890")
     assert b'{"bytes":10}' in _answer(c)
     c.close()
+
+
+def test_an_answer_that_streams_longer_than_both_times_runs_to_its_end(server):
+    with httpx.Client(base_url=f"http://127.0.0.1:{server}", timeout=10) as c:
+        for _ in range(2):  # and the kept-alive connection serves the next one
+            r = c.post("/stream", content=b"abc")
+            assert r.status_code == 200 and r.text == "".join(f"3:{i};" for i in range(6))

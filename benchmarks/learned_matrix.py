@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--address", default=None)
+    ap.add_argument("--select-only", action="store_true",
+                    help="Stop after the checkpoint and scale selection (selection.json names each seed's file).")
     ap.add_argument("--ship", type=Path, default=None, help="Copy the chosen policy here (checkpoints/policy.onnx).")
     args = ap.parse_args()
     opts = {"workers": args.workers, "backend": args.backend, "address": args.address}
@@ -179,6 +181,8 @@ def main() -> None:
     selection["ship"] = max(scales, key=lambda s: (round(scales[s]["min"], 3), scales[s]["mean"]))
     (args.out / "selection.json").write_text(json.dumps(selection, indent=1))
     print("residual scales:", {seed: s["residual_scale"] for seed, s in scales.items()}, "ship:", selection["ship"])
+    if args.select_only:
+        return
 
     learned = {seed: Path(s["onnx"]) for seed, s in scales.items()}
     shipped = selection["ship"]

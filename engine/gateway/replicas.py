@@ -180,7 +180,7 @@ class ReplicaView:
         """Requests held by the replica: running and queued, and never fewer than the gateway has there; and one more
         for each server error it answered lately (a replica that fails fast looks idle: without this, routers by load
         send it every request, the others answer none, and nothing tells a broken replica from failing requests)."""
-        errors = float(self.recent_errors(now))
+        errors = float(self.recent_errors(now)) if self.answer_errors else 0.0
         if self.stale(now):
             return float(self.in_flight) + errors
         return max(float(self.in_flight), (self.running or 0.0) + self.queued(now)) + errors

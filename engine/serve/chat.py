@@ -7,6 +7,7 @@ import functools
 import json
 from typing import Any
 
+from tidegate.engine.real.chat_template import template_variables
 from tidegate.engine.serve.protocol import ChatMessage
 
 
@@ -53,17 +54,6 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: str | Non
             raise ValueError("continue_final_message: the template does not show the last message's text")
         text = text[:end + len(final)]
     return text
-
-
-#: what a request's ``chat_template_kwargs`` may not set: the template itself (a client's template would run
-#: in the server), and the arguments the server sets
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template",
-                                      "tokenize", "conversation", "return_dict", "return_tensors"})
-
-
-def template_variables(template_kwargs: dict | None) -> dict:
-    """A request's ``chat_template_kwargs`` as variables for the template, without ``RESERVED_TEMPLATE_KWARGS``."""
-    return {k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
 
 
 def check_chat_template(text: str, where: str) -> None:

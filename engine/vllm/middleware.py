@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from tidegate.ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Rejection
+from tidegate.engine.real.chat_template import template_variables
 from tidegate.engine.vllm.admission import AdmissionGate
 from tidegate.engine.vllm.config import PluginConfigError, read_plugin_config, share_vllm_log_handlers
 
@@ -37,11 +38,6 @@ ENDPOINTS = {"/v1/completions": False, "/v1/chat/completions": True}
 #: at four characters a token (a prompt that long is past the context for any text of tokens shorter than this,
 #: and the tokenizer runs on vLLM's event loop, which a prompt of megabytes would hold for seconds)
 _CHARS_TOKENIZED_PER_CONTEXT_TOKEN = 16
-#: what a request's ``chat_template_kwargs`` may not hand the tokenizer here: the template itself (a client's template
-#: would run on vLLM's event loop; vLLM takes one only from a server that trusts request templates) and the
-#: arguments set here (``tidegate serve`` keeps the same out, engine/serve/chat.py)
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "continue_final_message",
-                                       "chat_template", "tokenize", "return_dict", "return_tensors"})
 #: max_tokens of a completion request that sets none (vLLM's CompletionRequest default, OpenAI's too); a chat
 #: request that sets none gets the model's generation config's, else the rest of the context, as in vLLM
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -69,9 +65,10 @@ class PromptCounter:
         messages = body.get("messages")
         if self.tokenizer is not None and isinstance(messages, list):
             try:
+                # never the client's own template (it would run on vLLM's event loop; vLLM takes one only from a
+                # server that trusts request templates), nor the arguments set here
                 kwargs = body.get("chat_template_kwargs")
-                variables = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS} \
-                    if isinstance(kwargs, dict) else {}
+                variables = template_variables(kwargs if isinstance(kwargs, dict) else None)
                 text = self.tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True),
                     **variables)
@@ -93,7 +90,6 @@ class PromptCounter:
                 pass
         self.estimated += 1
         return _estimate(prompt)
-
 
     def _tokens(self, text: str, **kwargs: Any) -> int:
         """The tokens of ``text``: counted up to ``max_chars``, the rest estimated."""

@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidegate.ctrl.base import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
+# the engine's own bounds (logprobs, top_logprobs; logprob_token_ids), checked here before a request reaches it
+from tidegate.engine.real.sampling import MAX_LOGPROB_TOKEN_IDS, MAX_LOGPROBS
 
 #: The event that ends every stream.
 SSE_DONE = "data: [DONE]\n\n"
@@ -25,10 +27,6 @@ SSE_DONE = "data: [DONE]\n\n"
 MAX_CHOICES = 16
 #: The most prompts one completion may batch (each is ``best_of`` engine requests, admitted one by one).
 MAX_PROMPTS = 64
-#: The most alternatives per token (``logprobs``, ``top_logprobs``), as vLLM's default ``max_logprobs``.
-MAX_LOGPROBS = 20
-#: The most ids ``logprob_token_ids`` may name, as vLLM's bound.
-MAX_LOGPROB_TOKEN_IDS = 128
 #: the most stop strings a request may give, and the longest one: every generated token of every
 #: choice is checked against each of them inside the engine's step, so an unbounded list would let
 #: one request slow every other request's tokens (OpenAI takes 4; vLLM sets no bound)

@@ -61,8 +61,7 @@ def server():
 
 
 def _connect(port: int) -> socket.socket:
-    c = socket.create_connection(("127.0.0.1", port), timeout=5)
-    return c
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
 def _closed_within(c: socket.socket, seconds: float) -> bytes | None:

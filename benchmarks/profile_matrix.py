@@ -81,7 +81,14 @@ def main() -> None:
                     help="A learned policy to run, under NAME (repeatable; several are averaged in the tables and "
                          "reported one by one in policies.md) [default: learned=the shipped policy].")
     args = ap.parse_args()
-    policies = dict(p.split("=", 1) for p in args.policy) if args.policy else {"learned": str(DEFAULT_POLICY)}
+    policies = {"learned": str(DEFAULT_POLICY)}
+    if args.policy:
+        policies = {}
+        for given in args.policy:
+            name, _, path = given.partition("=")
+            if not name or not Path(path).is_file():
+                ap.error(f"--policy {given!r}: give NAME=FILE, FILE an exported policy (.onnx) that exists")
+            policies[name] = path
     folder = Path(tempfile.mkdtemp(prefix="tidegate-profiles-"))
     profiles = list(SHIPPED)
     for i in range(args.perturbed):

@@ -15,7 +15,9 @@ import torch
 from tidegate.engine.core.executor import Batch, StepResult
 from tidegate.engine.core.request import Request
 from tidegate.engine.real.model import IncrementalDetokenizer, eos_token_ids, resolve_device, resolve_dtype
-from tidegate.engine.real.paged_cache import PagedKVCache, _long, build_layout, register_attention
+from tidegate.engine.real.paged_cache import (
+    PagedKVCache, _long, build_layout, paged_step, register_attention, set_attention,
+)
 from tidegate.engine.real.sampler import RequestSampling, Sampler, prompt_logprobs
 from tidegate.engine.real.sampling import SamplingParams
 
@@ -133,18 +135,18 @@ class TorchExecutor:
         keep = _long(step.sample_rows + step.prompt_rows if step.prompt_rows else step.sample_rows, dev)
         config = self.model.config
         previous = config._attn_implementation
-        self._set_attn(config, self._attn_name)
+        set_attention(config, self._attn_name)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), paged_step(layout):
                 t0 = time.perf_counter() if self.time_forward else 0.0
                 logits = self.model(input_ids=ids, position_ids=position_ids.unsqueeze(0), cache=self.cache,
-                                    use_cache=False, logits_to_keep=keep, paged_layout=layout).logits[0]
+                                    use_cache=False, logits_to_keep=keep).logits[0]
                 if self.time_forward:
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
                     self.forward_time_s += time.perf_counter() - t0
         finally:
-            self._set_attn(config, previous)
+            set_attention(config, previous)
             self.cache.layout = None
         return logits
 
@@ -178,18 +180,6 @@ class TorchExecutor:
             r.logprobs = (r.logprobs or [])[:len(r.output_token_ids)]  # a reset request starts over
         if sampling.prompt_logprobs is not None and r.prompt_logprobs is None:
             r.prompt_logprobs = [None]
-
-    @staticmethod
-    def _set_attn(config, name) -> None:
-        """Switch the model's attention function for one step.
-
-        The ``_attn_implementation`` setter validates and walks sub-configs (tens of microseconds
-        per step); a config without sub-configs only needs the stored name changed.
-        """
-        if not getattr(config, "sub_configs", None) and "_attn_implementation_internal" in vars(config):
-            vars(config)["_attn_implementation_internal"] = name
-        else:
-            config._attn_implementation = name
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """One token per row of ``logits`` (``[len(reqs), vocab]``), from the sampler with each

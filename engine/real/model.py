@@ -314,11 +314,24 @@ def load_model(model: str = "tiny", device=None, dtype=None):
     if not path.is_dir():
         raise ModelLoadError(f"model {model!r} is neither 'tiny' nor an existing model folder.")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidegate.engine.real.model_check import paged_attention_problem
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
-                                                        attn_implementation="sdpa")
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
+                                                            attn_implementation="sdpa")
+        except ValueError as exc:
+            if "attention implementation" not in str(exc):
+                raise
+            # a model without SDPA support (Gemma 2): its eager attention, which the engine replaces in its steps
+            hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
+                                                            attn_implementation="eager")
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"model folder {str(path)!r} cannot be loaded ({first}).") from None
-    return hf_model.to(device).eval(), tokenizer
+    hf_model = hf_model.to(device).eval()
+    problem = paged_attention_problem(hf_model)
+    if problem is not None:
+        raise ModelLoadError(f"model folder {str(path)!r} cannot be served by tidegate's engine: {problem}.")
+    return hf_model, tokenizer

@@ -17,7 +17,19 @@ transformers' ``PagedAttentionCache``; ``update`` writes the new keys and values
   requests' blocks into one padded ``[n, blocks * block_size]`` context (whole blocks, no
   per-token indexing) and runs one SDPA with a key-padding mask;
 - a prefill chunk that starts its sequence attends causally to its own new keys (no gather);
-  a chunk after cached tokens gathers its blocks and uses a causal mask offset by the cache.
+  a chunk after cached tokens gathers its blocks and uses a causal mask offset by the cache;
+- a layer with a sliding window (Mistral, Gemma 2 and 3, Qwen2 with ``use_sliding_window``) sees
+  the window's keys only: its masks hide the keys older than the window as the model's own mask
+  does (the blocks behind the window stay allocated and are read, masked); a layer with logit
+  soft-capping (Gemma 2) or attention sinks (gpt-oss) attends by matmul and softmax, as the
+  model's eager attention does.
+
+The step's layout reaches the attention function through a context variable that the executor
+sets around the forward pass (:func:`paged_step`), not through the model's keyword arguments,
+which some decoder layers do not pass on to their attention (StableLM's). Loading a model folder
+checks the whole path against the model's own forward pass first
+(``engine.real.model_check.paged_attention_problem``): a model whose attention computes what this
+module does not is refused there, not served wrong.
 
 All index tensors and masks are built once per step (``StepLayout``), not per layer, and the
 gathered contexts go into reusable workspace buffers, so the step allocates no large tensors
@@ -27,6 +39,9 @@ per layer (fresh multi-MB allocations cost page faults on every call).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +60,7 @@ class DecodeBucket:
     :param blocks: block ids ``[n * num_blocks]``, each request's table padded to ``num_blocks``.
     :param num_blocks: blocks per request in the padded context.
     :param mask: additive key-padding mask ``[n, 1, 1, num_blocks * block_size]`` (None: no padding).
+    :param lengths: each request's context, its new token's included.
     """
 
     rows: torch.Tensor | None
@@ -53,6 +69,9 @@ class DecodeBucket:
     blocks: torch.Tensor
     num_blocks: int
     mask: torch.Tensor | None
+    lengths: list[int] = field(default_factory=list)
+    #: masks of the sliding windows the step's layers asked for, by window (built at the first layer that asks)
+    window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,6 +81,7 @@ class PrefillChunk:
     :param blocks: the request's block ids covering its context (None when the chunk starts the
         sequence: it attends to its own new keys with a causal mask).
     :param mask: additive mask ``[n, num_blocks * block_size]``: causal, offset by the cached tokens.
+    :param position: the position of the chunk's first token (the tokens cached before it).
     """
 
     query_start: int
@@ -69,6 +89,9 @@ class PrefillChunk:
     blocks: torch.Tensor | None = None
     num_blocks: int = 0
     mask: torch.Tensor | None = None
+    position: int = 0
+    #: masks of the sliding windows the step's layers asked for, by window
+    window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +106,8 @@ class StepLayout:
     :param decode_buckets: the batched decode attention calls.
     :param prefills: one entry per prefill chunk.
     :param cache: the cache the attention reads (set by ``PagedKVCache.update``).
+    :param updates: ``PagedKVCache.update`` calls in this step (one per layer).
+    :param attended: attention calls that read this layout (one per layer).
     """
 
     write_index: torch.Tensor
@@ -90,6 +115,22 @@ class StepLayout:
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     cache: "PagedKVCache | None" = None
+    updates: int = 0
+    attended: int = 0
+
+
+_ACTIVE: ContextVar[StepLayout | None] = ContextVar("tidegate_paged_layout", default=None)
+
+
+@contextmanager
+def paged_step(layout: StepLayout) -> Iterator[StepLayout]:
+    """The attention function reads ``layout`` while the block runs (the executor's forward pass)."""
+    token = _ACTIVE.set(layout)
+    try:
+        yield layout
+    finally:
+        _ACTIVE.reset(token)
+
 
 
 # Relative cost of one more attention call against one more padded block per request: a bucket
@@ -161,6 +202,10 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
+class CacheShapeError(ValueError):
+    """A layer's keys or values are not of the shape the cache was made for (its model's config)."""
+
+
 class PagedKVCache:
     """Keys and values of every layer in the pool's blocks.
 
@@ -214,6 +259,12 @@ class PagedKVCache:
         """
         layout = self.layout
         layout.cache = self
+        layout.updates += 1
+        if key_states.shape[1] != self.num_kv_heads or key_states.shape[-1] != self.head_dim \
+                or value_states.shape[-1] != self.head_dim:
+            raise CacheShapeError(f"its keys and values of a token ({list(key_states.shape[1::2])} and "
+                                  f"{list(value_states.shape[1::2])}) are not the {self.num_kv_heads} heads of "
+                                  f"{self.head_dim} its config gives, the one shape the paged KV cache holds")
         self._keys[layer_idx].index_copy_(0, layout.write_index, key_states[0].transpose(0, 1))
         self._values[layer_idx].index_copy_(0, layout.write_index, value_states[0].transpose(0, 1))
         return key_states, value_states
@@ -251,57 +302,140 @@ class PagedKVCache:
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+                            attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            s_aux: torch.Tensor | None = None, **kwargs):
     """Attention of the packed step: each request's queries against its own context only.
 
-    Without a ``paged_layout`` keyword (a plain ``model.generate`` call) this is transformers'
-    SDPA attention.
+    Outside a :func:`paged_step` (a plain ``model.generate`` call) this is transformers' SDPA
+    attention.
 
     :param query: ``[1, heads, T, head_dim]``; ``key``/``value``: the step's new keys and values
         ``[1, kv_heads, T, head_dim]`` (already written to the blocks by ``update``).
+    :param sliding_window: the layer sees its last ``sliding_window`` positions only (None: all).
+    :param softcap: the layer caps its attention logits at ``softcap * tanh(logit / softcap)``.
+    :param s_aux: one sink logit per head, in every softmax's denominator and attending to nothing (gpt-oss).
     :return: ``([1, T, heads, head_dim], None)``.
     """
-    layout: StepLayout | None = kwargs.get("paged_layout")
+    layout = _ACTIVE.get()
     if layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+                                      dropout=dropout, sliding_window=sliding_window, softcap=softcap,
+                                      s_aux=s_aux, **kwargs)
+    layout.attended += 1
     cache = layout.cache
     layer = module.layer_idx
     q = query[0]  # [heads, T, head_dim]
     heads, total, head_dim = q.shape
     kv_heads = key.shape[1]
     gqa = heads != kv_heads
+    if scaling is None:
+        scaling = head_dim ** -0.5
+    window = int(sliding_window) if sliding_window else None
     out = cache.output_buffer(total, heads, head_dim)
-    bs = cache.block_size
-    for b in layout.decode_buckets:
-        n, nb = b.count, b.num_blocks
-        if b.rows is None:
-            qb = q[:, b.start:b.start + n]
-        else:
-            qb = q.index_select(1, b.rows)
+    attention = _Attention(cache, layer, gqa, scaling, window, softcap, s_aux)
+    for bucket in layout.decode_buckets:
+        attention.decodes(q, bucket, out)
+    for chunk in layout.prefills:
+        attention.prefill(q, key, value, chunk, out)
+    return out.unsqueeze(0), None
+
+
+class _Attention:
+    """One layer's attention over the step's decode buckets and prefill chunks."""
+
+    __slots__ = ("cache", "layer", "gqa", "scale", "window", "softcap", "sinks")
+
+    def __init__(self, cache: "PagedKVCache", layer: int, gqa: bool, scale: float, window: int | None,
+                 softcap: float | None, sinks: torch.Tensor | None) -> None:
+        self.cache, self.layer, self.gqa, self.scale = cache, layer, gqa, scale
+        self.window, self.softcap, self.sinks = window, softcap, sinks
+
+    def decodes(self, q: torch.Tensor, b: DecodeBucket, out: torch.Tensor) -> None:
+        """The bucket's queries (rows of ``q``, ``[heads, T, head_dim]``) into their rows of ``out``."""
+        heads, _, head_dim = q.shape
+        n, nb, bs = b.count, b.num_blocks, self.cache.block_size
+        kv_heads = self.cache.num_kv_heads
+        qb = q[:, b.start:b.start + n] if b.rows is None else q.index_select(1, b.rows)
         qb = qb.transpose(0, 1).unsqueeze(2)  # [n, heads, 1, head_dim]
-        k, v = cache.gather(layer, b.blocks)
+        k, v = self.cache.gather(self.layer, b.blocks)
         k = k.view(n, nb * bs, kv_heads, head_dim).transpose(1, 2)
         v = v.view(n, nb * bs, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=b.mask, scale=scaling, enable_gqa=gqa)
-        o = o.view(n, heads, head_dim)
+        mask, window = b.mask, self.window
+        if window is not None and max(b.lengths) > window:
+            mask = b.window_masks.get(window)
+            if mask is None:
+                mask = b.window_masks[window] = _band_mask([max(0, c - window) for c in b.lengths], b.lengths,
+                                                           nb * bs, q.dtype, q.device).view(n, 1, 1, nb * bs)
+        o = _attend(qb, k, v, mask, self.scale, self.gqa, self.softcap, self.sinks).view(n, heads, head_dim)
         if b.rows is None:
             out[b.start:b.start + n] = o
         else:
             out.index_copy_(0, b.rows, o)
-    for p in layout.prefills:
-        qs, qe = p.query_start, p.query_end
+
+    def prefill(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p: PrefillChunk,
+                out: torch.Tensor) -> None:
+        """The chunk's queries against its context (its own new ``key``/``value`` rows when it starts the
+        sequence, else its blocks) into its rows of ``out``."""
+        qs, qe, window = p.query_start, p.query_end, self.window
         qp = q[:, qs:qe].unsqueeze(0)
-        if p.blocks is None:
-            o = F.scaled_dot_product_attention(qp, key[:, :, qs:qe], value[:, :, qs:qe], is_causal=True,
-                                               scale=scaling, enable_gqa=gqa)
+        if window is not None and p.position + (qe - qs) > window:
+            mask = p.window_masks.get(window)
+            if mask is None:
+                ends = list(range(p.position + 1, p.position + qe - qs + 1))
+                width = p.num_blocks * self.cache.block_size if p.blocks is not None else qe - qs
+                mask = p.window_masks[window] = _band_mask([max(0, e - window) for e in ends], ends, width,
+                                                           q.dtype, q.device)
         else:
-            k, v = cache.gather(layer, p.blocks)
-            o = F.scaled_dot_product_attention(qp, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                               attn_mask=p.mask, scale=scaling, enable_gqa=gqa)
+            mask = p.mask
+        if p.blocks is None:
+            o = _attend(qp, key[:, :, qs:qe], value[:, :, qs:qe], mask, self.scale, self.gqa, self.softcap,
+                        self.sinks, causal=mask is None)
+        else:
+            k, v = self.cache.gather(self.layer, p.blocks)
+            o = _attend(qp, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, self.scale,
+                        self.gqa, self.softcap, self.sinks)
         out[qs:qe] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, gqa: bool,
+            softcap: float | None, sinks: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """``q`` ``[B, heads, Tq, D]`` attends to ``k``, ``v`` ``[B, kv_heads, Tk, D]`` with the additive ``mask`` (or a
+    causal one): SDPA, or by matmul and softmax (in float32) as the models' eager attention computes it, with
+    ``softcap`` the logits capped as Gemma 2 caps them (``softcap * tanh(logit / softcap)``), with ``sinks`` (one
+    logit a head) a column in every softmax that attends to nothing, as gpt-oss has it."""
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        tq, tk = scores.shape[-2], scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(tk - tq + 1),
+                                    float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    if sinks is not None:
+        column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype), v)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _band_mask(starts: list[int], ends: list[int], width: int, dtype, device) -> torch.Tensor:
+    """Additive masks ``[len(starts), width]``: row i is 0 on keys ``starts[i] <= j < ends[i]``, -inf elsewhere
+    (a sliding window's)."""
+    keys = torch.arange(width, device=device)
+    lo = torch.tensor(starts, device=device).unsqueeze(1)
+    hi = torch.tensor(ends, device=device).unsqueeze(1)
+    inside = (keys >= lo) & (keys < hi)
+    return torch.zeros(inside.shape, dtype=dtype, device=device).masked_fill_(~inside, float("-inf"))
 
 
 def _long(values: list[int], device) -> torch.Tensor:
@@ -369,7 +503,7 @@ def build_layout(block_size: int, num_decodes: int, positions: list[int], counts
             first = members[0]
             contiguous = members[-1] - first == n - 1 and members == list(range(first, first + n))
             rows = None if contiguous else _long(members, device)
-            buckets.append(DecodeBucket(rows, first, n, _long(flat, device), nb, mask))
+            buckets.append(DecodeBucket(rows, first, n, _long(flat, device), nb, mask, ctx))
     prefills: list[PrefillChunk] = []
     row = num_decodes
     for i in range(num_decodes, len(counts)):
@@ -383,7 +517,7 @@ def build_layout(block_size: int, num_decodes: int, positions: list[int], counts
             hi = min(end, (blk_i + 1) * bs) - blk_i * bs
             write.extend(range(base + lo, base + hi))
         pos_ids.extend(range(c, end))
-        chunk = PrefillChunk(row, row + n)
+        chunk = PrefillChunk(row, row + n, position=c)
         if c:
             nb = -(-end // bs)
             chunk.blocks = _long(t[:nb], device)
@@ -394,6 +528,19 @@ def build_layout(block_size: int, num_decodes: int, positions: list[int], counts
         row += n
     layout = StepLayout(_long(write, device), num_decodes, buckets, prefills)
     return layout, _long(pos_ids, device)
+
+
+def set_attention(config, name: str) -> None:
+    """Switch a model's attention function (its config's ``_attn_implementation``), as the executor does
+    for each step.
+
+    The ``_attn_implementation`` setter validates and walks sub-configs (tens of microseconds per step);
+    a config without sub-configs only needs the stored name changed.
+    """
+    if not getattr(config, "sub_configs", None) and "_attn_implementation_internal" in vars(config):
+        vars(config)["_attn_implementation_internal"] = name
+    else:
+        config._attn_implementation = name
 
 
 def register_attention() -> str:

@@ -1,0 +1,156 @@
+"""Model architectures besides the tiny Llama, each a small config with seeded random weights: greedy
+generation on the engine (chunked prefill, prefix caching, batched decodes) gives the tokens of
+transformers' own ``generate``, and a model whose attention the paged KV cache cannot compute is refused
+at load with one sentence instead of being served wrong.
+
+Each architecture stands for a mechanism of the paged attention: a sliding window (Mistral), logit
+soft-capping beside a window on every other layer (Gemma 2, which has no SDPA path of its own),
+attention sinks (gpt-oss), a decoder layer that does not pass its keywords on to its attention
+(StableLM), learned positions and one KV head per head (GPT-2), and per-head norms of queries and
+keys (Qwen3)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from tidegate.ctrl import build_controller
+from tidegate.engine.core.clock import WallClock
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.core.request import Request, RequestState
+from tidegate.engine.real.executor import TorchExecutor
+from tidegate.engine.real.model_check import paged_attention_problem
+from tidegate.engine.real.model import ByteTokenizer, ModelLoadError, build_tiny_model, load_model
+from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.real.tiny_folder import byte_tokenizer_fast
+
+torch.set_num_threads(1)
+
+VOCAB = 300
+WINDOW = 12  # shorter than most prompts, so the window hides keys in prefill chunks and in decodes
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              # wider than the default 0.02: the random model's next token is then never a near tie
+              initializer_range=0.1)
+ARCHITECTURES = {
+    "mistral": dict(num_key_value_heads=2, sliding_window=WINDOW),
+    "gemma2": dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0),
+    "gpt_oss": dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=WINDOW),
+    "stablelm": dict(num_key_value_heads=2),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    "qwen3": dict(num_key_value_heads=2, head_dim=16),
+}
+#: architectures whose attention is their own code, not transformers' attention interface
+REFUSED = {
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "bloom": dict(n_head=4, n_layer=2),
+}
+
+
+def _model(name: str, overrides: dict):
+    config = AutoConfig.for_model(name, **COMMON, **overrides)
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # no SDPA path of its own (Gemma 2): its eager attention
+        config = AutoConfig.for_model(name, **COMMON, **overrides)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.eval()
+
+
+def _workload(seed: int = 3) -> list[tuple[list[int], int]]:
+    """Prompts of 3-40 tokens, half of them after one shared 20-token prefix (cached after its first request)."""
+    rng = random.Random(seed)
+    shared = [1] + [rng.randint(3, VOCAB - 1) for _ in range(19)]
+    items = []
+    for i in range(8):
+        tail = [rng.randint(3, VOCAB - 1) for _ in range(rng.randint(2, 20))]
+        items.append(((shared + tail) if i % 2 else ([1] + tail + tail)[:40], rng.randint(4, 24)))
+    return items
+
+
+def _generate(model, prompt: list[int], max_tokens: int) -> list[int]:
+    config = GenerationConfig(do_sample=False, eos_token_id=[], pad_token_id=0, max_new_tokens=max_tokens)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def _serve(model, items) -> list[Request]:
+    """The engine with 16 tokens a step (prefills chunked, decodes beside them), 8-token blocks, requests
+    joining every other step."""
+    executor = TorchExecutor(model, ByteTokenizer())
+    core = EngineCore(build_controller("greedy:max_num_batched_tokens=16"), executor, WallClock(),
+                      kv_capacity_tokens=2048, block_size=8)
+    executor.attach_pool(core.pool)
+    reqs = [Request(str(i), 0.0, len(p), m, prompt_token_ids=p, sampling=SamplingParams(ignore_eos=True))
+            for i, (p, m) in enumerate(items)]
+    pending, step = list(reqs), 0
+    while pending or core.has_unfinished:
+        if pending and step % 2 == 0:
+            assert core.add_request(pending.pop(0)) is None
+        core.step()
+        step += 1
+    assert core.metrics.cached_prompt_tokens > 0  # the shared prefix was reused: chunks after cached tokens ran
+    return reqs
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_greedy_matches_generate(name):
+    model = _model(name, ARCHITECTURES[name])
+    assert paged_attention_problem(model) is None
+    items = _workload()
+    reqs = _serve(model, items)
+    for r, (prompt, max_tokens) in zip(reqs, items):
+        assert r.state is RequestState.FINISHED
+        assert r.output_token_ids == _generate(model, prompt, max_tokens), f"{name}: request {r.request_id} diverged"
+
+
+def test_a_window_longer_than_the_sequences_changes_nothing():
+    """The window's masks are built only where it hides keys: with a window of 4,096 Mistral's tokens are
+    Llama's path's, and the same model with a window of 12 gives other tokens (the window is applied)."""
+    items = _workload()
+    wide = _serve(_model("mistral", dict(num_key_value_heads=2, sliding_window=4096)), items)
+    narrow = _serve(_model("mistral", ARCHITECTURES["mistral"]), items)
+    assert [r.output_token_ids for r in wide] != [r.output_token_ids for r in narrow]
+    model = _model("mistral", dict(num_key_value_heads=2, sliding_window=4096))
+    assert [r.output_token_ids for r in wide] == [_generate(model, p, m) for p, m in items]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_model_whose_attention_is_its_own_is_refused(name):
+    problem = paged_attention_problem(_model(name, REFUSED[name]))
+    assert problem is not None and "paged KV cache" in problem and "\n" not in problem
+
+
+def test_the_check_passes_the_tiny_model_and_restores_its_attention():
+    model, _ = build_tiny_model()
+    before = model.config._attn_implementation
+    assert paged_attention_problem(model) is None
+    assert model.config._attn_implementation == before
+
+
+def test_loading_a_folder_checks_its_attention(tmp_path):
+    """A folder of a refused architecture is one sentence naming the folder and the reason; Gemma 2, which has
+    no SDPA path, loads with its eager attention and serves."""
+    tokenizer = byte_tokenizer_fast()
+    bad = tmp_path / "falcon"
+    _model("falcon", REFUSED["falcon"]).save_pretrained(bad)
+    tokenizer.save_pretrained(bad)
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(bad), device="cpu", dtype="float32")
+    message = str(err.value)
+    assert str(bad) in message and "cannot be served by tidegate's engine" in message and "\n" not in message
+    good = tmp_path / "gemma2"
+    _model("gemma2", ARCHITECTURES["gemma2"]).save_pretrained(good)
+    tokenizer.save_pretrained(good)
+    model, _ = load_model(str(good), device="cpu", dtype="float32")
+    assert model.config._attn_implementation == "eager"
+    items = _workload()[:3]
+    reqs = _serve(model, items + [(items[1][0], 5)])
+    assert reqs[0].output_token_ids == _generate(model, *items[0])

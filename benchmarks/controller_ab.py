@@ -24,11 +24,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tidegate.ctrl import build_controller
+from tidegate.engine.bench.report import usage_error
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.workloads.families import load_family, shipped_families
 from tidegate.training.evaluate import cell_arrivals
-from tidegate.engine.bench.report import usage_error
 
 PROG = "controller_ab"
 
@@ -125,7 +126,7 @@ def compare(args: argparse.Namespace) -> None:
         ax.invert_yaxis()
         ax.set_xlabel(f"goodput, {name_b} / {name_a}")
         fig.tight_layout()
-        fig.savefig(out / "compare.png", dpi=80)
+        save_png(fig, out / "compare.png", dpi=80)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tidegate.ctrl import build_controller
 from tidegate.engine.bench.bench import rate_scale_for_load
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.gateway.twin import FleetSettings, simulate_fleet
 from tidegate.engine.workloads import load_synthetic, read_trace, resolve_trace
@@ -144,7 +145,7 @@ def report(res: dict, out: Path) -> None:
         ax.set_ylabel("goodput (req/s)")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "fleet_twin.png", dpi=120)
+        save_png(fig, out / "fleet_twin.png", dpi=120)
 
 
 if __name__ == "__main__":

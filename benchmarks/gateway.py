@@ -47,6 +47,7 @@ import httpx
 
 from tidegate.engine.bench.loadgen import plan_random, run, run_load, summarize
 from tidegate.engine.bench.overload.server import Server
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.gateway.replicas import parse_gauges
 
 
@@ -507,7 +508,7 @@ def write_report(res: dict, out: Path) -> None:
         ax.set_ylabel("goodput (req/s)")
         ax.set_title("Two tiny-model replicas at the same overload")
         fig.tight_layout()
-        fig.savefig(out / "gateway.png", dpi=120)
+        save_png(fig, out / "gateway.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 from tidegate.ctrl import build_controller
 from tidegate.ctrl.theory import capacity
 from tidegate.engine.cli.support import fail
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.gateway.twin import FleetSettings, simulate_fleet
 from tidegate.engine.workloads.synthetic import load_synthetic
@@ -77,7 +78,7 @@ def write(rows: list[dict], controller: str, out: Path) -> None:
     ax.set_title(f"the pair in the twin, {controller} replicas")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "gateway_pair.png", dpi=110)
+    save_png(fig, out / "gateway_pair.png", dpi=110)
     plt.close(fig)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tidegate.engine.bench.overload.server import Server
 from tidegate.engine.cli.support import fail
+from tidegate.engine.core.figures import save_png
 
 
 def log(msg: str) -> None:
@@ -214,7 +215,7 @@ def report(runs: list[dict], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "gateway_relay.png", dpi=120)
+    save_png(fig, out / "gateway_relay.png", dpi=120)
     plt.close(fig)
 
 

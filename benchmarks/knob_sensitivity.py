@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tidegate.ctrl.learned import make_learned_controller
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
 from tidegate.training.evaluate import VALIDATION, cell_arrivals, resolve_family
@@ -92,7 +93,7 @@ def main() -> None:
     ax.set_title(f"slo-flow against itself with one knob moved by {100 * (2 ** s - 1):.1f}%")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "sensitivity.png", dpi=110)
+    save_png(fig, args.out / "sensitivity.png", dpi=110)
     print("\n".join(lines))
 
 

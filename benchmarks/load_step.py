@@ -29,12 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from tidegate.ctrl import build_controller
+from tidegate.engine.bench.report import usage_error
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.profile import Profile, ProfileError, load_profile
 from tidegate.engine.core.request import RequestState
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.workloads.arrivals import Arrival
 from tidegate.engine.workloads.synthetic import load_synthetic
-from tidegate.engine.bench.report import usage_error
 
 PROG = "load_step"
 
@@ -115,7 +116,7 @@ def plot(runs: dict[str, list[list[dict]]], profile: Profile, path: Path) -> Non
         ax.set_title(spec, fontsize=9)
     axes[-1, 0].set_xlabel("arrival s (draw 0)")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_png(fig, path, dpi=80)
 
 
 def main() -> None:

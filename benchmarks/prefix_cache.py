@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tidegate.ctrl import build_controller
 from tidegate.engine.bench.bench import rate_scale_for_load
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.workloads import read_trace
@@ -119,7 +120,7 @@ def _plot_twin(rows: list[dict], title: str, path: Path) -> None:
     right.legend()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -190,7 +191,7 @@ def _plot_real(row: dict, path: Path) -> None:
     ax.set_title("shared_prefix_chat on the tiny model", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

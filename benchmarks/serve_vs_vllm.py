@@ -20,6 +20,7 @@ from pathlib import Path
 from tidegate.engine.bench.overload.server import Server
 from tidegate.engine.bench.vllm.model import model_folder
 from tidegate.engine.bench.vllm.server import VLLM_PYTHON, VllmServer
+from tidegate.engine.core.figures import save_png
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARMS = ("vllm=", "tidegate=")
@@ -105,7 +106,7 @@ def plot(rows: list[tuple[str, str, dict]], path: Path) -> None:
         ax.set_title(label)
         ax.tick_params(axis="x", rotation=20)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

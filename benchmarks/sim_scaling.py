@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.sim.compiled import script_core
 
 PROMPT_MEDIAN_TOKENS, PROMPT_SIGMA, PROMPT_MAX_TOKENS = 512, 1.0, 8192
@@ -113,7 +114,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.legend()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tidegate.engine.bench.vllm.model import model_folder
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.real.llm import LLM
 from tidegate.engine.real.sampling import SamplingParams
 
@@ -147,7 +148,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['model']}, {result['requests']} x {result['input_len']}/{result['output_len']} tokens, "
                  f"{result['dtype']}, {result['threads']} thread(s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

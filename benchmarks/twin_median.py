@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +38,7 @@ import numpy as np
 from scipy.stats import ks_2samp
 
 from tidegate.engine.bench.report import csv_column, rel_error
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.twin.seeds import NOISE_SEEDS, POOLED, SPREAD, ks_floor, sampling_range
 
@@ -79,7 +80,7 @@ def plot_cdfs(folder: Path, out: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle("twin check: real engine against the simulator (first check)")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_png(fig, out, dpi=110)
     plt.close(fig)
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from tidegate.engine.bench.vllm.twin_check import run_vllm_twin_check
+from tidegate.engine.core.figures import save_png
 
 OUT = Path("docs/bench/twin_vllm")
 WORKLOADS = {"splitwise_conv": {"trace": "splitwise_conv", "length_scale": 0.1},
@@ -76,7 +77,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.axhline(0, color="black", lw=0.5)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
 
 

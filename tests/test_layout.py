@@ -106,3 +106,29 @@ def test_every_plot_and_record_in_the_docs_is_shown_or_named():
                and not linked.intersection([(ROOT / f).resolve(), *(ROOT / f).resolve().parents])  # or its folder
                and f.removeprefix("docs/") not in text]
     assert not orphans, orphans
+
+
+TEST_FILE = "tests/test_layout.py"
+
+
+def test_plots_are_saved_as_palette_pngs(tmp_path):
+    """Every plot the commands write goes through ``save_png``: a palette PNG of the figure's size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from tidegate.engine.core.figures import save_png
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    for k in range(12):
+        ax.plot(range(50), [((i * (k + 1)) % 17) for i in range(50)], label=str(k))
+    ax.legend()
+    path = save_png(fig, tmp_path / "plot.png", dpi=100)
+    plt.close(fig)
+    with Image.open(path) as image:
+        assert image.mode == "P" and image.size == (400, 300)
+        assert len(image.getcolors(256) or []) > 12  # the lines' colours survive
+    listed = subprocess.run(["git", "ls-files", "*.py"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    sources = [ROOT / name for name in listed.stdout.split() if name not in ("engine/core/figures.py", TEST_FILE)]
+    assert sources and not [p for p in sources if p.is_file() and "fig.savefig(" in p.read_text()]

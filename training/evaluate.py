@@ -30,6 +30,7 @@ from tidegate.ctrl import build_controller
 from tidegate.ctrl.base import ReplicaProfile
 from tidegate.ctrl.learned import make_learned_controller
 from tidegate.ctrl.theory import capacity
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.profile import load_profile
 from tidegate.engine.sim.simulate import simulate
 from tidegate.engine.twin.guard import simulate_guarded
@@ -297,7 +298,7 @@ def heatmap(summary: list[dict], path: Path, column: str = "vs_best", title: str
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path
 

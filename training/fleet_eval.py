@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tidegate.ctrl.policy import load_policy
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.request import Request
 from tidegate.env.fleet_env import FleetEnv
 
@@ -129,5 +130,5 @@ def plot_ratios(curves: dict[str, list[float]], loads: Sequence[float], ylabel: 
     ax.set_title(title)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tidegate.ctrl.learned import DEFAULT_POLICY
+from tidegate.engine.core.figures import save_png
 from tidegate.training.errors import ConfigError
 
 #: the shipped policy's PPO checkpoint (its VecNormalize statistics beside it)
@@ -342,5 +343,5 @@ def _write_report(s: TuneSettings, verdict: dict) -> None:
     ax.set_title("The held-out part of the log")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(s.out / "tune.png", dpi=120)
+    save_png(fig, s.out / "tune.png", dpi=120)
     plt.close(fig)

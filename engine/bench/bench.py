@@ -13,6 +13,7 @@ import numpy as np
 
 from tidegate.ctrl import build_controller
 from tidegate.ctrl.theory import capacity
+from tidegate.engine.core.figures import save_png
 from tidegate.engine.core.request import RequestState
 from tidegate.engine.core.slo import time_to_first_token_s
 from tidegate.engine.sim.simulate import simulate
@@ -147,7 +148,7 @@ def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
             axes[0][0].legend(fontsize=7)
             fig.tight_layout()
             path = out_dir / f"{kind}_{trace}.png"
-            fig.savefig(path, dpi=110)
+            save_png(fig, path, dpi=110)
             plt.close(fig)
             written.append(path)
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
@@ -161,7 +162,7 @@ def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / f"goodput_{trace}.png"
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written

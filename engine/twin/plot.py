@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tidegate.engine.core.figures import save_png
+
 
 def plot_step_times(errors: dict, path: Path, title: str) -> None:
     """Three panels: real against predicted step time per step, the spread of their ratio for
@@ -56,5 +58,5 @@ def plot_step_times(errors: dict, path: Path, title: str) -> None:
     ax2.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)

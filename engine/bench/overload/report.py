@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from tidegate.engine.bench.overload.targets import TARGETS
+from tidegate.engine.core.figures import save_png
 
 
 def fmt(x) -> str:
@@ -135,7 +136,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['command']}\n{result['machine']['cpu_count']} CPUs, {result['machine']['platform']}",
                  fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tidegate.engine.bench.vllm.targets import TARGETS
+from tidegate.engine.core.figures import save_png
 
 FIGURES = [("arm", "arm"), ("load", "load x capacity"), ("offered_rps", "offered req/s"),
            ("goodput_rps", "goodput req/s"), ("goodput_vs_vllm", "vs vLLM"),
@@ -142,7 +143,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['command']}\n{result['machine']['cpu_count']} CPUs, {result['machine']['platform']}",
                  fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -3,7 +3,8 @@
     python benchmarks/architectures.py [--out docs/bench/architectures] [NAME ...]
 
 Each architecture is a small config (2 layers, 64 wide, 300 tokens, seeded random weights; a sliding window
-of 24 where the architecture has one, so prompts of up to 61 tokens outrun it). The load check
+or attention chunks of 24 where the architecture has them, so prompts of up to 61 tokens outrun them; Gemma 2's
+logit cap at 0.3, where it binds). The load check
 (``paged_attention_problem``) runs first; a model it passes serves 8 staggered requests on the engine (8-token
 blocks, continuous batching) and each request's greedy tokens are compared with transformers' ``generate`` on
 that request alone. Writes ``architectures.md`` (one row an architecture: served, the requests that
@@ -32,7 +33,10 @@ from tidegate.engine.real.sampling import SamplingParams
 VOCAB = 300
 WINDOW = 24
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=512, pad_token_id=0)
+              max_position_embeddings=512, pad_token_id=0,
+              # wider than the default 0.02: the attention is then far from uniform, so that a window, a cap or a
+              # sink left out changes the tokens
+              initializer_range=0.1)
 #: model_type -> the config's own fields (a label -> (model_type, fields) where one type appears twice)
 ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "llama": ("llama", dict(num_key_value_heads=2)),
@@ -42,13 +46,25 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=16)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=WINDOW)),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
-    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=0.3,
                               final_logit_softcapping=3.0)),
     "gemma3_text": ("gemma3_text", dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW)),
+    "gemma3 (multimodal config)": ("gemma3", dict(
+        text_config=dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4)),
     "gpt_oss": ("gpt_oss", dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                 sliding_window=WINDOW)),
     "phi3": ("phi3", dict(num_key_value_heads=2, sliding_window=WINDOW)),
     "phimoe": ("phimoe", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "phimoe, sliding window": ("phimoe", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                              sliding_window=WINDOW)),
+    "qwen2_moe, sliding window": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                                    use_sliding_window=True, sliding_window=WINDOW)),
+    "llama4_text, chunked attention": ("llama4_text", dict(num_key_value_heads=2, head_dim=16,
+                                                           attention_chunk_size=WINDOW, num_local_experts=4,
+                                                           intermediate_size_mlp=128)),
     "olmo2": ("olmo2", dict(num_key_value_heads=2)),
     "olmo3": ("olmo3", dict(num_key_value_heads=2, sliding_window=WINDOW)),
     "smollm3": ("smollm3", dict(num_key_value_heads=2)),
@@ -70,17 +86,22 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
 }
 
 
+def config_of(model_type: str, fields: dict):
+    """The config: ``COMMON`` and ``fields``, or, for a multimodal one, ``COMMON`` in its ``text_config``."""
+    if "text_config" in fields:
+        return AutoConfig.for_model(model_type, **{**fields, "text_config": {**COMMON, **fields["text_config"]}})
+    return AutoConfig.for_model(model_type, **COMMON, **fields)
+
+
 def build(model_type: str, fields: dict):
     """The model with seeded weights: SDPA where the architecture has it, else its eager attention (as
     ``load_model`` loads a folder)."""
     torch.manual_seed(0)
     try:
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON, **fields),
-                                                attn_implementation="sdpa").eval()
+        return AutoModelForCausalLM.from_config(config_of(model_type, fields), attn_implementation="sdpa").eval()
     except ValueError:
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON, **fields),
-                                                attn_implementation="eager").eval()
+        return AutoModelForCausalLM.from_config(config_of(model_type, fields), attn_implementation="eager").eval()
 
 
 def generate(model, prompt: list[int], max_tokens: int) -> list[int]:

@@ -37,7 +37,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               initializer_range=0.1)
 ARCHITECTURES = {
     "mistral": dict(num_key_value_heads=2, sliding_window=WINDOW),
-    "gemma2": dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+    "gemma2": dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=0.3,
                    final_logit_softcapping=3.0),
     "gpt_oss": dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=WINDOW),
@@ -45,10 +45,13 @@ ARCHITECTURES = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
     "qwen3": dict(num_key_value_heads=2, head_dim=16),
 }
-#: architectures whose attention is their own code, not transformers' attention interface
+#: architectures whose attention is their own code, not transformers' attention interface, and one whose window
+#: is in its attention mask only, with what the refusal says
 REFUSED = {
-    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
-    "bloom": dict(n_head=4, n_layer=2),
+    "falcon": (dict(new_decoder_architecture=True, num_kv_heads=2), "attention is its own code"),
+    "bloom": (dict(n_head=4, n_layer=2), "attention is its own code"),
+    "phimoe": (dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=2 * WINDOW),
+               "attention window (sliding_window = 24)"),
 }
 
 
@@ -123,9 +126,33 @@ def test_a_window_longer_than_the_sequences_changes_nothing():
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_a_model_whose_attention_is_its_own_is_refused(name):
-    problem = paged_attention_problem(_model(name, REFUSED[name]))
-    assert problem is not None and "paged KV cache" in problem and "\n" not in problem
+def test_a_model_whose_attention_the_paged_cache_cannot_compute_is_refused(name):
+    """PhiMoE's window is longer than the check's sequences and is applied in its mask only: the check's second
+    pass, with the window shortened, finds it."""
+    fields, says = REFUSED[name]
+    model = _model(name, fields)
+    problem = paged_attention_problem(model)
+    assert problem is not None and says in problem and "\n" not in problem
+    assert [getattr(m, "sliding_window", None) for m in model.modules()] == \
+        [getattr(m, "sliding_window", None) for m in _model(name, fields).modules()]  # the windows put back
+
+
+def test_the_mechanisms_bind():
+    """The cases above test something: Gemma 2's cap moves its logits, and gpt-oss's sinks do."""
+    ids = torch.tensor([[1, *range(5, 45)]])
+    for name, field, off in (("gemma2", "attn_logit_softcapping", None), ("gpt_oss", "sinks", 0.0)):
+        model = _model(name, ARCHITECTURES[name])
+        with torch.inference_mode():
+            own = model(ids).logits[0]
+            if field == "sinks":
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.fill_(-1e4)  # a sink that takes no weight
+            else:
+                for layer in model.model.layers:
+                    layer.self_attn.attn_logit_softcapping = off
+            without = model(ids).logits[0]
+        spread = float((own.amax(-1) - own.amin(-1)).min())
+        assert float((own - without).abs().max()) > 0.05 * spread, name
 
 
 def test_the_check_passes_the_tiny_model_and_restores_its_attention():
@@ -140,7 +167,7 @@ def test_loading_a_folder_checks_its_attention(tmp_path):
     no SDPA path, loads with its eager attention and serves."""
     tokenizer = byte_tokenizer_fast()
     bad = tmp_path / "falcon"
-    _model("falcon", REFUSED["falcon"]).save_pretrained(bad)
+    _model("falcon", REFUSED["falcon"][0]).save_pretrained(bad)
     tokenizer.save_pretrained(bad)
     with pytest.raises(ModelLoadError) as err:
         load_model(str(bad), device="cpu", dtype="float32")

@@ -16,7 +16,7 @@ from tidegate.engine.core.executor import Batch, StepResult
 from tidegate.engine.core.request import Request
 from tidegate.engine.real.model import IncrementalDetokenizer, eos_token_ids, resolve_device, resolve_dtype
 from tidegate.engine.real.paged_cache import (
-    PagedKVCache, _long, build_layout, paged_step, register_attention, set_attention,
+    PagedKVCache, _long, build_layout, paged_step, register_attention, set_attention, text_config,
 )
 from tidegate.engine.real.sampler import RequestSampling, Sampler, prompt_logprobs
 from tidegate.engine.real.sampling import SamplingParams
@@ -56,8 +56,9 @@ class TorchExecutor:
         self.dtype = resolve_dtype(dtype, self.device) if dtype is not None else params.dtype
         #: the ids that end generation unless a request ignores EOS (see ``eos_token_ids``)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.vocab_size = model.config.vocab_size
-        self.max_model_len = getattr(model.config, "max_position_embeddings", None)
+        text = text_config(model.config)
+        self.vocab_size = text.vocab_size
+        self.max_model_len = getattr(text, "max_position_embeddings", None)
         self.sampler = Sampler(self.device)
         self._attn_name = register_attention()
         self._states: dict[Request, _RequestState] = {}

@@ -184,12 +184,19 @@ def plan_buckets(num_blocks: list[int], call_cost: float = CALL_COST_BLOCKS,
     return [order[cum[cuts[k]]:cum[cuts[k + 1]]] for k in range(len(cuts) - 1)]
 
 
+def text_config(config):
+    """The config of the language model itself (a multimodal config's ``text_config``; a text model's own)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def kv_geometry(config) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)`` of a transformers model ``config``.
 
     Grouped-query models give ``num_key_value_heads``; older configs leave it out (one KV head per
     attention head) or leave out ``head_dim`` (``hidden_size / num_attention_heads``).
     """
+    config = text_config(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -307,8 +314,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                             s_aux: torch.Tensor | None = None, **kwargs):
     """Attention of the packed step: each request's queries against its own context only.
 
-    Outside a :func:`paged_step` (a plain ``model.generate`` call) this is transformers' SDPA
-    attention.
+    The executor selects it for its step only; outside a :func:`paged_step` it raises.
 
     :param query: ``[1, heads, T, head_dim]``; ``key``/``value``: the step's new keys and values
         ``[1, kv_heads, T, head_dim]`` (already written to the blocks by ``update``).
@@ -319,10 +325,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     """
     layout = _ACTIVE.get()
     if layout is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, sliding_window=sliding_window, softcap=softcap,
-                                      s_aux=s_aux, **kwargs)
+        raise RuntimeError("tidegate's paged attention runs only inside the engine's step (paged_step); the "
+                           "executor sets it for the step and puts the model's own attention back after")
     layout.attended += 1
     cache = layout.cache
     layer = module.layer_idx

@@ -393,7 +393,7 @@ def test_paged_cache_is_shaped_by_the_kv_geometry(tiny):
     cache = PagedKVCache.for_model(model.config, pool, "cpu", torch.float32)
     layers, kv_heads, head_dim = kv_geometry(model.config)
     assert (layers, kv_heads, head_dim) == (4, 2, 64)
-    assert cache.key_cache.shape == (layers, pool.num_blocks, 16, kv_heads, head_dim)
+    assert cache.key_cache.shape == (layers, kv_heads, pool.num_blocks, 16, head_dim)
     assert cache.bytes == pool.capacity_tokens * kv_bytes_per_token(model.config, torch.float32)
 
 

@@ -1,9 +1,10 @@
 """Paged KV storage for the real engine, laid out on the engine's BlockPool.
 
-The KV tensors are ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` with the
+The KV tensors are ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`` with the
 pool's ``num_blocks`` and ``block_size``: block id ``b`` of a request's block table is row ``b``
-here. The pool decides who owns which block (one accounting); this module only stores keys and
-values at those blocks and reads them back.
+of each head here. Head-major, a gather of a request's blocks is each KV head's context laid out
+whole, as attention reads it (no transposed copy). The pool decides who owns which block (one
+accounting); this module only stores keys and values at those blocks and reads them back.
 
 A step runs the model once on the packed sequence: every scheduled request's new tokens
 concatenated (batch size 1, ``position_ids`` per token). The model calls
@@ -14,8 +15,9 @@ transformers' ``PagedAttentionCache``; ``update`` writes the new keys and values
 
 - decodes (one query each) are batched: the requests are sorted by block count and split into
   a few buckets (chosen once per step to trade padding against calls); each bucket gathers its
-  requests' blocks into one padded ``[n, blocks * block_size]`` context (whole blocks, no
-  per-token indexing) and runs one SDPA with a key-padding mask;
+  requests' blocks into one padded ``[kv_heads, n, blocks * block_size]`` context (whole blocks, no
+  per-token indexing) and runs one SDPA with a key-padding mask, the query heads that share a KV
+  head as that head's rows of queries (grouped-query attention without repeating keys and values);
 - a prefill chunk that starts its sequence attends causally to its own new keys (no gather);
   a chunk after cached tokens gathers its blocks and uses a causal mask offset by the cache;
 - a layer with a sliding window (Mistral, Gemma 2 and 3, Qwen2 with ``use_sliding_window``) sees
@@ -227,15 +229,15 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         self.key_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.value_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        # Slot-major views: one row per token slot, which is what write_index addresses.
-        flat = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        # Slot views: one row per token slot of each head, which is what write_index addresses.
+        flat = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         self._keys = self.key_cache.view(flat)
         self._values = self.value_cache.view(flat)
         self.layout: StepLayout | None = None
@@ -272,12 +274,12 @@ class PagedKVCache:
             raise CacheShapeError(f"its keys and values of a token ({list(key_states.shape[1::2])} and "
                                   f"{list(value_states.shape[1::2])}) are not the {self.num_kv_heads} heads of "
                                   f"{self.head_dim} its config gives, the one shape the paged KV cache holds")
-        self._keys[layer_idx].index_copy_(0, layout.write_index, key_states[0].transpose(0, 1))
-        self._values[layer_idx].index_copy_(0, layout.write_index, value_states[0].transpose(0, 1))
+        self._keys[layer_idx].index_copy_(1, layout.write_index, key_states[0])
+        self._values[layer_idx].index_copy_(1, layout.write_index, value_states[0])
         return key_states, value_states
 
     def gather(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``blocks`` of one layer, ``[len(blocks) * block_size, kv_heads, head_dim]``.
+        """Keys and values of ``blocks`` of one layer, ``[kv_heads, len(blocks) * block_size, head_dim]``.
 
         The result lives in a workspace buffer that the next ``gather`` overwrites.
         """
@@ -287,12 +289,12 @@ class PagedKVCache:
             size = max(n * per, 2 * self._ws_k.numel())
             self._ws_k = torch.empty(size, device=self.key_cache.device, dtype=self.key_cache.dtype)
             self._ws_v = torch.empty(size, device=self.key_cache.device, dtype=self.key_cache.dtype)
-        shape = (n, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.num_kv_heads, n, self.block_size, self.head_dim)
         k = self._ws_k[:n * per].view(shape)
         v = self._ws_v[:n * per].view(shape)
-        torch.index_select(self.key_cache[layer_idx], 0, blocks, out=k)
-        torch.index_select(self.value_cache[layer_idx], 0, blocks, out=v)
-        flat = (n * self.block_size, self.num_kv_heads, self.head_dim)
+        torch.index_select(self.key_cache[layer_idx], 1, blocks, out=k)
+        torch.index_select(self.value_cache[layer_idx], 1, blocks, out=v)
+        flat = (self.num_kv_heads, n * self.block_size, self.head_dim)
         return k.view(flat), v.view(flat)
 
     def output_buffer(self, tokens: int, heads: int, head_dim: int) -> torch.Tensor:
@@ -361,18 +363,25 @@ class _Attention:
         heads, _, head_dim = q.shape
         n, nb, bs = b.count, b.num_blocks, self.cache.block_size
         kv_heads = self.cache.num_kv_heads
-        qb = q[:, b.start:b.start + n] if b.rows is None else q.index_select(1, b.rows)
-        qb = qb.transpose(0, 1).unsqueeze(2)  # [n, heads, 1, head_dim]
+        qb = q[:, b.start:b.start + n] if b.rows is None else q.index_select(1, b.rows)  # [heads, n, head_dim]
         k, v = self.cache.gather(self.layer, b.blocks)
-        k = k.view(n, nb * bs, kv_heads, head_dim).transpose(1, 2)
-        v = v.view(n, nb * bs, kv_heads, head_dim).transpose(1, 2)
+        k = k.view(kv_heads, n, nb * bs, head_dim)
+        v = v.view(kv_heads, n, nb * bs, head_dim)
         mask, window = b.mask, self.window
         if window is not None and max(b.lengths) > window:
             mask = b.window_masks.get(window)
             if mask is None:
                 mask = b.window_masks[window] = _band_mask([max(0, c - window) for c in b.lengths], b.lengths,
                                                            nb * bs, q.dtype, q.device).view(n, 1, 1, nb * bs)
-        o = _attend(qb, k, v, mask, self.scale, self.gqa, self.softcap, self.sinks).view(n, heads, head_dim)
+        if self.softcap is None and self.sinks is None:
+            # each KV head's query heads as its rows of queries: [kv_heads, n, group, head_dim]
+            qf = qb.view(kv_heads, heads // kv_heads, n, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qf, k, v, attn_mask=None if mask is None else mask.view(1, n, 1, -1),
+                                               scale=self.scale)
+            o = o.permute(1, 0, 2, 3).reshape(n, heads, head_dim)
+        else:
+            o = _attend(qb.transpose(0, 1).unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1), mask, self.scale,
+                        self.gqa, self.softcap, self.sinks).view(n, heads, head_dim)
         if b.rows is None:
             out[b.start:b.start + n] = o
         else:
@@ -398,8 +407,7 @@ class _Attention:
                         self.sinks, causal=mask is None)
         else:
             k, v = self.cache.gather(self.layer, p.blocks)
-            o = _attend(qp, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, self.scale,
-                        self.gqa, self.softcap, self.sinks)
+            o = _attend(qp, k.unsqueeze(0), v.unsqueeze(0), mask, self.scale, self.gqa, self.softcap, self.sinks)
         out[qs:qe] = o[0].transpose(0, 1)
 
 

@@ -22,7 +22,8 @@ transformers' ``PagedAttentionCache``; ``update`` writes the new keys and values
   a chunk after cached tokens gathers its blocks and uses a causal mask offset by the cache;
 - a layer with a sliding window (Mistral, Gemma 2 and 3, Qwen2 with ``use_sliding_window``) sees
   the window's keys only: its masks hide the keys older than the window as the model's own mask
-  does (the blocks behind the window stay allocated and are read, masked); a layer with logit
+  does (the blocks behind the window stay allocated; whole blocks behind every request's window are not
+  read); a layer with logit
   soft-capping (Gemma 2) or attention sinks (gpt-oss) attends by matmul and softmax, as the
   model's eager attention does.
 
@@ -72,8 +73,9 @@ class DecodeBucket:
     num_blocks: int
     mask: torch.Tensor | None
     lengths: list[int] = field(default_factory=list)
-    #: masks of the sliding windows the step's layers asked for, by window (built at the first layer that asks)
-    window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    #: by sliding window, what the step's layers with that window read (built at the first layer that asks): the
+    #: blocks from the first any request's window reaches, how many a request, and their mask
+    window_masks: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,8 +94,9 @@ class PrefillChunk:
     num_blocks: int = 0
     mask: torch.Tensor | None = None
     position: int = 0
-    #: masks of the sliding windows the step's layers asked for, by window
-    window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    #: by sliding window, what the step's layers with that window read: the blocks from the one the first query's
+    #: window reaches (None: the chunk's own keys) and their mask
+    window_masks: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -364,15 +367,22 @@ class _Attention:
         n, nb, bs = b.count, b.num_blocks, self.cache.block_size
         kv_heads = self.cache.num_kv_heads
         qb = q[:, b.start:b.start + n] if b.rows is None else q.index_select(1, b.rows)  # [heads, n, head_dim]
-        k, v = self.cache.gather(self.layer, b.blocks)
+        blocks, mask, window = b.blocks, b.mask, self.window
+        if window is not None and max(b.lengths) > window:
+            # the blocks from the first any request's window reaches: the ones before are never read
+            seen = b.window_masks.get(window)
+            if seen is None:
+                first = min(max(0, c - window) for c in b.lengths) // bs
+                lengths = [c - first * bs for c in b.lengths]
+                width = (nb - first) * bs
+                seen = b.window_masks[window] = (
+                    b.blocks.view(n, nb)[:, first:].reshape(-1) if first else b.blocks, nb - first,
+                    _band_mask([max(0, c - window) for c in lengths], lengths, width, q.dtype, q.device)
+                    .view(n, 1, 1, width))
+            blocks, nb, mask = seen
+        k, v = self.cache.gather(self.layer, blocks)
         k = k.view(kv_heads, n, nb * bs, head_dim)
         v = v.view(kv_heads, n, nb * bs, head_dim)
-        mask, window = b.mask, self.window
-        if window is not None and max(b.lengths) > window:
-            mask = b.window_masks.get(window)
-            if mask is None:
-                mask = b.window_masks[window] = _band_mask([max(0, c - window) for c in b.lengths], b.lengths,
-                                                           nb * bs, q.dtype, q.device).view(n, 1, 1, nb * bs)
         if self.softcap is None and self.sinks is None:
             # each KV head's query heads as its rows of queries: [kv_heads, n, group, head_dim]
             qf = qb.view(kv_heads, heads // kv_heads, n, head_dim).transpose(1, 2)
@@ -393,20 +403,25 @@ class _Attention:
         sequence, else its blocks) into its rows of ``out``."""
         qs, qe, window = p.query_start, p.query_end, self.window
         qp = q[:, qs:qe].unsqueeze(0)
+        blocks, mask = p.blocks, p.mask
         if window is not None and p.position + (qe - qs) > window:
-            mask = p.window_masks.get(window)
-            if mask is None:
-                ends = list(range(p.position + 1, p.position + qe - qs + 1))
-                width = p.num_blocks * self.cache.block_size if p.blocks is not None else qe - qs
-                mask = p.window_masks[window] = _band_mask([max(0, e - window) for e in ends], ends, width,
-                                                           q.dtype, q.device)
-        else:
-            mask = p.mask
-        if p.blocks is None:
+            seen = p.window_masks.get(window)
+            if seen is None:
+                bs = self.cache.block_size
+                # from the block the first query's window reaches: the ones before are never read
+                first = max(0, p.position + 1 - window) // bs if p.blocks is not None else 0
+                start = first * bs
+                ends = list(range(p.position + 1 - start, p.position + qe - qs + 1 - start))
+                width = p.num_blocks * bs - start if p.blocks is not None else qe - qs
+                seen = p.window_masks[window] = (
+                    p.blocks[first:] if p.blocks is not None else None,
+                    _band_mask([max(0, e - window) for e in ends], ends, width, q.dtype, q.device))
+            blocks, mask = seen
+        if blocks is None:
             o = _attend(qp, key[:, :, qs:qe], value[:, :, qs:qe], mask, self.scale, self.gqa, self.softcap,
                         self.sinks, causal=mask is None)
         else:
-            k, v = self.cache.gather(self.layer, p.blocks)
+            k, v = self.cache.gather(self.layer, blocks)
             o = _attend(qp, k.unsqueeze(0), v.unsqueeze(0), mask, self.scale, self.gqa, self.softcap, self.sinks)
         out[qs:qe] = o[0].transpose(0, 1)
 

@@ -3,6 +3,7 @@ Ray, driven over HTTP with the openai client and httpx."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -161,6 +162,93 @@ def test_ray_options_without_ray_replicas_get_one_sentence():
     assert out.exit_code == 2 and "--profile fit" in out.output
 
 
+# ------------------------------------------------------------ the router's queue (no Ray running)
+def _router(ttl_s: float = 30.0):
+    """A TidegateRouter's state as Ray's router would set it up, without Ray's routing machinery."""
+    from collections import deque
+
+    from tidegate.engine.gateway.ray_serve import TidegateRouter
+
+    router = object.__new__(TidegateRouter)
+    router.initialize_state(max_queued=16, queue_ttl_s=ttl_s, router="least-loaded")
+    router._pending_requests_to_fulfill = deque()
+    router._remove_pending_request_from_indices = lambda pending: None
+    return router
+
+
+def _pending(loop, rid: str, created_at: float, headers=()):
+    """A request as Ray's HTTP proxy hands it on: its ASGI scope pickled in a StreamingHTTPRequest."""
+    import pickle
+
+    from ray.serve._private.common import RequestMetadata, StreamingHTTPRequest
+    from ray.serve.request_router import PendingRequest
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(k.encode(), v.encode()) for k, v in headers]}
+    return PendingRequest(args=[pickle.dumps(StreamingHTTPRequest(scope, proxy_actor_name="proxy"))], kwargs={},
+                          metadata=RequestMetadata(request_id=rid, internal_request_id=rid), created_at=created_at,
+                          future=loop.create_future())
+
+
+def test_the_router_reads_a_request_class_from_its_headers():
+    import asyncio
+
+    from tidegate.engine.gateway.ray_serve import request_class
+
+    loop = asyncio.new_event_loop()
+    try:
+        names = (b"x-gateway-inference-priority", b"x-gateway-inference-fairness-id")
+        urgent = _pending(loop, "a", 0.0, [("X-Gateway-Inference-Priority", " -3 "),
+                                           ("x-gateway-inference-fairness-id", "team-a")])
+        assert request_class(urgent, *names) == (-3, "team-a")
+        assert request_class(_pending(loop, "b", 0.0), *names) == (0, "")
+        # the replica answers it 400 (Ray's proxy answers a router's refusal with 408, 429 or 503 only)
+        assert request_class(_pending(loop, "c", 0.0, [("x-gateway-inference-priority", "high")]), *names) == (0, "")
+    finally:
+        loop.close()
+
+
+def test_a_freed_replica_goes_to_the_most_urgent_waiting_request_then_the_least_served_tenant():
+    """Ray's FIFO mixin asks the router which pending request a replica goes to: priority levels first (lower
+    first), then tenants in turn within a level, first come first served within a tenant."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        router = _router()
+        now = time.time()
+        arrivals = [("a1", "a", "5"), ("a2", "a", "5"), ("a3", "a", "5"), ("b1", "b", "5"), ("u1", "a", "-1")]
+        for i, (rid, tenant, priority) in enumerate(arrivals):
+            router._pending_requests_to_fulfill.append(_pending(loop, rid, now + i * 0.01, [
+                ("x-gateway-inference-fairness-id", tenant), ("x-gateway-inference-priority", priority)]))
+        order = []
+        while (pending := router._get_pending_request_matching_metadata()) is not None:
+            pending.future.set_result("replica")
+            order.append(pending.metadata.internal_request_id)
+        assert order == ["u1", "a1", "b1", "a2", "a3"]
+        assert not router._queued and not len(router.queue)
+    finally:
+        loop.close()
+
+
+def test_a_request_past_the_queue_ttl_ends_with_503():
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        router = _router(ttl_s=5.0)
+        now = time.time()
+        old, fresh = _pending(loop, "old", now - 6.0), _pending(loop, "fresh", now - 1.0)
+        router._pending_requests_to_fulfill.extend([old, fresh])
+        router._sync(now)
+        assert old.future.done() and old.future.exception().status_code == 503
+        assert "TTL" in str(old.future.exception()) and float(old.future.exception().retry_after_s) > 0
+        assert not fresh.future.done()
+        assert router._get_pending_request_matching_metadata() is fresh
+    finally:
+        loop.close()
+
+
 # --------------------------------------------------------------------- on a local Ray
 class RayFleet:
     def __init__(self, port: int) -> None:
@@ -234,6 +322,49 @@ def test_the_openai_client_streams_through_ray_serve(fleet):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
+
+
+def _first_byte_at(url: str, max_tokens: int, headers: dict | None = None, started=None) -> tuple[int, float, float]:
+    """(status, when its first streamed byte came, when it ended); ``started`` is released at the first byte."""
+    body = {"model": "tiny", "prompt": "a b c d e f g", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers or {}) as resp:
+            first = math.inf
+            for _ in resp.iter_bytes():
+                if first == math.inf:
+                    first = time.monotonic()
+                    if started is not None:
+                        started.release()
+            return resp.status_code, first, time.monotonic()
+
+
+def test_a_freed_slot_goes_to_the_more_urgent_request_through_ray(fleet):
+    """Both replicas full (4 each), three requests waiting at Ray's router at priority 5, then one at -1 (the
+    header, read from the request Ray's proxy forwards): the urgent one starts first. A round in which a full
+    replica freed a slot before the four were waiting is run again (the slot went to what waited then)."""
+    for _ in range(3):
+        started = threading.Semaphore(0)
+        with ThreadPoolExecutor(12) as pool:
+            busy = [pool.submit(_first_byte_at, fleet.url, 400, None, started) for _ in range(8)]
+            for _ in range(8):
+                assert started.acquire(timeout=60)
+            low = []
+            for _ in range(3):
+                low.append(pool.submit(_first_byte_at, fleet.url, 4, {"x-gateway-inference-priority": "5"}))
+                time.sleep(0.05)
+            urgent = pool.submit(_first_byte_at, fleet.url, 4, {"x-gateway-inference-priority": "-1"})
+            queued_at = time.monotonic()
+            results = [f.result() for f in busy + low + [urgent]]
+        assert all(status == 200 for status, _, _ in results), results
+        if min(end for _, _, end in (f.result() for f in busy)) > queued_at + 0.2:
+            break
+    else:
+        pytest.fail("in three rounds a replica freed a slot before the requests were waiting")
+    assert urgent.result()[1] < min(first for _, first, _ in (f.result() for f in low))
+    bad = httpx.post(f"{fleet.url}/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1},
+                     headers={"x-gateway-inference-priority": "soon"}, timeout=60)
+    assert bad.status_code == 400 and "must be an integer" in bad.text
 
 
 def test_a_burst_spreads_over_both_replicas_and_overload_gets_429_with_retry_after(fleet):

@@ -124,6 +124,9 @@ class _StartError(Exception):
                    "start within this; one that would not gets 429 with a Retry-After from the fleet's drain rate.")
 @click.option("--ray-max-queued", type=click.IntRange(min=1), default=256, show_default=True,
               help="With --ray-replicas: the most requests waiting at the router; more get 429 with a Retry-After.")
+@click.option("--ray-queue-ttl-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="With --ray-replicas: a request that waits this long at the router for a replica with room ends "
+                   "with 503 (one of a less urgent priority may wait behind more urgent ones).")
 @click.option("--ray-replica-cpus", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="With --ray-replicas: the CPUs Ray reserves for each replica.")
 @click.option("--ray-replica-gpus", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -135,11 +138,12 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
           max_num_batched_tokens, max_num_seqs, prefix_caching, enable_prompt_tokens_details, device, dtype,
           max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads,
-          engine_nice, ray_replicas, ray_address, router, ray_ttft_slo_s, ray_max_queued, ray_replica_cpus,
-          ray_replica_gpus):
+          engine_nice, ray_replicas, ray_address, router, ray_ttft_slo_s, ray_max_queued, ray_queue_ttl_s,
+          ray_replica_cpus, ray_replica_gpus):
     """The OpenAI-compatible streaming server (/v1/completions, /v1/chat/completions, /tokenize, /metrics)."""
     ray_options = {"ray_address": ray_address, "ray_ttft_slo_s": ray_ttft_slo_s, "ray_max_queued": ray_max_queued,
-                   "ray_replica_cpus": ray_replica_cpus, "ray_replica_gpus": ray_replica_gpus, "router": router}
+                   "ray_queue_ttl_s": ray_queue_ttl_s, "ray_replica_cpus": ray_replica_cpus,
+                   "ray_replica_gpus": ray_replica_gpus, "router": router}
     if ray_replicas is None:
         given = [name for name in ray_options if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
         if given:
@@ -218,7 +222,8 @@ def _serve_on_ray(config, replicas: int, options: dict) -> None:
         raise click.UsageError(f"--ray-replicas needs Ray Serve: pip install 'tidegate[ray]' ({exc})") from None
     try:
         fleet = RayFleetConfig(replicas=replicas, router=options["router"], ttft_slo_s=options["ray_ttft_slo_s"],
-                               max_queued=options["ray_max_queued"], cpus=options["ray_replica_cpus"],
+                               max_queued=options["ray_max_queued"], queue_ttl_s=options["ray_queue_ttl_s"],
+                               cpus=options["ray_replica_cpus"],
                                gpus=options["ray_replica_gpus"], address=options["ray_address"],
                                max_ongoing=config.max_in_flight)
     except ValueError as exc:

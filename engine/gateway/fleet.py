@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tidegate.engine.gateway.features import FleetFeatures, budget_scale, load_fleet_policy
 from tidegate.engine.gateway.gate import Gate
-from tidegate.engine.gateway.queue import Queued
+from tidegate.engine.gateway.queue import PRIORITY_HEADER, TENANT_HEADER, Queued
 from tidegate.engine.gateway.replicas import ReplicaView, outlier, parse_gauges
 
 log = logging.getLogger("tidegate.gateway")
@@ -51,8 +51,8 @@ class GatewayConfig:
     #: how long a replica whose answers are server errors while the others' are not is taken out, times its
     #: ejections in a row (0: never; ``replicas.outlier`` says when)
     ejection_s: float = 30.0
-    tenant_header: str = "x-gateway-inference-fairness-id"
-    priority_header: str = "x-gateway-inference-priority"
+    tenant_header: str = TENANT_HEADER
+    priority_header: str = PRIORITY_HEADER
     max_request_bytes: int = 32 << 20
     #: a fleet admission policy (ONNX, ``tidegate train --env fleet`` then ``tidegate export``) that sets the
     #: admission budget every ``policy_interval_s`` (None: the gateway's own rule)

@@ -36,6 +36,11 @@ from typing import Any
 from tidegate.engine.core.stats import RateEstimator, SlidingQuantile
 
 
+#: the headers that give a request's tenant and priority level (the llm-d router's names)
+TENANT_HEADER = "x-gateway-inference-fairness-id"
+PRIORITY_HEADER = "x-gateway-inference-priority"
+
+
 @dataclass(eq=False)
 class Queued:
     """A request in the gateway queue.
@@ -129,6 +134,12 @@ class GatewayQueue:
     def ahead(self, priority: int) -> int:
         """Requests that leave before a new arrival of ``priority``."""
         return sum(len(lv) for p, lv in self._levels.items() if p <= priority)
+
+    def before(self, item: Queued) -> int:
+        """Requests queued that leave before ``item`` (queued itself): those of more urgent levels, and those of its
+        own level that came before it (its tenant's turn aside)."""
+        return sum(len(lv) if p < item.priority else sum(x.seq < item.seq for q in lv.tenants.values() for x in q)
+                   for p, lv in self._levels.items() if p <= item.priority)
 
     def expire(self, now: float) -> list[Queued]:
         """Takes out and returns the requests whose deadline has passed."""

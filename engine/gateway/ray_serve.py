@@ -10,7 +10,10 @@
   router picks among the replicas with room; with none, the request waits in Ray's router (late
   dispatch) while the requests before it drain within the TTFT SLO, and is refused with 429 and a
   Retry-After (Ray's ``BackPressureError``, which its proxy answers with that status) once it would
-  not start in time.
+  not start in time. What waits is served as the gateway's queue serves it (``queue.GatewayQueue``):
+  priority levels in order (the priority header), fair between tenants within a level (the tenant
+  header; by requests, as Ray's router does not see a request's tokens), first come first served
+  within a tenant; a request that waits past the queue's TTL ends with 503 and says why.
 - Ray's own bound on what waits at the router (``max_queued_requests``) answers 429 with a fixed
   Retry-After at once, so nothing queues without bound before the replicas either.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +35,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from tidegate.engine.gateway.queue import PRIORITY_HEADER, TENANT_HEADER, GatewayQueue, Queued
 from tidegate.engine.gateway.ranking import GatewayRanking, Refused
 from tidegate.engine.gateway.routers import PROMPT_FREE_ROUTERS
 from tidegate.engine.serve.config import ServeConfig
@@ -55,6 +60,8 @@ class RayFleetConfig:
     max_queued: int = 256
     #: the Retry-After of that 429, in seconds
     retry_after_s: float = 1.0
+    #: the longest a request waits at the router for a replica with room; then 503
+    queue_ttl_s: float = 30.0
     cpus: float = 1.0
     gpus: float = 0.0
     #: a running Ray cluster (``auto``, ``ray://host:10001``); None: a local Ray on this machine
@@ -68,8 +75,8 @@ class RayFleetConfig:
         if self.router not in PROMPT_FREE_ROUTERS:
             raise ValueError(f"the router {self.router!r} cannot run in Ray Serve (it needs the prompt, which Ray's "
                              f"router does not see); one of {', '.join(PROMPT_FREE_ROUTERS)}")
-        if not (self.ttft_slo_s > 0 and self.report_period_s > 0 and self.retry_after_s > 0):
-            raise ValueError("the TTFT SLO, the report period and the Retry-After must be above 0")
+        if not (self.ttft_slo_s > 0 and self.report_period_s > 0 and self.retry_after_s > 0 and self.queue_ttl_s > 0):
+            raise ValueError("the TTFT SLO, the report period, the Retry-After and the queue's TTL must be above 0")
         if self.max_ongoing < 1 or self.max_queued < 1:
             raise ValueError("the replicas' and the router's request limits must be at least 1")
         if self.cpus < 0 or self.gpus < 0:
@@ -112,7 +119,8 @@ class TidegateReplica:
 
 class _NameReplica:
     """ASGI middleware: every response says which replica answered (``x-tidegate-replica``), as an
-    operator tracing a slow or failed request across the fleet needs."""
+    operator tracing a slow or failed request across the fleet needs; a request whose priority header is not an
+    integer gets 400, as from ``tidegate gateway`` (the router read it as 0: Ray's proxy answers no 400 for it)."""
 
     def __init__(self, app, name: str) -> None:
         self.app = app
@@ -121,6 +129,15 @@ class _NameReplica:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        for key, value in scope.get("headers", ()):
+            if key.lower() == _PRIORITY_NAME:
+                try:
+                    int(value.decode("latin-1").strip())
+                except ValueError:
+                    from tidegate.engine.serve.protocol import error_response
+
+                    return await error_response(400, f"the {PRIORITY_HEADER} header must be an integer",
+                                                param=PRIORITY_HEADER)(scope, receive, send)
 
         async def named(message) -> None:
             if message["type"] == "http.response.start":
@@ -132,11 +149,22 @@ class _NameReplica:
 
 class TidegateRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request router with the gateway's ranking (``request_router_kwargs`` are
-    :class:`GatewayRanking`'s)."""
+    :class:`GatewayRanking`'s, and ``max_queued``, ``queue_ttl_s``, ``priority_header`` and ``tenant_header``).
 
-    def initialize_state(self, max_queued: int = -1, **kwargs: Any) -> None:
+    Ray's router hands a replica that a routing found to the pending request that
+    :meth:`_get_pending_request_matching_metadata` names (its FIFO mixin's hook): here the next one of the
+    gateway's queue, which mirrors Ray's pending requests.
+    """
+
+    def initialize_state(self, max_queued: int = -1, queue_ttl_s: float = 30.0, priority_header: str = PRIORITY_HEADER,
+                         tenant_header: str = TENANT_HEADER, **kwargs: Any) -> None:
         self._max_queued = max_queued
+        self._queue_ttl_s = queue_ttl_s
+        self._headers = (priority_header.lower().encode("latin-1"), tenant_header.lower().encode("latin-1"))
         self.ranking = GatewayRanking(**kwargs)
+        self.queue = GatewayQueue()
+        #: the queue's entry of each pending request it holds, by Ray's internal request id
+        self._queued: dict[str, Queued] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -149,37 +177,73 @@ class TidegateRouter(FIFOMixin, RequestRouter):
             ranking.view(key, replica.max_ongoing_requests)
             ranking.report(key, replica.routing_stats or {}, now, wall)
         ranking.keep([r.replica_id.unique_id for r in self.curr_replicas.values()])
+        self._sync(wall)
         ahead = None
         if pending_request is None:
             request_id, waited = "", math.inf
         else:
             request_id = pending_request.metadata.internal_request_id
             waited = max(0.0, wall - pending_request.created_at)
+            item = self._queued.get(request_id)
+            if item is None:  # not among Ray's pending requests (a first try): queued now
+                item = self._enqueue(pending_request)
             # Ray routes a few requests at a time (two routing tasks a replica); the others wait in its FIFO
-            # unseen by this method. The queue ahead is counted from that FIFO where Ray exposes it.
-            fifo = getattr(self, "_pending_requests_to_fulfill", None)
-            if fifo is not None:
-                waiting = [pr for pr in fifo if not pr.future.done()]
-                ahead = sum(1 for pr in waiting if pr.created_at < pending_request.created_at)
-                ranking.prune({pr.metadata.internal_request_id for pr in waiting})
+            # unseen by this method, and in the queue that mirrors it: the queue says which leave first
+            ahead = self.queue.before(item)
+            ranking.prune(set(self._queued))
         try:
             order = ranking.rank([(key, by_key[key].max_ongoing_requests) for key in by_key], "", request_id,
                                  waited, now, ahead)
         except Refused as refusal:
             assert pending_request is not None  # a request that has waited was handed in
-            self._refuse(pending_request, refusal)
+            self._refuse(pending_request, str(refusal), refusal.retry_after_s)
             return [[replica] for replica in candidate_replicas[:1]]
         if pending_request is not None:
             # every replica was looked at: Ray's router backs off before asking again, instead of spinning
             pending_request.routing_context.should_backoff = True
         return [[by_key[key]] for key in order]
 
-    def _refuse(self, pending_request: PendingRequest, refusal: Refused) -> None:
-        """Fail the request's routing with a 429: Ray's proxy answers a BackPressureError with its status code
+    def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
+        """The pending request a replica that a routing found goes to: the next of the gateway's queue (priority,
+        then the least-served tenant, then first come) that still waits."""
+        self._sync(time.time())
+        while len(self.queue):
+            item = self.queue.pop()
+            if item is None:
+                break
+            pending = item.payload
+            self._queued.pop(pending.metadata.internal_request_id, None)
+            if not pending.future.done():
+                return pending
+        return None
+
+    def _sync(self, wall: float) -> None:
+        """Queue the pending requests not queued yet, and end those past the queue's TTL with 503."""
+        for pending in getattr(self, "_pending_requests_to_fulfill", ()):
+            if not pending.future.done() and pending.metadata.internal_request_id not in self._queued:
+                self._enqueue(pending)
+        for item in self.queue.expire(wall):
+            pending = item.payload
+            self._queued.pop(pending.metadata.internal_request_id, None)
+            self._refuse(pending, f"waited {self._queue_ttl_s:g} s (the queue's TTL) for a replica with room", 1.0,
+                         status=503)
+
+    def _enqueue(self, pending: PendingRequest) -> Queued:
+        """The request's entry in the queue, by its class (:func:`request_class`)."""
+        priority, tenant = request_class(pending, *self._headers)
+        item = Queued(priority, tenant, 1.0, pending.created_at, pending.created_at + self._queue_ttl_s,
+                      payload=pending)
+        self.queue.push(item)
+        self._queued[pending.metadata.internal_request_id] = item
+        return item
+
+    def _refuse(self, pending_request: PendingRequest, reason: str, retry_after_s: float, status: int = 429) -> None:
+        """Fail the request's routing with ``status``: Ray's proxy answers a BackPressureError with its status code
         and Retry-After, and a rank handed back with the request's future done ends its routing."""
         if not pending_request.future.done():
-            pending_request.future.set_exception(_Refusal(str(refusal), self.ranking.holding, self._max_queued,
-                                                          math.ceil(refusal.retry_after_s)))
+            pending_request.future.set_exception(_Refusal(reason, self.ranking.holding, self._max_queued,
+                                                          math.ceil(retry_after_s), status))
+        self._queued.pop(pending_request.metadata.internal_request_id, None)
         # Ray drops a request from its indices when it is fulfilled or cancelled; a refused one is neither
         drop = getattr(self, "_remove_pending_request_from_indices", None)
         if drop is not None:
@@ -192,11 +256,43 @@ class TidegateRouter(FIFOMixin, RequestRouter):
         self.ranking.ended(internal_request_id, replica_id.unique_id, time.monotonic())
 
 
-class _Refusal(BackPressureError):
-    """The router's refusal, as Ray's proxy answers it (429, Retry-After) with the router's reason."""
+#: the most urgent and the least urgent priority a header may give (the HTTP gateway's bound)
+_PRIORITY_BOUND = 1 << 20
+_PRIORITY_NAME = PRIORITY_HEADER.encode("latin-1")
 
-    def __init__(self, reason: str, queued: int, max_queued: int, retry_after_s: float) -> None:
-        super().__init__(queued, max_queued, 429, retry_after_s)
+
+def request_class(pending: PendingRequest, priority_header: bytes, tenant_header: bytes) -> tuple[int, str]:
+    """(priority, tenant) of a request Ray's HTTP proxy hands on, from its headers (0 and "" without them, and
+    for a request from a deployment handle, which carries no HTTP scope). A priority header that is not an
+    integer counts as 0 here, and the replica answers the request 400 (:class:`_NameReplica`): Ray's proxy
+    answers a router's refusal only with 408, 429 or 503."""
+    arg = pending.args[0] if pending.args else None
+    if isinstance(arg, (bytes, bytearray)):
+        try:  # Ray's proxy pickles the request it forwards (StreamingHTTPRequest: the ASGI scope)
+            arg = pickle.loads(arg)
+        except Exception:
+            return 0, ""
+    scope = getattr(arg, "asgi_scope", None) or getattr(arg, "_asgi_scope", None)
+    headers = scope.get("headers", ()) if isinstance(scope, dict) else ()
+    priority, tenant = 0, ""
+    for name, value in headers:
+        name = bytes(name).lower()
+        if name == priority_header:
+            text = bytes(value).decode("latin-1").strip()
+            try:
+                priority = max(-_PRIORITY_BOUND, min(int(text), _PRIORITY_BOUND))
+            except ValueError:
+                priority = 0
+        elif name == tenant_header:
+            tenant = bytes(value).decode("latin-1")[:256]
+    return priority, tenant
+
+
+class _Refusal(BackPressureError):
+    """The router's refusal, as Ray's proxy answers it (its status, Retry-After) with the router's reason."""
+
+    def __init__(self, reason: str, queued: int, max_queued: int, retry_after_s: float, status: int = 429) -> None:
+        super().__init__(queued, max_queued, status, retry_after_s)
         self.reason = reason
 
     @property
@@ -211,7 +307,7 @@ class _Refusal(BackPressureError):
 
 
 def _rebuild_refusal(reason: str, queued: int, max_queued: int, status_code: int, retry_after_s: float):
-    return _Refusal(reason, queued, max_queued, retry_after_s)
+    return _Refusal(reason, queued, max_queued, retry_after_s, status_code)
 
 
 def build_app(config: ServeConfig, fleet: RayFleetConfig):
@@ -219,7 +315,8 @@ def build_app(config: ServeConfig, fleet: RayFleetConfig):
     router_config = RequestRouterConfig(
         request_router_class=TidegateRouter,
         request_router_kwargs={"router": fleet.router, "ttft_slo_s": fleet.ttft_slo_s,
-                               "report_period_s": fleet.report_period_s, "max_queued": fleet.max_queued},
+                               "report_period_s": fleet.report_period_s, "max_queued": fleet.max_queued,
+                               "queue_ttl_s": fleet.queue_ttl_s},
         request_routing_stats_period_s=fleet.report_period_s,
         request_routing_stats_timeout_s=max(1.0, 4 * fleet.report_period_s),
         # a held request is looked at again soon: it waits for room, not for a backoff

@@ -825,6 +825,48 @@ def test_requests_that_fail_on_every_replica_eject_none(n, events):
     _replay(n, poisoned, check)
 
 
+def test_a_request_every_replica_refuses_gets_their_refusal_at_once(pair):
+    """Sent round until its TTL, a request that every replica refuses (one too large for their admission now) was
+    prefilled and aborted by them ten times a second while the arrivals behind it were refused: once every
+    replica up has refused it, the client gets the last refusal, its reason and Retry-After."""
+    a, b = pair
+    a.refuse = b.refuse = True
+    g = Gateway([a.url, b.url], router="round-robin")
+    try:
+        start = time.time()
+        r = httpx.post(g.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 5}, timeout=10)
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["message"] == "busy"
+        assert time.time() - start < 2.0 and a.requests + b.requests == 2
+        a.refuse = False  # one replica takes it: the other's refusal alone is no answer
+        for _ in range(3):
+            assert _stream_text(g.url)[0] == 200
+    finally:
+        g.close()
+
+
+def test_the_gateway_answers_probes_to_head_routes_it_lacks_and_clients_that_leave_as_the_replicas_do(pair):
+    """HEAD on the probes (uptime monitors), 404 and 405 in OpenAI's error body, and a client that sends half its
+    body and leaves: no traceback in the log, and the gateway serves on."""
+    import socket
+
+    a, _ = pair
+    g = Gateway([a.url])
+    try:
+        for path in ("/health", "/ready", "/metrics"):
+            assert httpx.head(g.url + path).status_code == 200
+        missing = httpx.get(g.url + "/v2/nothing")
+        assert missing.status_code == 404 and "error" in missing.json()
+        wrong = httpx.get(g.url + "/v1/completions")
+        assert wrong.status_code == 405 and "error" in wrong.json()
+        with socket.create_connection(("127.0.0.1", g.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")
+        time.sleep(0.2)
+        assert _stream_text(g.url)[0] == 200
+    finally:
+        g.close()
+
+
 def test_a_refusing_replica_is_routed_around_and_a_dead_one_health_checked_back(pair):
     a, b = pair
     g = Gateway([a.url, b.url], router="round-robin")

@@ -263,6 +263,23 @@ def test_429_with_retry_after_when_the_controller_refuses(tiny):
         s.close()
 
 
+def test_an_idle_server_admits_an_arrival_of_many_copies(tiny):
+    """An arrival is judged once, as a whole: judged copy by copy, each of n=8 copies of a long prompt found the
+    earlier ones queued ahead of it, and an idle server refused the request as overloaded (a 429 that no retry
+    could ever turn into an answer)."""
+    s = Running(tiny, controller="slo-flow")
+    try:
+        many = s.client.completions.create(model="tiny", prompt="x" * 1500, max_tokens=5, n=8,
+                                           extra_body={"ignore_eos": True})
+        assert len(many.choices) == 8 and many.usage.completion_tokens == 40
+        batch = s.client.completions.create(model="tiny", prompt=["y" * 200] * 64, max_tokens=2,
+                                            extra_body={"ignore_eos": True})
+        assert len(batch.choices) == 64
+        s.wait_idle()
+    finally:
+        s.close()
+
+
 def test_queue_timeout_ends_a_waiting_request_with_503(tiny):
     s = Running(tiny, controller="greedy:max_num_seqs=1", queue_timeout_s=0.3)
     try:

@@ -7,7 +7,8 @@ prompt and ``max_tokens``). The faults:
 - an arrival when no replica is up: 503 (down), told apart from 429 (busy, with Retry-After);
 - a replica that refuses (429/503) or cannot be reached before the stream starts: the request goes
   back to the head of its turn in the queue and to another replica; the replica that could not be
-  reached is marked down and health-checked back in;
+  reached is marked down and health-checked back in; a request every replica up has refused gets the
+  last refusal (its reason and Retry-After);
 - a replica that fails after the stream started: the stream ends with an error event and
   ``[DONE]``; it is never sent again, because the client has seen tokens;
 - a client that goes away: its upstream request is closed, and the replica cancels it; one that goes
@@ -33,11 +34,13 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tidegate.engine.gateway.fleet import TRANSPORT_ERRORS, Fleet, GatewayConfig
 from tidegate.engine.gateway.queue import Queued
 from tidegate.engine.gateway.replicas import ReplicaView
-from tidegate.engine.serve.operator import BodyLimits
+from tidegate.engine.serve.operator import BodyLimits, http_error
 from tidegate.engine.serve.protocol import error_response
 
 log = logging.getLogger("tidegate.gateway")
@@ -67,19 +70,24 @@ def create_gateway_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="tidegate gateway", lifespan=lifespan)
     app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes)
+    app.add_exception_handler(StarletteHTTPException, http_error)  # 404, 405: OpenAI's error body, as the replicas'
+    app.add_exception_handler(ClientDisconnect, _client_left)
     app.state.fleet = fleet
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # uptime monitors
     async def health():
         return {"status": "ok" if fleet.any_up() else "no replica is up", **fleet.status()}
 
     @app.get("/ready")
+    @app.head("/ready", include_in_schema=False)
     async def ready():
         if not fleet.any_up():
             return error_response(503, "no replica is up", "unavailable", retry_after_s=config.health_interval_s)
         return {"status": "ready"}
 
     @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)
     async def metrics():
         fleet.refresh_metrics()
         return Response(generate_latest(fleet.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -247,6 +255,11 @@ async def _client_gone(http: HttpRequest) -> None:
         pass
 
 
+async def _client_left(http: HttpRequest, exc: ClientDisconnect) -> Response:
+    """A client that went away while its body was read: nobody to answer, nothing to log."""
+    return _nobody()
+
+
 def _nobody() -> Response:
     """The answer to a client that left (nobody reads it; 499 as nginx logs such a request)."""
     return Response(status_code=499)
@@ -283,15 +296,40 @@ async def _send(fleet: Fleet, view: ReplicaView, path: str, raw: bytes, http: Ht
     if upstream.status in (429, 503) and fleet.config.admission:
         now = time.monotonic()
         view.ended(now, completed=False)
-        upstream.close()
         view.refused(now)
         fleet.wake()
+        item.refused_by.add(view.url)
+        if item.refused_by.issuperset(v.url for v in fleet.gate.views if v.up):
+            # every replica up refused it: their answer is the fleet's. Sent round again it would be refused
+            # again (a request too large for any replica's admission now), each try prefilled and aborted,
+            # until its TTL, while the arrivals behind it waited
+            return await _refusal(fleet, upstream)
+        upstream.close()
         m.retries.labels(str(upstream.status)).inc()
         return None
     if upstream.status != 200 or not stream:
         return await _whole(fleet, view, upstream, item, dispatched, gone)
     return _RelayedResponse(_Relay(fleet, view, upstream, item, dispatched),
                             upstream.headers.get("content-type", "text/event-stream"))
+
+
+async def _refusal(fleet: Fleet, upstream: aiohttp.ClientResponse) -> Response:
+    """A replica's refusal (429 or 503) passed to the client, with its reason and Retry-After."""
+    status = upstream.status
+    try:
+        content = await asyncio.wait_for(upstream.read(), fleet.config.connect_timeout_s)
+        media_type = upstream.headers.get("content-type")
+    except (asyncio.TimeoutError, *TRANSPORT_ERRORS):
+        upstream.close()
+        return error_response(status, "every replica refused the request", "rate_limited" if status == 429
+                              else "unavailable", retry_after_s=fleet.config.health_interval_s)
+    finally:
+        upstream.release()
+    fleet.metrics.requests.labels(f"replica_{status}").inc()
+    fleet.features.on_end(good=False)
+    retry_after = upstream.headers.get("retry-after")
+    return Response(content, status_code=status, media_type=media_type,
+                    headers={"Retry-After": retry_after} if retry_after else None)
 
 
 async def _whole(fleet: Fleet, view: ReplicaView, upstream: aiohttp.ClientResponse, item: Queued,

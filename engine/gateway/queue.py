@@ -65,6 +65,8 @@ class Queued:
     predicted_wait_s: float = 0.0
     #: its prompt's tokens, or an estimate (what its first byte is predicted by; None: not known)
     prompt_tokens: float | None = None
+    #: the replicas that refused it (429 or 503) since it arrived
+    refused_by: set[str] = field(default_factory=set)
     seq: int = field(default_factory=itertools.count().__next__)
 
 

@@ -210,20 +210,25 @@ class OpenAIServing:
             limits = [self._max_tokens(body, ids, ask) for ids, _ in prompts]
         except Refused as refused:
             return None, refused.response
+        # the arrival is judged once, as a whole: its prompts' prefill (a prompt its copies share counted once, as
+        # they share its cached blocks) and its longest max_tokens. Judged copy by copy, each copy found the
+        # arrival's earlier ones queued ahead of it, and an idle server refused an n=8 request as overloaded
+        distinct = {tuple(ids) for ids, _ in prompts}
+        try:
+            self._check_admission(sum(len(ids) for ids in distinct), max(limits), len(prompts) * ask.best_of)
+        except Refused as refused:
+            return None, refused.response
         event = asyncio.Event()
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
         for p, ((ids, echo), max_tokens) in enumerate(zip(prompts, limits)):
             for i in range(ask.best_of):
                 try:
-                    self._check_admission(len(ids), max_tokens)
                     stream = Stream(loop, self.config.stream_buffer_chunks, event)
                     self.service.submit(stream, ids, nth_sampling(sampling, i), max_tokens, ask.priority,
                                         ask.cache_salt)
-                except (Refused, EngineUnavailable) as exc:
+                except EngineUnavailable:
                     abandon(self.service, choices)
-                    if isinstance(exc, Refused):
-                        return None, exc.response
                     self.metrics.rejected("engine_down")
                     return None, error_response(503, "the engine is restarting", "unavailable", retry_after_s=5)
                 choices.append(Choice(p * ask.best_of + i, stream, p, ids, echo))
@@ -270,10 +275,13 @@ class OpenAIServing:
             raise bad_request(str(exc).rstrip("."), "max_tokens" if "max_tokens" in str(exc) else None) from None
         return max_tokens
 
-    def _check_admission(self, prompt_len: int, max_tokens: int) -> None:
-        """Raises :class:`Refused` (429) when the server is at its in-flight limit or the controller refuses."""
+    def _check_admission(self, prompt_len: int, max_tokens: int, copies: int = 1) -> None:
+        """Raises :class:`Refused` (429) when the server is at its in-flight limit or the controller refuses an
+        arrival of ``copies`` engine requests (an arrival alone on the server always fits the limit: larger than
+        it, it would be refused at every try)."""
         limit = self.config.max_in_flight
-        if self.service.in_flight >= limit:
+        in_flight = self.service.in_flight
+        if in_flight and in_flight + copies > limit:
             self.metrics.rejected("max_in_flight")
             raise Refused(error_response(429, f"the server is at its limit of {limit} requests in flight",
                                          "rate_limited", retry_after_s=1))

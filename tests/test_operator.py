@@ -122,6 +122,8 @@ def test_tokenize_a_prompt_and_messages_and_detokenize_them(server):
     assert served.json()["usage"]["prompt_tokens"] == chat["count"]
     plain = server.http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
     assert tok.decode(plain["tokens"]) == "[system]be brief[user]hi"
+    strs = server.http.post("/tokenize", json={"prompt": "hi", "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["<s>", "h", "i"] and len(strs["tokens"]) == 3
 
 
 @pytest.mark.parametrize("path, body, fragment", [

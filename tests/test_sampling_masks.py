@@ -212,8 +212,10 @@ def test_masks_and_plain_requests_batch_together(llm, greedy_ids):
 
 
 def test_contradictory_masks_lift_for_the_step_instead_of_failing(llm):
-    """Where the masks leave no token (a bad word's prefix followed by only banned tokens, or only EOS
-    under ``min_tokens``), that step draws from the unmasked logits rather than from nothing."""
+    """Where the masks leave no token at a step (a bad word's prefix followed by only banned tokens), that step
+    draws from the unmasked logits rather than from nothing; where they leave none at any step (only tokens that
+    end the sequence, under ``min_tokens``), the request is refused up front: it answered tokens outside
+    ``allowed_token_ids``."""
     a, b = LETTERS[:2]
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, seed=2, allowed_token_ids=[a, b],
@@ -222,8 +224,15 @@ def test_contradictory_masks_lift_for_the_step_instead_of_failing(llm):
         assert len(out) == 12 and out[0] in (a, b)
         assert all(t in (a, b) for prev, t in zip(out, out[1:]) if prev != a)
         only_eos = SamplingParams(temperature=temperature, seed=2, allowed_token_ids=[EOS], min_tokens=3)
-        out = llm.generate(PROMPT, only_eos, max_tokens=12)[0]
-        assert len(out.token_ids) == 4 and out.token_ids[-1] == EOS and out.finish_reason == "stop"
+        with pytest.raises(ValueError, match="min_tokens masks every token of allowed_token_ids"):
+            llm.generate(PROMPT, only_eos, max_tokens=12)
+        stops = SamplingParams(temperature=temperature, allowed_token_ids=[a, b], stop_token_ids=[a, b],
+                               min_tokens=1, ignore_eos=True)
+        with pytest.raises(ValueError, match="leaves nothing to generate"):
+            llm.generate(PROMPT, stops, max_tokens=12)
+        eos_kept = SamplingParams(temperature=temperature, seed=2, allowed_token_ids=[EOS], min_tokens=3,
+                                  ignore_eos=True)  # EOS ends nothing here: it is generated
+        assert llm.generate(PROMPT, eos_kept, max_tokens=4)[0].token_ids == [EOS] * 4
 
 
 # --- the sampler's masks as a property --------------------------------------------------------------

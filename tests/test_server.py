@@ -158,6 +158,10 @@ LONG = "x" * 3000
     ({"model": "tiny", "prompt": 5}, "prompt must be one of: str, list[str], list[int], list[list[int]]"),
     ({"model": "tiny", "prompt": "hi", "stop": ["a"] * 1000}, "stop: List should have at most"),
     ({"model": "tiny", "prompt": "hi", "stop": [1]}, "stop must be one of: str, list[str]"),
+    # EOS (id 2) is the only token allowed, and min_tokens masks it: nothing could be generated
+    ({"model": "tiny", "prompt": "hi", "allowed_token_ids": [2], "min_tokens": 3, "max_tokens": 5},
+     "min_tokens masks every token of allowed_token_ids"),
+    ({"model": "tiny", "prompt": "hi", "bad_words": [" "]}, "empty or whitespace-only words"),
 ])
 def test_bad_input_gets_a_400_with_an_error_body(server, body, fragment):
     content = body if isinstance(body, str) else json.dumps(body)

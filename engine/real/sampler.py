@@ -89,10 +89,10 @@ class RequestSampling:
         """Set the logits of the banned tokens of ``row`` (the request's float32 logits) to -inf: those
         of :meth:`banned_now` and the ``banned`` mask, and with ``early`` the ``min_tokens`` mask.
 
-        Where the request's parameters contradict each other so that nothing is left (say
-        ``allowed_token_ids`` of a bad word's last token and its prefix, or of EOS under
-        ``min_tokens``), the bans are lifted for the step: softmax over no token is NaN, and the
-        draw would fail. That check is on the device, without a sync."""
+        Where the request's parameters leave nothing at this step (say ``allowed_token_ids`` of a bad
+        word's last token and its prefix), the bans are lifted for the step: softmax over no token is
+        NaN, and the draw would fail. That check is on the device, without a sync. (Parameters that
+        leave nothing at any step are refused before: ``SamplingParams.verify``.)"""
         now = self.banned_now(r) if self.bad_words else []
         if self.banned is None:  # a few bad words' tokens, never every token of the vocabulary
             if now:

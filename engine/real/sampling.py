@@ -180,9 +180,11 @@ class SamplingParams:
                 raise ValueError("bad_words_token_ids bans every token of allowed_token_ids, which leaves nothing "
                                  "to generate")
 
-    def verify(self, vocab_size: int, max_tokens: int | None = None) -> None:
-        """Check what depends on the model and the request: token ids within the vocabulary, and
-        ``min_tokens`` no more than ``max_tokens``.
+    def verify(self, vocab_size: int, max_tokens: int | None = None, eos_token_ids=()) -> None:
+        """Check what depends on the model and the request: token ids within the vocabulary,
+        ``min_tokens`` no more than ``max_tokens``, and ``allowed_token_ids`` that ``min_tokens`` does
+        not mask whole (every one of them ends the sequence: a stop id, or one of the model's
+        ``eos_token_ids`` unless the request ignores EOS).
 
         :raises ValueError: one sentence naming the parameter.
         """
@@ -196,6 +198,11 @@ class SamplingParams:
                 raise ValueError(f"{param} holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({max_tokens}), got {self.min_tokens}.")
+        if self.min_tokens and self.allowed_token_ids is not None:
+            ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+            if set(self.allowed_token_ids) <= ends:
+                raise ValueError("min_tokens masks every token of allowed_token_ids (each ends the sequence), which "
+                                 "leaves nothing to generate.")
 
     @property
     def greedy(self) -> bool:

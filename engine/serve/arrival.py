@@ -146,7 +146,8 @@ def _bad_words(tokenizer, words: list[str]) -> list[list[int]]:
     from tidegate.engine.real.sampling import bad_words_token_ids
 
     if any(not w.strip() for w in words):
-        raise bad_request("bad_words must not hold empty words", "bad_words")
+        raise bad_request("bad_words must not hold empty or whitespace-only words (vLLM strips a word's leading "
+                          "whitespace, which leaves nothing to ban)", "bad_words")
     try:
         return bad_words_token_ids(tokenizer, words)
     except (UnicodeError, TypeError, ValueError) as exc:

@@ -39,6 +39,8 @@ class TokenizeBody(BaseModel):
     add_generation_prompt: bool = True
     #: BOS and the like; None: added to a prompt, not to messages (their template writes its own)
     add_special_tokens: bool | None = None
+    #: also the tokens as the tokenizer writes them (``token_strs``), as vLLM answers
+    return_token_strs: bool = False
 
 
 class DetokenizeBody(BaseModel):
@@ -74,7 +76,10 @@ def add_extra_routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) 
             ids = await asyncio.to_thread(_token_ids, serving, body)
         except Refused as refused:
             return refused.response
-        return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids}
+        answer = {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = await asyncio.to_thread(_token_strs, service.tokenizer, ids)
+        return answer
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):
@@ -100,3 +105,12 @@ def _token_ids(serving: OpenAIServing, body: TokenizeBody) -> list[int]:
     if body.messages is not None:
         return serving.chat_prompt_ids(body.messages, body.add_generation_prompt, body.add_special_tokens)
     return serving.encode(body.prompt or "", body.add_special_tokens is not False, "prompt")
+
+
+def _token_strs(tokenizer, ids: list[int]) -> list[str]:
+    """The tokens as the tokenizer writes them (its ``convert_ids_to_tokens``; a tokenizer without it: each
+    token decoded alone)."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is not None:
+        return [str(t) for t in convert(ids)]
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]

@@ -74,6 +74,8 @@ class EngineInfo:
     controller_note: str | None = None
     #: how the engine computes, for the log: dtype, torch threads, the step's limits
     compute: str = ""
+    #: the ids that end a sequence unless a request ignores EOS (the model's and its tokenizer's)
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,7 +255,7 @@ class OpenAIServing:
         verify = getattr(sampling, "verify", None)  # what depends on the model
         if verify is not None:
             try:
-                verify(vocab)
+                verify(vocab, eos_token_ids=self.service.info.eos_token_ids if self.service.info is not None else ())
             except ValueError as exc:
                 raise bad_request(str(exc).rstrip("."), named_param(str(exc), _CHECKED_PARAMS)) from None
         return sampling

@@ -844,6 +844,25 @@ def test_a_request_every_replica_refuses_gets_their_refusal_at_once(pair):
         g.close()
 
 
+@pytest.mark.parametrize("source, expected", [("body", [-5, 3, 0]), ("header", [0, 3, 0]), ("none", [0, 0, 0])])
+def test_the_operator_says_where_a_priority_comes_from(pair, source, expected):
+    """Any client may write ``priority`` into its body: ``--priority-from header`` takes the header alone (set by a
+    trusted proxy in front), ``none`` puts every request at 0."""
+    a, _ = pair
+    g = Gateway([a.url], priority_from=source)
+    seen = []
+    admit = g.fleet.admit
+    g.fleet.admit = lambda priority, *args: (seen.append(priority), admit(priority, *args))[1]
+    try:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        for extra, headers in (({"priority": -5}, {}), ({}, {"x-gateway-inference-priority": "3"}), ({}, {})):
+            r = httpx.post(g.url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=10)
+            assert r.status_code == 200
+        assert seen == expected
+    finally:
+        g.close()
+
+
 def test_the_gateway_answers_probes_to_head_routes_it_lacks_and_clients_that_leave_as_the_replicas_do(pair):
     """HEAD on the probes (uptime monitors), 404 and 405 in OpenAI's error body, and a client that sends half its
     body and leaves: no traceback in the log, and the gateway serves on."""

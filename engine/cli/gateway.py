@@ -73,6 +73,10 @@ def _check_url(url: str) -> str:
               help="The header naming a request's tenant; tenants share the queue by tokens.")
 @click.option("--priority-header", default="x-gateway-inference-priority", show_default=True,
               help="The header giving a request's priority when its body has no 'priority' (lower goes first).")
+@click.option("--priority-from", type=click.Choice(["body", "header", "none"]), default="body", show_default=True,
+              help="Where a request's priority comes from: its body's 'priority', else the header (body); the header "
+                   "alone, as a trusted proxy in front sets it, so that clients cannot jump the queue (header); "
+                   "every request at 0 (none).")
 @click.option("--admission-policy", type=click.Path(dir_okay=False), default=None,
               help="A fleet admission policy (ONNX: tidegate train --env fleet, then tidegate export) that sets "
                    "the admission budget every --policy-interval-s; default: the gateway's own rule.")
@@ -85,7 +89,7 @@ def _check_url(url: str) -> str:
 @friendly(_GatewayError)
 def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, queue_ttl_s, scrape_interval_s,
             stale_after_s, health_interval_s, read_timeout_s, ejection_s, tenant_header, priority_header,
-            admission_policy, policy_interval_s, host, port, log_level):
+            priority_from, admission_policy, policy_interval_s, host, port, log_level):
     """Admission, queueing, priorities and routing in front of many replicas of any engine."""
     import logging
 
@@ -115,7 +119,8 @@ def gateway(replicas, fleet_path, router, admission, ttft_slo_s, tpot_slo_s, que
                            health_interval_s=health_interval_s, read_timeout_s=read_timeout_s,
                            ejection_s=ejection_s,
                            tenant_header=tenant_header.lower(),
-                           priority_header=priority_header.lower(), admission_policy=admission_policy,
+                           priority_header=priority_header.lower(), priority_from=priority_from,
+                           admission_policy=admission_policy,
                            policy_interval_s=policy_interval_s, host=host, port=port)
     try:
         sockets = bind_sockets(host, port)

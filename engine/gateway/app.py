@@ -180,7 +180,9 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
     if not isinstance(body, dict):
         return error_response(400, "the body must be a JSON object")
     prompt, charged, stream, priority = _read(body, chat=path.endswith("chat/completions"))
-    header = http.headers.get(c.priority_header)
+    if c.priority_from != "body":
+        priority = None  # the body's field is the client's word: ignored unless the operator trusts it
+    header = http.headers.get(c.priority_header) if c.priority_from != "none" else None
     if priority is None and header is not None:
         try:
             priority = max(-_MAX_CHARGED, min(int(header), _MAX_CHARGED))  # as the body's

@@ -53,6 +53,9 @@ class GatewayConfig:
     ejection_s: float = 30.0
     tenant_header: str = TENANT_HEADER
     priority_header: str = PRIORITY_HEADER
+    #: where a request's priority comes from: ``body`` (its ``priority`` field, else the header), ``header`` (the
+    #: header alone: set by a trusted proxy in front, so clients cannot jump the queue) or ``none`` (all at 0)
+    priority_from: str = "body"
     max_request_bytes: int = 32 << 20
     #: a fleet admission policy (ONNX, ``tidegate train --env fleet`` then ``tidegate export``) that sets the
     #: admission budget every ``policy_interval_s`` (None: the gateway's own rule)

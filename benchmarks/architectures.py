@@ -110,20 +110,24 @@ def generate(model, prompt: list[int], max_tokens: int) -> list[int]:
         return model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
 
 
-def serve(model, items: list[tuple[list[int], int]]) -> list[list[int]]:
-    """Greedy tokens of each request on the engine, requests joining every other step."""
+def serve(model, items: list[tuple[list[int], int]], kv_capacity_tokens: int = 4096,
+          controller: str = "greedy") -> tuple[EngineCore, list[Request]]:
+    """The engine (8-token blocks) and its requests, served whole with greedy tokens, each joining every other
+    step."""
     executor = TorchExecutor(model, ByteTokenizer())
-    core = EngineCore(build_controller("greedy"), executor, WallClock(), kv_capacity_tokens=4096, block_size=8)
+    core = EngineCore(build_controller(controller), executor, WallClock(), kv_capacity_tokens=kv_capacity_tokens,
+                      block_size=8)
     executor.attach_pool(core.pool)
     reqs = [Request(str(i), 0.0, len(p), m, prompt_token_ids=p, sampling=SamplingParams(ignore_eos=True))
             for i, (p, m) in enumerate(items)]
     pending, step = list(reqs), 0
     while pending or core.has_unfinished:
         if pending and step % 2 == 0:
-            core.add_request(pending.pop(0))
+            if core.add_request(pending.pop(0)) is not None:
+                raise RuntimeError("the engine refused a request it has room for")
         core.step()
         step += 1
-    return [r.output_token_ids for r in reqs]
+    return core, reqs
 
 
 def check(label: str) -> str:
@@ -139,8 +143,8 @@ def check(label: str) -> str:
     rng = random.Random(1)
     items = [([1] + [rng.randint(3, VOCAB - 1) for _ in range(rng.randint(1, 60))], rng.randint(1, 30))
              for _ in range(8)]
-    got = serve(model, items)
-    same = sum(g == generate(model, p, m) for g, (p, m) in zip(got, items))
+    _, reqs = serve(model, items)
+    same = sum(r.output_token_ids == generate(model, p, m) for r, (p, m) in zip(reqs, items))
     return f"| {label} | {'served' if same == len(items) else 'WRONG TOKENS'} | {same} of {len(items)} requests " \
            f"token for token |"
 

@@ -11,23 +11,25 @@ keys (Qwen3)."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from tidegate.ctrl import build_controller
-from tidegate.engine.core.clock import WallClock
-from tidegate.engine.core.engine_core import EngineCore
 from tidegate.engine.core.request import Request, RequestState
-from tidegate.engine.real.executor import TorchExecutor
 from tidegate.engine.real.model_check import paged_attention_problem
-from tidegate.engine.real.model import ByteTokenizer, ModelLoadError, build_tiny_model, load_model
-from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.real.model import ModelLoadError, build_tiny_model, load_model
 from tidegate.engine.real.tiny_folder import byte_tokenizer_fast
 
 torch.set_num_threads(1)
+
+_spec = importlib.util.spec_from_file_location("architectures", Path(__file__).parents[1] / "benchmarks" /
+                                               "architectures.py")
+BENCH = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(BENCH)
 
 VOCAB = 300
 WINDOW = 12  # shorter than most prompts, so the window hides keys in prefill chunks and in decodes
@@ -77,28 +79,12 @@ def _workload(seed: int = 3) -> list[tuple[list[int], int]]:
     return items
 
 
-def _generate(model, prompt: list[int], max_tokens: int) -> list[int]:
-    config = GenerationConfig(do_sample=False, eos_token_id=[], pad_token_id=0, max_new_tokens=max_tokens)
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
-    return out[0, len(prompt):].tolist()
+_generate = BENCH.generate  # transformers' greedy generate on one request alone
 
 
 def _serve(model, items) -> list[Request]:
-    """The engine with 16 tokens a step (prefills chunked, decodes beside them), 8-token blocks, requests
-    joining every other step."""
-    executor = TorchExecutor(model, ByteTokenizer())
-    core = EngineCore(build_controller("greedy:max_num_batched_tokens=16"), executor, WallClock(),
-                      kv_capacity_tokens=2048, block_size=8)
-    executor.attach_pool(core.pool)
-    reqs = [Request(str(i), 0.0, len(p), m, prompt_token_ids=p, sampling=SamplingParams(ignore_eos=True))
-            for i, (p, m) in enumerate(items)]
-    pending, step = list(reqs), 0
-    while pending or core.has_unfinished:
-        if pending and step % 2 == 0:
-            assert core.add_request(pending.pop(0)) is None
-        core.step()
-        step += 1
+    """``benchmarks/architectures.py``'s engine with 16 tokens a step (prefills chunked, decodes beside them)."""
+    core, reqs = BENCH.serve(model, items, kv_capacity_tokens=2048, controller="greedy:max_num_batched_tokens=16")
     assert core.metrics.cached_prompt_tokens > 0  # the shared prefix was reused: chunks after cached tokens ran
     return reqs
 

@@ -165,7 +165,7 @@ class EngineLoop:
         self.info = EngineInfo(os.getpid(), self.core.pool.capacity_tokens, self.core.pool.block_size,
                                llm.max_model_len, llm.executor.vocab_size, llm.profile,
                                getattr(getattr(controller, "inner", None), "policy_status", None),
-                               _compute_note(llm), frozenset(llm.executor.eos_token_ids))
+                               _compute_note(llm), frozenset(getattr(llm.executor, "eos_token_ids", ())))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:

@@ -111,6 +111,18 @@ def test_admission_admits_with_room_and_refuses_what_the_drain_rate_cannot_start
     assert late is not None and 1.5 < late < 3.0
 
 
+def test_a_chat_prompts_size_counts_what_its_template_renders_besides_the_messages():
+    """Documents, tools and tool calls go into the prompt the replica computes: the gateway's size estimate (what
+    admission predicts a first byte by) counts them, after the messages' text."""
+    from tidegate.engine.gateway.app import _read
+
+    messages = [{"role": "user", "content": "hi"}]
+    plain, _, _, _ = _read({"messages": messages}, chat=True)
+    rich, _, _, _ = _read({"messages": [*messages, {"role": "assistant", "tool_calls": [{"id": "c1"}]}],
+                           "documents": [{"text": "d" * 4000}], "tools": [{"type": "function"}]}, chat=True)
+    assert plain == "hi" and rich.startswith("hi\n") and len(rich) > 4000 and '"c1"' in rich
+
+
 def test_admission_counts_the_first_byte_of_prompts_of_the_arrivals_size():
     """A long prompt's first byte is mostly its own prefill: the queue a short prompt may wait behind is
     refused to it, and a size class with too few first bytes yet is judged by all of them."""

@@ -142,6 +142,10 @@ async def _pass_through(fleet: Fleet, method: str, path: str, body: bytes, http:
 
 
 # ------------------------------------------------------------------------------- completions
+#: a chat body's fields that its template renders into the prompt besides the messages (their size counts)
+_RENDERED = ("tools", "documents", "chat_template_kwargs")
+
+
 def _read(body: dict, chat: bool) -> tuple[str, int, bool, int | None]:
     """(prompt text, output tokens charged, stream, priority) of a completion body."""
     if chat:
@@ -154,6 +158,10 @@ def _read(body: dict, chat: bool) -> tuple[str, int, bool, int | None]:
             elif isinstance(content, list):
                 parts.extend(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"),
                                                                                                     str))
+            if isinstance(m, dict) and m.get("tool_calls"):
+                parts.append(json.dumps(m["tool_calls"]))
+        # what else the chat template renders into the prompt, after the messages (their prefix routes)
+        parts.extend(json.dumps(body[k]) for k in _RENDERED if body.get(k))
         prompt = "\n".join(parts)
     else:
         p = body.get("prompt")

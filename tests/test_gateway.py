@@ -494,6 +494,8 @@ class Scripted:
         self.healthy = True
         self.waiting = self.preemptions = 0
         self.served = self.cancelled = self.requests = 0
+        #: the body's priority of each completion it was sent (None: none)
+        self.priorities: list[int | None] = []
         #: a whole (non-streamed) answer comes after this long, unless the client leaves first
         self.whole_delay_s = 0.0
         #: the /metrics page's extra lines
@@ -526,6 +528,7 @@ class Scripted:
         @app.post("/v1/completions")
         async def complete(body: dict, http: Request):
             self.requests += 1
+            self.priorities.append(body.get("priority"))
             if self.refuse:
                 return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"Retry-After": "1"})
             if self.fail_status is not None:
@@ -871,6 +874,7 @@ def test_the_operator_says_where_a_priority_comes_from(pair, source, expected):
             r = httpx.post(g.url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=10)
             assert r.status_code == 200
         assert seen == expected
+        assert a.priorities == [p or None for p in expected]  # the replica reads the priority the gateway took
     finally:
         g.close()
 

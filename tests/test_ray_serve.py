@@ -231,6 +231,43 @@ def test_a_freed_replica_goes_to_the_most_urgent_waiting_request_then_the_least_
         loop.close()
 
 
+def test_requests_that_ended_neither_count_as_ahead_nor_charge_their_tenant_and_a_retry_keeps_its_turn():
+    """Entries of requests refused or cancelled (their clients left) leave the mirror at once: left behind, they
+    counted as ahead of every later arrival (which was then refused though nothing live waited) and charged their
+    tenant. A request that a replica turned away, which Ray tries again, goes back to its turn's head."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        router = _router()
+        now = time.time()
+        fifo = router._pending_requests_to_fulfill
+        gone = [_pending(loop, f"a{i}", now + i * 0.01, [("x-gateway-inference-fairness-id", "a")]) for i in range(3)]
+        live = _pending(loop, "a3", now + 0.03, [("x-gateway-inference-fairness-id", "a")])
+        others = [_pending(loop, f"b{i}", now + 0.04 + i * 0.01, [("x-gateway-inference-fairness-id", "b")])
+                  for i in range(2)]
+        fifo.extend([*gone, live, *others])
+        router._sync(now)
+        for pending in gone:
+            pending.future.cancel()
+        newcomer = _pending(loop, "c", now + 0.1)
+        fifo.append(newcomer)
+        router._sync(now)
+        assert router.queue.before(router._queued["c"]) == 3  # a3, b0, b1: not the three that left
+        first = router._get_pending_request_matching_metadata()
+        assert first is live  # tenant a was not charged for the requests its clients took back
+        # the replica turned a3 away: Ray resets its future and tries it again, first in its FIFO
+        live.future = loop.create_future()
+        fifo.appendleft(live)
+        order = []
+        while (pending := router._get_pending_request_matching_metadata()) is not None:
+            pending.future.set_result("replica")
+            order.append(pending.metadata.internal_request_id)
+        assert order[0] == "a3" and sorted(order) == ["a3", "b0", "b1", "c"]
+    finally:
+        loop.close()
+
+
 def test_a_request_past_the_queue_ttl_ends_with_503():
     import asyncio
 

@@ -230,6 +230,10 @@ def test_contradictory_masks_lift_for_the_step_instead_of_failing(llm):
                                min_tokens=1, ignore_eos=True)
         with pytest.raises(ValueError, match="leaves nothing to generate"):
             llm.generate(PROMPT, stops, max_tokens=12)
+        bad_and_eos = SamplingParams(temperature=temperature, allowed_token_ids=[EOS, a], bad_words_token_ids=[[a]],
+                                     min_tokens=2)
+        with pytest.raises(ValueError, match="or is a bad word"):
+            llm.generate(PROMPT, bad_and_eos, max_tokens=12)
         eos_kept = SamplingParams(temperature=temperature, seed=2, allowed_token_ids=[EOS], min_tokens=3,
                                   ignore_eos=True)  # EOS ends nothing here: it is generated
         assert llm.generate(PROMPT, eos_kept, max_tokens=4)[0].token_ids == [EOS] * 4

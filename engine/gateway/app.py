@@ -197,6 +197,13 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
         except ValueError:
             return error_response(400, f"the {c.priority_header} header must be an integer", param=c.priority_header)
     priority = priority or 0
+    if body.get("priority") != (priority or None):
+        # the replica reads the body's priority too (vLLM's priority scheduling, a tidegate replica's classes): it
+        # gets the priority the gateway took (the header's, or none), not the client's own word
+        body.pop("priority", None)
+        if priority:
+            body["priority"] = priority
+        raw = json.dumps(body).encode()
     if not fleet.any_up():
         m.requests.labels("unavailable").inc()
         return error_response(503, "no replica is up", "unavailable", retry_after_s=c.health_interval_s)

@@ -84,7 +84,11 @@ class _Level:
             floor = self._floor()
             self.served[item.tenant] = max(self.served.get(item.tenant, 0.0), floor)
             q = self.tenants[item.tenant] = deque()
-        (q.appendleft if front else q.append)(item)
+        if front:  # sent back (a replica turned it away): its tenant was charged when it left, and keeps its turn
+            self.served[item.tenant] -= item.cost
+            q.appendleft(item)
+        else:
+            q.append(item)
 
     def pop(self) -> Queued:
         tenant = min(self.tenants, key=lambda t: (self.served[t], self.tenants[t][0].seq))
@@ -115,7 +119,8 @@ class GatewayQueue:
         self._count = 0
 
     def push(self, item: Queued, front: bool = False) -> None:
-        """Queue ``item``; ``front``: at its tenant's head (a request sent back by a replica keeps its turn)."""
+        """Queue ``item``; ``front``: at its tenant's head, its charge refunded (a request sent back by a replica, which
+        left the queue before, keeps its turn)."""
         self._levels.setdefault(item.priority, _Level()).push(item, front)
         self._count += 1
 
@@ -136,6 +141,20 @@ class GatewayQueue:
     def ahead(self, priority: int) -> int:
         """Requests that leave before a new arrival of ``priority``."""
         return sum(len(lv) for p, lv in self._levels.items() if p <= priority)
+
+    def remove(self, item: Queued) -> bool:
+        """Take ``item`` out without serving it (its tenant is not charged); False when it is not queued."""
+        level = self._levels.get(item.priority)
+        q = level.tenants.get(item.tenant) if level is not None else None
+        if q is None or not any(x is item for x in q):
+            return False
+        q.remove(item)
+        self._count -= 1
+        if not q:
+            del level.tenants[item.tenant]
+            if not level.tenants:
+                del self._levels[item.priority]
+        return True
 
     def before(self, item: Queued) -> int:
         """Requests queued that leave before ``item`` (queued itself): those of more urgent levels, and those of its

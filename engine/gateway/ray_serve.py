@@ -165,6 +165,9 @@ class TidegateRouter(FIFOMixin, RequestRouter):
         self.queue = GatewayQueue()
         #: the queue's entry of each pending request it holds, by Ray's internal request id
         self._queued: dict[str, Queued] = {}
+        #: the entries of requests handed a replica and not routed yet: one that Ray tries again (the replica
+        #: turned it away) goes back to the head of its tenant's turn, as the HTTP gateway's does
+        self._handed: dict[str, Queued] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -178,6 +181,8 @@ class TidegateRouter(FIFOMixin, RequestRouter):
             ranking.report(key, replica.routing_stats or {}, now, wall)
         ranking.keep([r.replica_id.unique_id for r in self.curr_replicas.values()])
         self._sync(wall)
+        if pending_request is not None and pending_request.future.done():  # refused here (its TTL), or cancelled
+            return [[replica] for replica in candidate_replicas[:1]]
         ahead = None
         if pending_request is None:
             request_id, waited = "", math.inf
@@ -212,16 +217,30 @@ class TidegateRouter(FIFOMixin, RequestRouter):
             if item is None:
                 break
             pending = item.payload
-            self._queued.pop(pending.metadata.internal_request_id, None)
+            rid = pending.metadata.internal_request_id
+            self._queued.pop(rid, None)
             if not pending.future.done():
+                self._handed[rid] = item
                 return pending
         return None
 
     def _sync(self, wall: float) -> None:
-        """Queue the pending requests not queued yet, and end those past the queue's TTL with 503."""
+        """Queue the pending requests not queued yet, drop the entries of those that ended (cancelled: their clients
+        left), and end those past the queue's TTL with 503. An entry left behind would count as ahead of every
+        later arrival, and its tenant be charged for it."""
+        for rid in [rid for rid, item in self._queued.items() if item.payload.future.done()]:
+            self.queue.remove(self._queued.pop(rid))
+        for rid in [rid for rid, item in self._handed.items() if item.deadline <= wall]:
+            del self._handed[rid]  # routed long ago, or never: a try after its TTL is a new arrival
         for pending in getattr(self, "_pending_requests_to_fulfill", ()):
-            if not pending.future.done() and pending.metadata.internal_request_id not in self._queued:
-                self._enqueue(pending)
+            rid = pending.metadata.internal_request_id
+            if not pending.future.done() and rid not in self._queued:
+                handed = self._handed.pop(rid, None)
+                if handed is not None:  # Ray tries it again: back to its turn's head, not to the end of the queue
+                    self.queue.push(handed, front=True)
+                    self._queued[rid] = handed
+                else:
+                    self._enqueue(pending)
         for item in self.queue.expire(wall):
             pending = item.payload
             self._queued.pop(pending.metadata.internal_request_id, None)
@@ -243,13 +262,16 @@ class TidegateRouter(FIFOMixin, RequestRouter):
         if not pending_request.future.done():
             pending_request.future.set_exception(_Refusal(reason, self.ranking.holding, self._max_queued,
                                                           math.ceil(retry_after_s), status))
-        self._queued.pop(pending_request.metadata.internal_request_id, None)
+        item = self._queued.pop(pending_request.metadata.internal_request_id, None)
+        if item is not None:
+            self.queue.remove(item)
         # Ray drops a request from its indices when it is fulfilled or cancelled; a refused one is neither
         drop = getattr(self, "_remove_pending_request_from_indices", None)
         if drop is not None:
             drop(pending_request)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        self._handed.pop(pending_request.metadata.internal_request_id, None)
         self.ranking.routed(pending_request.metadata.internal_request_id, replica_id.unique_id, time.monotonic())
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:

@@ -200,9 +200,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be at most max_tokens ({max_tokens}), got {self.min_tokens}.")
         if self.min_tokens and self.allowed_token_ids is not None:
             ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
-            if set(self.allowed_token_ids) <= ends:
-                raise ValueError("min_tokens masks every token of allowed_token_ids (each ends the sequence), which "
-                                 "leaves nothing to generate.")
+            banned = {seq[0] for seq in self.bad_words_token_ids or () if len(seq) == 1}
+            if set(self.allowed_token_ids) <= ends | banned:
+                raise ValueError("min_tokens masks every token of allowed_token_ids (each ends the sequence"
+                                 + (" or is a bad word" if banned & set(self.allowed_token_ids) else "")
+                                 + "), which leaves nothing to generate.")
 
     @property
     def greedy(self) -> bool:

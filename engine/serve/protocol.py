@@ -25,7 +25,7 @@ from tidegate.engine.real.sampling import MAX_LOGPROB_TOKEN_IDS, MAX_LOGPROBS
 SSE_DONE = "data: [DONE]\n\n"
 #: The most choices (``n``, ``best_of``) one request may ask for.
 MAX_CHOICES = 16
-#: The most prompts one completion may batch (each is ``best_of`` engine requests, admitted one by one).
+#: The most prompts one completion may batch (each is ``best_of`` engine requests; the arrival is admitted as a whole).
 MAX_PROMPTS = 64
 #: the most stop strings a request may give, and the longest one: every generated token of every
 #: choice is checked against each of them inside the engine's step, so an unbounded list would let

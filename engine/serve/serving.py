@@ -210,12 +210,13 @@ class OpenAIServing:
             limits = [self._max_tokens(body, ids, ask) for ids, _ in prompts]
         except Refused as refused:
             return None, refused.response
-        # the arrival is judged once, as a whole: its prompts' prefill (a prompt its copies share counted once, as
-        # they share its cached blocks) and its longest max_tokens. Judged copy by copy, each copy found the
-        # arrival's earlier ones queued ahead of it, and an idle server refused an n=8 request as overloaded
-        distinct = {tuple(ids) for ids, _ in prompts}
+        # the arrival is judged once, as a whole: the prefill of all its sequences (copies sent together each
+        # compute their prompt: a block is cached for others only once computed) and its longest max_tokens.
+        # Judged copy by copy, each copy found the arrival's earlier ones queued ahead of it, and an idle server
+        # refused an n=8 request as overloaded
         try:
-            self._check_admission(sum(len(ids) for ids in distinct), max(limits), len(prompts) * ask.best_of)
+            self._check_admission(sum(len(ids) for ids, _ in prompts) * ask.best_of, max(limits),
+                                  len(prompts) * ask.best_of)
         except Refused as refused:
             return None, refused.response
         event = asyncio.Event()

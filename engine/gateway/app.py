@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tidegate.engine.gateway.fleet import TRANSPORT_ERRORS, Fleet, GatewayConfig
-from tidegate.engine.gateway.queue import Queued
+from tidegate.engine.gateway.queue import Queued, clamp_priority, header_priority
 from tidegate.engine.gateway.replicas import ReplicaView
 from tidegate.engine.serve.operator import BodyLimits, http_error
 from tidegate.engine.serve.protocol import error_response
@@ -172,7 +172,7 @@ def _read(body: dict, chat: bool) -> tuple[str, int, bool, int | None]:
     charged = min(out, _MAX_CHARGED) if isinstance(out, int) and out > 0 else _DEFAULT_OUTPUT_TOKENS
     charged *= n
     priority = body.get("priority")
-    priority = max(-_MAX_CHARGED, min(priority, _MAX_CHARGED)) if isinstance(priority, int) else None
+    priority = clamp_priority(priority) if isinstance(priority, int) else None
     return prompt, charged, bool(body.get("stream")), priority
 
 
@@ -193,7 +193,7 @@ async def _complete(fleet: Fleet, path: str, http: HttpRequest) -> Response:
     header = http.headers.get(c.priority_header) if c.priority_from != "none" else None
     if priority is None and header is not None:
         try:
-            priority = max(-_MAX_CHARGED, min(int(header), _MAX_CHARGED))  # as the body's
+            priority = header_priority(header)
         except ValueError:
             return error_response(400, f"the {c.priority_header} header must be an integer", param=c.priority_header)
     priority = priority or 0

@@ -39,6 +39,21 @@ from tidegate.engine.core.stats import RateEstimator, SlidingQuantile
 #: the headers that give a request's tenant and priority level (the llm-d router's names)
 TENANT_HEADER = "x-gateway-inference-fairness-id"
 PRIORITY_HEADER = "x-gateway-inference-priority"
+#: the most urgent and the least urgent priority a request may be given
+PRIORITY_BOUND = 1 << 20
+
+
+def clamp_priority(priority: int) -> int:
+    """A request's priority within ``PRIORITY_BOUND``."""
+    return max(-PRIORITY_BOUND, min(priority, PRIORITY_BOUND))
+
+
+def header_priority(value: str) -> int:
+    """The priority a header gives (surrounding whitespace allowed), within ``PRIORITY_BOUND``.
+
+    :raises ValueError: it is not an integer.
+    """
+    return clamp_priority(int(value.strip()))
 
 
 @dataclass(eq=False)

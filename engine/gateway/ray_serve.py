@@ -35,7 +35,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from tidegate.engine.gateway.queue import PRIORITY_HEADER, TENANT_HEADER, GatewayQueue, Queued
+from tidegate.engine.gateway.queue import PRIORITY_HEADER, TENANT_HEADER, GatewayQueue, Queued, header_priority
 from tidegate.engine.gateway.ranking import GatewayRanking, Refused
 from tidegate.engine.gateway.routers import PROMPT_FREE_ROUTERS
 from tidegate.engine.serve.config import ServeConfig
@@ -132,7 +132,7 @@ class _NameReplica:
         for key, value in scope.get("headers", ()):
             if key.lower() == _PRIORITY_NAME:
                 try:
-                    int(value.decode("latin-1").strip())
+                    header_priority(value.decode("latin-1"))
                 except ValueError:
                     from tidegate.engine.serve.protocol import error_response
 
@@ -278,8 +278,6 @@ class TidegateRouter(FIFOMixin, RequestRouter):
         self.ranking.ended(internal_request_id, replica_id.unique_id, time.monotonic())
 
 
-#: the most urgent and the least urgent priority a header may give (the HTTP gateway's bound)
-_PRIORITY_BOUND = 1 << 20
 _PRIORITY_NAME = PRIORITY_HEADER.encode("latin-1")
 
 
@@ -300,9 +298,8 @@ def request_class(pending: PendingRequest, priority_header: bytes, tenant_header
     for name, value in headers:
         name = bytes(name).lower()
         if name == priority_header:
-            text = bytes(value).decode("latin-1").strip()
             try:
-                priority = max(-_PRIORITY_BOUND, min(int(text), _PRIORITY_BOUND))
+                priority = header_priority(bytes(value).decode("latin-1"))
             except ValueError:
                 priority = 0
         elif name == tenant_header:

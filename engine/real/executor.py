@@ -16,7 +16,7 @@ from tidegate.engine.core.executor import Batch, StepResult
 from tidegate.engine.core.request import Request
 from tidegate.engine.real.model import IncrementalDetokenizer, eos_token_ids, resolve_device, resolve_dtype
 from tidegate.engine.real.paged_cache import (
-    PagedKVCache, _long, build_layout, paged_step, register_attention, set_attention, text_config,
+    PagedKVCache, _long, build_layout, forward_paged, register_attention, text_config,
 )
 from tidegate.engine.real.sampler import RequestSampling, Sampler, prompt_logprobs
 from tidegate.engine.real.sampling import SamplingParams
@@ -131,24 +131,14 @@ class TorchExecutor:
         dev = self.device
         layout, position_ids = build_layout(self.cache.block_size, batch.num_decodes, step.positions,
                                             batch.num_new_tokens, step.tables, dev, self.dtype)
-        self.cache.layout = layout
-        ids = _long(step.input_ids, dev).unsqueeze(0)
         keep = _long(step.sample_rows + step.prompt_rows if step.prompt_rows else step.sample_rows, dev)
-        config = self.model.config
-        previous = config._attn_implementation
-        set_attention(config, self._attn_name)
-        try:
-            with torch.inference_mode(), paged_step(layout):
-                t0 = time.perf_counter() if self.time_forward else 0.0
-                logits = self.model(input_ids=ids, position_ids=position_ids.unsqueeze(0), cache=self.cache,
-                                    use_cache=False, logits_to_keep=keep).logits[0]
-                if self.time_forward:
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize(dev)
-                    self.forward_time_s += time.perf_counter() - t0
-        finally:
-            set_attention(config, previous)
-            self.cache.layout = None
+        t0 = time.perf_counter() if self.time_forward else 0.0
+        logits = forward_paged(self.model, self.cache, self._attn_name, layout, _long(step.input_ids, dev),
+                               position_ids, keep)
+        if self.time_forward:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            self.forward_time_s += time.perf_counter() - t0
         return logits
 
     def _stops(self, r: Request, tok: int) -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from tidegate.engine.real.paged_cache import (
-    CacheShapeError, PagedKVCache, _long, build_layout, kv_geometry, paged_step, register_attention, set_attention,
-    text_config,
+    CacheShapeError, PagedKVCache, _long, build_layout, forward_paged, kv_geometry, register_attention,
+    set_attention, text_config,
 )
 
 #: the largest difference from the model's own logits the check of a model's paged path allows, relative to the
@@ -97,44 +97,38 @@ def _compare(model, name: str, num_layers: int, cache: PagedKVCache, vocab: int)
     they differ."""
     params = next(model.parameters())
     device, dtype = params.device, params.dtype
-    config = model.config
     block_size = cache.block_size
     seqs = {"a": [(7 * i + 3) % vocab for i in range(15)], "b": [(5 * i + 11) % vocab for i in range(6)]}
     tables = {"a": [0, 1, 2, 3], "b": [4, 5]}
     # (sequence, first position, tokens) of each step, decodes first
     steps = [(0, [("a", 0, 9), ("b", 0, 5)]), (1, [("b", 5, 1), ("a", 9, 5)]), (1, [("a", 14, 1)])]
     tolerance = CHECK_TOLERANCE.get(dtype, HALF_CHECK_TOLERANCE)
-    previous = config._attn_implementation
     layout = None
     try:
         with torch.inference_mode():
             own = {k: model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float()
                    for k, ids in seqs.items()}
-            set_attention(config, name)
-            for num_decodes, parts in steps:
-                layout, positions = build_layout(block_size, num_decodes, [c for _, c, _ in parts],
-                                                 [n for _, _, n in parts], [tables[k] for k, _, _ in parts], device,
-                                                 dtype)
-                cache.layout = layout
-                ids = [t for k, c, n in parts for t in seqs[k][c:c + n]]
-                with paged_step(layout):
-                    logits = model(input_ids=_long(ids, device).unsqueeze(0), position_ids=positions.unsqueeze(0),
-                                   cache=cache, use_cache=False).logits[0].float()
-                if layout.attended != num_layers:
-                    return (f"{layout.attended} of its {num_layers} layers attend through transformers' attention "
-                            "interface, which tidegate's paged KV cache plugs into")
-                if layout.updates != num_layers:
-                    return (f"{layout.updates} of its {num_layers} layers write their keys and values through the "
-                            "cache")
-                row = 0
-                for k, c, n in parts:
-                    want = own[k][c:c + n]
-                    spread = (want.amax(dim=-1) - want.amin(dim=-1)).clamp_min(1e-6)
-                    err = float(((logits[row:row + n] - want).abs().amax(dim=-1) / spread).max())
-                    if not err <= tolerance:
-                        return (f"its logits through the paged attention differ from its own forward pass by "
-                                f"{err:.1%} of their spread (at most {tolerance:.1%} allowed at {dtype})")
-                    row += n
+        for num_decodes, parts in steps:
+            layout, positions = build_layout(block_size, num_decodes, [c for _, c, _ in parts],
+                                             [n for _, _, n in parts], [tables[k] for k, _, _ in parts], device,
+                                             dtype)
+            ids = [t for k, c, n in parts for t in seqs[k][c:c + n]]
+            logits = forward_paged(model, cache, name, layout, _long(ids, device), positions).float()
+            if layout.attended != num_layers:
+                return (f"{layout.attended} of its {num_layers} layers attend through transformers' attention "
+                        "interface, which tidegate's paged KV cache plugs into")
+            if layout.updates != num_layers:
+                return (f"{layout.updates} of its {num_layers} layers write their keys and values through the "
+                        "cache")
+            row = 0
+            for k, c, n in parts:
+                want = own[k][c:c + n]
+                spread = (want.amax(dim=-1) - want.amin(dim=-1)).clamp_min(1e-6)
+                err = float(((logits[row:row + n] - want).abs().amax(dim=-1) / spread).max())
+                if not err <= tolerance:
+                    return (f"its logits through the paged attention differ from its own forward pass by "
+                            f"{err:.1%} of their spread (at most {tolerance:.1%} allowed at {dtype})")
+                row += n
     except CacheShapeError as exc:
         return str(exc)
     except Exception as exc:  # the model's own code failed on the paged path: say how, in one line
@@ -143,6 +137,4 @@ def _compare(model, name: str, num_layers: int, cache: PagedKVCache, vocab: int)
             return (f"its attention is its own code, not transformers' attention interface, which tidegate's paged "
                     f"KV cache plugs into (its forward pass fails: {type(exc).__name__}: {first})")
         return f"its forward pass fails on the paged KV cache ({type(exc).__name__}: {first})"
-    finally:
-        set_attention(config, previous)
     return None

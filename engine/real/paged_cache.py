@@ -557,6 +557,29 @@ def build_layout(block_size: int, num_decodes: int, positions: list[int], counts
     return layout, _long(pos_ids, device)
 
 
+def forward_paged(model, cache: "PagedKVCache", attention: str, layout: StepLayout, input_ids: torch.Tensor,
+                  position_ids: torch.Tensor, logits_to_keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits over one packed step ``[T or len(logits_to_keep), vocab]``: its attention switched to
+    ``attention`` (the registered paged one), the step's ``layout`` on ``cache`` and in the context the
+    attention reads (:func:`paged_step`), under ``inference_mode``; the model's own attention and an empty
+    layout put back after, also when the forward pass fails.
+
+    :param input_ids: the step's new tokens ``[T]``; ``position_ids``: theirs ``[T]``.
+    """
+    config = model.config
+    previous = config._attn_implementation
+    set_attention(config, attention)
+    cache.layout = layout
+    try:
+        with torch.inference_mode(), paged_step(layout):
+            kept = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+            return model(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), cache=cache,
+                         use_cache=False, **kept).logits[0]
+    finally:
+        set_attention(config, previous)
+        cache.layout = None
+
+
 def set_attention(config, name: str) -> None:
     """Switch a model's attention function (its config's ``_attn_implementation``), as the executor does
     for each step.

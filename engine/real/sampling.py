@@ -174,17 +174,13 @@ class SamplingParams:
                 raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids (integers >= 0), "
                                  f"got {sequences!r}")
             self.bad_words_token_ids = [list(seq) for seq in sequences]
-            # Then no token could ever be generated (vLLM would draw from all -inf logits): refused up front.
-            if self.allowed_token_ids is not None \
-                    and set(self.allowed_token_ids) <= {seq[0] for seq in sequences if len(seq) == 1}:
-                raise ValueError("bad_words_token_ids bans every token of allowed_token_ids, which leaves nothing "
-                                 "to generate")
 
     def verify(self, vocab_size: int, max_tokens: int | None = None, eos_token_ids=()) -> None:
         """Check what depends on the model and the request: token ids within the vocabulary,
-        ``min_tokens`` no more than ``max_tokens``, and ``allowed_token_ids`` that ``min_tokens`` does
-        not mask whole (every one of them ends the sequence: a stop id, or one of the model's
-        ``eos_token_ids`` unless the request ignores EOS).
+        ``min_tokens`` no more than ``max_tokens``, and ``allowed_token_ids`` that the single-token bad
+        words and ``min_tokens`` do not mask whole (while ``min_tokens`` holds, the tokens that end the
+        sequence are masked: a stop id, or one of the model's ``eos_token_ids`` unless the request ignores
+        EOS). With nothing left, every logit would be -inf (vLLM would draw from them): refused up front.
 
         :raises ValueError: one sentence naming the parameter.
         """
@@ -198,12 +194,15 @@ class SamplingParams:
                 raise ValueError(f"{param} holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}.")
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({max_tokens}), got {self.min_tokens}.")
-        if self.min_tokens and self.allowed_token_ids is not None:
-            ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+        if self.allowed_token_ids is not None:
+            allowed = set(self.allowed_token_ids)
             banned = {seq[0] for seq in self.bad_words_token_ids or () if len(seq) == 1}
-            if set(self.allowed_token_ids) <= ends | banned:
+            if allowed <= banned:
+                raise ValueError("bad_words bans every token of allowed_token_ids, which leaves nothing to generate.")
+            ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+            if self.min_tokens and allowed <= ends | banned:
                 raise ValueError("min_tokens masks every token of allowed_token_ids (each ends the sequence"
-                                 + (" or is a bad word" if banned & set(self.allowed_token_ids) else "")
+                                 + (" or is a bad word" if banned & allowed else "")
                                  + "), which leaves nothing to generate.")
 
     @property

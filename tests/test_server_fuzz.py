@@ -21,10 +21,10 @@ def running():
     s.close()
 
 
-#: parameters of features the server refuses by design: dropped by the "served" tweak, which reaches
-#: the engine with every other parameter as generated
+#: parameters of features the server refuses by design, and constraints whose generated values do not compile:
+#: dropped by the "served" tweak, which reaches the engine with every other parameter as generated
 UNSERVED = ("suffix", "response_format", "tools", "tool_choice", "functions", "function_call", "guided_json",
-            "guided_regex", "guided_choice", "guided_grammar")
+            "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def _tweak(body: dict, tweak: str) -> None:

@@ -20,6 +20,7 @@ from tidegate.engine.real.paged_cache import (
 )
 from tidegate.engine.real.sampler import RequestSampling, Sampler, prompt_logprobs
 from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.real.structured import check_grammar, grammar_tokenizer
 
 _GREEDY = SamplingParams()
 
@@ -31,8 +32,8 @@ class _RequestState:
     __slots__ = ("sampling", "detok", "stop_ids")
 
     def __init__(self, r: Request, sampling: SamplingParams, stop_ids: frozenset[int], tokenizer, device,
-                 vocab_size: int) -> None:
-        self.sampling = RequestSampling(r, sampling, stop_ids, device, vocab_size)
+                 vocab_size: int, grammar_tokenizer=None) -> None:
+        self.sampling = RequestSampling(r, sampling, stop_ids, device, vocab_size, grammar_tokenizer)
         self.detok = IncrementalDetokenizer(tokenizer) if sampling.stop else None
         self.stop_ids = stop_ids
 
@@ -62,6 +63,7 @@ class TorchExecutor:
         self.sampler = Sampler(self.device)
         self._attn_name = register_attention()
         self._states: dict[Request, _RequestState] = {}
+        self._grammar_tokenizer = None  # built at the first request with structured output
         self.cache: PagedKVCache | None = None
         self.pool = None
         self.forward_time_s = 0.0  # time inside the model forward, summed (for overhead figures)
@@ -79,6 +81,16 @@ class TorchExecutor:
         ignores EOS, every EOS id of the model."""
         ids = frozenset(sampling.stop_token_ids)
         return ids if sampling.ignore_eos else ids | self.eos_token_ids
+
+    def check_structured(self, output) -> None:
+        """Raise ValueError (one sentence) where a structured output cannot run over this model's tokenizer."""
+        check_grammar(output, self._grammar())
+
+    def _grammar(self):
+        """The model's tokenizer as llguidance reads it, built at the first request with structured output."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_tokenizer
 
     # ------------------------------------------------------------------ the step
     def execute(self, batch: Batch) -> StepResult:
@@ -145,6 +157,8 @@ class TorchExecutor:
         """Whether ``tok`` ends ``r``: a stop token (EOS included unless ignored) or a stop string,
         once ``min_tokens`` tokens came before it."""
         state = self._states[r]
+        if state.sampling.grammar is not None and state.sampling.grammar.advance(tok):
+            return True  # the structured output is whole: nothing more can follow it
         early = len(r.output_token_ids) < state.sampling.params.min_tokens  # the tokens before this one
         if tok in state.stop_ids and not early:
             return True
@@ -165,8 +179,9 @@ class TorchExecutor:
     # ------------------------------------------------------------------ helpers
     def _start(self, r: Request) -> None:
         sampling = r.sampling if r.sampling is not None else _GREEDY
+        grammar = self._grammar() if sampling.structured_outputs is not None else None
         self._states[r] = _RequestState(r, sampling, self.stop_token_ids(sampling), self.tokenizer, self.device,
-                                        self.vocab_size)
+                                        self.vocab_size, grammar)
         if sampling.logprobs is not None:
             r.logprobs = (r.logprobs or [])[:len(r.output_token_ids)]  # a reset request starts over
         if sampling.prompt_logprobs is not None and r.prompt_logprobs is None:

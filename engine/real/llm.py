@@ -271,6 +271,8 @@ class LLM:
         check_prompt(prompt_token_ids, max_tokens, vocab, self.core.pool.capacity_tokens, self.max_model_len)
         if sampling is not None:
             sampling.verify(vocab, max_tokens, self.executor.eos_token_ids)
+            if sampling.structured_outputs is not None:
+                self.executor.check_structured(sampling.structured_outputs)
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 16,
                     request_id: str | None = None, on_delta: DeltaCallback | None = None,

@@ -1,6 +1,7 @@
 """Sampler: picks one token per row of a step's logits, each row with its request's ``SamplingParams``.
 
-The order of the steps is vLLM's (see ``engine.real.sampling``): the ``allowed_token_ids`` and
+The order of the steps is vLLM's (see ``engine.real.sampling``): a structured output's grammar, the
+``allowed_token_ids`` and
 ``bad_words_token_ids`` masks, the ``min_tokens`` mask and ``logit_bias``, the repetition, frequency
 and presence penalties, the logprobs, then temperature, ``min_p``, ``top_k`` and ``top_p`` over the
 drawn rows at once, and each request's draw. A batch of plain greedy requests is one argmax over the
@@ -9,11 +10,14 @@ raw logits.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from llguidance import LLMatcher
 
 from tidegate.engine.core.request import Request
 from tidegate.engine.real.paged_cache import _long
 from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.real.structured import StructuredOutput
 
 
 class RequestSampling:
@@ -25,14 +29,21 @@ class RequestSampling:
     :param stop_ids: the ids that end it; masked out until it has ``min_tokens`` tokens.
     :param device: torch device of the logits.
     :param vocab_size: columns of the logits; ids at or past it are left out.
+    :param grammar_tokenizer: the model's tokenizer as llguidance reads it (``structured.grammar_tokenizer``),
+        for a request with ``structured_outputs``.
     """
 
     __slots__ = ("params", "generator", "mask_ids", "bias_ids", "bias_values", "counts", "seen", "counted",
-                 "banned", "bad_words", "masked", "plain")
+                 "banned", "bad_words", "masked", "plain", "grammar")
 
     def __init__(self, r: Request, sampling: SamplingParams, stop_ids: frozenset[int], device,
-                 vocab_size: int) -> None:
+                 vocab_size: int, grammar_tokenizer=None) -> None:
         self.params = sampling
+        self.grammar = None
+        if sampling.structured_outputs is not None:
+            if grammar_tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer as llguidance reads it")
+            self.grammar = GrammarState(sampling.structured_outputs, grammar_tokenizer, vocab_size)
         self.generator = None
         if sampling.seed is not None and not sampling.greedy:
             self.generator = torch.Generator(device=device)
@@ -75,7 +86,7 @@ class RequestSampling:
         for seq in sequences:
             if len(seq) > 1:
                 self.bad_words.setdefault(seq[-2], []).append((seq[:-1], seq[-1]))
-        self.masked = self.banned is not None or bool(self.bad_words)
+        self.masked = self.banned is not None or bool(self.bad_words) or self.grammar is not None
 
     def banned_now(self, r: Request) -> list[int]:
         """The last tokens of the longer bad words whose prefix the output ends with: banned this step
@@ -87,26 +98,32 @@ class RequestSampling:
 
     def ban(self, row: torch.Tensor, r: Request, early: bool) -> None:
         """Set the logits of the banned tokens of ``row`` (the request's float32 logits) to -inf: those
-        of :meth:`banned_now` and the ``banned`` mask, and with ``early`` the ``min_tokens`` mask.
+        the grammar does not allow now, those of :meth:`banned_now` and the ``banned`` mask, and with
+        ``early`` the ``min_tokens`` mask.
 
         Where the request's parameters leave nothing at this step (say ``allowed_token_ids`` of a bad
-        word's last token and its prefix), the bans are lifted for the step: softmax over no token is
-        NaN, and the draw would fail. That check is on the device, without a sync. (Parameters that
-        leave nothing at any step are refused before: ``SamplingParams.verify``.)"""
+        word's last token and its prefix), the bans are lifted for the step, the grammar's last (it always
+        allows a token): softmax over no token is NaN, and the draw would fail. That check is on the
+        device, without a sync. (Parameters that leave nothing at any step are refused before:
+        ``SamplingParams.verify``.)"""
         now = self.banned_now(r) if self.bad_words else []
-        if self.banned is None:  # a few bad words' tokens, never every token of the vocabulary
+        grammar = ~self.grammar.allowed(row.device) if self.grammar is not None else None
+        if self.banned is None and grammar is None:  # a few bad words' tokens, never every token of the vocabulary
             if now:
                 row[now] = float("-inf")
             if early:
                 row[self.mask_ids] = float("-inf")
             return
-        banned = self.banned
+        banned = self.banned if self.banned is not None else torch.zeros_like(grammar)
         if now or early:
             banned = banned.clone()
             if now:
                 banned[now] = True
             if early:
                 banned[self.mask_ids] = True
+        if grammar is not None:
+            held = banned | grammar
+            banned = torch.where(held.all(), grammar, held)
         row.masked_fill_(banned & ~banned.all(), float("-inf"))
 
     def sync_counts(self, r: Request, device) -> None:
@@ -117,6 +134,35 @@ class RequestSampling:
             self.counts.index_add_(0, ids, torch.ones(len(new), device=device))
             self.seen[ids] = True
             self.counted = len(r.output_token_ids)
+
+
+class GrammarState:
+    """One sequence's place in its grammar.
+
+    :param output: the constraint.
+    :param tokenizer: from :func:`grammar_tokenizer`.
+    :param vocab_size: columns of the logits.
+    """
+
+    __slots__ = ("matcher", "vocab_size", "_bits")
+
+    def __init__(self, output: StructuredOutput, tokenizer, vocab_size: int) -> None:
+        self.matcher = LLMatcher(tokenizer, output.grammar)
+        self.vocab_size = vocab_size
+        self._bits = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+
+    def allowed(self, device) -> torch.Tensor:
+        """A bool mask ``[vocab_size]`` of the tokens that can come next (EOS alone once the output is whole)."""
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
+        return torch.from_numpy(bits.astype(bool)).to(device)
+
+    def advance(self, token: int) -> bool:
+        """Take the sampled ``token``; True when the sequence ends: the output is whole, or the matcher failed
+        (then it allows nothing, and the other masks alone chose the token)."""
+        if not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+        return self.matcher.is_stopped() or self.matcher.is_error()
 
 
 class Sampler:

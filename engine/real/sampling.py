@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidegate.engine.real.structured import StructuredOutput
+
 #: the most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's limit, vLLM's default)
 MAX_LOGPROBS = 20
 #: the most token ids ``logprob_token_ids`` may name: each is one entry of every token's logprobs (vLLM's bound)
@@ -77,6 +79,10 @@ class SamplingParams:
         parameter of that name.
     :param skip_special_tokens: the text leaves out special tokens (BOS, EOS, ...), as vLLM's default;
         False shows them.
+    :param structured_outputs: None: free text; otherwise the constraint the output is held to (a JSON
+        schema, any JSON object, a regular expression, a choice or a grammar; ``engine.real.structured``). Its
+        mask goes on the logits before every other step, and the request ends when the constraint admits no
+        more tokens.
     """
 
     temperature: float = 0.0
@@ -99,6 +105,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     logprob_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -116,6 +123,9 @@ class SamplingParams:
         self._check_penalties()
         self._check_tokens()
         self._check_masks()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutput):
+            raise ValueError(f"structured_outputs must be None or a StructuredOutput, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

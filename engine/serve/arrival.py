@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fastapi.responses import Response
 
 from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.real.structured import StructuredOutput
 from tidegate.engine.serve.protocol import SamplingBody, error_response
 
 
@@ -90,6 +91,77 @@ def refuse_unserved(body: SamplingBody) -> None:
 _SAMPLING_FIELDS = frozenset(inspect.signature(SamplingParams).parameters)
 #: the request parameter each engine parameter comes from, where the names differ
 _PARAM_OF = {"logprobs": "logprobs", "bad_words_token_ids": "bad_words"}
+#: the constraints of vLLM's ``structured_outputs``, and its options
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "disable_fallback")
+#: vLLM's older names of the constraints (before ``structured_outputs``)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_output(body: SamplingBody) -> StructuredOutput | None:
+    """The constraint a body holds its output to, as vLLM reads it: ``response_format`` (``json_object``, or
+    ``json_schema`` with its ``schema``) over ``structured_outputs`` (one of ``json``, ``regex``, ``choice``,
+    ``grammar``, ``json_object``, and its whitespace options), or vLLM's older ``guided_*`` fields; None for free
+    text. Raises :class:`Refused` (400) naming the field for a constraint that is malformed or does not compile."""
+    found: list[tuple[str, str, object]] = []  # (field, kind, spec)
+    options = dict(body.structured_outputs or {})
+    param = "structured_outputs"
+    unknown = sorted(set(options) - set(_CONSTRAINTS) - set(_OPTIONS))
+    if unknown:
+        raise bad_request(f"structured_outputs has no field {unknown[0]!r} (it takes one of "
+                          f"{', '.join(_CONSTRAINTS[:-1])} and the options {', '.join(_OPTIONS[:-1])})", param)
+    found += [(param, k, options[k]) for k in _CONSTRAINTS if options.get(k) is not None]
+    found += [(name, kind, getattr(body, name)) for name, kind in _GUIDED.items() if getattr(body, name) is not None]
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        kind, spec = _response_format(fmt)
+        found = [("response_format", kind, spec)]  # over structured_outputs' constraint, as in vLLM
+    if not found:
+        if body.structured_outputs:
+            raise bad_request("structured_outputs names no constraint (one of json, regex, choice, grammar, "
+                              "json_object)", param)
+        return None
+    if len(found) > 1:
+        raise bad_request(f"one structured output constraint a request: {found[0][0]} ({found[0][1]}) and "
+                          f"{found[1][0]} ({found[1][1]}) were both given", found[1][0])
+    name, kind, spec = found[0]
+    if kind == "json_object":
+        if spec is not True and name != "response_format":
+            raise bad_request("structured_outputs.json_object must be true", name)
+        spec = None
+    pattern = options.get("whitespace_pattern", body.guided_whitespace_pattern)
+    if pattern is not None and not isinstance(pattern, str):
+        raise bad_request("whitespace_pattern must be a string", "structured_outputs")
+    try:
+        return StructuredOutput(kind, spec, flexible_whitespace=not options.get("disable_any_whitespace"),
+                                closed_objects=bool(options.get("disable_additional_properties")),
+                                whitespace_pattern=pattern)
+    except ValueError as exc:
+        raise bad_request(str(exc).rstrip("."), name) from None
+
+
+def structured_field(body: SamplingBody) -> str:
+    """The field a body's structured output comes from (for an error naming it)."""
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        return "response_format"
+    if body.structured_outputs:
+        return "structured_outputs"
+    return next((name for name in _GUIDED if getattr(body, name) is not None), "structured_outputs")
+
+
+def _response_format(fmt: dict) -> tuple[str, object]:
+    """The constraint of OpenAI's ``response_format`` (type ``json_object`` or ``json_schema``)."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return "json_object", None
+    if kind == "json_schema":
+        schema = fmt.get("json_schema")
+        if not isinstance(schema, dict) or schema.get("schema") is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema, the JSON schema",
+                              "response_format")
+        return "json", schema["schema"]
+    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                      "response_format")
 
 
 def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=None) -> SamplingParams:
@@ -130,6 +202,9 @@ def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=Non
                        if k is not None]
     if prompt_logprobs:
         kwargs["prompt_logprobs"] = max(prompt_logprobs)
+    structured = structured_output(body)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     missing = [name for name in kwargs if name not in _SAMPLING_FIELDS]
     if missing:
         param = "best_of" if missing[0] == "logprobs" and ask.logprobs is None else _PARAM_OF.get(missing[0],

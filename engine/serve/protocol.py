@@ -3,8 +3,8 @@
 Nothing here knows about the engine; :mod:`engine.serve.serving` and :mod:`engine.serve.answer` translate.
 Bodies are strict, as OpenAI's are: a ``"stream": "yes"`` or a ``"max_tokens": true`` is a 400, and
 so is a field the API does not have. OpenAI's metadata fields (``user``, ``metadata``, ``store``,
-...) are accepted and ignored; the parameters of features this server lacks (tools, structured
-output, ``suffix``) are refused by name (:meth:`SamplingBody.unserved`).
+...) are accepted and ignored; the parameters of features this server lacks (tools, structural
+tags, ``suffix``) are refused by name (:meth:`SamplingBody.unserved`).
 """
 
 from __future__ import annotations
@@ -116,13 +116,16 @@ class SamplingBody(BaseModel):
     stream_interval: int | None = Field(None, ge=1)
     # beam search's length penalty: changes nothing without beam search, as in vLLM
     length_penalty: float | None = 1.0
-    # refused when set (see unserved)
+    # structured output (``arrival.structured_output``): OpenAI's, vLLM's, and vLLM's older names
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    # refused when set (see unserved)
     use_beam_search: bool | None = False
     watermarking: bool | None = None
     repetition_detection: dict[str, Any] | None = None
@@ -149,13 +152,10 @@ class SamplingBody(BaseModel):
 
     def unserved(self) -> tuple[str, str] | None:
         """``(parameter, why)`` for a parameter of a feature this server does not serve; None if all are served."""
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", 'only response_format {"type": "text"} is served; structured output is not'
-        if self.structured_outputs:
-            return "structured_outputs", "structured output (structured_outputs) is not served"
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                return name, f"guided decoding ({name}) is not served"
+        for name, tagged in (("response_format", (self.response_format or {}).get("type") == "structural_tag"),
+                             ("structured_outputs", (self.structured_outputs or {}).get("structural_tag") is not None)):
+            if tagged:
+                return name, "structural tags are not served (JSON schemas, JSON objects, regex, choice, grammars are)"
         if self.use_beam_search:
             return "use_beam_search", "beam search is not served"
         if self.watermarking:
@@ -300,11 +300,9 @@ VLLM_FIELDS: dict[str, dict[str, str]] = {
             "truncate_prompt_tokens", "truncation_side", "allowed_token_ids", "prompt_logprobs", "bad_words",
             "add_special_tokens", "priority", "request_id", "return_tokens_as_token_ids", "return_token_ids",
             "stream_interval", "echo", "stream_options.include_usage", "stream_options.continuous_usage_stats",
-            "logprob_token_ids", "cache_salt",
+            "logprob_token_ids", "cache_salt", "response_format", "structured_outputs",
         ), "served"),
         "user": "ignored: OpenAI's metadata",
-        "response_format": "refused: structured output, unless {'type': 'text'}",
-        "structured_outputs": "refused: structured output",
         "use_beam_search": "refused: beam search, when true",
         "watermarking": "refused: watermarking, when true",
         "repetition_detection": "refused: repetition detection, when on",

@@ -27,7 +27,9 @@ from tidegate.engine.serve.arrival import (
     nth_sampling,
     refuse_unserved,
     sampling_params,
+    structured_field,
 )
+from tidegate.engine.real.structured import check_grammar, grammar_tokenizer
 from tidegate.engine.serve.chat import chat_prompt
 from tidegate.engine.serve.protocol import (
     MAX_PROMPTS,
@@ -61,6 +63,7 @@ class OpenAIServing:
         self.model_name = config.model_name
         self.created = int(time.time())
         self._bytes_per_token: float | None | bool = False  # False: not yet derived
+        self._llg_tokenizer = None  # the tokenizer as llguidance reads it, for structured output
         self.answers = AnswerWriter(service, self.tokenizer, self.model_name)
 
     # -- the two routes
@@ -259,7 +262,21 @@ class OpenAIServing:
                 verify(vocab, eos_token_ids=self.service.info.eos_token_ids if self.service.info is not None else ())
             except ValueError as exc:
                 raise bad_request(str(exc).rstrip("."), named_param(str(exc), _CHECKED_PARAMS)) from None
+        structured = getattr(sampling, "structured_outputs", None)
+        if structured is not None:
+            try:
+                check_grammar(structured, self._grammar_tokenizer())
+            except ValueError as exc:
+                raise bad_request(str(exc).rstrip("."), structured_field(body)) from None
         return sampling
+
+    def _grammar_tokenizer(self):
+        """The model's tokenizer as llguidance reads it, built at the first request with structured output."""
+        if self._llg_tokenizer is None:
+            info = self.service.info
+            self._llg_tokenizer = grammar_tokenizer(self.tokenizer, info.vocab_size if info is not None else 0,
+                                                    info.eos_token_ids if info is not None else ())
+        return self._llg_tokenizer
 
     def _max_tokens(self, body: SamplingBody, prompt_ids: list[int], ask: Ask) -> int:
         """The ``max_tokens`` of one prompt's engine requests; raises :class:`Refused` (400) when the prompt and it do

@@ -1,0 +1,170 @@
+"""Structured output: a request's tokens held to a JSON schema, any JSON object, a regular expression, a choice or a
+grammar, in the engine (greedy and sampled, beside the other masks, through evictions) and through the server's
+three ways of asking for it (OpenAI's ``response_format``, vLLM's ``structured_outputs`` and its older
+``guided_*``), whole and streamed.
+
+The tiny model's weights are random, so whatever it writes within the constraint is noise: what is checked is that
+the constraint holds (``jsonschema`` validates the JSON) and that the request ends when the constraint is whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tidegate.engine.real.llm import LLM
+from tidegate.engine.real.sampling import SamplingParams
+from tidegate.engine.real.structured import StructuredOutput
+from tests.test_openai_compat import server, tiny  # noqa: F401 (fixtures: the tiny model on a greedy server)
+from tests.test_vllm_extensions import chat, complete, events, post
+
+pytestmark = pytest.mark.timeout(300)
+
+#: bounded on every side (closed objects, short strings, bounded integers), so the output is whole within 128 tokens
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+          "required": ["name", "age"], "additionalProperties": False}
+REGEX = r"[0-9]{3}-[a-z]{2}"
+CHOICES = ["yes", "no", "maybe"]
+GRAMMAR = 'root ::= "(" [a-c]+ ")"'
+PROMPTS = ["Hello", "Give me JSON", "x" * 40]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="tiny", kv_capacity_tokens=4096)
+
+
+def _holds(kind: str, text: str) -> bool:
+    if kind == "json":
+        try:
+            jsonschema.validate(json.loads(text), PERSON)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if kind == "json_object":
+        try:
+            return isinstance(json.loads(text), dict)
+        except ValueError:
+            return False
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    return re.fullmatch(r"\([a-c]+\)", text) is not None
+
+
+CONSTRAINTS = [("json", PERSON, {"flexible_whitespace": False}), ("json_object", None, {"flexible_whitespace": False}),
+               ("regex", REGEX, {}), ("choice", CHOICES, {}), ("grammar", GRAMMAR, {})]
+
+
+@pytest.mark.parametrize("kind, spec, options", CONSTRAINTS, ids=[c[0] for c in CONSTRAINTS])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_output_holds_to_its_constraint_and_ends_when_whole(llm, kind, spec, options, temperature):
+    output = StructuredOutput(kind, spec, **options)
+    sampling = SamplingParams(temperature=temperature, seed=5, structured_outputs=output)
+    # any JSON object has no bound on its length: cut short, it must still be a prefix of one
+    max_tokens = 48 if kind == "json_object" else 128
+    for out in llm.generate(PROMPTS, sampling, max_tokens=max_tokens):
+        if out.finish_reason == "length":
+            assert kind == "json_object" and out.text.startswith("{"), (kind, out.text)
+            continue
+        assert out.finish_reason == "stop", (kind, out.text)
+        assert _holds(kind, out.text), (kind, out.text)
+    free = llm.generate(PROMPTS, SamplingParams(temperature=temperature, seed=5), max_tokens=16)
+    assert not all(_holds(kind, o.text) for o in free)  # the constraint, not the model, made them hold
+
+
+def test_the_grammar_goes_before_the_other_masks_and_keeps_its_place_when_they_leave_nothing(llm):
+    choice = StructuredOutput("choice", ["yes", "no"])
+    y = ord("y") + 3
+    banned = SamplingParams(structured_outputs=choice, bad_words_token_ids=[[y]])
+    assert [o.text for o in llm.generate(PROMPTS, banned, max_tokens=8)] == ["no"] * len(PROMPTS)
+    # allowed_token_ids that the grammar never allows: the grammar holds, the other mask is lifted
+    stray = SamplingParams(structured_outputs=choice, allowed_token_ids=[ord("z") + 3])
+    assert all(o.text in ("yes", "no") for o in llm.generate(PROMPTS, stray, max_tokens=8))
+
+
+def test_evictions_leave_structured_outputs_as_they_were():
+    """Recompute evictions keep each sequence's place in its grammar: the outputs equal those of a cache with room."""
+    sampling = SamplingParams(structured_outputs=StructuredOutput("json", PERSON, flexible_whitespace=False))
+    prompts = [f"person {i} " * 6 for i in range(12)]
+    roomy = LLM(model="tiny", kv_capacity_tokens=16384)
+    tight = LLM(model="tiny", kv_capacity_tokens=640, max_num_seqs=12)
+    want = [o.text for o in roomy.generate(prompts, sampling, max_tokens=96)]
+    got = [o.text for o in tight.generate(prompts, sampling, max_tokens=96)]
+    assert tight.core.metrics.evictions > 0
+    assert got == want
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("json", {"type": "object", "properties": 3}, "the json of structured output does not compile"),
+    ("json", "{not json", "the json of structured output does not compile"),
+    ("regex", "[a-", "the regex of structured output does not compile"),
+    ("choice", [], "choice must be a non-empty list of strings"),
+    ("grammar", "root ::= nowhere", "the grammar of structured output does not compile"),
+    ("xml", "<a/>", "structured output must be one of"),
+])
+def test_a_constraint_that_does_not_compile_is_one_sentence(kind, spec, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        StructuredOutput(kind, spec)
+    assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------- the server
+def test_response_format_json_schema_on_chat(server):
+    body = chat(server, [{"role": "user", "content": "hi"}], max_tokens=128, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+                structured_outputs=None)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
+def test_the_openai_client_gets_json_it_can_parse(server):
+    reply = server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=128, temperature=1.0, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({"structured_outputs": {"regex": REGEX}}, "regex"),
+    ({"structured_outputs": {"choice": CHOICES}}, "choice"),
+    ({"structured_outputs": {"grammar": GRAMMAR}}, "grammar"),
+    ({"guided_regex": REGEX}, "regex"),
+    ({"guided_choice": CHOICES}, "choice"),
+    ({"guided_json": PERSON, "guided_whitespace_pattern": ""}, "json"),
+    ({"structured_outputs": {"json": json.dumps(PERSON), "disable_any_whitespace": True}}, "json"),
+])
+def test_completions_hold_to_every_kind_whole_and_streamed(server, fields, kind):
+    whole = complete(server, "Hello", max_tokens=128, temperature=0, n=2, **fields)
+    texts = [c["text"] for c in whole["choices"]]
+    assert all(_holds(kind, t) for t in texts), texts
+    streamed = events(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 128, "temperature": 0, **fields})
+    text = "".join(e["choices"][0]["text"] for e in streamed if e["choices"])
+    assert text == texts[0]
+    assert [e["choices"][0]["finish_reason"] for e in streamed if e["choices"]][-1] == "stop"
+
+
+def test_closed_objects_take_no_other_properties(server):
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9, "minimum": 0}},
+                   "required": ["a"]}
+    body = complete(server, "Hello", max_tokens=96, temperature=0,
+                    structured_outputs={"json": open_schema, "disable_additional_properties": True,
+                                        "disable_any_whitespace": True})
+    assert list(json.loads(body["choices"][0]["text"])) == ["a"]
+
+
+def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(server):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                              "response_format": {"type": "json_schema",
+                                                                  "json_schema": {"schema": {"type": 7}}}})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "does not compile" in error["message"]

@@ -14,7 +14,9 @@ import torch
 
 from tidegate.engine.core.executor import Batch, StepResult
 from tidegate.engine.core.request import Request
-from tidegate.engine.real.model import IncrementalDetokenizer, eos_token_ids, resolve_device, resolve_dtype
+from tidegate.engine.real.model import (
+    IncrementalDetokenizer, context_limit, eos_token_ids, resolve_device, resolve_dtype,
+)
 from tidegate.engine.real.paged_cache import (
     PagedKVCache, _long, build_layout, forward_paged, register_attention, text_config,
 )
@@ -59,7 +61,7 @@ class TorchExecutor:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         text = text_config(model.config)
         self.vocab_size = text.vocab_size
-        self.max_model_len = getattr(text, "max_position_embeddings", None)
+        self.max_model_len = context_limit(model.config)
         self.sampler = Sampler(self.device)
         self._attn_name = register_attention()
         self._states: dict[Request, _RequestState] = {}

@@ -281,19 +281,90 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 def load_tokenizer(model: str = "tiny"):
     """The tokenizer of ``"tiny"`` or of a local Hugging Face model folder, without the model.
 
-    :raises ModelLoadError: the folder is missing or holds no loadable tokenizer.
+    :raises ModelLoadError: the folder is missing or holds no tokenizer that can spell text.
     """
     if model == "tiny":
         return ByteTokenizer()
+    path = _model_folder(model)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(f"model folder {str(path)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}).")
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers and tokenizers raise many kinds; one sentence for all
+        raise ModelLoadError(f"the tokenizer in {str(path)!r} cannot be loaded ({_first_line(exc)}).") from None
+    try:
+        spelled = tokenizer.encode("Hello, world", add_special_tokens=False)
+    except Exception as exc:
+        raise ModelLoadError(f"the tokenizer in {str(path)!r} cannot encode text ({_first_line(exc)}).") from None
+    if not spelled:
+        raise ModelLoadError(f"the tokenizer in {str(path)!r} ({type(tokenizer).__name__}, {len(tokenizer)} tokens) "
+                             f"turns text into no tokens: its vocabulary files (tokenizer.json, tokenizer.model) are "
+                             f"missing or empty.")
+    return tokenizer
+
+
+#: the files a Hugging Face tokenizer is read from (one is enough)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model",
+                    "tokenizer_config.json")
+
+
+def _model_folder(model: str) -> Path:
+    """The folder of a model name with a config that reads, or ModelLoadError saying what is wrong."""
     path = Path(model)
     if not path.is_dir():
         raise ModelLoadError(f"model {model!r} is neither 'tiny' nor an existing model folder.")
-    from transformers import AutoTokenizer
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder {str(path)!r} has no config.json.")
+    from transformers import AutoConfig
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"the tokenizer in {str(path)!r} cannot be loaded ({first}).") from None
+        AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers and huggingface_hub raise many kinds; one sentence for all
+        raise ModelLoadError(f"the config.json of model folder {str(path)!r} cannot be read "
+                             f"({_first_line(exc)}).") from None
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception's message (a bare KeyError's is just the key)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if first.endswith(":") and len(lines) > 1:  # a heading (huggingface_hub's validation errors): its first item too
+        first = f"{first} {lines[1]}"
+    first = first[:300]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _weights_problem(info: dict) -> str | None:
+    """What transformers' loading info says is wrong with a folder's weights, or None."""
+    for key, what in (("missing_keys", "has no weights for"), ("unexpected_keys", "has weights its config has no "
+                      "place for"), ("mismatched_keys", "has weights of another shape than its config gives for")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            return f"its checkpoint {what} {', '.join(names[:3])}{more}"
+    return None
+
+
+def context_limit(config) -> int | None:
+    """The longest sequence a model serves token for token on the paged path: its ``max_position_embeddings``,
+    and for a ``longrope`` rotary embedding (Phi-3's and Phi-4's long-context models) no more than its
+    ``original_max_position_embeddings``. transformers picks longrope's frequencies by the longest position of
+    the whole forward pass, which in a packed step is another request's; below the original length every
+    position takes the short factors, the ones the model's own forward pass takes there."""
+    from tidegate.engine.real.paged_cache import text_config
+
+    text = text_config(config)
+    limit = getattr(text, "max_position_embeddings", None)
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    groups = [params] if "rope_type" in params or "type" in params else list(params.values())
+    for group in groups:
+        if isinstance(group, dict) and (group.get("rope_type") or group.get("type")) == "longrope":
+            original = group.get("original_max_position_embeddings") \
+                or getattr(text, "original_max_position_embeddings", None)
+            if original:
+                limit = min(limit, int(original)) if limit else int(original)
+    return limit
 
 
 def load_model(model: str = "tiny", device=None, dtype=None):
@@ -303,33 +374,33 @@ def load_model(model: str = "tiny", device=None, dtype=None):
     :param device: torch device; None: CUDA when available, else CPU.
     :param dtype: torch dtype or its name; None: the device's fastest (``default_dtype``).
     :return: ``(model, tokenizer)`` with the model in eval mode on ``device``.
-    :raises ModelLoadError: the folder is missing or does not hold a loadable model, or the device is
-        unknown or absent.
+    :raises ModelLoadError: the folder is missing or does not hold a loadable model (its weights short of its
+        config, or beyond it), the device is unknown or absent, or the engine cannot serve the model correctly.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if model == "tiny":
         return build_tiny_model(seed=0, dtype=dtype, device=device)
-    path = Path(model)
-    if not path.is_dir():
-        raise ModelLoadError(f"model {model!r} is neither 'tiny' nor an existing model folder.")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = _model_folder(model)
+    from transformers import AutoModelForCausalLM
 
     from tidegate.engine.real.model_check import paged_attention_problem
+    tokenizer = load_tokenizer(model)
+    kwargs = dict(local_files_only=True, dtype=dtype, trust_remote_code=False, output_loading_info=True,
+                  ignore_mismatched_sizes=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         try:
-            hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
-                                                            attn_implementation="sdpa")
+            hf_model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
         except ValueError as exc:
             if "attention implementation" not in str(exc):
                 raise
             # a model without SDPA support (Gemma 2): its eager attention, which the engine replaces in its steps
-            hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
-                                                            attn_implementation="eager")
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"model folder {str(path)!r} cannot be loaded ({first}).") from None
+            hf_model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
+    except Exception as exc:  # transformers, safetensors and huggingface_hub raise many kinds; one sentence for all
+        raise ModelLoadError(f"model folder {str(path)!r} cannot be loaded ({_first_line(exc)}).") from None
+    problem = _weights_problem(info)
+    if problem is not None:
+        raise ModelLoadError(f"model folder {str(path)!r} cannot be served: {problem}.")
     hf_model = hf_model.to(device).eval()
     problem = paged_attention_problem(hf_model)
     if problem is not None:

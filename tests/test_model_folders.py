@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from tidegate.engine.real.llm import LLM
-from tidegate.engine.real.model import ModelLoadError, context_limit, load_model
+from tidegate.engine.real.model import ModelLoadError, context_limit, load_model, sampling_defaults
 from tidegate.engine.real.sampling import SamplingParams
 from tidegate.engine.real.tiny_folder import byte_tokenizer_fast
 
@@ -124,3 +124,35 @@ def test_longrope_serves_token_for_token_within_its_original_context(tmp_path):
         assert out.token_ids == want
     with pytest.raises(ValueError, match="exceeds the model context of 48 tokens"):
         llm.generate([prompts[2]], max_tokens=20)
+
+
+def test_the_generation_config_gives_the_defaults_a_request_leaves_out(tmp_path):
+    from tidegate.engine.serve.arrival import Ask, sampling_params
+    from tidegate.engine.serve.protocol import CompletionBody
+
+    folder = _folder(tmp_path / "m")
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, repetition_penalty=1.1, eos_token_id=2,
+                     bos_token_id=1).save_pretrained(folder)
+    defaults = sampling_defaults(str(folder))
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
+    assert sampling_defaults("tiny") == {} and sampling_defaults(str(_folder(tmp_path / "plain"))) == {}
+
+    def params(**fields):
+        body = CompletionBody(prompt="hi", **fields)
+        return sampling_params(body, Ask.of(body, chat=False, max_tokens=4), 300, None, defaults)
+
+    left_out = params()
+    assert (left_out.temperature, left_out.top_p, left_out.repetition_penalty) == (0.6, 0.9, 1.1)
+    sent = params(temperature=0.0, top_p=None, repetition_penalty=1.0)  # null is left out, as vLLM takes it
+    assert (sent.temperature, sent.top_p, sent.repetition_penalty) == (0.0, 0.9, 1.0)
+    (folder / "generation_config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match=r"the generation_config\.json of model folder .* cannot be read"):
+        sampling_defaults(str(folder))
+
+
+def test_generation_config_is_auto_or_vllm():
+    from tidegate.engine.serve.config import ServeConfig
+
+    assert ServeConfig().generation_config == "auto" and ServeConfig(generation_config="vllm")
+    with pytest.raises(ValueError, match="generation_config must be 'auto' or 'vllm'"):
+        ServeConfig(generation_config="model")

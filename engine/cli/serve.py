@@ -56,6 +56,9 @@ class _StartError(Exception):
               default=None, help="A Jinja chat template file, used instead of the tokenizer's.")
 @click.option("--trust-request-chat-template/--no-trust-request-chat-template", default=False, show_default=True,
               help="Take a chat request's own chat_template (rendered in a sandbox), as vLLM's flag of that name.")
+@click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
+              help="auto: a request that leaves out temperature, top_p, top_k, min_p or a penalty gets the model "
+                   "folder's generation_config.json value, as vLLM's flag of that name; vllm: OpenAI's defaults.")
 @click.option("--max-model-len", type=click.IntRange(min=1), default=None,
               help="The longest prompt + output served, in tokens (at most the model's context) "
                    "[default: the model's context].")
@@ -133,7 +136,7 @@ class _StartError(Exception):
               help="With --ray-replicas: the GPUs Ray reserves for each replica (1 to serve each on a GPU).")
 @click.pass_context
 def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_name, controller_spec, profile_name,
-          host, port, api_key, chat_template_path, trust_request_chat_template,
+          host, port, api_key, chat_template_path, trust_request_chat_template, generation_config,
           max_model_len, max_request_bytes, log_level, access_log, kv_capacity_tokens, block_size,
           max_num_batched_tokens, max_num_seqs, prefix_caching, enable_prompt_tokens_details, device, dtype,
           max_in_flight, queue_timeout_s,
@@ -177,7 +180,8 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
                              device=device, dtype=dtype, max_in_flight=max_in_flight,
                              queue_timeout_s=queue_timeout_s,
                              stream_buffer_chunks=stream_buffer_chunks, drain_timeout_s=drain_timeout_s,
-                             default_max_tokens=default_max_tokens, engine_process=engine_process,
+                             default_max_tokens=default_max_tokens, generation_config=generation_config,
+                             engine_process=engine_process,
                              engine_timeout_s=engine_timeout_s, threads=threads,
                              api_key=api_key or None,
                              chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
@@ -256,7 +260,8 @@ def _serve_on_ray(config, replicas: int, options: dict) -> None:
 _OWN_ENGINE_OPTIONS = ("log_level", "access_log", "max_request_bytes", "kv_capacity_tokens", "block_size",
                        "max_num_batched_tokens", "max_num_seqs", "prefix_caching", "enable_prompt_tokens_details",
                        "device", "max_in_flight", "queue_timeout_s", "stream_buffer_chunks", "drain_timeout_s",
-                       "default_max_tokens", "engine_process", "engine_timeout_s", "threads", "engine_nice")
+                       "default_max_tokens", "engine_process", "engine_timeout_s", "threads", "engine_nice",
+                       "generation_config")
 
 
 def _read_chat_template(path: Path | None) -> str | None:

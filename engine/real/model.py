@@ -346,6 +346,30 @@ def _weights_problem(info: dict) -> str | None:
     return None
 
 
+#: the sampling parameters a model folder's ``generation_config.json`` may give as its defaults (vLLM's list)
+SAMPLING_DEFAULT_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                           "top_p", "min_p")
+
+
+def sampling_defaults(model: str) -> dict[str, float]:
+    """The sampling parameters a model folder's ``generation_config.json`` sets (its non-default values among
+    :data:`SAMPLING_DEFAULT_FIELDS`), which a request that leaves one out gets, as vLLM's ``--generation-config
+    auto`` gives them (Llama 3's instruct models: temperature 0.6, top_p 0.9); none for ``"tiny"`` or a folder
+    without the file.
+
+    :raises ModelLoadError: the file is there and cannot be read.
+    """
+    if model == "tiny" or not (Path(model) / "generation_config.json").is_file():
+        return {}
+    from transformers import GenerationConfig
+    try:
+        diff = GenerationConfig.from_pretrained(model, local_files_only=True).to_diff_dict()
+    except Exception as exc:  # transformers raises many kinds; one sentence for all
+        raise ModelLoadError(f"the generation_config.json of model folder {model!r} cannot be read "
+                             f"({_first_line(exc)}).") from None
+    return {name: diff[name] for name in SAMPLING_DEFAULT_FIELDS if diff.get(name) is not None}
+
+
 def context_limit(config) -> int | None:
     """The longest sequence a model serves token for token on the paged path: its ``max_position_embeddings``,
     and for a ``longrope`` rotary embedding (Phi-3's and Phi-4's long-context models) no more than its

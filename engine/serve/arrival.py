@@ -164,14 +164,23 @@ def _response_format(fmt: dict) -> tuple[str, object]:
                       "response_format")
 
 
-def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=None) -> SamplingParams:
+def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=None,
+                    defaults: dict | None = None) -> SamplingParams:
     """The engine's sampling parameters of a request; raises :class:`Refused` (400, naming the
     parameter) for a value the engine refuses or a parameter it does not have.
 
     :param tokenizer: turns ``bad_words`` into token ids (as vLLM does)
+    :param defaults: the values of the sampling parameters a body leaves out (or sends as null), as the model's
+        ``generation_config.json`` gives them (``model.sampling_defaults``); the rest default to OpenAI's
     """
-    kwargs: dict = dict(temperature=1.0 if body.temperature is None else body.temperature,
-                        top_p=1.0 if body.top_p is None else body.top_p, top_k=max(body.top_k or 0, 0),
+    defaults = defaults or {}
+
+    def given(name: str, neutral):
+        value = getattr(body, name)
+        return value if value is not None else defaults.get(name, neutral)
+
+    top_k = given("top_k", 0)
+    kwargs: dict = dict(temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=max(top_k or 0, 0),
                         seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                         ignore_eos=bool(body.ignore_eos))
     # only what differs from the engine's neutral default, so an engine without a parameter
@@ -179,19 +188,10 @@ def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=Non
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                           ("min_p", 0.0), ("min_tokens", 0), ("include_stop_str_in_output", False),
                           ("skip_special_tokens", True)):
-        value = getattr(body, name)
+        value = given(name, None)
         if value is not None and value != neutral:
             kwargs[name] = value
-    if body.stop_token_ids:
-        if any(t < 0 or t >= vocab_size for t in body.stop_token_ids):
-            raise bad_request(f"stop_token_ids holds ids outside the vocabulary of {vocab_size}", "stop_token_ids")
-        kwargs["stop_token_ids"] = list(body.stop_token_ids)
-    if body.allowed_token_ids:
-        kwargs["allowed_token_ids"] = list(body.allowed_token_ids)
-    if body.bad_words:
-        kwargs["bad_words_token_ids"] = _bad_words(tokenizer, body.bad_words)
-    if body.logit_bias:
-        kwargs["logit_bias"] = _logit_bias(body.logit_bias, vocab_size)
+    kwargs.update(_token_lists(body, vocab_size, tokenizer))
     if ask.logprobs is not None or ask.best_of > ask.n:  # best_of ranks by cumulative logprob
         kwargs["logprobs"] = ask.logprobs or 0
     if body.logprob_token_ids is not None:
@@ -214,6 +214,23 @@ def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=Non
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise bad_request(str(exc).rstrip("."), named_param(str(exc), kwargs)) from None
+
+
+def _token_lists(body: SamplingBody, vocab_size: int, tokenizer) -> dict:
+    """The sampling parameters that name tokens: ``stop_token_ids``, ``allowed_token_ids``, ``bad_words`` (as token
+    ids) and ``logit_bias``, those the body sets."""
+    kwargs: dict = {}
+    if body.stop_token_ids:
+        if any(t < 0 or t >= vocab_size for t in body.stop_token_ids):
+            raise bad_request(f"stop_token_ids holds ids outside the vocabulary of {vocab_size}", "stop_token_ids")
+        kwargs["stop_token_ids"] = list(body.stop_token_ids)
+    if body.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(body.allowed_token_ids)
+    if body.bad_words:
+        kwargs["bad_words_token_ids"] = _bad_words(tokenizer, body.bad_words)
+    if body.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(body.logit_bias, vocab_size)
+    return kwargs
 
 
 def _bad_words(tokenizer, words: list[str]) -> list[list[int]]:

@@ -42,6 +42,9 @@ class ServeConfig:
     stream_buffer_chunks: int = 512
     drain_timeout_s: float = 30.0
     default_max_tokens: int = 256
+    #: "auto": a request that leaves out a sampling parameter gets the model's generation_config.json value, as
+    #: vLLM's flag of that name; "vllm": OpenAI's neutral defaults
+    generation_config: str = "auto"
     #: run the engine in a process of its own (False: a thread of the server's process)
     engine_process: bool = True
     #: an engine that sends nothing for this long is stopped and replaced
@@ -76,6 +79,8 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if not (isinstance(self.engine_nice, int) and 0 <= self.engine_nice <= 19):
             raise ValueError(f"engine_nice must be a whole number from 0 to 19, got {self.engine_nice!r}")
         if not (isinstance(self.max_request_bytes, int) and self.max_request_bytes >= 1):

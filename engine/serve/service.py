@@ -132,6 +132,8 @@ class EngineService:
         self.restarts = 0
         self.info: EngineInfo | None = None
         self.tokenizer: Any = None
+        #: what a request that leaves out a sampling parameter gets (the model's generation_config.json)
+        self.sampling_defaults: dict[str, float] = {}
         self.mirror: Any = None
         self._lock = threading.Lock()
         self._streams: dict[int, Stream] = {}
@@ -165,6 +167,13 @@ class EngineService:
             from tidegate.engine.real.model import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.config.model)
+        if self.config.generation_config == "auto":
+            from tidegate.engine.real.model import sampling_defaults
+
+            self.sampling_defaults = sampling_defaults(self.config.model)
+            if self.sampling_defaults:
+                log.info("requests that leave them out get the model's generation_config.json sampling defaults: %s "
+                         "(--generation-config vllm: none)", self.sampling_defaults)
         self._adopt(engine)
         threading.Thread(target=self._watch, name="tidegate-engine-watch", daemon=True).start()
 

@@ -255,7 +255,7 @@ class OpenAIServing:
                                               f"{self.model_name!r}", "invalid_request_error", "model"))
         _check_id_lists(body, engine_requests)
         vocab = self.service.info.vocab_size if self.service.info is not None else 0
-        sampling = sampling_params(body, ask, vocab, self.tokenizer)
+        sampling = sampling_params(body, ask, vocab, self.tokenizer, self.service.sampling_defaults)
         verify = getattr(sampling, "verify", None)  # what depends on the model
         if verify is not None:
             try:

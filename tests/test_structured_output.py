@@ -168,3 +168,71 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(server):
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == "response_format" and "does not compile" in error["message"]
+
+
+# ---------------------------------------------------------------------------------- forced tool calls
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "a forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]
+SCHEMAS = {"weather": WEATHER, "clock": CLOCK}
+NAMED = {"type": "function", "function": {"name": "weather"}}
+
+
+def _call(server, stream: bool, **fields):
+    """The tool calls and finish reason of one chat answer through the openai client, the streamed deltas put
+    together as a client puts them together."""
+    # the random model would write whitespace or more properties without end: neither is allowed here
+    options = {"structured_outputs": {"disable_any_whitespace": True, "disable_additional_properties": True}}
+    reply = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=128, temperature=0, tools=TOOLS, stream=stream,
+                                                  extra_body=options, **fields)
+    if not stream:
+        message = reply.choices[0].message
+        return [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls], \
+            reply.choices[0].finish_reason, message.content
+    calls: dict[int, list] = {}
+    finish = None
+    for chunk in reply:
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or ():
+            entry = calls.setdefault(delta.index, [None, None, ""])
+            entry[0] = delta.id or entry[0]
+            entry[1] = delta.function.name or entry[1]
+            entry[2] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish, None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_call_has_the_functions_arguments(server, stream):
+    calls, finish, content = _call(server, stream, tool_choice=NAMED)
+    assert finish == "stop" and content in ("", None) and len(calls) == 1
+    call_id, name, arguments = calls[0]
+    assert name == "weather" and call_id.startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(arguments), WEATHER)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_calls_are_calls_of_the_tools(server, stream):
+    calls, finish, _ = _call(server, stream, tool_choice="required", parallel_tool_calls=False)
+    assert finish == "tool_calls" and len(calls) == 1
+    for call_id, name, arguments in calls:
+        assert call_id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_streamed_and_whole_tool_calls_agree(server):
+    for choice in (NAMED, "required"):
+        whole, streamed = _call(server, False, tool_choice=choice), _call(server, True, tool_choice=choice)
+        assert [c[1:] for c in whole[0]] == [c[1:] for c in streamed[0]] and whole[1] == streamed[1]
+
+
+def test_tools_reach_the_chat_template():
+    from tidegate.engine.serve.protocol import ChatBody
+
+    body = ChatBody(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice="required")
+    assert body.template_kwargs()["tools"] == TOOLS and body.unserved() is None

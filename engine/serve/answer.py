@@ -28,6 +28,7 @@ from tidegate.engine.serve.protocol import (
     usage_body,
 )
 from tidegate.engine.serve.service import Stream
+from tidegate.engine.serve.tools import new_call_id
 
 if TYPE_CHECKING:
     from tidegate.engine.serve.arrival import Ask
@@ -45,7 +46,7 @@ class Choice:
     """
 
     __slots__ = ("index", "stream", "prompt", "prompt_ids", "echo", "parts", "entries", "prompt_entries",
-                 "token_ids", "finished", "offset", "started", "sent_tokens")
+                 "token_ids", "finished", "offset", "started", "sent_tokens", "call_id", "held")
 
     def __init__(self, index: int, stream: Stream, prompt: int = 0, prompt_ids: list[int] | None = None,
                  echo: str | None = None) -> None:
@@ -65,6 +66,9 @@ class Choice:
         self.started = False
         #: tokens already streamed
         self.sent_tokens = 0
+        #: a streamed named tool call's id (None: not begun); a streamed required call's text so far
+        self.call_id: str | None = None
+        self.held: list[str] = []
 
     def read(self, most: int | None = None) -> tuple[str, list, list[int]]:
         """Take the chunks waiting (at most ``most`` of them): returns their text, logprob entries and
@@ -171,8 +175,13 @@ class AnswerWriter:
                 ranked = sorted(ranked, key=lambda c: c.cumulative_logprob, reverse=True)[:ask.n]
             for k, c in enumerate(ranked):
                 text = (c.echo or "") + "".join(c.parts)
-                bodies.append(completion_choice(p * ask.n + k, text, _finish_reason(c.stream.result),
-                                                self._choice_logprobs(c, ask), ask.chat, self._choice_extra(c, ask)))
+                finish = _finish_reason(c.stream.result)
+                calls = ask.tools.calls(text) if ask.tools is not None and finish == "stop" else None
+                if calls is not None:  # the text is the calls', as vLLM answers them
+                    text = ""
+                    finish = "stop" if ask.tools.name is not None else "tool_calls"
+                bodies.append(completion_choice(p * ask.n + k, text, finish, self._choice_logprobs(c, ask), ask.chat,
+                                                self._choice_extra(c, ask), tool_calls=calls))
         return JSONResponse(completion_body(rid, self.model_name, bodies, usage, ask.chat,
                                             self._top_extra(choices[0], ask, whole=True)))
 
@@ -269,6 +278,8 @@ class AnswerWriter:
             first = False
         c.started = True
         c.sent_tokens += len(ids)
+        if ask.tools is not None:
+            return out + self._tool_events(events, c, ask, text, entries, ids)
         if text or ids or (want and entries):
             lps = None
             if want:
@@ -286,6 +297,46 @@ class AnswerWriter:
             else:
                 out.append(events.chunk(c.index, None, _finish_reason(c.stream.result),
                                         usage=_choice_usage(c, ask)))
+        return out
+
+    def _tool_events(self, events: StreamEvents, c: Choice, ask: Ask, text: str, entries: list,
+                     ids: list[int]) -> list[str]:
+        """The events of a forced tool call: a named call's arguments as they come (its id and name in the first),
+        the calls of "required" whole at the end (their text is one JSON array until then); text again where the
+        output is no whole call (cut short)."""
+        assert ask.tools is not None
+        out = []
+        lps = chat_logprobs(entries, self._namer(ask)) if ask.logprobs is not None and entries else None
+        extra = {"token_ids": list(ids)} if ask.return_token_ids else {}
+        named = ask.tools.name
+        if named is not None and (text or ids or lps):
+            first = c.call_id is None
+            c.call_id = c.call_id or new_call_id()
+            call: dict = {"index": 0, "function": {"arguments": text}}
+            if first:
+                call.update(id=c.call_id, type="function")
+                call["function"] = {"name": named, "arguments": text}
+            out.append(events.chunk(c.index, None, None, lps, extra=extra, usage=_choice_usage(c, ask),
+                                    delta={"tool_calls": [call]}))
+        elif ids or lps:
+            c.held.append(text)  # a required call's text waits for the whole array
+        if not c.finished:
+            return out
+        bad = _ended_badly(c.stream.result, c.stream)
+        if bad is not None:
+            status, kind, message = bad
+            return out + [sse_event(error_body(message, kind, status))]
+        finish = _finish_reason(c.stream.result)
+        if named is None:
+            held = "".join(c.held)
+            calls = ask.tools.calls(held) if finish == "stop" else None
+            if calls is None:
+                out.append(events.chunk(c.index, held, None, usage=_choice_usage(c, ask)))
+            else:
+                finish = "tool_calls"
+                out.append(events.chunk(c.index, None, None, usage=_choice_usage(c, ask), delta={
+                    "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))
+        out.append(events.chunk(c.index, None, finish, usage=_choice_usage(c, ask)))
         return out
 
     def _first_extra(self, c: Choice, ask: Ask) -> dict:

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from tidegate.engine.real.sampling import SamplingParams
 from tidegate.engine.real.structured import StructuredOutput
 from tidegate.engine.serve.protocol import SamplingBody, error_response
+from tidegate.engine.serve.tools import ForcedTools
 
 
 class Refused(Exception):
@@ -67,6 +68,8 @@ class Ask:
     cache_salt: str | None = None
     #: chat's rendered prompt, in the answer (``return_prompt_text``)
     prompt_text: str | None = None
+    #: the tool calls the request forces (``engine.serve.tools``); None: a text answer
+    tools: ForcedTools | None = None
 
     @classmethod
     def of(cls, body: SamplingBody, chat: bool, max_tokens: int | None, **fields) -> Ask:
@@ -140,6 +143,22 @@ def structured_output(body: SamplingBody) -> StructuredOutput | None:
         raise bad_request(str(exc).rstrip("."), name) from None
 
 
+def _tool_output(body: SamplingBody, tools: ForcedTools) -> StructuredOutput:
+    """The constraint of a forced tool call, with ``structured_outputs``' options; a constraint of the body's own
+    beside it is refused (400)."""
+    options = body.structured_outputs or {}
+    has_format = body.response_format is not None and body.response_format.get("type") != "text"
+    if has_format or any(options.get(k) is not None for k in _CONSTRAINTS) \
+            or any(getattr(body, name) is not None for name in _GUIDED):
+        raise bad_request("a forced tool call is structured output of its own: send tool_choice or "
+                          f"{structured_field(body)}, not both", "tool_choice")
+    try:
+        return StructuredOutput("json", tools.schema, flexible_whitespace=not options.get("disable_any_whitespace"),
+                                closed_objects=bool(options.get("disable_additional_properties")))
+    except ValueError as exc:
+        raise bad_request(str(exc).rstrip("."), "tools") from None
+
+
 def structured_field(body: SamplingBody) -> str:
     """The field a body's structured output comes from (for an error naming it)."""
     if body.response_format is not None and body.response_format.get("type") != "text":
@@ -202,7 +221,7 @@ def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=Non
                        if k is not None]
     if prompt_logprobs:
         kwargs["prompt_logprobs"] = max(prompt_logprobs)
-    structured = structured_output(body)
+    structured = structured_output(body) if ask.tools is None else _tool_output(body, ask.tools)
     if structured is not None:
         kwargs["structured_outputs"] = structured
     missing = [name for name in kwargs if name not in _SAMPLING_FIELDS]

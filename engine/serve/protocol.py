@@ -250,20 +250,20 @@ class ChatBody(SamplingBody):
     include_reasoning: bool | None = True
     media_io_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    # refused when set (see unserved)
+    #: the calls a request forces (``engine.serve.tools``): a named function, or "required"; "auto" is refused
     tools: list[Any] | None = None
     tool_choice: Any = None
+    #: with "required": false allows one call only
+    parallel_tool_calls: bool | None = None
+    # refused when set (see unserved)
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # metadata while no tools are served
 
     def unserved(self) -> tuple[str, str] | None:
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                return name, f"tool calling ({name}) is not served"
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                return name, f"tool calling ({name}) is not served"
+        if self.functions:
+            return "functions", "the legacy functions are not served; send tools"
+        if self.function_call not in (None, "none"):
+            return "function_call", "the legacy function_call is not served; send tool_choice"
         if not all(m.text_parts_only() for m in self.messages):
             return "messages", "only text content parts are served"
         if self.top_logprobs and not self.logprobs:
@@ -277,8 +277,10 @@ class ChatBody(SamplingBody):
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template is given besides the messages (vLLM's ``chat_template_kwargs``,
-        ``documents`` and ``reasoning_effort``)."""
+        ``documents``, ``reasoning_effort`` and the request's ``tools``)."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = self.tools
         if self.documents is not None:
             kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
@@ -328,12 +330,12 @@ VLLM_FIELDS: dict[str, dict[str, str]] = {
             "messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
             "documents", "chat_template", "chat_template_kwargs", "reasoning_effort", "return_prompt_text",
         ), "served"),
-        "parallel_tool_calls": "ignored: metadata while no tools are served",
+        "parallel_tool_calls": "served",
+        "tools": "served",
+        "tool_choice": "served: a named function or 'required' (structured output); 'auto' is refused",
         "include_reasoning": "ignored: needs a reasoning parser; none is configured",
         "media_io_kwargs": "ignored: multimodal input; text only",
         "mm_processor_kwargs": "ignored: multimodal input; text only",
-        "tools": "refused: tool calling",
-        "tool_choice": "refused: tool calling, unless 'none'",
     },
 }
 
@@ -404,14 +406,17 @@ def chat_logprobs(entries: list[Entry], token: TokenText) -> dict:
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None, chat: bool,
-                      extra: dict | None = None) -> dict:
-    """One choice of a non-streamed completion (``finish_reason``: ``"stop"`` or ``"length"``).
+                      extra: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """One choice of a non-streamed completion (``finish_reason``: ``"stop"``, ``"length"`` or ``"tool_calls"``).
 
     :param extra: vLLM's fields the client asked for (``token_ids``, ``prompt_token_ids``, ``prompt_logprobs``)
+    :param tool_calls: chat's calls of the message (``engine.serve.tools``)
     """
     if chat:
-        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+        message: dict = {"role": "assistant", "content": text}
+        if tool_calls is not None:
+            message["tool_calls"] = tool_calls
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**choice, **extra} if extra else choice
@@ -479,16 +484,18 @@ class StreamEvents:
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
               role: bool = False, extra: dict | None = None, top: dict | None = None,
-              usage: dict | None = None) -> str:
+              usage: dict | None = None, delta: dict | None = None) -> str:
         """One chunk of choice ``index``: text with the logprobs of its tokens (or, for chat, the
         opening ``role`` delta, or the closing empty delta).
 
         :param extra: vLLM's fields of the choice (``token_ids``, ``prompt_token_ids``)
         :param top: vLLM's top-level fields (chat's ``prompt_token_ids``, ``prompt_text``)
         :param usage: the usage so far, sent with ``continuous_usage``
+        :param delta: chat's delta itself, in place of the text's (a tool call's)
         """
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

@@ -41,6 +41,7 @@ from tidegate.engine.serve.protocol import (
     error_response,
 )
 from tidegate.engine.serve.service import EngineService, EngineUnavailable, Stream
+from tidegate.engine.serve.tools import ToolsError, forced_tools
 
 if TYPE_CHECKING:
     from tidegate.engine.real.sampling import SamplingParams
@@ -83,6 +84,10 @@ class OpenAIServing:
             if body.chat_template is not None and not self.config.trust_request_chat_template:
                 raise bad_request("a chat_template in the request is taken only when the server runs with "
                                   "--trust-request-chat-template", "chat_template")
+            try:
+                tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            except ToolsError as exc:
+                raise bad_request(str(exc), exc.param) from None
             ids, text = await asyncio.to_thread(self._chat_prompt, body)
         except Refused as refused:
             return refused.response
@@ -92,7 +97,7 @@ class OpenAIServing:
         echo = last.turn()["content"] if body.echo and last.role == "assistant" else None
         ask = Ask.of(body, True, max_tokens, best_of=body.choices,
                      logprobs=(body.top_logprobs or 0) if body.logprobs else None, echo=echo is not None,
-                     prompt_text=text if body.return_prompt_text else None)
+                     prompt_text=text if body.return_prompt_text else None, tools=tools)
         return await self.respond(http, body, [(ids, echo)], ask)
 
     # -- prompts (run off the event loop)
@@ -267,7 +272,7 @@ class OpenAIServing:
             try:
                 check_grammar(structured, self._grammar_tokenizer())
             except ValueError as exc:
-                raise bad_request(str(exc).rstrip("."), structured_field(body)) from None
+                raise bad_request(str(exc).rstrip("."), "tools" if ask.tools else structured_field(body)) from None
         return sampling
 
     def _grammar_tokenizer(self):

@@ -1,0 +1,106 @@
+"""Tool calls a chat request forces: one named function (``tool_choice: {"type": "function", "function": {"name":
+...}}``) or any of its functions (``tool_choice: "required"``). The model writes the call under the JSON schema of
+the arguments (structured output), and the answer carries it as ``tool_calls``, as vLLM answers it: a named call's
+arguments are the generated text (``finish_reason`` ``stop``); a required call's text is a JSON array of ``{"name",
+"parameters"}`` objects, one call each (``finish_reason`` ``tool_calls``). ``tool_choice: "auto"``, the default
+with tools, needs a parser of the model's own tool-call syntax, which this server does not have: it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+#: the arguments of a function that declares none
+EMPTY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class ToolsError(ValueError):
+    """A request's tools or tool_choice that cannot be served; ``param`` is the field to name."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ForcedTools:
+    """The calls a request forces: of the function ``name``, or (None) of any of its functions, as the JSON
+    ``schema`` the output is held to."""
+
+    name: str | None
+    schema: dict
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The ``tool_calls`` of a finished output, each with a new id; None where the text is no whole call
+        (cut short by ``max_tokens``): it is then answered as text."""
+        if self.name is not None:
+            return [call_body(self.name, text)]
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i for i in items):
+            return None
+        return [call_body(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
+
+
+def call_body(name: str, arguments: str, call_id: str | None = None) -> dict:
+    """One entry of ``tool_calls``."""
+    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool | None = None) -> ForcedTools | None:
+    """The calls ``tool_choice`` forces among ``tools`` (None: ``"none"``, or no tools).
+
+    :raises ToolsError: malformed tools, a tool_choice naming a function the tools do not hold, or ``"auto"``.
+    """
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ToolsError("tool_choice needs tools", "tool_choice")
+        return None
+    functions = _functions(tools)
+    if tool_choice == "none":
+        return None
+    if tool_choice in (None, "auto"):
+        raise ToolsError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
+                         'syntax, which this server does not have; name a function ({"type": "function", "function": '
+                         '{"name": ...}}) or send "required"', "tool_choice")
+    if tool_choice == "required":
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+             "required": ["name", "parameters"]} for name, params in functions.items()]}}
+        if parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ForcedTools(None, schema)
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type", "function") != "function" \
+            or not isinstance(name, str):
+        raise ToolsError('tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}',
+                         "tool_choice")
+    if name not in functions:
+        raise ToolsError(f"tool_choice names the function {name!r}, which tools do not hold", "tool_choice")
+    return ForcedTools(name, functions[name])
+
+
+def _functions(tools: list) -> dict[str, dict]:
+    """``{name: the JSON schema of its arguments}`` of a request's tools."""
+    functions: dict[str, dict] = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ToolsError('each of tools must be {"type": "function", "function": {"name": ..., "parameters": '
+                             '...}}', "tools")
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ToolsError(f"the parameters of tool {function['name']!r} must be a JSON schema (an object)", "tools")
+        functions[function["name"]] = params or EMPTY_OBJECT
+    return functions

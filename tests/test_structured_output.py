@@ -108,6 +108,9 @@ def test_evictions_leave_structured_outputs_as_they_were():
     ("choice", [], "choice must be a non-empty list of strings"),
     ("grammar", "root ::= nowhere", "the grammar of structured output does not compile"),
     ("xml", "<a/>", "structured output must be one of"),
+    ("grammar", " ", "grammar must be a string with a rule"),
+    ("json", {"const": float("inf")}, "numbers must be finite"),
+    ("choice", ["x" * 40_000], "at most 32,768 are served"),
 ])
 def test_a_constraint_that_does_not_compile_is_one_sentence(kind, spec, message):
     with pytest.raises(ValueError, match=message) as caught:
@@ -159,6 +162,28 @@ def test_closed_objects_take_no_other_properties(server):
                     structured_outputs={"json": open_schema, "disable_additional_properties": True,
                                         "disable_any_whitespace": True})
     assert list(json.loads(body["choices"][0]["text"])) == ["a"]
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"structured_outputs": {}}, "structured_outputs", "names no constraint"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "were both given"),
+    ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": "false"}}, "structured_outputs",
+     "must be true or false"),
+    ({"structured_outputs": {"regex": "[a&&b]"}}, "structured_outputs", "admits no output at all"),
+    ({"guided_json": {"const": 1e400}}, "guided_json", "must be finite"),
+])
+def test_a_malformed_constraint_is_a_400_naming_its_field(server, fields, param, message):
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
+
+
+def test_an_empty_regex_and_json_object_false_are_constraints_as_in_vllm(server):
+    assert complete(server, "hi", max_tokens=8, structured_outputs={"regex": ""})["choices"][0]["text"] == ""
+    text = complete(server, "hi", max_tokens=64, temperature=0,
+                    structured_outputs={"json_object": False})["choices"][0]["text"]
+    assert text.startswith("{")
 
 
 def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(server):
@@ -236,3 +261,35 @@ def test_tools_reach_the_chat_template():
 
     body = ChatBody(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice="required")
     assert body.template_kwargs()["tools"] == TOOLS and body.unserved() is None
+
+
+def test_a_matcher_that_fails_midway_fails_the_request_saying_why(llm):
+    """A grammar past a limit of llguidance's parser (a row of items) fails at its second token: the request ends
+    failed with the parser's first line, never as a finished output that does not hold."""
+    wide = {"type": "object", "additionalProperties": False,
+            "properties": {f"field_{i}": {"type": "string", "maxLength": 3} for i in range(600)}}
+    sampling = SamplingParams(structured_outputs=StructuredOutput("json", wide))
+    llm.check_request([1, 5], 60, sampling)  # its first token is fine
+    for out in llm.generate(PROMPTS[:2], sampling, max_tokens=60):
+        assert out.finish_reason.startswith("structured output failed: Parser Error") and "\n" not in out.finish_reason
+        assert out.text == "{"
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("regex", "[a&&b]", "admits no output at all"),
+    ("json", {"$ref": "#"}, "admits no output at all"),
+])
+def test_a_constraint_with_no_first_token_is_refused_before_it_runs(llm, kind, spec, message):
+    with pytest.raises(ValueError, match=message):
+        llm.check_request([1, 5], 8, SamplingParams(structured_outputs=StructuredOutput(kind, spec)))
+
+
+def test_many_copies_of_a_request_build_its_matcher_once(llm):
+    matchers = llm.executor._matchers
+    output = StructuredOutput("regex", "[0-9]{4}")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=1, structured_outputs=output), max_tokens=8)
+    assert all(re.fullmatch("[0-9]{4}", o.text) for o in outs)
+    assert list(matchers).count(output.grammar) == 1
+    start = matchers[output.grammar]
+    llm.generate(PROMPTS, SamplingParams(structured_outputs=output), max_tokens=8)
+    assert matchers[output.grammar] is start

@@ -9,6 +9,7 @@ keys and values at the blocks the core gave each request, and hands the logits t
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -27,6 +28,10 @@ from tidegate.engine.real.structured import check_grammar, grammar_tokenizer
 _GREEDY = SamplingParams()
 
 
+#: grammars whose starting matcher the executor keeps (``TorchExecutor._matcher``)
+MATCHERS_KEPT = 32
+
+
 class _RequestState:
     """What the executor keeps per running request: its sampling state, and its text and stop ids
     (for the stop check)."""
@@ -34,8 +39,8 @@ class _RequestState:
     __slots__ = ("sampling", "detok", "stop_ids")
 
     def __init__(self, r: Request, sampling: SamplingParams, stop_ids: frozenset[int], tokenizer, device,
-                 vocab_size: int, grammar_tokenizer=None) -> None:
-        self.sampling = RequestSampling(r, sampling, stop_ids, device, vocab_size, grammar_tokenizer)
+                 vocab_size: int, grammar=None) -> None:
+        self.sampling = RequestSampling(r, sampling, stop_ids, device, vocab_size, grammar)
         self.detok = IncrementalDetokenizer(tokenizer) if sampling.stop else None
         self.stop_ids = stop_ids
 
@@ -66,6 +71,10 @@ class TorchExecutor:
         self._attn_name = register_attention()
         self._states: dict[Request, _RequestState] = {}
         self._grammar_tokenizer = None  # built at the first request with structured output
+        #: a matcher at the start of each recent grammar: a sequence's own is a copy (building one costs up to
+        #: a second for a large schema; a copy, microseconds), so n copies of a request or a schema sent again
+        #: build it once
+        self._matchers: OrderedDict[str, object] = OrderedDict()
         self.cache: PagedKVCache | None = None
         self.pool = None
         self.forward_time_s = 0.0  # time inside the model forward, summed (for overhead figures)
@@ -94,6 +103,19 @@ class TorchExecutor:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammar_tokenizer
 
+    def _matcher(self, output) -> tuple:
+        """A new matcher at the start of ``output``'s grammar, and the size of its masks."""
+        from llguidance import LLMatcher
+
+        tokenizer = self._grammar()
+        start = self._matchers.pop(output.grammar, None)
+        if start is None:
+            start = LLMatcher(tokenizer, output.grammar, log_level=0)
+        self._matchers[output.grammar] = start
+        while len(self._matchers) > MATCHERS_KEPT:
+            self._matchers.popitem(last=False)
+        return start.deep_copy(), tokenizer.vocab_size
+
     # ------------------------------------------------------------------ the step
     def execute(self, batch: Batch) -> StepResult:
         """Run one step: pack the new tokens, one forward pass, sample, and find the requests that stop."""
@@ -112,8 +134,16 @@ class TorchExecutor:
         token_ids: list[int | None] = [None] * len(batch.requests)
         for i, tok in zip(step.samplers, tokens):
             token_ids[i] = tok
-        stopped = [r for r, tok in zip(sampled, tokens) if self._stops(r, tok)]
-        return StepResult(None, token_ids, stopped)
+        failed = [(r, f"structured output failed: {error}") for r, error in
+                  ((r, self._advance_grammar(r, tok)) for r, tok in zip(sampled, tokens)) if error is not None]
+        broken = {r for r, _ in failed}
+        stopped = [r for r, tok in zip(sampled, tokens) if r not in broken and self._stops(r, tok)]
+        return StepResult(None, token_ids, stopped, failed)
+
+    def _advance_grammar(self, r: Request, tok: int) -> str | None:
+        """Advance ``r``'s grammar (if it has one) by its sampled token; the matcher's error where it failed."""
+        grammar = self._states[r].sampling.grammar
+        return None if grammar is None else grammar.advance(tok)
 
     def _pack(self, batch: Batch) -> "_PackedStep":
         """The step's new tokens as one packed sequence, which rows sample a token, and which rows
@@ -159,7 +189,7 @@ class TorchExecutor:
         """Whether ``tok`` ends ``r``: a stop token (EOS included unless ignored) or a stop string,
         once ``min_tokens`` tokens came before it."""
         state = self._states[r]
-        if state.sampling.grammar is not None and state.sampling.grammar.advance(tok):
+        if state.sampling.grammar is not None and state.sampling.grammar.whole:
             return True  # the structured output is whole: nothing more can follow it
         early = len(r.output_token_ids) < state.sampling.params.min_tokens  # the tokens before this one
         if tok in state.stop_ids and not early:
@@ -181,7 +211,7 @@ class TorchExecutor:
     # ------------------------------------------------------------------ helpers
     def _start(self, r: Request) -> None:
         sampling = r.sampling if r.sampling is not None else _GREEDY
-        grammar = self._grammar() if sampling.structured_outputs is not None else None
+        grammar = self._matcher(sampling.structured_outputs) if sampling.structured_outputs is not None else None
         self._states[r] = _RequestState(r, sampling, self.stop_token_ids(sampling), self.tokenizer, self.device,
                                         self.vocab_size, grammar)
         if sampling.logprobs is not None:

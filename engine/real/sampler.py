@@ -17,7 +17,6 @@ from llguidance import LLMatcher
 from tidegate.engine.core.request import Request
 from tidegate.engine.real.paged_cache import _long
 from tidegate.engine.real.sampling import SamplingParams
-from tidegate.engine.real.structured import StructuredOutput
 
 
 class RequestSampling:
@@ -29,21 +28,17 @@ class RequestSampling:
     :param stop_ids: the ids that end it; masked out until it has ``min_tokens`` tokens.
     :param device: torch device of the logits.
     :param vocab_size: columns of the logits; ids at or past it are left out.
-    :param grammar_tokenizer: the model's tokenizer as llguidance reads it (``structured.grammar_tokenizer``),
-        for a request with ``structured_outputs``.
+    :param grammar: the request's matcher at the start of its ``structured_outputs`` and the size of its masks
+        (None: it has none).
     """
 
     __slots__ = ("params", "generator", "mask_ids", "bias_ids", "bias_values", "counts", "seen", "counted",
                  "banned", "bad_words", "masked", "plain", "grammar")
 
     def __init__(self, r: Request, sampling: SamplingParams, stop_ids: frozenset[int], device,
-                 vocab_size: int, grammar_tokenizer=None) -> None:
+                 vocab_size: int, grammar: tuple[LLMatcher, int] | None = None) -> None:
         self.params = sampling
-        self.grammar = None
-        if sampling.structured_outputs is not None:
-            if grammar_tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer as llguidance reads it")
-            self.grammar = GrammarState(sampling.structured_outputs, grammar_tokenizer, vocab_size)
+        self.grammar = None if grammar is None else GrammarState(grammar[0], vocab_size, grammar[1])
         self.generator = None
         if sampling.seed is not None and not sampling.greedy:
             self.generator = torch.Generator(device=device)
@@ -139,17 +134,17 @@ class RequestSampling:
 class GrammarState:
     """One sequence's place in its grammar.
 
-    :param output: the constraint.
-    :param tokenizer: from :func:`grammar_tokenizer`.
+    :param matcher: an llguidance matcher at the start of the sequence's grammar (its own: it advances).
     :param vocab_size: columns of the logits.
+    :param mask_size: tokens in the matcher's masks (its tokenizer's vocabulary: at least ``vocab_size``).
     """
 
     __slots__ = ("matcher", "vocab_size", "_bits")
 
-    def __init__(self, output: StructuredOutput, tokenizer, vocab_size: int) -> None:
-        self.matcher = LLMatcher(tokenizer, output.grammar)
+    def __init__(self, matcher: LLMatcher, vocab_size: int, mask_size: int) -> None:
+        self.matcher = matcher
         self.vocab_size = vocab_size
-        self._bits = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+        self._bits = np.zeros((max(mask_size, vocab_size) + 31) // 32, dtype=np.int32)
 
     def allowed(self, device) -> torch.Tensor:
         """A bool mask ``[vocab_size]`` of the tokens that can come next (EOS alone once the output is whole)."""
@@ -157,12 +152,19 @@ class GrammarState:
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
         return torch.from_numpy(bits.astype(bool)).to(device)
 
-    def advance(self, token: int) -> bool:
-        """Take the sampled ``token``; True when the sequence ends: the output is whole, or the matcher failed
-        (then it allows nothing, and the other masks alone chose the token)."""
+    def advance(self, token: int) -> str | None:
+        """Take the sampled ``token``; the matcher's error where it failed (say a limit of its parser), else None."""
         if not self.matcher.is_stopped():
             self.matcher.consume_token(token)
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        if not self.matcher.is_error():
+            return None
+        lines = (self.matcher.get_error() or "").strip().splitlines()  # then its state and its whole grammar
+        return lines[0][:300] if lines else "the matcher failed"
+
+    @property
+    def whole(self) -> bool:
+        """The output is whole: the grammar admits nothing more."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
 
 class Sampler:

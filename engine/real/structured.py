@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 #: what a request may hold its output to, as vLLM's ``structured_outputs`` names them
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: the largest constraint served, as UTF-8 (a JSON schema or a choice as JSON text): compiling one and building its
+#: matcher grow with the square of its size (a schema of 2,000 properties, 57 KB: 0.4 s a matcher on this CPU; a
+#: GBNF grammar of 1,000 rules, 33 KB: 1 s to convert, in Python)
+MAX_CONSTRAINT_BYTES = 32 * 1024
 #: schema keywords whose values map names to subschemas, and keywords holding subschemas (vLLM's list)
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 _SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
@@ -60,6 +65,10 @@ def _compile(s: StructuredOutput) -> str:
     import llguidance
     from llguidance import LLMatcher
 
+    size = len((s.spec if isinstance(s.spec, str) else json.dumps(s.spec, default=str)).encode("utf-8", "replace"))
+    if size > MAX_CONSTRAINT_BYTES:
+        raise ValueError(f"the {s.kind} of structured output is {size:,} bytes; at most {MAX_CONSTRAINT_BYTES:,} are "
+                         f"served")
     options: dict[str, Any] = {"whitespace_flexible": s.flexible_whitespace}
     if s.whitespace_pattern is not None:
         options["whitespace_pattern"] = s.whitespace_pattern
@@ -70,6 +79,8 @@ def _compile(s: StructuredOutput) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+            if not _finite(schema):
+                raise ValueError("a JSON schema's numbers must be finite (NaN, Infinity and 1e400 are not)")
             if s.closed_objects:
                 schema = copy.deepcopy(schema)
                 _close_objects(schema)
@@ -81,8 +92,8 @@ def _compile(s: StructuredOutput) -> str:
                 raise ValueError("choice must be a non-empty list of strings")
             grammar = llguidance.grammar_from("choice", list(s.spec))
         else:
-            if not isinstance(s.spec, str) or not s.spec:
-                raise ValueError(f"{s.kind} must be a non-empty string")
+            if not isinstance(s.spec, str) or (s.kind == "grammar" and not s.spec.strip()):
+                raise ValueError(f"{s.kind} must be a string" + (" with a rule" if s.kind == "grammar" else ""))
             grammar = llguidance.grammar_from(s.kind, s.spec)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise ValueError(f"the {s.kind} of structured output does not compile: {_first_line(exc)}") from None
@@ -90,6 +101,17 @@ def _compile(s: StructuredOutput) -> str:
     if problem:
         raise ValueError(f"the {s.kind} of structured output does not compile: {_first_line(problem)}")
     return grammar
+
+
+def _finite(value: object) -> bool:
+    """Whether every number in a JSON value is finite (Python's parser reads NaN, Infinity and 1e400 as floats)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
 
 
 def _first_line(problem: object) -> str:
@@ -134,13 +156,19 @@ class _ByteVocabulary:
 
 def check_grammar(output: StructuredOutput, tokenizer) -> None:
     """Raise ValueError (one sentence) where ``output``'s grammar cannot run over ``tokenizer`` (from
-    :func:`grammar_tokenizer`): say it names a special token the model does not have."""
+    :func:`grammar_tokenizer`): it names a special token the model does not have, or it admits no first token (an
+    empty character class, a rule that never ends)."""
     from llguidance import LLMatcher
 
     problem = LLMatcher.validate_grammar(output.grammar, tokenizer)
     if problem:
         raise ValueError(f"the {output.kind} of structured output does not compile for this model's tokenizer: "
                          f"{_first_line(problem)}")
+    matcher = LLMatcher(tokenizer, output.grammar, log_level=0)
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        raise ValueError(f"the {output.kind} of structured output admits no output at all "
+                         f"({_first_line(matcher.get_error())})")
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_token_ids):

@@ -107,46 +107,54 @@ def structured_output(body: SamplingBody) -> StructuredOutput | None:
     ``grammar``, ``json_object``, and its whitespace options), or vLLM's older ``guided_*`` fields; None for free
     text. Raises :class:`Refused` (400) naming the field for a constraint that is malformed or does not compile."""
     found: list[tuple[str, str, object]] = []  # (field, kind, spec)
-    options = dict(body.structured_outputs or {})
-    param = "structured_outputs"
-    unknown = sorted(set(options) - set(_CONSTRAINTS) - set(_OPTIONS))
-    if unknown:
-        raise bad_request(f"structured_outputs has no field {unknown[0]!r} (it takes one of "
-                          f"{', '.join(_CONSTRAINTS[:-1])} and the options {', '.join(_OPTIONS[:-1])})", param)
-    found += [(param, k, options[k]) for k in _CONSTRAINTS if options.get(k) is not None]
+    options = _options(body)
+    found += [("structured_outputs", k, options[k]) for k in _CONSTRAINTS if options.get(k) is not None]
     found += [(name, kind, getattr(body, name)) for name, kind in _GUIDED.items() if getattr(body, name) is not None]
     fmt = body.response_format
     if fmt is not None and fmt.get("type") != "text":
         kind, spec = _response_format(fmt)
-        found = [("response_format", kind, spec)]  # over structured_outputs' constraint, as in vLLM
+        found.insert(0, ("response_format", kind, spec))
     if not found:
-        if body.structured_outputs:
+        if body.structured_outputs is not None:
             raise bad_request("structured_outputs names no constraint (one of json, regex, choice, grammar, "
-                              "json_object)", param)
+                              "json_object)", "structured_outputs")
         return None
     if len(found) > 1:
         raise bad_request(f"one structured output constraint a request: {found[0][0]} ({found[0][1]}) and "
                           f"{found[1][0]} ({found[1][1]}) were both given", found[1][0])
     name, kind, spec = found[0]
-    if kind == "json_object":
-        if spec is not True and name != "response_format":
-            raise bad_request("structured_outputs.json_object must be true", name)
+    if kind == "json_object":  # any value but null asks for it, as in vLLM
         spec = None
-    pattern = options.get("whitespace_pattern", body.guided_whitespace_pattern)
-    if pattern is not None and not isinstance(pattern, str):
-        raise bad_request("whitespace_pattern must be a string", "structured_outputs")
     try:
         return StructuredOutput(kind, spec, flexible_whitespace=not options.get("disable_any_whitespace"),
                                 closed_objects=bool(options.get("disable_additional_properties")),
-                                whitespace_pattern=pattern)
+                                whitespace_pattern=options.get("whitespace_pattern", body.guided_whitespace_pattern))
     except ValueError as exc:
         raise bad_request(str(exc).rstrip("."), name) from None
+
+
+def _options(body: SamplingBody) -> dict:
+    """``structured_outputs`` checked: known fields, options of their types (400 naming it otherwise)."""
+    options = dict(body.structured_outputs or {})
+    unknown = sorted(set(options) - set(_CONSTRAINTS) - set(_OPTIONS))
+    if unknown:
+        raise bad_request(f"structured_outputs has no field {unknown[0]!r} (it takes one of "
+                          f"{', '.join(_CONSTRAINTS[:-1])} and the options {', '.join(_OPTIONS[:-1])})",
+                          "structured_outputs")
+    for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise bad_request(f"structured_outputs.{name} must be true or false", "structured_outputs")
+    for name, value in (("structured_outputs.whitespace_pattern", options.get("whitespace_pattern")),
+                        ("guided_whitespace_pattern", body.guided_whitespace_pattern)):
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"{name} must be a string", name.split(".")[0])
+    return options
 
 
 def _tool_output(body: SamplingBody, tools: ForcedTools) -> StructuredOutput:
     """The constraint of a forced tool call, with ``structured_outputs``' options; a constraint of the body's own
     beside it is refused (400)."""
-    options = body.structured_outputs or {}
+    options = _options(body)
     has_format = body.response_format is not None and body.response_format.get("type") != "text"
     if has_format or any(options.get(k) is not None for k in _CONSTRAINTS) \
             or any(getattr(body, name) is not None for name in _GUIDED):
@@ -157,6 +165,12 @@ def _tool_output(body: SamplingBody, tools: ForcedTools) -> StructuredOutput:
                                 closed_objects=bool(options.get("disable_additional_properties")))
     except ValueError as exc:
         raise bad_request(str(exc).rstrip("."), "tools") from None
+
+
+def wants_structured_output(body: SamplingBody) -> bool:
+    """Whether a body asks for structured output in any of its three ways."""
+    return bool((body.response_format is not None and body.response_format.get("type") != "text")
+                or body.structured_outputs or any(getattr(body, name) is not None for name in _GUIDED))
 
 
 def structured_field(body: SamplingBody) -> str:

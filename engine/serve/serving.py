@@ -28,6 +28,7 @@ from tidegate.engine.serve.arrival import (
     refuse_unserved,
     sampling_params,
     structured_field,
+    wants_structured_output,
 )
 from tidegate.engine.real.structured import check_grammar, grammar_tokenizer
 from tidegate.engine.serve.chat import chat_prompt
@@ -214,7 +215,12 @@ class OpenAIServing:
         (``best_of`` of them per prompt), or (None, response) otherwise."""
         try:
             self._check_open()
-            sampling = self._sampling(body, ask, len(prompts) * ask.best_of)
+            if ask.tools is not None or wants_structured_output(body):
+                # compiling a constraint takes up to seconds for a large one: off the event loop, so that probes
+                # and refusals do not wait on it
+                sampling = await asyncio.to_thread(self._sampling, body, ask, len(prompts) * ask.best_of)
+            else:
+                sampling = self._sampling(body, ask, len(prompts) * ask.best_of)
             limits = [self._max_tokens(body, ids, ask) for ids, _ in prompts]
         except Refused as refused:
             return None, refused.response

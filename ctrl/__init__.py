@@ -212,7 +212,12 @@ def _learned(raw: dict[str, str], profile) -> Controller:
     kwargs = _options("learned", raw, params)
     if profile is None:
         raise ControllerSpecError("controller 'learned' needs the replica's profile (its step time, KV size and SLOs)")
+    path = kwargs.pop("path", None)
     try:
-        return make_learned_controller(kwargs.pop("path", None), profile=profile, **kwargs)
+        controller = make_learned_controller(path, profile=profile, **kwargs)
     except (ValueError, TypeError) as exc:
         raise ControllerSpecError(f"controller 'learned': {exc}") from None
+    error = getattr(controller.inner, "load_error", None)
+    if path is not None and error:  # a policy named on purpose that does not load is the user's to fix
+        raise ControllerSpecError(f"controller 'learned': {error}")
+    return controller

@@ -63,12 +63,47 @@ def test_capacity_json():
     (["bench", "--loads", "a,b"], "--loads must be"),
     (["twin-check", "--trace", "splitwise_conv", "--pin-cpu", "100000"], "core 100000 is not one this process"),
     (["profile", "--quick", "--out", "/tmp/unused.json", "--pin-cpu", "100000"], "core 100000 is not one"),
+    (["simulate", "--trace", "splitwise_conv", "--first", "5", "--controller", "learned:policy=/nonexistent.onnx"],
+     "cannot load /nonexistent.onnx"),
+    (["simulate", "--trace", "splitwise_conv", "--load", "nan"], "is not a positive finite number"),
+    (["bench", "--loads", "1,inf"], "--loads must be positive finite numbers"),
+    (["simulate", "--workload", "paper_sec41", "--seed=-1"], "-1 is not in the range x>=0"),
+    (["loadgen", "--dataset", "random", "--url", "http://127.0.0.1:1", "--duration", "1"], "needs --rate"),
+    (["loadgen", "--dataset", "random", "--url", "notaurl", "--num-requests", "1"], "cannot be reached"),
+    (["roofline", "--write", "--out-dir", "/proc/unwritable"], "/proc/unwritable"),
+    (["train", "--timesteps", "0"], "0 is not in the range x>=1"),
 ])
 def test_bad_input_gets_one_line_and_exit_2(args, message):
     res = run(*args)
     assert res.exit_code == 2
     assert message in res.output
     assert "Traceback" not in res.output
+
+
+def test_a_controller_that_admits_nothing_ends_the_run_with_one_line(tmp_path, monkeypatch):
+    from tidegate.engine.core import driver
+
+    monkeypatch.setattr(driver, "STALL_STEPS", 1000)
+    trace = tmp_path / "one.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n")
+    res = run("simulate", "--trace", str(trace), "--controller", "flow:budget=0")
+    assert res.exit_code == 2 and "admitted none of 1 waiting requests in 1,000 steps" in res.output
+
+
+def test_json_figures_that_are_no_number_are_null(tmp_path):
+    trace = tmp_path / "huge.csv"  # no request fits the KV cache: no latency to report
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10000000,10\n")
+    res = run("simulate", "--trace", str(trace), "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output, parse_constant=lambda name: pytest.fail(f"{name} in --json"))
+    assert data["rejected"] == 1 and data["ttft_p50_s"] is None
+
+
+def test_a_mooncake_number_past_a_floats_range_is_one_line(tmp_path):
+    trace = tmp_path / "big.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 10 ** 400, "output_length": 10}) + "\n")
+    res = run("simulate", "--trace", str(trace))
+    assert res.exit_code == 2 and "Traceback" not in res.output and "input_length" in res.output
 
 
 def test_malformed_trace_names_file_and_line(tmp_path):

@@ -517,7 +517,17 @@ def test_the_server_queue_timeout_never_loosens_the_controllers():
 
 
 def test_health_says_degraded_while_the_learned_policys_fallback_decides(tiny, tmp_path):
-    s = Running(tiny, controller=f"learned:path={tmp_path / 'missing.onnx'}")
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from tidegate.ctrl.learned import DEFAULT_POLICY
+
+    model = onnx.load(str(DEFAULT_POLICY))  # the shipped policy with NaN weights: every answer is NaN
+    for init in model.graph.initializer:
+        init.CopyFrom(numpy_helper.from_array(np.full_like(numpy_helper.to_array(init), np.nan), init.name))
+    onnx.save(model, str(tmp_path / "nan.onnx"))
+    s = Running(tiny, controller=f"learned:path={tmp_path / 'nan.onnx'}")
     try:
         for i in range(3):
             s.client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=12, extra_body={"ignore_eos": True})

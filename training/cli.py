@@ -29,9 +29,12 @@ def parse_list(text: str, option: str, kind: type, expected: str) -> list:
     :raises OptionError: an item is empty or not a ``kind``.
     """
     try:
-        return [kind(x) for x in text.split(",")]
+        values = [kind(x) for x in text.split(",")]
     except ValueError:
         raise OptionError(f"{option} {text!r} is not valid: expected {expected}") from None
+    if kind is int and "non-negative" in expected and any(v < 0 for v in values):
+        raise OptionError(f"{option} {text!r} is not valid: expected {expected}")
+    return values
 
 
 def _path() -> click.Path:
@@ -45,9 +48,9 @@ def _path() -> click.Path:
 @click.option("--env", "env_name", type=click.Choice(["serving", "fleet"]), default="serving", show_default=True,
               help="serving: one replica's controller (tidegate/Serving-v0); fleet: the gateway's admission in "
                    "front of a fleet (tidegate/Fleet-v0).")
-@click.option("--timesteps", type=int, default=None, help="Override the config's n_timesteps.")
-@click.option("--n-envs", type=int, default=None, help="Override the config's n_envs.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the envs and of PPO.")
+@click.option("--timesteps", type=click.IntRange(min=1), default=None, help="Override the config's n_timesteps.")
+@click.option("--n-envs", type=click.IntRange(min=1), default=None, help="Override the config's n_envs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the envs and of PPO.")
 @click.option("--seeds", default=None,
               help="Several training seeds, e.g. 0,1,2: one run each, in OUT/seed<N>, run as parallel tasks.")
 @click.option("--out", "out_dir", type=_path(), default=DEFAULT_OUT, show_default=True,
@@ -69,7 +72,7 @@ def train_command(config_path, env_name, timesteps, n_envs, seed, seeds, out_dir
         return
     if resume is not None:
         raise OptionError("--resume continues one run: give --seed, not --seeds")
-    seed_list = parse_list(seeds, "--seeds", int, "integers like 0,1,2")
+    seed_list = parse_list(seeds, "--seeds", int, "non-negative integers like 0,1,2")
     for path in train_seeds(config_path, seed_list, out_dir, n_timesteps=timesteps, n_envs=n_envs,
                             backend=backend, address=address, workers=workers, env_id=env_id):
         click.echo(f"saved {path}")
@@ -136,7 +139,7 @@ def evaluate_command(policies, families, profiles, loads, requests, seeds, out, 
 @click.option("--timesteps", type=int, default=30_000, show_default=True, help="PPO timesteps of fine-tuning.")
 @click.option("--minutes", type=float, default=15.0, show_default=True,
               help="Stop the fine-tuning after this long (what it learned so far is kept).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fine-tuning.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the fine-tuning.")
 @click.option("--loads", default="1.2,2.0", show_default=True, help="Loads of the verdict, multiples of lambda_max.")
 @click.option("--seeds", default="0,1,2", show_default=True, help="Draws of the held-out part at each load.")
 @click.option("--requests", type=int, default=1500, show_default=True, help="Requests per draw.")

@@ -217,7 +217,7 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
     torch.set_num_threads(1)  # a 64x64 MLP: threads only contend with the env workers
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    n_envs = int(n_envs or cfg.get("n_envs", 1))
+    n_envs = int(n_envs if n_envs is not None else cfg.get("n_envs", 1))
     kwargs, eval_kwargs = env_kwargs_of(cfg, env_kwargs)
     norm = {"norm_obs": True, "norm_reward": True, "clip_obs": 10.0, **cfg.get("normalize", {})}
 
@@ -236,7 +236,7 @@ def train(config_path: str | Path | None = None, *, env_id: str = ENV_ID, n_time
         model.set_logger(configure(str(out), ["csv"]))
 
     t0 = time.perf_counter()
-    model.learn(total_timesteps=int(n_timesteps or cfg.get("n_timesteps", 100_000)),
+    model.learn(total_timesteps=int(n_timesteps if n_timesteps is not None else cfg.get("n_timesteps", 100_000)),
                 callback=_callbacks(cfg, eval_venv, out, n_envs, CHECKPOINT_PREFIXES[env_id]),
                 progress_bar=progress_bar,
                 reset_num_timesteps=resume is None, tb_log_name="ppo")

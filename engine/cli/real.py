@@ -202,7 +202,7 @@ def profile_command(model, device, dtype, threads, out_path, name, kv_capacity_t
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="Both engines reuse the KV blocks of shared prompt prefixes (a Mooncake trace's hash_ids say "
                    "which; the real engine's prompts share tokens where they do).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--noise-seeds", type=click.IntRange(min=1), default=8, show_default=True,
               help="Simulate with this many step-noise seeds and compare the real requests with all their "
                    "simulated requests pooled (a profile without noise is simulated once).")
@@ -271,7 +271,9 @@ def _twin_check_vllm(opts: dict) -> None:
 
 @click.command("tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights (0: --model tiny's).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random weights (0: --model tiny's).")
+@friendly()
 def tiny_model_command(out_dir, seed):
     """Save the built-in tiny model (config, seeded random weights, a byte-level tokenizer.json and a chat
     template) as a Hugging Face folder that vLLM or transformers serve like any model; nothing is downloaded."""

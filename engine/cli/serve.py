@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from tidegate.ctrl import DEFAULT_CONTROLLER
-from tidegate.engine.cli.support import friendly
+from tidegate.engine.cli.support import fail, friendly
 from tidegate.engine.cli.vllm_serve import VllmServeError, serve_vllm
 from tidegate.engine.gateway.routers import PROMPT_FREE_ROUTERS
 
@@ -368,7 +368,7 @@ def _banner(config, service, controller) -> None:
 @click.option("--goodput", "goodput_slos", multiple=True,
               help="SLO for goodput, e.g. --goodput ttft:2000 --goodput tpot:100 (ms).")
 @click.option("--model", default=None, help="Model name (default: the server's first).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
 @friendly()
 def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_requests, max_concurrency,
@@ -398,9 +398,15 @@ def loadgen(url, trace, dataset, rate, rate_scale, burstiness, duration_s, num_r
     else:
         if num_requests is None and duration_s is None:
             raise click.UsageError("--dataset random needs --num-requests or --duration")
+        if num_requests is None and rate is None:
+            raise click.UsageError("--duration without --num-requests needs --rate: all at once, it never ends")
         plan = plan_random(num_requests or 10**9, rate or float("inf"), burstiness, input_len, output_len, seed,
                            duration_s)
-    outcomes, wall = run(run_load(url, plan, model, max_concurrency, progress=sys.stderr.isatty()))
+    import httpx
+    try:
+        outcomes, wall = run(run_load(url, plan, model, max_concurrency, progress=sys.stderr.isatty()))
+    except (httpx.TransportError, httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        fail(f"the server at {url} cannot be reached ({type(exc).__name__}: {exc})")
     summary = summarize(outcomes, wall, slos.get("ttft"), slos.get("tpot"))
     click.echo(format_summary(summary))
     if out_path:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from tidegate.engine.cli.support import parse_floats, friendly, load_arrivals, workload_options
+from tidegate.engine.cli.support import POSITIVE, friendly, load_arrivals, parse_floats, workload_options
 
 
 @click.command()
@@ -112,9 +113,20 @@ def _simulate_fleet(arrivals, profiles, controller_spec, seed, replicas, setting
             "prefix_caching": prefix_caching, **summary}
 
 
+def _finite(value):
+    """``value`` with every NaN or infinite float inside it (dicts and lists too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _print(summary: dict, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(summary))
+    if as_json:  # strict JSON: a figure that is not a number (no request served, a span of no time) is null
+        click.echo(json.dumps(_finite(summary), allow_nan=False))
         return
     width = max(len(k) for k in summary)
     for k, v in summary.items():
@@ -137,9 +149,9 @@ def _print(summary: dict, as_json: bool) -> None:
 @click.option("--first", "first_n", type=click.IntRange(min=1), default=None, help="Keep the first N requests.")
 @click.option("--start-s", type=float, default=None)
 @click.option("--end-s", type=float, default=None)
-@click.option("--length-scale", type=float, default=1.0, show_default=True)
+@click.option("--length-scale", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel simulations (default: cores).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True)

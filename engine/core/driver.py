@@ -10,6 +10,15 @@ from tidegate.engine.core.engine_core import EngineCore
 from tidegate.engine.core.request import Request
 
 
+#: steps in a row with requests waiting, none running and none admitted after which a replay stops: its controller
+#: admits nothing (a budget of 0), and the replay would never end
+STALL_STEPS = 1_000_000
+
+
+class ReplayStalled(ValueError):
+    """The controller admitted nothing for ``STALL_STEPS`` steps while requests waited and none ran."""
+
+
 def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Callable[[int], Request],
            on_step: Callable[[int], None] | None = None,
            fast_forward: Callable[[EngineCore, float], object] | None = None) -> None:
@@ -29,6 +38,7 @@ def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Cal
     """
     clock, step, add, sched = core.clock, core.step, core.add_request, core.scheduler
     n, i = len(arrival_times_s), 0
+    idle = 0  # steps in a row with requests waiting and none running
     while i < n or core.has_unfinished:
         now = clock.now()
         while i < n and arrival_times_s[i] <= now:
@@ -48,4 +58,12 @@ def replay(core: EngineCore, arrival_times_s: Sequence[float], make_request: Cal
         step(False)
         if on_step is not None:
             on_step(i)
+        if sched.running:
+            idle = 0
+        else:
+            idle += 1
+            if idle >= STALL_STEPS:
+                raise ReplayStalled(f"the controller admitted none of {len(sched.waiting)} waiting requests in "
+                                    f"{STALL_STEPS:,} steps while none ran: it admits nothing (a budget of 0?), and "
+                                    "the run would never end")
     core.sync()

@@ -252,9 +252,13 @@ def _hash_ids(value: Any, where: str) -> tuple[int, ...]:
 
 
 def _json_number(value: Any) -> float:
+    """A JSON number as a float (NaN for anything else; infinity for an integer past a float's range)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return math.nan
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def _json_count(value: Any, key: str, where: str) -> int:

@@ -72,6 +72,7 @@ def test_capacity_json():
     (["loadgen", "--dataset", "random", "--url", "notaurl", "--num-requests", "1"], "cannot be reached"),
     (["roofline", "--write", "--out-dir", "/proc/unwritable"], "/proc/unwritable"),
     (["train", "--timesteps", "0"], "0 is not in the range x>=1"),
+    (["capacity", "--trace", "splitwise_conv", "--load", "5"], "--load applies to simulate"),
 ])
 def test_bad_input_gets_one_line_and_exit_2(args, message):
     res = run(*args)

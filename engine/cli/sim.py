@@ -187,6 +187,9 @@ def capacity(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     from tidegate.engine.core.profile import load_profile
     from tidegate.engine.workloads import trace_stats
 
+    if load is not None:
+        raise click.UsageError("capacity reports the offered load as a multiple of lambda_max; --load applies to "
+                               "simulate (--rate-scale changes the trace's speed here)")
     profile = load_profile(profile_name)
     arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
     cap = fluid_capacity([a.prompt_tokens for a in arrivals], [a.output_tokens for a in arrivals], profile)

@@ -58,7 +58,7 @@ class RequestSampling:
             self.seen[_long([t for t in r.prompt_token_ids if t < vocab_size], device)] = True
         # A plain request is one greedy argmax over the raw logits: the fast path of a step.
         self.plain = (sampling.greedy and self.bias_ids is None and self.mask_ids is None and self.counts is None
-                      and not self.masked and sampling.logprobs is None)
+                      and not self.masked and self.grammar is None and sampling.logprobs is None)
 
     def _build_bans(self, sampling: SamplingParams, device, vocab_size: int) -> None:
         """The bans that ``allowed_token_ids`` and ``bad_words_token_ids`` put on the logits:
@@ -81,7 +81,7 @@ class RequestSampling:
         for seq in sequences:
             if len(seq) > 1:
                 self.bad_words.setdefault(seq[-2], []).append((seq[:-1], seq[-1]))
-        self.masked = self.banned is not None or bool(self.bad_words) or self.grammar is not None
+        self.masked = self.banned is not None or bool(self.bad_words)
 
     def banned_now(self, r: Request) -> list[int]:
         """The last tokens of the longer bad words whose prefix the output ends with: banned this step
@@ -91,18 +91,18 @@ class RequestSampling:
             return []
         return [token for prefix, token in self.bad_words.get(out[-1], ()) if out[-len(prefix):] == prefix]
 
-    def ban(self, row: torch.Tensor, r: Request, early: bool) -> None:
+    def ban(self, row: torch.Tensor, r: Request, early: bool, grammar: torch.Tensor | None = None) -> None:
         """Set the logits of the banned tokens of ``row`` (the request's float32 logits) to -inf: those
-        the grammar does not allow now, those of :meth:`banned_now` and the ``banned`` mask, and with
-        ``early`` the ``min_tokens`` mask.
+        of :meth:`banned_now` and the ``banned`` mask, and with ``early`` the ``min_tokens`` mask.
+
+        :param grammar: the tokens the request's grammar bans now (already -inf in ``row``).
 
         Where the request's parameters leave nothing at this step (say ``allowed_token_ids`` of a bad
-        word's last token and its prefix), the bans are lifted for the step, the grammar's last (it always
+        word's last token and its prefix), these bans are lifted for the step (the grammar's stay: it always
         allows a token): softmax over no token is NaN, and the draw would fail. That check is on the
         device, without a sync. (Parameters that leave nothing at any step are refused before:
         ``SamplingParams.verify``.)"""
         now = self.banned_now(r) if self.bad_words else []
-        grammar = ~self.grammar.allowed(row.device) if self.grammar is not None else None
         if self.banned is None and grammar is None:  # a few bad words' tokens, never every token of the vocabulary
             if now:
                 row[now] = float("-inf")
@@ -139,18 +139,13 @@ class GrammarState:
     :param mask_size: tokens in the matcher's masks (its tokenizer's vocabulary: at least ``vocab_size``).
     """
 
-    __slots__ = ("matcher", "vocab_size", "_bits")
+    __slots__ = ("matcher", "vocab_size", "words")
 
     def __init__(self, matcher: LLMatcher, vocab_size: int, mask_size: int) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self._bits = np.zeros((max(mask_size, vocab_size) + 31) // 32, dtype=np.int32)
-
-    def allowed(self, device) -> torch.Tensor:
-        """A bool mask ``[vocab_size]`` of the tokens that can come next (EOS alone once the output is whole)."""
-        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
-        return torch.from_numpy(bits.astype(bool)).to(device)
+        #: 32-bit words of the matcher's masks
+        self.words = (max(mask_size, vocab_size) + 31) // 32
 
     def advance(self, token: int) -> str | None:
         """Take the sampled ``token``; the matcher's error where it failed (say a limit of its parser), else None."""
@@ -165,6 +160,16 @@ class GrammarState:
     def whole(self) -> bool:
         """The output is whole: the grammar admits nothing more."""
         return self.matcher.is_stopped() and not self.matcher.is_error()
+
+
+def grammar_bans(grammars: list[GrammarState], vocab_size: int, device) -> torch.Tensor:
+    """The tokens each grammar bans now, ``[len(grammars), vocab_size]`` (EOS alone is allowed once an output is
+    whole): each matcher writes its mask into one buffer, unpacked for all at once."""
+    bits = np.zeros((len(grammars), max(g.words for g in grammars)), dtype=np.int32)
+    for k, g in enumerate(grammars):
+        g.matcher.unsafe_compute_mask_ptr(bits[k].ctypes.data, g.words * 4)
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(allowed == 0).to(device)
 
 
 class Sampler:
@@ -203,6 +208,14 @@ class Sampler:
         the rows that need a step take part in it."""
         copied = False
         penalized = []
+        ruled = [i for i, s in enumerate(states) if s.grammar is not None]
+        bans: dict[int, torch.Tensor] = {}
+        if ruled:  # the grammars first, as vLLM applies its bitmask before its sampler; all rows at once
+            logits, copied = logits.to(torch.float32, copy=True), True
+            banned = grammar_bans([states[i].grammar for i in ruled], logits.shape[-1], logits.device)
+            rows = _long(ruled, logits.device)
+            logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
+            bans = dict(zip(ruled, banned))
         for i, (r, s) in enumerate(zip(reqs, states)):
             early = s.mask_ids is not None and len(r.output_token_ids) < s.params.min_tokens
             if s.plain or not (early or s.masked or s.bias_ids is not None or s.counts is not None):
@@ -210,8 +223,8 @@ class Sampler:
             if not copied:
                 logits, copied = logits.to(torch.float32, copy=True), True
             # The masks before the bias and penalties, as in vLLM: -inf stays -inf through both.
-            if s.masked:
-                s.ban(logits[i], r, early)
+            if s.masked or (early and i in bans):
+                s.ban(logits[i], r, early, bans.get(i))
             elif early:
                 logits[i, s.mask_ids] = float("-inf")
             if s.bias_ids is not None:

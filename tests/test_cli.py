@@ -73,6 +73,10 @@ def test_capacity_json():
     (["roofline", "--write", "--out-dir", "/proc/unwritable"], "/proc/unwritable"),
     (["train", "--timesteps", "0"], "0 is not in the range x>=1"),
     (["capacity", "--trace", "splitwise_conv", "--load", "5"], "--load applies to simulate"),
+    (["tune", "--minutes", "nan"], "is not a positive finite number"),
+    (["bench", "--controllers", ";"], "names no controller"),
+    (["simulate", "--trace", "splitwise_conv", "--replicas", "2", "--replica-profiles", "slot,slot,slot"],
+     "names 3 profiles for 2 replicas"),
 ])
 def test_bad_input_gets_one_line_and_exit_2(args, message):
     res = run(*args)

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from tidegate.ctrl.learned import DEFAULT_POLICY
-from tidegate.engine.cli.support import friendly
+from tidegate.engine.cli.support import POSITIVE, friendly
 from tidegate.training.configs import DEFAULT_CONFIG, DEFAULT_OUT
 from tidegate.training.errors import ConfigError, EvaluationError, ExportError
 from tidegate.training.parallel import TaskError, add_backend_options
@@ -136,8 +136,9 @@ def evaluate_command(policies, families, profiles, loads, requests, seeds, out, 
               help="The deployment's step-time profile: a name or file (`tidegate profile` fits one).")
 @click.option("--split", type=float, default=0.5, show_default=True,
               help="The share of the log's time span to train on; the rest is held out for the verdict.")
-@click.option("--timesteps", type=int, default=30_000, show_default=True, help="PPO timesteps of fine-tuning.")
-@click.option("--minutes", type=float, default=15.0, show_default=True,
+@click.option("--timesteps", type=click.IntRange(min=1), default=30_000, show_default=True,
+              help="PPO timesteps of fine-tuning.")
+@click.option("--minutes", type=POSITIVE, default=15.0, show_default=True,
               help="Stop the fine-tuning after this long (what it learned so far is kept).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the fine-tuning.")
 @click.option("--loads", default="1.2,2.0", show_default=True, help="Loads of the verdict, multiples of lambda_max.")

@@ -62,6 +62,9 @@ def simulate(trace, workload, rate_scale, load, first_n, start_s, end_s, length_
     names = [n.strip() for n in (replica_profiles or profile_name).split(",") if n.strip()]
     if not names:
         raise click.BadParameter("--replica-profiles needs at least one profile name")
+    if replicas is not None and len(names) > replicas:
+        raise click.BadParameter(f"--replica-profiles names {len(names)} profiles for {replicas} replicas; the "
+                                 f"profiles repeat over the replicas, so give at most one each")
     fleet = [load_profile(names[i % len(names)]) for i in range(replicas or 1)] if replicas else [profile]
     arrivals = load_arrivals(trace, workload, first_n, start_s, end_s, length_scale, max_tokens, seed, rate_scale)
     if load is not None:
@@ -168,6 +171,9 @@ def bench(traces, controllers, loads, profile_name, first_n, start_s, end_s, len
     else:
         sep = ";" if ";" in controllers or ":" in controllers else ","
         specs = [s.strip() for s in controllers.split(sep) if s.strip()]
+        if not specs:
+            raise click.BadParameter(f"--controllers names no controller: {controllers!r} (separate them with ';' "
+                                     f"when a spec has options, e.g. 'greedy;flow:budget=2')")
     rows = run_bench(list(traces), specs, parse_floats(loads, "--loads"), profile, out_dir, first_n=first_n,
                      start_s=start_s, end_s=end_s, length_scale=length_scale, max_tokens_cap=max_tokens,
                      seed=seed, jobs=jobs)

@@ -148,6 +148,15 @@ def test_the_generation_config_gives_the_defaults_a_request_leaves_out(tmp_path)
     (folder / "generation_config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"the generation_config\.json of model folder .* cannot be read"):
         sampling_defaults(str(folder))
+    # checked once, at start: a value no request could take is the folder's to fix, not each client's
+    for bad, message in (({"temperature": "0.7"}, "which is no finite number"),
+                         ({"top_p": 0}, "out of its range: top_p must be in"),
+                         ({"max_new_tokens": 0}, "max_new_tokens. must be greater than 0")):
+        (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, **bad}))
+        with pytest.raises(ModelLoadError, match=message):
+            sampling_defaults(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5, "top_k": -1, "do_sample": True}))
+    assert sampling_defaults(str(folder)) == {"max_tokens": 5, "top_k": 0}
 
 
 def test_generation_config_is_auto_or_vllm():

@@ -212,9 +212,10 @@ def _call(server, stream: bool, **fields):
     together as a client puts them together."""
     # the random model would write whitespace or more properties without end: neither is allowed here
     options = {"structured_outputs": {"disable_any_whitespace": True, "disable_additional_properties": True}}
+    fields = {"max_tokens": 128, **fields}
     reply = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=128, temperature=0, tools=TOOLS, stream=stream,
-                                                  extra_body=options, **fields)
+                                                  temperature=0, tools=TOOLS, stream=stream, extra_body=options,
+                                                  **fields)
     if not stream:
         message = reply.choices[0].message
         return [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls], \
@@ -293,3 +294,67 @@ def test_many_copies_of_a_request_build_its_matcher_once(llm):
     start = matchers[output.grammar]
     llm.generate(PROMPTS, SamplingParams(structured_outputs=output), max_tokens=8)
     assert matchers[output.grammar] is start
+
+
+def test_required_calls_take_tools_with_shared_definitions(server):
+    """A tool whose parameters refer to their own ``$defs`` (what pydantic writes for a nested model): under
+    "required" the definitions move to the root of the array's schema, where the references point."""
+    nested = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+              "additionalProperties": False,
+              "$defs": {"Place": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}},
+                                  "required": ["city"], "additionalProperties": False}}}
+    tools = [{"type": "function", "function": {"name": "visit", "parameters": nested}}]
+    body = chat(server, [{"role": "user", "content": "hi"}], max_tokens=128, temperature=0, tools=tools,
+                tool_choice="required", parallel_tool_calls=False,
+                structured_outputs={"disable_any_whitespace": True, "disable_additional_properties": True})
+    call = body["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "visit" and json.loads(call["arguments"])["where"]["city"] in ("Oslo", "Lima")
+    clash = [tools[0], {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {}, "$defs": {"Place": {"type": "string"}}}}}]
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": clash,
+                                              "tool_choice": "required", "max_tokens": 4})
+    assert r.status_code == 400 and "'Place' in $defs two different ways" in r.json()["error"]["message"]
+
+
+def test_a_named_call_cut_short_is_a_call_whole_and_streamed(server):
+    whole, streamed = (_call(server, stream, tool_choice=NAMED, max_tokens=5) for stream in (False, True))
+    assert whole[1] == streamed[1] == "length"
+    assert [c[1:] for c in whole[0]] == [c[1:] for c in streamed[0]] and whole[0][0][2].startswith("{")
+
+
+def test_an_echoed_message_stays_text_beside_the_call(server):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "pre"}]
+    body = chat(server, messages, max_tokens=128, temperature=0, tools=TOOLS, tool_choice=NAMED, echo=True,
+                add_generation_prompt=False,
+                structured_outputs={"disable_any_whitespace": True, "disable_additional_properties": True})
+    message = body["choices"][0]["message"]
+    assert message["content"] == "pre"
+    jsonschema.validate(json.loads(message["tool_calls"][0]["function"]["arguments"]), WEATHER)
+
+
+def test_streamed_required_calls_keep_their_tokens_logprobs(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 128, "temperature": 0, "tools": TOOLS,
+            "tool_choice": "required", "parallel_tool_calls": False, "logprobs": True, "return_token_ids": True,
+            "structured_outputs": {"disable_any_whitespace": True, "disable_additional_properties": True}}
+    whole = chat(server, **body)
+    streamed = events(server, "/v1/chat/completions", body)
+    chunks = [e["choices"][0] for e in streamed if e["choices"]]
+    assert sum(len(c.get("token_ids") or ()) for c in chunks) == len(whole["choices"][0]["token_ids"])
+    entries = [entry for c in chunks if c.get("logprobs") for entry in c["logprobs"]["content"]]
+    assert len(entries) == len(whole["choices"][0]["logprobs"]["content"])
+
+
+def test_tool_call_arguments_reach_the_template_as_objects():
+    from tidegate.engine.serve.protocol import ChatMessage
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    turn = ChatMessage(role="assistant", content=None, tool_calls=[call]).turn()
+    assert turn["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    broken = {**call, "function": {"name": "f", "arguments": "not json"}}
+    assert ChatMessage(role="assistant", tool_calls=[broken]).turn()["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_an_empty_tools_list_is_refused(server):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [],
+                                              "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

@@ -8,6 +8,7 @@ what the controllers and the twin need. ``load_model`` also opens a local Huggin
 from __future__ import annotations
 
 import codecs
+import math
 from pathlib import Path
 
 import torch
@@ -353,21 +354,39 @@ SAMPLING_DEFAULT_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_
 
 def sampling_defaults(model: str) -> dict[str, float]:
     """The sampling parameters a model folder's ``generation_config.json`` sets (its non-default values among
-    :data:`SAMPLING_DEFAULT_FIELDS`), which a request that leaves one out gets, as vLLM's ``--generation-config
-    auto`` gives them (Llama 3's instruct models: temperature 0.6, top_p 0.9); none for ``"tiny"`` or a folder
-    without the file.
+    :data:`SAMPLING_DEFAULT_FIELDS`, and ``max_new_tokens`` as ``max_tokens``), which a request that leaves one out
+    gets, as vLLM's ``--generation-config auto`` gives them (Llama 3's instruct models: temperature 0.6, top_p
+    0.9); none for ``"tiny"`` or a folder without the file.
 
-    :raises ModelLoadError: the file is there and cannot be read.
+    :raises ModelLoadError: the file is there and cannot be read, or sets a value that is no number or out of its
+        range (checked once, at start, not at every request that would take it).
     """
     if model == "tiny" or not (Path(model) / "generation_config.json").is_file():
         return {}
     from transformers import GenerationConfig
+
+    from tidegate.engine.real.sampling import SamplingParams
+    where = f"the generation_config.json of model folder {model!r}"
     try:
         diff = GenerationConfig.from_pretrained(model, local_files_only=True).to_diff_dict()
     except Exception as exc:  # transformers raises many kinds; one sentence for all
-        raise ModelLoadError(f"the generation_config.json of model folder {model!r} cannot be read "
-                             f"({_first_line(exc)}).") from None
-    return {name: diff[name] for name in SAMPLING_DEFAULT_FIELDS if diff.get(name) is not None}
+        raise ModelLoadError(f"{where} cannot be read ({_first_line(exc)}).") from None
+    defaults = {name: diff[name] for name in SAMPLING_DEFAULT_FIELDS if diff.get(name) is not None}
+    for name, value in defaults.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ModelLoadError(f"{where} sets {name} to {value!r}, which is no finite number.")
+    if defaults.get("top_k") == -1:  # vLLM's and some folders' "all tokens"; transformers' is 0
+        defaults["top_k"] = 0
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ModelLoadError(f"{where} sets a sampling default out of its range: {exc}.") from None
+    longest = diff.get("max_new_tokens")
+    if longest is not None:  # transformers' max_new_tokens is the default max_tokens, as vLLM takes it
+        if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1:
+            raise ModelLoadError(f"{where} sets max_new_tokens to {longest!r}, which is no whole number >= 1.")
+        defaults["max_tokens"] = longest
+    return defaults
 
 
 def context_limit(config) -> int | None:

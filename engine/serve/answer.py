@@ -174,12 +174,16 @@ class AnswerWriter:
             if ask.best_of > ask.n:
                 ranked = sorted(ranked, key=lambda c: c.cumulative_logprob, reverse=True)[:ask.n]
             for k, c in enumerate(ranked):
-                text = (c.echo or "") + "".join(c.parts)
+                generated = "".join(c.parts)
+                text = (c.echo or "") + generated
                 finish = _finish_reason(c.stream.result)
-                calls = ask.tools.calls(text) if ask.tools is not None and finish == "stop" else None
-                if calls is not None:  # the text is the calls', as vLLM answers them
-                    text = ""
-                    finish = "stop" if ask.tools.name is not None else "tool_calls"
+                calls = None
+                if ask.tools is not None and (finish == "stop" or ask.tools.name is not None):
+                    calls = ask.tools.calls(generated)
+                if calls is not None:  # the generated text is the calls', as vLLM answers them; the echo stays
+                    text = c.echo or ""
+                    if ask.tools.name is None and finish == "stop":
+                        finish = "tool_calls"
                 bodies.append(completion_choice(p * ask.n + k, text, finish, self._choice_logprobs(c, ask), ask.chat,
                                                 self._choice_extra(c, ask), tool_calls=calls))
         return JSONResponse(completion_body(rid, self.model_name, bodies, usage, ask.chat,
@@ -309,7 +313,7 @@ class AnswerWriter:
         lps = chat_logprobs(entries, self._namer(ask)) if ask.logprobs is not None and entries else None
         extra = {"token_ids": list(ids)} if ask.return_token_ids else {}
         named = ask.tools.name
-        if named is not None and (text or ids or lps):
+        if named is not None and text:
             first = c.call_id is None
             c.call_id = c.call_id or new_call_id()
             call: dict = {"index": 0, "function": {"arguments": text}}
@@ -318,8 +322,11 @@ class AnswerWriter:
                 call["function"] = {"name": named, "arguments": text}
             out.append(events.chunk(c.index, None, None, lps, extra=extra, usage=_choice_usage(c, ask),
                                     delta={"tool_calls": [call]}))
-        elif ids or lps:
-            c.held.append(text)  # a required call's text waits for the whole array
+        else:
+            if named is None:
+                c.held.append(text)  # a required call's text waits for the whole array; its tokens' extras do not
+            if lps or (extra and ids):
+                out.append(events.chunk(c.index, None, None, lps, extra=extra, usage=_choice_usage(c, ask), delta={}))
         if not c.finished:
             return out
         bad = _ended_badly(c.stream.result, c.stream)

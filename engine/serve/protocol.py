@@ -197,6 +197,19 @@ class CompletionBody(SamplingBody):
             return "best_of", "best_of cannot be streamed; send stream: false"
         return super().unserved()
 
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call of a message with its ``function.arguments`` JSON text as an object (``{}`` when it is empty or no
+    JSON object)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
+    except ValueError:
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
+
+
 class ChatMessage(BaseModel):
     # Lenient about extra fields: clients send back the assistant messages they were given, with
     # fields (refusal, annotations, audio) that have no meaning in a prompt.
@@ -220,9 +233,11 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             content = "".join(p["text"] for p in content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        for name in ("name", "tool_call_id", "tool_calls"):
+        for name in ("name", "tool_call_id"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.tool_calls:  # their arguments as objects, as templates take them (vLLM parses them too)
+            out["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
         return out
 
 

@@ -292,10 +292,11 @@ class OpenAIServing:
     def _max_tokens(self, body: SamplingBody, prompt_ids: list[int], ask: Ask) -> int:
         """The ``max_tokens`` of one prompt's engine requests; raises :class:`Refused` (400) when the prompt and it do
         not fit. A request that sets no ``max_tokens`` gets the default, within the context."""
-        context = self.service.max_model_len or (len(prompt_ids) + self.config.default_max_tokens)
+        default = int(self.service.sampling_defaults.get("max_tokens", self.config.default_max_tokens))
+        context = self.service.max_model_len or (len(prompt_ids) + default)
         max_tokens = ask.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, min(self.config.default_max_tokens, context - len(prompt_ids)))
+            max_tokens = max(1, min(default, context - len(prompt_ids)))
         if (body.min_tokens or 0) > max_tokens:
             raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
         try:

@@ -34,10 +34,11 @@ class ForcedTools:
     schema: dict
 
     def calls(self, text: str) -> list[dict] | None:
-        """The ``tool_calls`` of a finished output, each with a new id; None where the text is no whole call
-        (cut short by ``max_tokens``): it is then answered as text."""
+        """The ``tool_calls`` of an output, each with a new id: a named call's whatever its text (cut short by
+        ``max_tokens``, its arguments are too), none where it wrote nothing; None for "required" where the text is
+        no whole array of calls: it is then answered as text."""
         if self.name is not None:
-            return [call_body(self.name, text)]
+            return [call_body(self.name, text)] if text else []
         try:
             items = json.loads(text)
         except ValueError:
@@ -61,6 +62,8 @@ def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool
 
     :raises ToolsError: malformed tools, a tool_choice naming a function the tools do not hold, or ``"auto"``.
     """
+    if tools is not None and not tools:
+        raise ToolsError("tools must hold at least one tool (or be left out)", "tools")
     if not tools:
         if tool_choice not in (None, "none"):
             raise ToolsError("tool_choice needs tools", "tool_choice")
@@ -73,11 +76,14 @@ def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool
                          'syntax, which this server does not have; name a function ({"type": "function", "function": '
                          '{"name": ...}}) or send "required"', "tool_choice")
     if tool_choice == "required":
+        defs = _shared_defs(functions)  # a tool's "#/$defs/..." refers to the root: the array's
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
              "required": ["name", "parameters"]} for name, params in functions.items()]}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return ForcedTools(None, schema)
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
@@ -88,6 +94,24 @@ def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool
     if name not in functions:
         raise ToolsError(f"tool_choice names the function {name!r}, which tools do not hold", "tool_choice")
     return ForcedTools(name, functions[name])
+
+
+def _shared_defs(functions: dict[str, dict]) -> dict:
+    """The ``$defs`` of every function's parameters, taken out of them (as vLLM does): one name defined two ways
+    is refused."""
+    shared: dict = {}
+    for name, params in functions.items():
+        if "$defs" not in params:
+            continue
+        defs = params["$defs"]
+        if not isinstance(defs, dict):
+            raise ToolsError(f"the $defs of tool {name!r} must be an object", "tools")
+        functions[name] = {k: v for k, v in params.items() if k != "$defs"}
+        for key, value in defs.items():
+            if key in shared and shared[key] != value:
+                raise ToolsError(f"the tools define {key!r} in $defs two different ways", "tools")
+            shared[key] = value
+    return shared
 
 
 def _functions(tools: list) -> dict[str, dict]:

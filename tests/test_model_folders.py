@@ -58,12 +58,20 @@ def test_weights_beyond_the_config_are_refused_by_name(tmp_path):
         load_model(str(folder))
 
 
-def test_weights_of_another_shape_are_refused_by_name(tmp_path):
-    folder = _folder(tmp_path / "m")
+def _edit_config(folder, **changes) -> None:
     config = json.loads((folder / "config.json").read_text())
-    config["intermediate_size"] = 96
+    config.update(changes)
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"of another shape than its config gives for model\.layers\.0\.mlp"):
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"intermediate_size": 96}, r"of another shape than its config gives for model\.layers\.0\.mlp"),  # the weights
+    ({"num_attention_heads": 5}, r"cannot be read .*not a multiple of the number of attention heads"),  # itself
+])
+def test_a_config_its_weights_or_itself_contradict_is_refused_naming_what(tmp_path, changes, message):
+    folder = _folder(tmp_path / "m")
+    _edit_config(folder, **changes)
+    with pytest.raises(ModelLoadError, match=message):
         load_model(str(folder))
 
 
@@ -82,9 +90,7 @@ def test_a_config_with_its_own_code_is_refused_without_running_it(tmp_path):
     (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
                                       "from transformers import LlamaConfig\n"
                                       "class CustomConfig(LlamaConfig):\n    model_type = 'custom'\n")
-    config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="custom", auto_map={"AutoConfig": "custom.CustomConfig"})
-    (folder / "config.json").write_text(json.dumps(config))
+    _edit_config(folder, model_type="custom", auto_map={"AutoConfig": "custom.CustomConfig"})
     with pytest.raises(ModelLoadError, match=r"the config\.json of model folder .* cannot be read"):
         load_model(str(folder))
     assert not marker.exists()
@@ -95,15 +101,6 @@ def test_a_tokenizer_that_spells_nothing_is_refused(tmp_path):
     (folder / "tokenizer.json").unlink()
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     with pytest.raises(ModelLoadError, match=r"turns text into no tokens"):
-        load_model(str(folder))
-
-
-def test_a_config_that_does_not_validate_names_what_is_wrong(tmp_path):
-    folder = _folder(tmp_path / "m")
-    config = json.loads((folder / "config.json").read_text())
-    config["num_attention_heads"] = 5
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"cannot be read .*not a multiple of the number of attention heads"):
         load_model(str(folder))
 
 

@@ -113,7 +113,8 @@ def _open(path_or_mapping: str | Path | Mapping[str, Any]) -> tuple[_Checker, Ma
         source, spec = str(path_or_mapping), _load_yaml(Path(path_or_mapping))
     check = _Checker(source)
     if not isinstance(spec, Mapping):
-        check.fail("", f"the top level is a {type(spec).__name__}", "a mapping of workload keys")
+        check.fail("", f"the top level is a {type(spec).__name__}", "a mapping of workload keys (a trace file goes "
+                                                                   "to --trace)")
     check.keys(spec, "", _TOP_KEYS)
     return check, spec
 
@@ -324,8 +325,15 @@ class _Checker:
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
               and math.isfinite(value))
         if not ok or value < 0 or (positive and value == 0):
+            hint = ""
+            if isinstance(value, str):
+                try:
+                    float(value)
+                    hint = " (YAML reads a number with an exponent and no dot, as 1e12, as text: write 1.0e+12)"
+                except ValueError:
+                    pass
             self.fail(where, f"{value!r} is not allowed",
-                      "a positive number" if positive else "a number of at least 0")
+                      ("a positive number" if positive else "a number of at least 0") + hint)
         return float(value)
 
     def integer(self, value: Any, where: str, *, minimum: int = 1) -> int:

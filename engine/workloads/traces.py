@@ -130,7 +130,8 @@ def _csv_format(header: list[str], first_line: str, source: str) -> str:
     for fmt, (_, time_col, prompt_col, output_col) in _CSV_FORMATS.items():
         if {time_col, prompt_col, output_col} <= set(header):
             return fmt
-    raise WorkloadError(f"{source}:1: unknown header '{first_line.strip()}', {_ACCEPTED}")
+    hint = " (a synthetic workload YAML goes to --workload)" if first_line.lstrip().startswith("#") else ""
+    raise WorkloadError(f"{source}:1: unknown header '{first_line.strip()}', {_ACCEPTED}{hint}")
 
 
 def _read_csv(first_line: str, f: Iterable[str], source: str) -> list[Row]:

@@ -180,12 +180,12 @@ class AnswerWriter:
                 calls = None
                 if ask.tools is not None and (finish == "stop" or ask.tools.name is not None):
                     calls = ask.tools.calls(generated)
-                if calls is not None:  # the generated text is the calls', as vLLM answers them; the echo stays
+                if calls:  # the generated text is the calls', as vLLM answers them; the echo stays
                     text = c.echo or ""
                     if ask.tools.name is None and finish == "stop":
                         finish = "tool_calls"
                 bodies.append(completion_choice(p * ask.n + k, text, finish, self._choice_logprobs(c, ask), ask.chat,
-                                                self._choice_extra(c, ask), tool_calls=calls))
+                                                self._choice_extra(c, ask), tool_calls=calls or None))
         return JSONResponse(completion_body(rid, self.model_name, bodies, usage, ask.chat,
                                             self._top_extra(choices[0], ask, whole=True)))
 

@@ -358,3 +358,73 @@ def test_an_empty_tools_list_is_refused(server):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [],
                                               "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+# ---------------------------------------------------------------------------------- tool_choice "auto"
+CALL_TEXT = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def auto_server(tiny):  # noqa: F811 (the fixture imported above)
+    from tests.test_server import Running
+
+    s = Running(tiny, controller="greedy", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    yield s
+    s.close()
+
+
+def test_the_hermes_parser_reads_calls_and_the_text_before_them():
+    from tidegate.engine.serve.tools import ParsedTools
+
+    hermes = ParsedTools("hermes")
+    assert hermes.answer("just text") == ("just text", None)
+    text, calls = hermes.answer("Sure. " + CALL_TEXT + "\n<tool_call>\n{\"name\": \"clock\"}")
+    assert text == "Sure. " and [c["function"]["name"] for c in calls] == ["weather", "clock"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": 2}
+    assert json.loads(calls[1]["function"]["arguments"]) == {}  # the last one unclosed, as vLLM reads it
+    assert hermes.answer("x <tool_call>{not json</tool_call>") == ("x <tool_call>{not json</tool_call>", None)
+    assert [hermes.sendable(t) for t in ("abc", "abc<tool", "abc<tool_call>{", "<")] == [3, 3, 3, 0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_answers_the_calls_the_model_writes(auto_server, stream):
+    """The model's text is held to a call here (a regular expression), so the parser has something to read."""
+    pattern = re.escape("Hi " + CALL_TEXT)
+    reply = auto_server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=200, temperature=0, tools=TOOLS,
+        stream=stream, extra_body={"structured_outputs": {"regex": pattern}})
+    if stream:
+        content, calls, finish = "", {}, None
+        for chunk in reply:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for call in delta.tool_calls or ():
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += call.function.name or ""
+                entry[1] += call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        got = [tuple(calls[i]) for i in sorted(calls)]
+    else:
+        message = reply.choices[0].message
+        content, finish = message.content, reply.choices[0].finish_reason
+        got = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert content == "Hi " and finish == "tool_calls"
+    assert [(name, json.loads(arguments)) for name, arguments in got] == [("weather", {"city": "Oslo", "days": 2})]
+
+
+def test_auto_tool_choice_answers_text_without_calls_as_text(auto_server):
+    body = chat(auto_server, [{"role": "user", "content": "hi"}], max_tokens=32, temperature=0, tools=TOOLS,
+                structured_outputs={"regex": "plain words"})
+    message = body["choices"][0]["message"]
+    assert message["content"] == "plain words" and not message.get("tool_calls")
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_auto_tool_choice_needs_a_parser(server):
+    from tidegate.engine.serve.config import ServeConfig
+
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                              "max_tokens": 4})
+    assert r.status_code == 400 and "--tool-call-parser hermes" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
+        ServeConfig(enable_auto_tool_choice=True)

@@ -59,6 +59,11 @@ class _StartError(Exception):
 @click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
               help="auto: a request that leaves out temperature, top_p, top_k, min_p or a penalty gets the model "
                    "folder's generation_config.json value, as vLLM's flag of that name; vllm: OpenAI's defaults.")
+@click.option("--enable-auto-tool-choice", is_flag=True, default=False,
+              help="Serve tool_choice 'auto' (the default with tools): the model chooses between text and calls, "
+                   "read by --tool-call-parser, as vLLM's flags.")
+@click.option("--tool-call-parser", type=click.Choice(["hermes"]), default=None,
+              help="The model's syntax of a tool call: hermes (<tool_call>{...}</tool_call>: Qwen 2.5 and 3, Hermes).")
 @click.option("--max-model-len", type=click.IntRange(min=1), default=None,
               help="The longest prompt + output served, in tokens (at most the model's context) "
                    "[default: the model's context].")
@@ -137,7 +142,8 @@ class _StartError(Exception):
 @click.pass_context
 def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_name, controller_spec, profile_name,
           host, port, api_key, chat_template_path, trust_request_chat_template, generation_config,
-          max_model_len, max_request_bytes, log_level, access_log, kv_capacity_tokens, block_size,
+          enable_auto_tool_choice, tool_call_parser, max_model_len, max_request_bytes, log_level, access_log,
+          kv_capacity_tokens, block_size,
           max_num_batched_tokens, max_num_seqs, prefix_caching, enable_prompt_tokens_details, device, dtype,
           max_in_flight, queue_timeout_s,
           stream_buffer_chunks, drain_timeout_s, default_max_tokens, engine_process, engine_timeout_s, threads,
@@ -181,6 +187,7 @@ def serve(ctx, engine, vllm_args, vllm_python, step_log, model, served_model_nam
                              queue_timeout_s=queue_timeout_s,
                              stream_buffer_chunks=stream_buffer_chunks, drain_timeout_s=drain_timeout_s,
                              default_max_tokens=default_max_tokens, generation_config=generation_config,
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                              engine_process=engine_process,
                              engine_timeout_s=engine_timeout_s, threads=threads,
                              api_key=api_key or None,
@@ -261,7 +268,7 @@ _OWN_ENGINE_OPTIONS = ("log_level", "access_log", "max_request_bytes", "kv_capac
                        "max_num_batched_tokens", "max_num_seqs", "prefix_caching", "enable_prompt_tokens_details",
                        "device", "max_in_flight", "queue_timeout_s", "stream_buffer_chunks", "drain_timeout_s",
                        "default_max_tokens", "engine_process", "engine_timeout_s", "threads", "engine_nice",
-                       "generation_config")
+                       "generation_config", "enable_auto_tool_choice", "tool_call_parser")
 
 
 def _read_chat_template(path: Path | None) -> str | None:

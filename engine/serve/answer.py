@@ -28,7 +28,7 @@ from tidegate.engine.serve.protocol import (
     usage_body,
 )
 from tidegate.engine.serve.service import Stream
-from tidegate.engine.serve.tools import new_call_id
+from tidegate.engine.serve.tools import ParsedTools, new_call_id
 
 if TYPE_CHECKING:
     from tidegate.engine.serve.arrival import Ask
@@ -46,7 +46,7 @@ class Choice:
     """
 
     __slots__ = ("index", "stream", "prompt", "prompt_ids", "echo", "parts", "entries", "prompt_entries",
-                 "token_ids", "finished", "offset", "started", "sent_tokens", "call_id", "held")
+                 "token_ids", "finished", "offset", "started", "sent_tokens", "call_id", "held", "sent_text")
 
     def __init__(self, index: int, stream: Stream, prompt: int = 0, prompt_ids: list[int] | None = None,
                  echo: str | None = None) -> None:
@@ -69,6 +69,8 @@ class Choice:
         #: a streamed named tool call's id (None: not begun); a streamed required call's text so far
         self.call_id: str | None = None
         self.held: list[str] = []
+        #: of a streamed answer whose calls wait: the characters of its text already sent before them
+        self.sent_text = 0
 
     def read(self, most: int | None = None) -> tuple[str, list, list[int]]:
         """Take the chunks waiting (at most ``most`` of them): returns their text, logprob entries and
@@ -179,11 +181,11 @@ class AnswerWriter:
                 finish = _finish_reason(c.stream.result)
                 calls = None
                 if ask.tools is not None and (finish == "stop" or ask.tools.name is not None):
-                    calls = ask.tools.calls(generated)
-                if calls:  # the generated text is the calls', as vLLM answers them; the echo stays
-                    text = c.echo or ""
-                    if ask.tools.name is None and finish == "stop":
-                        finish = "tool_calls"
+                    content, calls = ask.tools.answer(generated)
+                    if calls:  # the calls take their text out of the answer's, as vLLM answers them; the echo stays
+                        text = (c.echo or "") + content
+                        if ask.tools.name is None and finish == "stop":
+                            finish = "tool_calls"
                 bodies.append(completion_choice(p * ask.n + k, text, finish, self._choice_logprobs(c, ask), ask.chat,
                                                 self._choice_extra(c, ask), tool_calls=calls or None))
         return JSONResponse(completion_body(rid, self.model_name, bodies, usage, ask.chat,
@@ -323,10 +325,16 @@ class AnswerWriter:
             out.append(events.chunk(c.index, None, None, lps, extra=extra, usage=_choice_usage(c, ask),
                                     delta={"tool_calls": [call]}))
         else:
-            if named is None:
-                c.held.append(text)  # a required call's text waits for the whole array; its tokens' extras do not
-            if lps or (extra and ids):
-                out.append(events.chunk(c.index, None, None, lps, extra=extra, usage=_choice_usage(c, ask), delta={}))
+            sent = ""
+            if named is None:  # calls wait until they are whole; text before them streams (auto's)
+                c.held.append(text)
+                if isinstance(ask.tools, ParsedTools):
+                    so_far = "".join(c.held)
+                    upto = ask.tools.sendable(so_far)
+                    sent, c.sent_text = so_far[c.sent_text:upto], max(c.sent_text, upto)
+            if sent or lps or (extra and ids):
+                out.append(events.chunk(c.index, sent or None, None, lps, extra=extra, usage=_choice_usage(c, ask),
+                                        delta={"content": sent} if sent else {}))
         if not c.finished:
             return out
         bad = _ended_badly(c.stream.result, c.stream)
@@ -336,10 +344,10 @@ class AnswerWriter:
         finish = _finish_reason(c.stream.result)
         if named is None:
             held = "".join(c.held)
-            calls = ask.tools.calls(held) if finish == "stop" else None
-            if calls is None:
-                out.append(events.chunk(c.index, held, None, usage=_choice_usage(c, ask)))
-            else:
+            content, calls = ask.tools.answer(held) if finish == "stop" else (held, None)
+            if content[c.sent_text:]:
+                out.append(events.chunk(c.index, content[c.sent_text:], None, usage=_choice_usage(c, ask)))
+            if calls:
                 finish = "tool_calls"
                 out.append(events.chunk(c.index, None, None, usage=_choice_usage(c, ask), delta={
                     "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from tidegate.engine.real.sampling import SamplingParams
 from tidegate.engine.real.structured import StructuredOutput
 from tidegate.engine.serve.protocol import SamplingBody, error_response
-from tidegate.engine.serve.tools import ForcedTools
+from tidegate.engine.serve.tools import ForcedTools, ParsedTools
 
 
 class Refused(Exception):
@@ -68,8 +68,8 @@ class Ask:
     cache_salt: str | None = None
     #: chat's rendered prompt, in the answer (``return_prompt_text``)
     prompt_text: str | None = None
-    #: the tool calls the request forces (``engine.serve.tools``); None: a text answer
-    tools: ForcedTools | None = None
+    #: the tool calls the request forces, or the parser of the model's own (``engine.serve.tools``); None: text
+    tools: ForcedTools | ParsedTools | None = None
 
     @classmethod
     def of(cls, body: SamplingBody, chat: bool, max_tokens: int | None, **fields) -> Ask:
@@ -235,7 +235,11 @@ def sampling_params(body: SamplingBody, ask: Ask, vocab_size: int, tokenizer=Non
                        if k is not None]
     if prompt_logprobs:
         kwargs["prompt_logprobs"] = max(prompt_logprobs)
-    structured = structured_output(body) if ask.tools is None else _tool_output(body, ask.tools)
+    forced = ask.tools if isinstance(ask.tools, ForcedTools) else None
+    structured = structured_output(body) if forced is None else _tool_output(body, forced)
+    if isinstance(ask.tools, ParsedTools):
+        kwargs.pop("skip_special_tokens", None)  # a model's call tags may be special tokens: the parser reads them
+        kwargs["skip_special_tokens"] = False
     if structured is not None:
         kwargs["structured_outputs"] = structured
     missing = [name for name in kwargs if name not in _SAMPLING_FIELDS]

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from tidegate.ctrl import DEFAULT_CONTROLLER
+from tidegate.engine.serve.tools import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -45,6 +46,9 @@ class ServeConfig:
     #: "auto": a request that leaves out a sampling parameter gets the model's generation_config.json value, as
     #: vLLM's flag of that name; "vllm": OpenAI's neutral defaults
     generation_config: str = "auto"
+    #: tool_choice "auto" (the default with tools) is served, its calls read by ``tool_call_parser``, as vLLM's flags
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     #: run the engine in a process of its own (False: a thread of the server's process)
     engine_process: bool = True
     #: an engine that sends nothing for this long is stopped and replaced
@@ -79,6 +83,11 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (the model's syntax of a call: hermes)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if not (isinstance(self.engine_nice, int) and 0 <= self.engine_nice <= 19):

@@ -347,7 +347,7 @@ VLLM_FIELDS: dict[str, dict[str, str]] = {
         ), "served"),
         "parallel_tool_calls": "served",
         "tools": "served",
-        "tool_choice": "served: a named function or 'required' (structured output); 'auto' is refused",
+        "tool_choice": "served: a named function or 'required' (structured output); 'auto' with --tool-call-parser",
         "include_reasoning": "ignored: needs a reasoning parser; none is configured",
         "media_io_kwargs": "ignored: multimodal input; text only",
         "mm_processor_kwargs": "ignored: multimodal input; text only",

@@ -42,7 +42,7 @@ from tidegate.engine.serve.protocol import (
     error_response,
 )
 from tidegate.engine.serve.service import EngineService, EngineUnavailable, Stream
-from tidegate.engine.serve.tools import ToolsError, forced_tools
+from tidegate.engine.serve.tools import ForcedTools, ToolsError, forced_tools
 
 if TYPE_CHECKING:
     from tidegate.engine.real.sampling import SamplingParams
@@ -86,7 +86,8 @@ class OpenAIServing:
                 raise bad_request("a chat_template in the request is taken only when the server runs with "
                                   "--trust-request-chat-template", "chat_template")
             try:
-                tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+                tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                     self.config.tool_call_parser if self.config.enable_auto_tool_choice else None)
             except ToolsError as exc:
                 raise bad_request(str(exc), exc.param) from None
             ids, text = await asyncio.to_thread(self._chat_prompt, body)
@@ -215,7 +216,7 @@ class OpenAIServing:
         (``best_of`` of them per prompt), or (None, response) otherwise."""
         try:
             self._check_open()
-            if ask.tools is not None or wants_structured_output(body):
+            if isinstance(ask.tools, ForcedTools) or wants_structured_output(body):
                 # compiling a constraint takes up to seconds for a large one: off the event loop, so that probes
                 # and refusals do not wait on it
                 sampling = await asyncio.to_thread(self._sampling, body, ask, len(prompts) * ask.best_of)
@@ -278,7 +279,8 @@ class OpenAIServing:
             try:
                 check_grammar(structured, self._grammar_tokenizer())
             except ValueError as exc:
-                raise bad_request(str(exc).rstrip("."), "tools" if ask.tools else structured_field(body)) from None
+                param = "tools" if isinstance(ask.tools, ForcedTools) else structured_field(body)
+                raise bad_request(str(exc).rstrip("."), param) from None
         return sampling
 
     def _grammar_tokenizer(self):

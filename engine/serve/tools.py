@@ -1,14 +1,18 @@
-"""Tool calls a chat request forces: one named function (``tool_choice: {"type": "function", "function": {"name":
-...}}``) or any of its functions (``tool_choice: "required"``). The model writes the call under the JSON schema of
-the arguments (structured output), and the answer carries it as ``tool_calls``, as vLLM answers it: a named call's
-arguments are the generated text (``finish_reason`` ``stop``); a required call's text is a JSON array of ``{"name",
-"parameters"}`` objects, one call each (``finish_reason`` ``tool_calls``). ``tool_choice: "auto"``, the default
-with tools, needs a parser of the model's own tool-call syntax, which this server does not have: it is refused.
+"""Tool calls of a chat request, as vLLM answers them.
+
+A request that forces calls, of one named function (``tool_choice: {"type": "function", "function": {"name":
+...}}``) or of any of its functions (``tool_choice: "required"``), has the model write them under the JSON schema
+of the arguments (structured output): a named call's arguments are the generated text (``finish_reason`` ``stop``);
+a required call's text is a JSON array of ``{"name", "parameters"}`` objects, one call each (``finish_reason``
+``tool_calls``). ``tool_choice: "auto"``, the default with tools, lets the model choose between text and calls in its
+own syntax, which a parser reads (``--tool-call-parser``, as vLLM's flag; ``hermes``: ``<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>``, what Qwen 2.5 and 3 and the Hermes models write); without one it is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +52,56 @@ class ForcedTools:
         return [call_body(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
 
 
+    def answer(self, text: str) -> tuple[str, list[dict] | None]:
+        """(the answer's text, its calls) of an output: the calls take all of it; (text, None) without calls."""
+        calls = self.calls(text)
+        return ("", calls) if calls else (text, None)
+
+
+#: the tool-call syntaxes the server reads (``--tool-call-parser``)
+TOOL_PARSERS = ("hermes",)
+_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ParsedTools:
+    """``tool_choice: "auto"``: the model writes text, calls in its own syntax, or both (the text first), and the
+    parser (one of :data:`TOOL_PARSERS`) reads the calls out of it."""
+
+    parser: str = "hermes"
+    #: the answer's calls are the model's to choose: none is forced
+    name = None
+
+    def answer(self, text: str) -> tuple[str, list[dict] | None]:
+        """(the text before the first call, the calls) of an output; (text, None) where it holds no call that
+        reads (the text is then answered as it is, as vLLM does)."""
+        start = text.find(_HERMES_START)
+        if start < 0:
+            return text, None
+        calls = []
+        for closed, open_end in _HERMES_CALL.findall(text):
+            try:
+                call = json.loads(closed or open_end)
+            except ValueError:
+                return text, None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return text, None
+            calls.append(call_body(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+        return text[:start], calls
+
+    @staticmethod
+    def sendable(text: str) -> int:
+        """How much of an output so far can stream as text: up to its first call, less an end that may begin one."""
+        start = text.find(_HERMES_START)
+        if start >= 0:
+            return start
+        for keep in range(min(len(_HERMES_START) - 1, len(text)), 0, -1):
+            if _HERMES_START.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+
 def call_body(name: str, arguments: str, call_id: str | None = None) -> dict:
     """One entry of ``tool_calls``."""
     return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -57,10 +111,13 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool | None = None) -> ForcedTools | None:
-    """The calls ``tool_choice`` forces among ``tools`` (None: ``"none"``, or no tools).
+def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool | None = None,
+                 parser: str | None = None) -> ForcedTools | ParsedTools | None:
+    """The calls ``tool_choice`` forces among ``tools``, or the ``parser`` that reads the model's own (``"auto"``);
+    None: ``"none"``, or no tools.
 
-    :raises ToolsError: malformed tools, a tool_choice naming a function the tools do not hold, or ``"auto"``.
+    :raises ToolsError: malformed tools, a tool_choice naming a function the tools do not hold, or ``"auto"``
+        without a parser.
     """
     if tools is not None and not tools:
         raise ToolsError("tools must hold at least one tool (or be left out)", "tools")
@@ -72,9 +129,12 @@ def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool
     if tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
+        if parser is not None:
+            return ParsedTools(parser)
         raise ToolsError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
-                         'syntax, which this server does not have; name a function ({"type": "function", "function": '
-                         '{"name": ...}}) or send "required"', "tool_choice")
+                         'syntax: start the server with --enable-auto-tool-choice --tool-call-parser hermes, or name '
+                         'a function ({"type": "function", "function": {"name": ...}}) or send "required"',
+                         "tool_choice")
     if tool_choice == "required":
         defs = _shared_defs(functions)  # a tool's "#/$defs/..." refers to the root: the array's
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [

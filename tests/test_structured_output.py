@@ -428,3 +428,21 @@ def test_auto_tool_choice_needs_a_parser(server):
     assert r.status_code == 400 and "--tool-call-parser hermes" in r.json()["error"]["message"]
     with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
         ServeConfig(enable_auto_tool_choice=True)
+
+
+def test_tools_reach_the_template_in_chat_and_tokenize_alike(tiny):  # noqa: F811 (the fixture imported above)
+    from tests.test_server import Running
+
+    template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    s = Running(tiny, controller="greedy", chat_template=template, enable_auto_tool_choice=True,
+                tool_call_parser="hermes")
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        body = chat(s, messages, max_tokens=2, tools=TOOLS, return_prompt_text=True)
+        assert body["prompt_text"] == "[weather][clock]hi"
+        with_tools = post(s, "/tokenize", {"messages": messages, "tools": TOOLS}).json()["count"]
+        without = post(s, "/tokenize", {"messages": messages}).json()["count"]
+        assert with_tools - without == len("[weather][clock]") == body["usage"]["prompt_tokens"] - without
+    finally:
+        s.close()

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,6 +41,8 @@ class TokenizeBody(BaseModel):
     add_special_tokens: bool | None = None
     #: also the tokens as the tokenizer writes them (``token_strs``), as vLLM answers
     return_token_strs: bool = False
+    #: the tools a chat's template is given, as the chat route gives them
+    tools: list[Any] | None = None
 
 
 class DetokenizeBody(BaseModel):
@@ -103,7 +105,8 @@ def _token_ids(serving: OpenAIServing, body: TokenizeBody) -> list[int]:
     Unicode, or that has more tokens than the model's context holds (a text of any length would
     otherwise cost the server its tokenization and an answer four times its size)."""
     if body.messages is not None:
-        return serving.chat_prompt_ids(body.messages, body.add_generation_prompt, body.add_special_tokens)
+        return serving.chat_prompt_ids(body.messages, body.add_generation_prompt, body.add_special_tokens,
+                                       tools=body.tools)
     return serving.encode(body.prompt or "", body.add_special_tokens is not False, "prompt")
 
 

@@ -148,9 +148,11 @@ class OpenAIServing:
         return self._truncated(ids, body), text
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                        add_special_tokens: bool | None = None) -> list[int]:
-        """The token ids of the conversation, as ``/tokenize`` gives them (:meth:`_render_chat`)."""
-        return self._render_chat(messages, None, add_generation_prompt, add_special_tokens=add_special_tokens)[0]
+                        add_special_tokens: bool | None = None, tools: list | None = None) -> list[int]:
+        """The token ids of the conversation, as ``/tokenize`` gives them (:meth:`_render_chat`), the ``tools``
+        given to its template as the chat route gives them."""
+        return self._render_chat(messages, None, add_generation_prompt, template_kwargs={"tools": tools} if tools
+                                 else None, add_special_tokens=add_special_tokens)[0]
 
     def _render_chat(self, messages: list[ChatMessage], chat_template: str | None, add_generation_prompt: bool,
                      continue_final_message: bool = False, template_kwargs: dict | None = None,

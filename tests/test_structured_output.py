@@ -446,3 +446,37 @@ def test_tools_reach_the_template_in_chat_and_tokenize_alike(tiny):  # noqa: F81
         assert with_tools - without == len("[weather][clock]") == body["usage"]["prompt_tokens"] - without
     finally:
         s.close()
+
+
+def _auto(server, text: str, stream: bool, **fields) -> tuple:
+    """(content, [(name, arguments)], finish) of an auto answer whose model writes ``text`` (or what ``max_tokens``
+    leaves of it)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0, "tools": TOOLS,
+            "structured_outputs": {"regex": re.escape(text)}, **fields}
+    if not stream:
+        choice = chat(server, **body)["choices"][0]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                 for c in choice["message"].get("tool_calls") or ()]
+        return choice["message"]["content"], calls, choice["finish_reason"]
+    content, calls, finish = "", {}, None
+    for event in events(server, "/v1/chat/completions", {**body, "stream_interval": 1}):
+        delta = event["choices"][0]["delta"] if event["choices"] else {}
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls") or ():
+            calls[call["index"]] = (call["function"]["name"], json.loads(call["function"]["arguments"]))
+        finish = (event["choices"][0]["finish_reason"] if event["choices"] else None) or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_auto_calls_cut_short_parallel_and_alone(auto_server):
+    second = '<tool_call>{"name": "clock", "arguments": {"zone": "UTC"}}</tool_call>'
+    weather = ("weather", {"city": "Oslo", "days": 2})
+    # cut short before its closing tag, a call is still read: whole, the finish says tool_calls; streamed, length
+    cut = len("Hi " + CALL_TEXT) - len("</tool_call>")  # one byte a token: the JSON whole, no closing tag
+    assert _auto(auto_server, "Hi " + CALL_TEXT, False, max_tokens=cut) == ("Hi ", [weather], "tool_calls")
+    assert _auto(auto_server, "Hi " + CALL_TEXT, True, max_tokens=cut) == ("Hi ", [weather], "length")
+    for stream in (False, True):
+        both = _auto(auto_server, "Hi " + CALL_TEXT + second, stream)
+        assert both[1] == [weather, ("clock", {"zone": "UTC"})]
+        assert _auto(auto_server, "Hi " + CALL_TEXT + second, stream, parallel_tool_calls=False)[1] == [weather]
+    assert _auto(auto_server, CALL_TEXT, False)[0] is None  # only calls: no text, as OpenAI and vLLM answer

@@ -180,13 +180,15 @@ class AnswerWriter:
                 text = (c.echo or "") + generated
                 finish = _finish_reason(c.stream.result)
                 calls = None
-                if ask.tools is not None and (finish == "stop" or ask.tools.name is not None):
+                parsed = isinstance(ask.tools, ParsedTools)  # auto: the model's calls are read whatever ended it
+                if ask.tools is not None and (finish == "stop" or ask.tools.name is not None or parsed):
                     content, calls = ask.tools.answer(generated)
                     if calls:  # the calls take their text out of the answer's, as vLLM answers them; the echo stays
                         text = (c.echo or "") + content
-                        if ask.tools.name is None and finish == "stop":
+                        if parsed or (ask.tools.name is None and finish == "stop"):
                             finish = "tool_calls"
-                bodies.append(completion_choice(p * ask.n + k, text, finish, self._choice_logprobs(c, ask), ask.chat,
+                bodies.append(completion_choice(p * ask.n + k, text if text or not (parsed and calls) else None,
+                                                finish, self._choice_logprobs(c, ask), ask.chat,
                                                 self._choice_extra(c, ask), tool_calls=calls or None))
         return JSONResponse(completion_body(rid, self.model_name, bodies, usage, ask.chat,
                                             self._top_extra(choices[0], ask, whole=True)))
@@ -344,11 +346,13 @@ class AnswerWriter:
         finish = _finish_reason(c.stream.result)
         if named is None:
             held = "".join(c.held)
-            content, calls = ask.tools.answer(held) if finish == "stop" else (held, None)
+            readable = finish == "stop" or isinstance(ask.tools, ParsedTools)
+            content, calls = ask.tools.answer(held) if readable else (held, None)
             if content[c.sent_text:]:
                 out.append(events.chunk(c.index, content[c.sent_text:], None, usage=_choice_usage(c, ask)))
-            if calls:
+            if calls and finish == "stop":  # streamed, vLLM turns a stop into tool_calls; cut short, it stays length
                 finish = "tool_calls"
+            if calls:
                 out.append(events.chunk(c.index, None, None, usage=_choice_usage(c, ask), delta={
                     "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))
         out.append(events.chunk(c.index, None, finish, usage=_choice_usage(c, ask)))

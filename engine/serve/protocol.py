@@ -420,7 +420,7 @@ def chat_logprobs(entries: list[Entry], token: TokenText) -> dict:
                         for tid, lp, alts in entries], "refusal": None}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None, chat: bool,
+def completion_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None, chat: bool,
                       extra: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     """One choice of a non-streamed completion (``finish_reason``: ``"stop"``, ``"length"`` or ``"tool_calls"``).
 

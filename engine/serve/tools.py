@@ -70,12 +70,15 @@ class ParsedTools:
     parser (one of :data:`TOOL_PARSERS`) reads the calls out of it."""
 
     parser: str = "hermes"
+    #: False (``parallel_tool_calls: false``): the first call only
+    parallel: bool = True
     #: the answer's calls are the model's to choose: none is forced
     name = None
 
     def answer(self, text: str) -> tuple[str, list[dict] | None]:
         """(the text before the first call, the calls) of an output; (text, None) where it holds no call that
-        reads (the text is then answered as it is, as vLLM does)."""
+        reads (the text is then answered as it is, as vLLM does). A call that leaves out its arguments takes none
+        (``{}``); vLLM answers such an output as text."""
         start = text.find(_HERMES_START)
         if start < 0:
             return text, None
@@ -88,7 +91,7 @@ class ParsedTools:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 return text, None
             calls.append(call_body(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
-        return text[:start], calls
+        return text[:start], calls if self.parallel else calls[:1]
 
     @staticmethod
     def sendable(text: str) -> int:
@@ -130,7 +133,7 @@ def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool
         return None
     if tool_choice in (None, "auto"):
         if parser is not None:
-            return ParsedTools(parser)
+            return ParsedTools(parser, parallel_tool_calls is not False)
         raise ToolsError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
                          'syntax: start the server with --enable-auto-tool-choice --tool-call-parser hermes, or name '
                          'a function ({"type": "function", "function": {"name": ...}}) or send "required"',

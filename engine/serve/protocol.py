@@ -609,6 +609,14 @@ def retry_after_header(seconds: float) -> str:
     return str(int(math.ceil(min(wait, RETRY_AFTER_MAX_S))))
 
 
+class FieldError(ValueError):
+    """A request's field whose value cannot be served; ``param`` names it (the server answers 400 naming it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    retry_after_s: float | None = None) -> JSONResponse:
     headers = {"Retry-After": retry_after_header(retry_after_s)} if retry_after_s is not None else None

@@ -27,9 +27,8 @@ from tidegate.engine.serve.arrival import (
     nth_sampling,
     refuse_unserved,
     sampling_params,
-    structured_field,
-    wants_structured_output,
 )
+from tidegate.engine.serve.constraints import structured_field, wants_structured_output
 from tidegate.engine.real.structured import check_grammar, grammar_tokenizer
 from tidegate.engine.serve.chat import chat_prompt
 from tidegate.engine.serve.protocol import (
@@ -38,11 +37,12 @@ from tidegate.engine.serve.protocol import (
     ChatBody,
     ChatMessage,
     CompletionBody,
+    FieldError,
     SamplingBody,
     error_response,
 )
 from tidegate.engine.serve.service import EngineService, EngineUnavailable, Stream
-from tidegate.engine.serve.tools import ForcedTools, ToolsError, forced_tools
+from tidegate.engine.serve.tools import ForcedTools, forced_tools
 
 if TYPE_CHECKING:
     from tidegate.engine.real.sampling import SamplingParams
@@ -88,7 +88,7 @@ class OpenAIServing:
             try:
                 tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                                      self.config.tool_call_parser if self.config.enable_auto_tool_choice else None)
-            except ToolsError as exc:
+            except FieldError as exc:
                 raise bad_request(str(exc), exc.param) from None
             ids, text = await asyncio.to_thread(self._chat_prompt, body)
         except Refused as refused:

@@ -17,16 +17,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tidegate.engine.serve.protocol import FieldError
+
 #: the arguments of a function that declares none
 EMPTY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
-
-
-class ToolsError(ValueError):
-    """A request's tools or tool_choice that cannot be served; ``param`` is the field to name."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -119,14 +113,14 @@ def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool
     """The calls ``tool_choice`` forces among ``tools``, or the ``parser`` that reads the model's own (``"auto"``);
     None: ``"none"``, or no tools.
 
-    :raises ToolsError: malformed tools, a tool_choice naming a function the tools do not hold, or ``"auto"``
+    :raises FieldError: malformed tools, a tool_choice naming a function the tools do not hold, or ``"auto"``
         without a parser.
     """
     if tools is not None and not tools:
-        raise ToolsError("tools must hold at least one tool (or be left out)", "tools")
+        raise FieldError("tools must hold at least one tool (or be left out)", "tools")
     if not tools:
         if tool_choice not in (None, "none"):
-            raise ToolsError("tool_choice needs tools", "tool_choice")
+            raise FieldError("tool_choice needs tools", "tool_choice")
         return None
     functions = _functions(tools)
     if tool_choice == "none":
@@ -134,7 +128,7 @@ def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool
     if tool_choice in (None, "auto"):
         if parser is not None:
             return ParsedTools(parser, parallel_tool_calls is not False)
-        raise ToolsError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
+        raise FieldError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
                          'syntax: start the server with --enable-auto-tool-choice --tool-call-parser hermes, or name '
                          'a function ({"type": "function", "function": {"name": ...}}) or send "required"',
                          "tool_choice")
@@ -152,10 +146,10 @@ def forced_tools(tools: list | None, tool_choice: Any, parallel_tool_calls: bool
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type", "function") != "function" \
             or not isinstance(name, str):
-        raise ToolsError('tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}',
+        raise FieldError('tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}',
                          "tool_choice")
     if name not in functions:
-        raise ToolsError(f"tool_choice names the function {name!r}, which tools do not hold", "tool_choice")
+        raise FieldError(f"tool_choice names the function {name!r}, which tools do not hold", "tool_choice")
     return ForcedTools(name, functions[name])
 
 
@@ -168,11 +162,11 @@ def _shared_defs(functions: dict[str, dict]) -> dict:
             continue
         defs = params["$defs"]
         if not isinstance(defs, dict):
-            raise ToolsError(f"the $defs of tool {name!r} must be an object", "tools")
+            raise FieldError(f"the $defs of tool {name!r} must be an object", "tools")
         functions[name] = {k: v for k, v in params.items() if k != "$defs"}
         for key, value in defs.items():
             if key in shared and shared[key] != value:
-                raise ToolsError(f"the tools define {key!r} in $defs two different ways", "tools")
+                raise FieldError(f"the tools define {key!r} in $defs two different ways", "tools")
             shared[key] = value
     return shared
 
@@ -184,10 +178,10 @@ def _functions(tools: list) -> dict[str, dict]:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ToolsError('each of tools must be {"type": "function", "function": {"name": ..., "parameters": '
+            raise FieldError('each of tools must be {"type": "function", "function": {"name": ..., "parameters": '
                              '...}}', "tools")
         params = function.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise ToolsError(f"the parameters of tool {function['name']!r} must be a JSON schema (an object)", "tools")
+            raise FieldError(f"the parameters of tool {function['name']!r} must be a JSON schema (an object)", "tools")
         functions[function["name"]] = params or EMPTY_OBJECT
     return functions

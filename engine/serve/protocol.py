@@ -116,7 +116,7 @@ class SamplingBody(BaseModel):
     stream_interval: int | None = Field(None, ge=1)
     # beam search's length penalty: changes nothing without beam search, as in vLLM
     length_penalty: float | None = 1.0
-    # structured output (``arrival.structured_output``): OpenAI's, vLLM's, and vLLM's older names
+    # structured output (``constraints.structured_output``): OpenAI's, vLLM's, and vLLM's older names
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None

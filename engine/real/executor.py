@@ -94,8 +94,10 @@ class TorchExecutor:
         return ids if sampling.ignore_eos else ids | self.eos_token_ids
 
     def check_structured(self, output) -> None:
-        """Raise ValueError (one sentence) where a structured output cannot run over this model's tokenizer."""
-        check_grammar(output, self._grammar())
+        """Raise ValueError (one sentence) where a structured output cannot run over this model's tokenizer. A grammar
+        checked before is not checked again: the matcher its check built is the one its sequences copy."""
+        if output.grammar not in self._matchers:
+            self._keep_matcher(output.grammar, check_grammar(output, self._grammar()))
 
     def _grammar(self):
         """The model's tokenizer as llguidance reads it, built at the first request with structured output."""
@@ -111,10 +113,15 @@ class TorchExecutor:
         start = self._matchers.pop(output.grammar, None)
         if start is None:
             start = LLMatcher(tokenizer, output.grammar, log_level=0)
-        self._matchers[output.grammar] = start
+        self._keep_matcher(output.grammar, start)
+        return start.deep_copy(), tokenizer.vocab_size
+
+    def _keep_matcher(self, grammar: str, start) -> None:
+        """Keep ``start`` as the most recent grammar's, the least recent ones past ``MATCHERS_KEPT`` dropped."""
+        self._matchers[grammar] = start
+        self._matchers.move_to_end(grammar)
         while len(self._matchers) > MATCHERS_KEPT:
             self._matchers.popitem(last=False)
-        return start.deep_copy(), tokenizer.vocab_size
 
     # ------------------------------------------------------------------ the step
     def execute(self, batch: Batch) -> StepResult:

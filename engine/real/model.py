@@ -286,7 +286,11 @@ def load_tokenizer(model: str = "tiny"):
     """
     if model == "tiny":
         return ByteTokenizer()
-    path = _model_folder(model)
+    return _folder_tokenizer(_model_folder(model))
+
+
+def _folder_tokenizer(path: Path):
+    """The tokenizer of a model folder whose config reads (``_model_folder``), or ModelLoadError."""
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"model folder {str(path)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}).")
     from transformers import AutoTokenizer
@@ -428,7 +432,7 @@ def load_model(model: str = "tiny", device=None, dtype=None):
     from transformers import AutoModelForCausalLM
 
     from tidegate.engine.real.model_check import paged_attention_problem
-    tokenizer = load_tokenizer(model)
+    tokenizer = _folder_tokenizer(path)
     kwargs = dict(local_files_only=True, dtype=dtype, trust_remote_code=False, output_loading_info=True,
                   ignore_mismatched_sizes=True)
     try:

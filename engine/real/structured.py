@@ -154,10 +154,13 @@ class _ByteVocabulary:
         return self._tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False)
 
 
-def check_grammar(output: StructuredOutput, tokenizer) -> None:
+def check_grammar(output: StructuredOutput, tokenizer):
     """Raise ValueError (one sentence) where ``output``'s grammar cannot run over ``tokenizer`` (from
     :func:`grammar_tokenizer`): it names a special token the model does not have, or it admits no first token (an
-    empty character class, a rule that never ends)."""
+    empty character class, a rule that never ends).
+
+    :return: the matcher at the start of the grammar that the check built (a sequence's own is a copy of it).
+    """
     from llguidance import LLMatcher
 
     problem = LLMatcher.validate_grammar(output.grammar, tokenizer)
@@ -165,10 +168,11 @@ def check_grammar(output: StructuredOutput, tokenizer) -> None:
         raise ValueError(f"the {output.kind} of structured output does not compile for this model's tokenizer: "
                          f"{_first_line(problem)}")
     matcher = LLMatcher(tokenizer, output.grammar, log_level=0)
-    matcher.compute_bitmask()
+    matcher.compute_bitmask()  # the first mask: it does not advance the matcher
     if matcher.is_error():
         raise ValueError(f"the {output.kind} of structured output admits no output at all "
                          f"({_first_line(matcher.get_error())})")
+    return matcher
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_token_ids):

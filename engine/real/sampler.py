@@ -139,11 +139,10 @@ class GrammarState:
     :param mask_size: tokens in the matcher's masks (its tokenizer's vocabulary: at least ``vocab_size``).
     """
 
-    __slots__ = ("matcher", "vocab_size", "words")
+    __slots__ = ("matcher", "words")
 
     def __init__(self, matcher: LLMatcher, vocab_size: int, mask_size: int) -> None:
         self.matcher = matcher
-        self.vocab_size = vocab_size
         #: 32-bit words of the matcher's masks
         self.words = (max(mask_size, vocab_size) + 31) // 32
 

@@ -28,9 +28,8 @@ def structured_output(body: SamplingBody) -> StructuredOutput | None:
     options = _options(body)
     found += [("structured_outputs", k, options[k]) for k in _CONSTRAINTS if options.get(k) is not None]
     found += [(name, kind, getattr(body, name)) for name, kind in _GUIDED.items() if getattr(body, name) is not None]
-    fmt = body.response_format
-    if fmt is not None and fmt.get("type") != "text":
-        kind, spec = _response_format(fmt)
+    if _has_format(body):
+        kind, spec = _response_format(body.response_format)
         found.insert(0, ("response_format", kind, spec))
     if not found:
         if body.structured_outputs is not None:
@@ -73,8 +72,7 @@ def tool_output(body: SamplingBody, tools: ForcedTools) -> StructuredOutput:
     """The constraint of a forced tool call, with ``structured_outputs``' options; a constraint of the body's own
     beside it is refused (FieldError)."""
     options = _options(body)
-    has_format = body.response_format is not None and body.response_format.get("type") != "text"
-    if has_format or any(options.get(k) is not None for k in _CONSTRAINTS) \
+    if _has_format(body) or any(options.get(k) is not None for k in _CONSTRAINTS) \
             or any(getattr(body, name) is not None for name in _GUIDED):
         raise FieldError("a forced tool call is structured output of its own: send tool_choice or "
                           f"{structured_field(body)}, not both", "tool_choice")
@@ -87,17 +85,22 @@ def tool_output(body: SamplingBody, tools: ForcedTools) -> StructuredOutput:
 
 def wants_structured_output(body: SamplingBody) -> bool:
     """Whether a body asks for structured output in any of its three ways."""
-    return bool((body.response_format is not None and body.response_format.get("type") != "text")
-                or body.structured_outputs or any(getattr(body, name) is not None for name in _GUIDED))
+    return _has_format(body) or bool(body.structured_outputs) \
+        or any(getattr(body, name) is not None for name in _GUIDED)
 
 
 def structured_field(body: SamplingBody) -> str:
     """The field a body's structured output comes from (for an error naming it)."""
-    if body.response_format is not None and body.response_format.get("type") != "text":
+    if _has_format(body):
         return "response_format"
     if body.structured_outputs:
         return "structured_outputs"
     return next((name for name in _GUIDED if getattr(body, name) is not None), "structured_outputs")
+
+
+def _has_format(body: SamplingBody) -> bool:
+    """Whether a body's ``response_format`` asks for more than text."""
+    return body.response_format is not None and body.response_format.get("type") != "text"
 
 
 def _response_format(fmt: dict) -> tuple[str, object]:

@@ -54,7 +54,7 @@ class ForcedTools:
 
 #: the tool-call syntaxes the server reads (``--tool-call-parser``)
 TOOL_PARSERS = ("hermes",)
-_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_START = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
@@ -99,9 +99,9 @@ class ParsedTools:
         return len(text)
 
 
-def call_body(name: str, arguments: str, call_id: str | None = None) -> dict:
+def call_body(name: str, arguments: str) -> dict:
     """One entry of ``tool_calls``."""
-    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def new_call_id() -> str:
